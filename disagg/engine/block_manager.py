@@ -1,0 +1,161 @@
+"""KV-cache block bookkeeping: ids, reference counts, free list and prefix hashes.
+
+Pure Python (no torch) so the scheduler can be tested without a model. The physical tensors
+live in kv_cache.py; this file only decides which block ids a request owns.
+
+Prefix caching (the effect of SGLang's RadixAttention, vLLM's hash-based form): every full block
+gets a chained hash of (parent hash, its tokens). A freed block keeps its hash and stays in the
+free list as evictable; a later request whose prompt starts with the same tokens takes it back
+instead of recomputing. Hits are verified against the stored tokens, so a hash collision can
+never serve wrong KV.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from disagg.request import Request
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    # Tuples of ints hash identically in every process (no PYTHONHASHSEED effect),
+    # so these hashes can be shared through a cluster-wide prefix index.
+    return hash((parent, tokens))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_total_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._block_tokens: dict[int, tuple[int, ...]] = {}
+        self._cached: dict[int, int] = {}  # hash -> block id
+        # Free blocks in eviction order: plain blocks at the front (used first),
+        # cached ones at the back (least recently freed evicted first).
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._request_hashes: dict[str, list[int]] = {}
+        self.peak_num_used_blocks = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_total_blocks - len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_total_blocks
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_counts[block_id]
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids holding the longest cached prefix of the request's tokens.
+
+        At least one token is left uncached: the model must run on something to produce logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._hashes_of(request, (request.num_tokens - 1) // self.block_size)
+        hits: list[int] = []
+        for i, h in enumerate(hashes):
+            block_id = self._cached.get(h)
+            start = i * self.block_size
+            if block_id is None or self._block_tokens.get(block_id) != tuple(request.token_ids[start : start + self.block_size]):
+                break
+            hits.append(block_id)
+        return hits
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the hashes of the request's blocks that became full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        hashes = self._hashes_of(request, num_full)
+        for i in range(num_full):
+            block_id = request.block_ids[i]
+            if self._block_hash[block_id] is not None:
+                continue
+            h = hashes[i]
+            if h in self._cached:  # same content computed twice concurrently: keep the first
+                continue
+            self._block_hash[block_id] = h
+            self._block_tokens[block_id] = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            self._cached[h] = block_id
+
+    def _hashes_of(self, request: Request, num_blocks: int) -> list[int]:
+        hashes = self._request_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs])))
+        return hashes
+
+    # ---- allocation ----------------------------------------------------------------------
+    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        return self._num_blocks_needed(request, num_new_tokens, cached_blocks) <= self._num_takeable(cached_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Give the request enough blocks for `num_computed_tokens + num_new_tokens` tokens.
+
+        `cached_blocks` (from find_cached_prefix, for a request that owns no blocks yet) are
+        taken first and count as computed tokens ahead of the new ones. Returns False, changing nothing, when there are not enough free blocks.
+        """
+        num_fresh = self._num_blocks_needed(request, num_new_tokens, cached_blocks)
+        if num_fresh > self._num_takeable(cached_blocks):
+            return False
+        for block_id in cached_blocks:
+            self._take(block_id, reuse_content=True)
+        request.block_ids.extend(cached_blocks)
+        for _ in range(num_fresh):
+            request.block_ids.append(self._take(next(iter(self._free)), reuse_content=False))
+        self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.num_used_blocks)
+        return True
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references; blocks nobody else uses return to the free list."""
+        # Reverse order: a sequence's tail blocks are the least likely to be shared, evict them first.
+        for block_id in reversed(request.block_ids):
+            self._ref_counts[block_id] -= 1
+            if self._ref_counts[block_id] == 0:
+                self._free[block_id] = None
+                if self._block_hash[block_id] is None:
+                    self._free.move_to_end(block_id, last=False)
+        request.block_ids.clear()
+        self._request_hashes.pop(request.request_id, None)
+
+    def _num_blocks_needed(self, request: Request, num_new_tokens: int, cached_blocks) -> int:
+        # Cached blocks are computed tokens the request does not count yet (it owns no blocks).
+        num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        return max(0, self.num_blocks_for(num_tokens) - len(request.block_ids) - len(cached_blocks))
+
+    def _num_takeable(self, cached_blocks) -> int:
+        # Cached blocks that are currently free are not available for fresh allocation too.
+        return len(self._free) - sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+
+    def _take(self, block_id: int, reuse_content: bool) -> int:
+        if self._ref_counts[block_id] == 0:
+            del self._free[block_id]
+            if not reuse_content:  # about to be overwritten: forget what it held
+                self._evict(block_id)
+        self._ref_counts[block_id] += 1
+        return block_id
+
+    def _evict(self, block_id: int) -> None:
+        h = self._block_hash[block_id]
+        if h is not None and self._cached.get(h) == block_id:
+            del self._cached[h]
+        self._block_hash[block_id] = None
+        self._block_tokens.pop(block_id, None)

@@ -1,0 +1,265 @@
+"""One engine instance: add_request / step / abort, in any role.
+
+The engine owns the model, the KV cache, the block manager and the scheduler of one instance.
+It imports no Ray, gRPC or Redis: the workers wrap it. In the PREFILL role a request ends after
+its first token with its KV held for `export_kv`; in the DECODE role a request's blocks are
+reserved up front (`reserve_for_remote_prefill`), filled by `import_kv`, and it decodes after
+`finish_kv_import`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from disagg.config import EngineConfig, Role
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.loader import load_model_source
+from disagg.engine.model_runner import ModelRunner
+from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.outputs import CompletionOutput, RequestOutput
+from disagg.engine.sampler import Sampler, make_generator
+from disagg.engine.scheduler import Scheduler
+from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from disagg.errors import InvalidRequestError
+from disagg.request import Request, RequestStatus, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        source = load_model_source(config.model, cache_dir=config.cache_dir, tokenizer=config.tokenizer, random_dtype=self.dtype)
+        self.model_config = source.config
+        self.tokenizer = Tokenizer(source.tokenizer) if source.tokenizer is not None else None
+        self.max_model_len = min(config.max_model_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
+        self.model = self._build_model(source)
+        self.kv_cache = self._build_kv_cache()
+        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            role=config.role,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting_requests=config.max_waiting_requests,
+            max_model_len=self.max_model_len,
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(config.seed), self.device)
+        self._generators: dict[str, torch.Generator] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._num_reported: dict[str, int] = {}
+        self.last_step_seconds = 0.0
+
+    # ---- construction ------------------------------------------------------------------------
+    def _build_model(self, source) -> LlamaForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)  # build parameters directly in the target dtype
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(source.config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(source.iter_weights())
+        return model.eval()
+
+    def _build_kv_cache(self) -> KVCache:
+        cfg, c = self.model_config, self.config
+        per_block = KVCache.bytes_per_block(cfg, self.model.num_local_layers, cfg.num_key_value_heads, c.block_size, self.dtype)
+        num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20)
+        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
+        request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        self.scheduler.add_request(request)
+        self._track(request, prompt)
+        return request
+
+    def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time) -> Request:
+        params = sampling_params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", "must be a SamplingParams")
+        params.validate()
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        self._check_fits(len(token_ids), params)
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
+        return Request(str(request_id), token_ids, params, eos_token_ids=tuple(eos), arrival_time=arrival_time or time.perf_counter())
+
+    def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str) or prompt == "":
+                raise InvalidRequestError("prompt", "must be a non-empty string (or give prompt_token_ids)")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
+            raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
+        return ids
+
+    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        if num_prompt_tokens >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({self.max_model_len} tokens)")
+        if num_prompt_tokens + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context ({self.max_model_len} tokens)")
+        needed = self.block_manager.num_blocks_for(num_prompt_tokens + params.max_tokens)
+        if needed > self.block_manager.num_total_blocks:
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; the cache holds {self.block_manager.num_total_blocks}")
+
+    def _track(self, request: Request, prompt: str | None) -> None:
+        rid = request.request_id
+        self._prompts[rid] = prompt
+        self._num_reported[rid] = 0
+        generator = make_generator(request.sampling_params.seed, self.device)
+        if generator is not None:
+            self._generators[rid] = generator
+        if self.tokenizer is not None:
+            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+
+    def abort_request(self, request_id: str) -> bool:
+        request = self.scheduler.finish_request(str(request_id), RequestStatus.FINISHED_ABORTED)
+        self._forget(str(request_id))
+        return request is not None
+
+    def _forget(self, request_id: str) -> None:
+        for table in (self._generators, self._detokenizers, self._prompts, self._num_reported):
+            table.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one batch; returns outputs of requests with new tokens or that finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        started = time.perf_counter()
+        sampled = self.runner.execute(plan, self._generators.get)
+        self.last_step_seconds = time.perf_counter() - started
+        updated = self.scheduler.update_from_output(plan, sampled)
+        return [self._output(r) for r in updated]
+
+    def _output(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        new_ids = request.output_token_ids[self._num_reported.get(rid, 0) :]
+        self._num_reported[rid] = request.num_output_tokens
+        new_text = self._detokenize(request, new_ids)
+        detok = self._detokenizers.get(rid)
+        finished = request.is_finished or rid in self.scheduler.held_for_export
+        out = RequestOutput(
+            request_id=rid,
+            prompt=self._prompts.get(rid),
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[CompletionOutput(0, detok.text if detok else "", list(request.output_token_ids), str(request.finish_reason) if request.finish_reason else None, request.stop_reason, list(request.output_logprobs) or None)],
+            finished=finished,
+            metrics=request.timings,
+            new_token_ids=new_ids,
+            new_text=new_text,
+            num_cached_tokens=request.num_cached_tokens,
+            num_preemptions=request.num_preemptions,
+        )
+        if request.is_finished:
+            self._forget(rid)
+        return out
+
+    def _detokenize(self, request: Request, new_ids: list[int]) -> str:
+        """Text delta of the new tokens; finishes the request when a stop string appears."""
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None or not new_ids:
+            return ""
+        before = len(detok.text)
+        detok.add_tokens(new_ids)
+        stop_at = self._find_stop_string(request, detok, before)
+        if stop_at is not None and not request.is_finished:
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        return detok.text[before:]
+
+    @staticmethod
+    def _find_stop_string(request: Request, detok: IncrementalDetokenizer, before: int) -> int | None:
+        params = request.sampling_params
+        for stop in params.stop:
+            index = detok.text.find(stop, max(0, before - len(stop) + 1))
+            if index != -1:
+                end = index + (len(stop) if params.include_stop_str_in_output else 0)
+                detok.truncate(end)
+                request.stop_reason = stop
+                return end
+        return None
+
+    # ---- disaggregation: KV export (PREFILL) and import (DECODE) -----------------------------
+    def export_kv(self, request_id: str, layer: int | None = None) -> torch.Tensor:
+        request = self._held_request(request_id)
+        return self.kv_cache.export_blocks(request.block_ids, layer)
+
+    def release_kv(self, request_id: str) -> None:
+        self.scheduler.release(request_id)
+        self._forget(request_id)
+
+    def kv_block_ids(self, request_id: str) -> list[int]:
+        return list(self._held_request(request_id).block_ids)
+
+    def _held_request(self, request_id: str) -> Request:
+        request = self.scheduler.held_for_export.get(request_id) or self.scheduler.waiting_for_kv.get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} holds no KV for transfer")
+        return request
+
+    def reserve_for_remote_prefill(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> list[int] | None:
+        """DECODE role: pre-allocate the prompt's blocks; None when there is no room now."""
+        request = self._make_request(request_id, None, prompt_token_ids, sampling_params, arrival_time)
+        if not self.scheduler.reserve_for_remote_prefill(request):
+            return None
+        self._track(request, None)
+        return list(request.block_ids)
+
+    def import_kv(self, request_id: str, kv: torch.Tensor, layer: int | None = None) -> None:
+        request = self.scheduler.waiting_for_kv.get(request_id)
+        if request is None:
+            raise KeyError(f"request {request_id!r} is not waiting for KV")
+        self.kv_cache.import_blocks(request.block_ids, kv, layer)
+
+    def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """The prompt's KV is in place: decode from the first token on. Returns the first token's output."""
+        request = self.scheduler.finish_kv_import(request_id, first_token_id)
+        return self._output(request)
+
+    # ---- stats -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.block_manager.num_total_blocks
+
+    @property
+    def peak_num_used_blocks(self) -> int:
+        return self.block_manager.peak_num_used_blocks

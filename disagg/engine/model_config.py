@@ -1,0 +1,93 @@
+"""The shape of a Llama-family decoder, independent of where its weights come from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama", "mistral" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)  # HF's dict, e.g. {"rope_type": "llama3", ...}
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # QKV bias (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers, in elements (multiply by dtype size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
+        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2)."""
+        arch = (d.get("model_type") or "llama").lower()
+        num_heads = d["num_attention_heads"]
+        eos = d.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return cls(
+            architecture=arch,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=num_heads,
+            num_key_value_heads=d.get("num_key_value_heads") or num_heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // num_heads,
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=_rope_scaling(d),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def to_hf_dict(self) -> dict:
+        """A config.json that transformers' LlamaForCausalLM (or Qwen2) accepts."""
+        d = {
+            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
+            "hidden_act": "silu",
+        }
+        if self.architecture == "llama":
+            d["attention_bias"] = self.attention_bias
+        return d
+
+
+def _rope_scaling(d: dict) -> dict | None:
+    scaling = d.get("rope_scaling") or d.get("rope_parameters")
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type") or scaling.get("type")
+    if rope_type in (None, "default"):
+        return None
+    return dict(scaling, rope_type=rope_type)

@@ -1,0 +1,182 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
+
+Written for tensor and pipeline parallelism: projections are column/row-parallel layers and a
+pipeline stage builds only its range of layers (the first stage embeds, the last normalizes
+and projects to the vocabulary). At TP=PP=1 it is the plain model.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.layers.attention import AttentionMetadata, paged_attention
+from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from disagg.engine.layers.norm import RMSNorm
+from disagg.engine.layers.parallel import SINGLE, TPGroup
+from disagg.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from disagg.engine.model_config import ModelConfig
+from disagg.errors import ModelLoadError
+
+
+def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers that pipeline stage `pp_rank` runs (earlier stages get the remainder)."""
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup):
+        super().__init__()
+        self.cache_index = cache_index  # this layer's slot in the stage-local KV cache
+        self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
+        self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        d = cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(
+            cfg.hidden_size,
+            {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d, "v": cfg.num_key_value_heads * d},
+            bias=cfg.attention_bias,
+            tp=tp,
+        )
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
+        out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale)
+        return self.o_proj(out.view(n, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, cache_index, tp)
+        self.mlp = LlamaMLP(cfg, tp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_model_len: int, tp: TPGroup = SINGLE, pp_rank: int = 0, pp_size: int = 1):
+        super().__init__()
+        self.config = cfg
+        self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
+        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
+        # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i - self.start_layer, tp) for i in range(self.start_layer, self.end_layer))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
+        self.lm_head = None
+        if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, hidden_states=None, residual=None):
+        """First stage takes input_ids; later stages take (hidden_states, residual) from the previous one.
+        Returns final hidden states on the last stage, else (hidden_states, residual)."""
+        h = self.embed_tokens(input_ids) if self.is_first_stage else hidden_states
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if not self.is_last_stage:
+            return h, residual
+        return self.norm(h, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ---------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load Hugging Face-named tensors, each rank/stage taking its own slice."""
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            loaded.update(self._load_one(name, tensor))
+        missing = {n for n, _ in self.named_parameters()} - loaded
+        if missing:
+            raise ModelLoadError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+    _SHARDS = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
+        "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
+        "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
+        "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
+        "mlp.up_proj": ("mlp.gate_up_proj", "up"),
+    }
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> list[str]:
+        if name == "model.embed_tokens.weight":
+            targets = []
+            if self.embed_tokens is not None:
+                targets.append(self._copy("embed_tokens.weight", tensor))
+            if self.lm_head is not None and self.config.tie_word_embeddings:
+                targets.append(self._copy("lm_head.weight", tensor))
+            return targets
+        if name == "lm_head.weight":
+            return [self._copy("lm_head.weight", tensor)] if self.lm_head is not None else []
+        if name == "model.norm.weight":
+            return [self._copy("norm.weight", tensor)] if self.norm is not None else []
+        match = self._LAYER.fullmatch(name)
+        if match is None:
+            return []  # e.g. rotary inv_freq buffers some checkpoints carry
+        index = int(match.group(1))
+        if not self.start_layer <= index < self.end_layer:
+            return []
+        return [self._load_layer_tensor(f"layers.{index - self.start_layer}", match.group(2), tensor)]
+
+    def _load_layer_tensor(self, prefix: str, rest: str, tensor: torch.Tensor) -> str:
+        module_name, _, kind = rest.rpartition(".")
+        if module_name in self._SHARDS:
+            fused, shard = self._SHARDS[module_name]
+            with torch.no_grad():
+                self.get_submodule(f"{prefix}.{fused}").load(shard, tensor, is_bias=kind == "bias")
+            return f"{prefix}.{fused}.{kind}"
+        module = self.get_submodule(f"{prefix}.{module_name}")
+        if isinstance(module, RowParallelLinear) and kind == "weight":
+            with torch.no_grad():
+                module.load(tensor)
+            return f"{prefix}.{module_name}.weight"
+        return self._copy(f"{prefix}.{module_name}.{kind}", tensor)
+
+    def _copy(self, param_name: str, tensor: torch.Tensor) -> str:
+        param = self.get_parameter(param_name)
+        if param.shape != tensor.shape:
+            raise ModelLoadError(f"weights: {param_name} has shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        return param_name

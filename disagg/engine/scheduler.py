@@ -1,0 +1,250 @@
+"""Iteration-level continuous batching under one token budget per step.
+
+Each step (Sarathi-Serve's stall-free batching): running decodes first (one token each), then
+chunks of prompts already started, then new requests, until `max_num_batched_tokens` is spent.
+When blocks run out, the most recently admitted request is preempted (its blocks freed, its
+tokens recomputed later), so the oldest requests always make progress and nothing deadlocks.
+
+Roles: a PREFILL scheduler ends a request after its first token but keeps its blocks until
+`release` (they are being exported); a DECODE scheduler admits requests whose blocks were
+reserved up front and whose KV arrives from elsewhere (WAITING_FOR_KV).
+
+Pure Python: `schedule()` returns a plain `SchedulerOutput`; a runner executes it and hands the
+sampled tokens back to `update_from_output()`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from disagg.config import Role
+from disagg.engine.block_manager import BlockManager
+from disagg.errors import OverloadedError
+from disagg.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # first position computed this step (== num_computed_tokens when scheduled)
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        role: Role = Role.COLOCATED,
+        max_num_batched_tokens: int = 512,
+        max_num_seqs: int = 128,
+        max_waiting_requests: int = 4096,
+        max_model_len: int = 8192,
+    ):
+        self.block_manager = block_manager
+        self.role = role
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting_requests = max_waiting_requests
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.waiting_for_kv: dict[str, Request] = {}
+        self.held_for_export: dict[str, Request] = {}  # PREFILL: finished, blocks still held
+        self.requests: dict[str, Request] = {}  # every request not yet fully freed
+
+    # ---- admission -----------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self._admit(request)
+        self.waiting.append(request)
+
+    def reserve_for_remote_prefill(self, request: Request) -> bool:
+        """DECODE role: allocate blocks for the whole prompt now; KV arrives later."""
+        if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            return False
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+            return False
+        self._admit(request)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        return True
+
+    def finish_kv_import(self, request_id: str, first_token_id: int) -> Request:
+        """DECODE role: the prompt's KV is in place; decode from the first token on."""
+        request = self.waiting_for_kv.pop(request_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        request.append_output_token(first_token_id)
+        request.status = RequestStatus.RUNNING
+        request.timings.kv_ready = request.timings.first_scheduled = time.perf_counter()
+        self.block_manager.cache_full_blocks(request)
+        if not self._check_stop(request):
+            self.running.append(request)
+        return request
+
+    def _admit(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        if len(self.waiting) >= self.max_waiting_requests:
+            raise OverloadedError(f"waiting queue is full ({self.max_waiting_requests} requests)")
+        self.requests[request.request_id] = request
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decodes + prefills:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, scheduled, out):
+                out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
+                scheduled.add(request.request_id)
+                budget -= num_new
+        if not out.preempted:  # after a preemption there is no room for newcomers
+            budget = self._schedule_waiting(budget, out)
+        return out
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+        while self.waiting and budget > 0 and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_cached
+            if request.num_output_tokens == 0:
+                request.num_cached_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            if request.timings.first_scheduled is None:
+                request.timings.first_scheduled = time.perf_counter()
+            self.running.append(request)
+            out.chunks.append(ScheduledChunk(request, num_cached, num_new))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
+        while not self.block_manager.allocate_slots(request, num_new):
+            victim = next((r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None)
+            self._preempt(victim or request, out)
+            if victim is None:
+                return False
+        return True
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        out.preempted.append(request)
+
+    # ---- results -------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Apply one executed step; returns the requests that got a new token or finished."""
+        updated: list[Request] = []
+        now = time.perf_counter()
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            self.block_manager.cache_full_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token.token_id, token.logprobs)
+            if request.timings.first_token is None:
+                request.timings.first_token = now
+            if not self._check_stop(request) and self.role is Role.PREFILL:
+                self._hold_for_export(request)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request) -> bool:
+        """Finish the request if its last token ends it; returns whether it finished."""
+        params = request.sampling_params
+        last = request.output_token_ids[-1]
+        if (not params.ignore_eos and last in request.eos_token_ids) or last in params.stop_token_ids:
+            request.stop_reason = last
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_LENGTH)
+        return request.is_finished
+
+    def _hold_for_export(self, request: Request) -> None:
+        """PREFILL role: the first token is out; keep the blocks until the KV is exported."""
+        self.running.remove(request)
+        self.held_for_export[request.request_id] = request
+        request.timings.finished = time.perf_counter()
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop, length or abort) wherever it is, freeing its blocks."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request.request_id in self.waiting_for_kv:
+            del self.waiting_for_kv[request.request_id]
+        elif request.request_id in self.held_for_export:
+            del self.held_for_export[request.request_id]
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.timings.finished = request.timings.finished or time.perf_counter()
+        self.block_manager.free(request)
+        return request
+
+    def release(self, request_id: str) -> None:
+        """PREFILL role: the KV has been exported (or the transfer gave up); free the blocks."""
+        if request_id in self.held_for_export:
+            self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
+
+    # ---- queries -------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.waiting_for_kv)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

@@ -1,0 +1,57 @@
+"""Exception classes and their one mapping to gRPC status codes.
+
+Bad input is a `ValueError` subclass so that plain Python callers can catch it the usual way.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base class of every error this project raises on purpose."""
+
+    grpc_code_name = "INTERNAL"
+
+
+class InvalidRequestError(DisaggError, ValueError):
+    """The caller sent something we will not run (names the offending field)."""
+
+    grpc_code_name = "INVALID_ARGUMENT"
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelLoadError(DisaggError, ValueError):
+    """A model path, shape name or weight file that cannot be loaded."""
+
+    grpc_code_name = "INVALID_ARGUMENT"
+
+
+class OverloadedError(DisaggError):
+    """A bounded queue is full; the request was shed before any work was done."""
+
+    grpc_code_name = "RESOURCE_EXHAUSTED"
+
+
+class UnavailableError(DisaggError):
+    """No healthy worker can take the request, or the server is shutting down."""
+
+    grpc_code_name = "UNAVAILABLE"
+
+
+class KVTransferError(DisaggError):
+    """A KV-cache transfer failed or timed out; the blocks involved have been freed."""
+
+    grpc_code_name = "UNAVAILABLE"
+
+
+def grpc_code_name(exc: BaseException) -> str:
+    """The gRPC status code name (e.g. "INVALID_ARGUMENT") for any exception."""
+    if isinstance(exc, DisaggError):
+        return exc.grpc_code_name
+    if isinstance(exc, ValueError):
+        return "INVALID_ARGUMENT"
+    if isinstance(exc, TimeoutError):
+        return "DEADLINE_EXCEEDED"
+    return "INTERNAL"

@@ -1,0 +1,174 @@
+"""A request's state as it moves through an engine: plain data, no torch.
+
+Names follow vLLM (SamplingParams, RequestStatus, FinishReason) so that users feel at home.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from disagg.errors import InvalidRequestError
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"  # cancelled by the caller, or failed
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    WAITING_FOR_KV = enum.auto()  # DECODE role: blocks reserved, KV not yet imported
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # blocks taken back; recomputed when rescheduled
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token. temperature=0.0 means greedy (vLLM's convention)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top n
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k!r}")
+        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN fails
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(field_name, message)
+
+
+@dataclass
+class RequestTimings:
+    """Wall-clock timestamps (time.perf_counter based) of the phases of one request."""
+
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    kv_ready: float | None = None  # DECODE role: KV imported
+    finished: float | None = None
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.arrival
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finished is None else self.finished - self.arrival
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request inside an engine.
+
+    `token_ids` is prompt + output so far; `num_computed_tokens` of them have KV in the cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    arrival_time: float = field(default_factory=time.perf_counter)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    timings: RequestTimings = field(default_factory=RequestTimings)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.token_ids: list[int] = list(self.prompt_token_ids)
+        self.timings.arrival = self.arrival_time
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def append_output_token(self, token_id: int, logprobs: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
