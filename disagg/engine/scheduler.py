@@ -30,11 +30,11 @@ class ScheduledChunk:
     request: Request
     start: int  # first position computed this step (== num_computed_tokens when scheduled)
     num_new_tokens: int
+    # Fixed when scheduled: the chunk reaches the end of the known tokens, so a token is sampled.
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so a token is sampled."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.num_new_tokens == self.request.num_tokens
 
     @property
     def token_ids(self) -> list[int]:
