@@ -1,0 +1,1 @@
+"""Launches pools of Ray actors in placement groups, and a local redis-server when none is given."""

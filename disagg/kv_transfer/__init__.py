@@ -1,0 +1,1 @@
+"""How KV-cache blocks move between workers (interface, torch.distributed backend, protocol)."""

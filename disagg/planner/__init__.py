@@ -1,0 +1,1 @@
+"""Latency profiles, discrete-event simulator and the TP/PP placement search (pure)."""

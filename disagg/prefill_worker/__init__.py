@@ -1,0 +1,1 @@
+"""Ray actor: engine in the PREFILL role plus the KV sender."""

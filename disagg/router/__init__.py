@@ -1,0 +1,1 @@
+"""gRPC frontend, request orchestration, placement policy and latency model."""
