@@ -29,12 +29,18 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
+        # KV-streaming hooks (a prefill worker's sender): after each layer, and after the forward pass.
+        self.on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None
+        self.on_forward_done: Callable[[list[ScheduledChunk]], None] | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, generator_of: Callable[[str], torch.Generator | None]) -> dict[str, SampledToken]:
         chunks = _decodes_first(out.chunks)
         input_ids, positions, meta = self._prepare(chunks)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        after_layer = None if self.on_layer is None else (lambda index: self.on_layer(index, chunks))
+        hidden = self.model(input_ids, positions, self.kv_cache, meta, after_layer=after_layer)
+        if self.on_forward_done is not None:
+            self.on_forward_done(chunks)
         sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return {}

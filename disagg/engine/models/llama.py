@@ -105,13 +105,16 @@ class LlamaForCausalLM(nn.Module):
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
 
-    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, hidden_states=None, residual=None):
+    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, hidden_states=None, residual=None, after_layer=None):
         """First stage takes input_ids; later stages take (hidden_states, residual) from the previous one.
-        Returns final hidden states on the last stage, else (hidden_states, residual)."""
+        Returns final hidden states on the last stage, else (hidden_states, residual).
+        `after_layer(local_index)` runs once each layer's KV is in the cache (KV streaming)."""
         h = self.embed_tokens(input_ids) if self.is_first_stage else hidden_states
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            if after_layer is not None:
+                after_layer(index)
         if not self.is_last_stage:
             return h, residual
         return self.norm(h, residual)[0]

@@ -1,0 +1,126 @@
+"""Ordered traffic with one peer: a send thread draining a bounded queue, and a receive loop
+that runs only while its owner expects messages from that peer.
+
+The loop must not idle in `recv`: with gloo a recv that times out breaks the pair, so the loop
+receives only until the owner's nearest deadline for this peer, and exits when nothing is
+expected. Sending happens off the caller's thread, so the model's compute never waits on the
+network, only on the bounded queue (back-pressure instead of unbounded memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Protocol
+
+import torch
+
+from disagg.errors import KVTransferError
+from disagg.kv_transfer.messages import Header
+from disagg.kv_transfer.transport import Transport
+
+logger = logging.getLogger(__name__)
+
+
+class ChannelOwner(Protocol):
+    def recv_deadline(self, peer_id: str) -> float | None:
+        """time.monotonic() by which the next message from the peer must arrive; None: expect nothing."""
+
+    def send_deadline(self, peer_id: str, header: Header) -> float | None:
+        """By when this queued message must be sent; None: its transfer is over, skip it."""
+
+    def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
+        """Where the payload following this header goes; None when it has none."""
+
+    def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None: ...
+
+    def on_error(self, peer_id: str, error: Exception) -> None:
+        """The pair with the peer broke: every transfer involving it has failed."""
+
+
+class PeerChannel:
+    def __init__(self, transport: Transport, peer_id: str, peer_address: str, owner: ChannelOwner, max_queued: int = 32):
+        self.transport = transport
+        self.peer_id = peer_id
+        self.peer_address = peer_address
+        self.owner = owner
+        self._outbox: queue.Queue = queue.Queue(maxsize=max_queued)
+        self._lock = threading.Lock()
+        self._receiver: threading.Thread | None = None
+        self._sender = threading.Thread(target=self._send_loop, name=f"kv-send-{peer_id}", daemon=True)
+        self._sender.start()
+
+    # ---- sending -----------------------------------------------------------------------------
+    def post(self, header: Header, payload: torch.Tensor | None = None, timeout: float = 30.0) -> None:
+        """Queue a message; blocks while the queue is full, up to `timeout` seconds."""
+        try:
+            self._outbox.put((header, payload), timeout=timeout)
+        except queue.Full:
+            raise KVTransferError(f"send queue to {self.peer_id} stayed full for {timeout:.1f}s") from None
+
+    def _send_loop(self) -> None:
+        while (item := self._outbox.get()) is not None:
+            header, payload = item
+            deadline = self.owner.send_deadline(self.peer_id, header)
+            if deadline is None:
+                continue  # the transfer already ended; drop its leftovers
+            try:
+                self._send(header, payload, deadline)
+            except KVTransferError as exc:
+                self.owner.on_error(self.peer_id, exc)
+
+    def _send(self, header: Header, payload: torch.Tensor | None, deadline: float) -> None:
+        self._connect(deadline)
+        self.transport.send(self.peer_id, header.to_tensor(), _remaining(deadline))
+        if payload is not None:
+            self.transport.send(self.peer_id, payload, _remaining(deadline))
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def wake_receiver(self) -> None:
+        """Make sure the receive loop runs (call after registering what you expect)."""
+        with self._lock:
+            if self._receiver is None:
+                self._receiver = threading.Thread(target=self._recv_loop, name=f"kv-recv-{self.peer_id}", daemon=True)
+                self._receiver.start()
+
+    def _recv_loop(self) -> None:
+        while True:
+            deadline = self.owner.recv_deadline(self.peer_id)
+            if deadline is None:
+                with self._lock:  # re-check under the lock so a concurrent wake_receiver is not lost
+                    if self.owner.recv_deadline(self.peer_id) is None:
+                        self._receiver = None
+                        return
+                continue
+            try:
+                self._receive_one(deadline)
+            except KVTransferError as exc:
+                self.owner.on_error(self.peer_id, exc)
+
+    def _receive_one(self, deadline: float) -> None:
+        self._connect(deadline)
+        raw = Header.empty()
+        self.transport.recv(self.peer_id, raw, _remaining(deadline))
+        header = Header.from_tensor(raw)
+        payload = self.owner.payload_buffer(self.peer_id, header)
+        if payload is not None:
+            self.transport.recv(self.peer_id, payload, _remaining(deadline))
+        self.owner.on_message(self.peer_id, header, payload)
+
+    def _connect(self, deadline: float) -> None:
+        self.transport.connect(self.peer_id, self.peer_address, _remaining(deadline))
+
+    def close(self) -> None:
+        try:
+            self._outbox.put_nowait(None)
+        except queue.Full:
+            pass  # the send thread is a daemon; it ends with the process
+
+
+def _remaining(deadline: float) -> float:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise KVTransferError("deadline passed")
+    return remaining

@@ -1,0 +1,78 @@
+"""What a sender and a receiver share: channels to peers, one lock, and finished transfers.
+
+A transfer is a polled state machine (pending -> transferring -> done | failed). The
+engine's thread calls `poll()` between steps to learn which finished; channel threads move
+transfers forward under the lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+
+from disagg.kv_transfer.channel import PeerChannel
+from disagg.kv_transfer.transport import Transport
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"  # registered, nothing moved yet
+    TRANSFERRING = "transferring"
+    AWAITING_ACK = "awaiting_ack"  # sender: everything sent, DONE posted
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class TransferResult:
+    request_id: str
+    ok: bool
+    first_token: int = -1
+    error: str | None = None
+    seconds: float = 0.0
+    num_bytes: int = 0
+
+
+class KVEndpoint:
+    def __init__(self, transport: Transport, timeout: float, max_queued_messages: int):
+        self.transport = transport
+        self.timeout = timeout
+        self.max_queued_messages = max_queued_messages
+        self._lock = threading.Lock()
+        self._channels: dict[str, PeerChannel] = {}
+        self._channels_lock = threading.Lock()  # channels are looked up from several threads
+        self._finished: list[TransferResult] = []
+
+    @property
+    def worker_id(self) -> str:
+        return self.transport.worker_id
+
+    def address(self) -> str:
+        return self.transport.address()
+
+    def _channel(self, peer_id: str, peer_address: str) -> PeerChannel:
+        with self._channels_lock:
+            channel = self._channels.get(peer_id)
+            if channel is None or channel.peer_address != peer_address:
+                if channel is not None:  # the peer restarted at a new address
+                    channel.close()
+                channel = self._channels[peer_id] = PeerChannel(self.transport, peer_id, peer_address, self, self.max_queued_messages)
+            return channel
+
+    def poll(self) -> list[TransferResult]:
+        """Transfers that finished (either way) since the last poll; also enforces deadlines."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            finished, self._finished = self._finished, []
+        return finished
+
+    def _expire(self, now: float) -> None:
+        """Fail transfers whose deadline passed (caller holds the lock)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self.transport.close()

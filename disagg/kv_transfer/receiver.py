@@ -1,0 +1,131 @@
+"""Decode side: receive KV into blocks pre-allocated for a request, then hand it to decode.
+
+`expect()` registers a transfer (the handshake's answer carries its id and block ids) and
+starts receiving from each source rank. Payloads are scattered into the blocks as they arrive;
+each source's DONE is acknowledged; when every source is done, `poll()` reports the request
+with its first token. A cancelled transfer's late payloads are dropped, never written, since
+its blocks may already belong to someone else.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
+from disagg.kv_transfer.messages import Header, MsgType
+from disagg.kv_transfer.transport import Transport
+
+
+@dataclass
+class _Incoming:
+    request_id: str
+    transfer_id: int
+    block_ids: torch.Tensor
+    sources: dict[str, str]  # peer id -> address, of sources whose DONE has not come yet
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    state: TransferState = TransferState.PENDING
+    first_token: int = -1
+    num_bytes: int = 0
+
+
+class KVReceiver(KVEndpoint):
+    def __init__(self, transport: Transport, kv_cache, *, layer_offset: int = 0, head_offset: int = 0, timeout: float = 30.0, max_queued_messages: int = 32):
+        super().__init__(transport, timeout, max_queued_messages)
+        self.kv_cache = kv_cache
+        self.layer_offset = layer_offset
+        self.head_offset = head_offset
+        self._ids = itertools.count(1)
+        self._transfers: dict[int, _Incoming] = {}
+        self._by_request: dict[str, int] = {}
+
+    # ---- called by the worker ----------------------------------------------------------------
+    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str]) -> int:
+        """Register a transfer into `block_ids` from `sources` (peer id -> address); returns its id."""
+        with self._lock:
+            transfer_id = next(self._ids)
+            index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv_cache.tensor.device)
+            self._transfers[transfer_id] = _Incoming(request_id, transfer_id, index, dict(sources), time.monotonic() + self.timeout)
+            self._by_request[request_id] = transfer_id
+        for peer_id, address in sources.items():
+            self._channel(peer_id, address).wake_receiver()
+        return transfer_id
+
+    def cancel(self, request_id: str) -> None:
+        """Stop writing into the request's blocks (call before freeing them)."""
+        with self._lock:
+            transfer_id = self._by_request.pop(request_id, None)
+            tr = self._transfers.pop(transfer_id, None)
+            if tr is not None:
+                tr.state = TransferState.FAILED
+
+    # ---- called by channel threads -------------------------------------------------------------
+    def recv_deadline(self, peer_id: str) -> float | None:
+        with self._lock:
+            return min((tr.deadline for tr in self._transfers.values() if peer_id in tr.sources), default=None)
+
+    def send_deadline(self, peer_id: str, header: Header) -> float | None:
+        return time.monotonic() + self.timeout  # ACKs are small and always worth sending
+
+    def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
+        if header.type is not MsgType.KV:
+            return None
+        cache = self.kv_cache
+        return torch.empty(header.payload_shape(cache.block_size, cache.tensor.shape[-1]), dtype=cache.tensor.dtype, device=cache.tensor.device)
+
+    def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
+        ack = None
+        with self._lock:
+            tr = self._transfers.get(header.transfer_id)
+            if tr is None or peer_id not in tr.sources:
+                return  # cancelled or unknown: drop it
+            if header.type is MsgType.KV:
+                self._import(tr, header, payload)
+            elif header.type is MsgType.DONE:
+                ack = (tr.sources[peer_id], Header(MsgType.ACK, tr.transfer_id))
+                self._source_done(tr, peer_id, header.token)
+            elif header.type is MsgType.ABORT:
+                self._fail(tr, f"{peer_id} aborted the transfer")
+        if ack is not None:  # outside the lock: posting may wait on a full queue
+            address, header = ack
+            self._channel(peer_id, address).post(header, timeout=self.timeout)
+
+    def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
+        layer = self.kv_cache.layer(header.layer - self.layer_offset)
+        heads = layer[:, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        heads.index_copy_(2, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
+        tr.state = TransferState.TRANSFERRING
+        tr.num_bytes += payload.numel() * payload.element_size()
+
+    def _source_done(self, tr: _Incoming, peer_id: str, token: int) -> None:
+        del tr.sources[peer_id]
+        if token >= 0:
+            tr.first_token = token
+        if not tr.sources:
+            tr.state = TransferState.DONE
+            self._finish(tr)
+
+    def on_error(self, peer_id: str, error: Exception) -> None:
+        with self._lock:
+            for tr in list(self._transfers.values()):
+                if peer_id in tr.sources:
+                    self._fail(tr, f"{peer_id}: {error}")
+
+    # ---- bookkeeping (lock held) ---------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        for tr in list(self._transfers.values()):
+            if now > tr.deadline:
+                self._fail(tr, f"KV did not arrive within {self.timeout:.1f}s")
+
+    def _fail(self, tr: _Incoming, error: str) -> None:
+        tr.state = TransferState.FAILED
+        self._finish(tr, error)
+
+    def _finish(self, tr: _Incoming, error: str | None = None) -> None:
+        self._transfers.pop(tr.transfer_id, None)
+        self._by_request.pop(tr.request_id, None)
+        self._finished.append(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - tr.started, tr.num_bytes))

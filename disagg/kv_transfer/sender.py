@@ -1,0 +1,168 @@
+"""Prefill side: stream a request's KV, layer by layer and chunk by chunk, to decode workers.
+
+The model runner calls `on_layer` right after each layer of a step has written its KV, so the
+packing copy happens while later layers compute and the network send runs on the channel's
+thread. After the last chunk the first token goes out in a DONE message; the blocks may be freed
+when every target acknowledged (or the transfer failed/timed out), which `poll()` reports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.errors import KVTransferError
+from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
+from disagg.kv_transfer.messages import Header, MsgType
+from disagg.kv_transfer.transport import Transport
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """One decode rank that receives (part of) one request's KV."""
+
+    peer_id: str
+    peer_address: str
+    transfer_id: int  # the receiver's id for this transfer
+    block_ids: list[int]  # the receiver's pre-allocated blocks, in order
+    layers: tuple[int, int]  # global layer range this target takes from us
+    heads: tuple[int, int]  # global KV head range this target takes from us
+
+
+@dataclass
+class _Outgoing:
+    request_id: str
+    target: KVTarget
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    state: TransferState = TransferState.PENDING
+    sent_tokens: int = 0  # positions whose KV went out for every layer
+    num_bytes: int = 0
+
+
+class KVSender(KVEndpoint):
+    def __init__(self, transport: Transport, kv_cache, *, layer_offset: int = 0, head_offset: int = 0, timeout: float = 30.0, max_queued_messages: int = 32):
+        super().__init__(transport, timeout, max_queued_messages)
+        self.kv_cache = kv_cache  # disagg.engine.kv_cache.KVCache of this rank
+        self.layer_offset = layer_offset  # global index of our local layer 0
+        self.head_offset = head_offset  # global index of our local KV head 0
+        self._by_request: dict[str, list[_Outgoing]] = {}
+        self._by_key: dict[tuple[str, int], _Outgoing] = {}
+
+    # ---- called by the worker ----------------------------------------------------------------
+    def add(self, request_id: str, targets: list[KVTarget]) -> None:
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            transfers = [_Outgoing(request_id, t, deadline) for t in targets]
+            self._by_request[request_id] = transfers
+            for tr in transfers:
+                self._by_key[(tr.target.peer_id, tr.target.transfer_id)] = tr
+
+    def has_transfer(self, request_id: str) -> bool:
+        return request_id in self._by_request
+
+    def on_layer(self, local_layer: int, chunks) -> None:
+        """Model-runner hook: layer `local_layer` of this step is computed; send its new blocks."""
+        layer = local_layer + self.layer_offset
+        for chunk in chunks:
+            for tr in self._by_request.get(chunk.request.request_id, ()):
+                if tr.target.layers[0] <= layer < tr.target.layers[1] and tr.state in (TransferState.PENDING, TransferState.TRANSFERRING):
+                    self._send_layer(tr, chunk, local_layer, layer)
+
+    def _send_layer(self, tr: _Outgoing, chunk, local_layer: int, layer: int) -> None:
+        bs = self.kv_cache.block_size
+        first, last = tr.sent_tokens // bs, -(-(chunk.start + chunk.num_new_tokens) // bs)
+        heads = tr.target.heads
+        src = torch.as_tensor(chunk.request.block_ids[first:last], dtype=torch.long, device=self.kv_cache.tensor.device)
+        layer_kv = self.kv_cache.layer(local_layer)[:, heads[0] - self.head_offset : heads[1] - self.head_offset]
+        payload = layer_kv.index_select(2, src)  # packs scattered blocks into one message
+        header = Header(MsgType.KV, tr.target.transfer_id, layer, first, last - first, heads[0], heads[1])
+        tr.state = TransferState.TRANSFERRING
+        tr.num_bytes += payload.numel() * payload.element_size()
+        self._post(tr, header, payload)
+
+    def on_step_end(self, chunks) -> None:
+        """Every layer of this step went out: the chunk's positions are now sent."""
+        for chunk in chunks:
+            for tr in self._by_request.get(chunk.request.request_id, ()):
+                tr.sent_tokens = chunk.start + chunk.num_new_tokens
+
+    def finish(self, request_id: str, first_token: int) -> None:
+        """The prompt is done and its first token sampled: tell every target, then await ACKs."""
+        for tr in self._by_request.get(request_id, ()):
+            if tr.state in (TransferState.PENDING, TransferState.TRANSFERRING):
+                tr.state = TransferState.AWAITING_ACK
+                tr.deadline = time.monotonic() + self.timeout
+                self._post(tr, Header(MsgType.DONE, tr.target.transfer_id, token=first_token))
+                self._channel(tr.target.peer_id, tr.target.peer_address).wake_receiver()
+
+    def abort(self, request_id: str) -> None:
+        """Give up on a request's transfers (e.g. the request was cancelled)."""
+        with self._lock:
+            for tr in self._by_request.get(request_id, ()):
+                self._fail(tr, "aborted")
+
+    def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
+        try:
+            self._channel(tr.target.peer_id, tr.target.peer_address).post(header, payload, timeout=max(0.0, tr.deadline - time.monotonic()))
+        except KVTransferError as exc:
+            with self._lock:
+                self._fail(tr, str(exc))
+
+    # ---- called by channel threads -------------------------------------------------------------
+    def recv_deadline(self, peer_id: str) -> float | None:
+        with self._lock:
+            waiting = [tr.deadline for tr in self._by_key.values() if tr.target.peer_id == peer_id and tr.state is TransferState.AWAITING_ACK]
+        return min(waiting, default=None)
+
+    def send_deadline(self, peer_id: str, header: Header) -> float | None:
+        with self._lock:
+            tr = self._by_key.get((peer_id, header.transfer_id))
+            live = tr is not None and tr.state not in (TransferState.DONE, TransferState.FAILED)
+            return tr.deadline if live else None
+
+    def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
+        return None  # only ACKs come back
+
+    def on_message(self, peer_id: str, header: Header, payload) -> None:
+        with self._lock:
+            tr = self._by_key.get((peer_id, header.transfer_id))
+            if tr is not None and header.type is MsgType.ACK and tr.state is TransferState.AWAITING_ACK:
+                tr.state = TransferState.DONE
+                self._settle(tr.request_id)
+
+    def on_error(self, peer_id: str, error: Exception) -> None:
+        with self._lock:
+            for tr in list(self._by_key.values()):
+                if tr.target.peer_id == peer_id:
+                    self._fail(tr, str(error))
+
+    # ---- bookkeeping (lock held) ---------------------------------------------------------------
+    def _expire(self, now: float) -> None:
+        for tr in list(self._by_key.values()):
+            if tr.state is TransferState.AWAITING_ACK and now > tr.deadline:
+                self._fail(tr, f"no acknowledgement from {tr.target.peer_id} within {self.timeout:.1f}s")
+
+    def _fail(self, tr: _Outgoing, error: str) -> None:
+        if tr.state in (TransferState.DONE, TransferState.FAILED):
+            return
+        tr.state = TransferState.FAILED
+        self._settle(tr.request_id, error)
+
+    def _settle(self, request_id: str, error: str | None = None) -> None:
+        """Report the request once all its transfers ended; a failure ends it at once."""
+        transfers = self._by_request.get(request_id)
+        if transfers is None:
+            return
+        if error is None and any(tr.state is not TransferState.DONE for tr in transfers):
+            return
+        del self._by_request[request_id]
+        for tr in transfers:
+            self._by_key.pop((tr.target.peer_id, tr.target.transfer_id), None)
+            if tr.state is not TransferState.DONE:
+                tr.state = TransferState.FAILED
+        started = min(tr.started for tr in transfers)
+        num_bytes = sum(tr.num_bytes for tr in transfers)
+        self._finished.append(TransferResult(request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes))
