@@ -43,6 +43,7 @@ class KVEndpoint:
         self._channels: dict[str, PeerChannel] = {}
         self._channels_lock = threading.Lock()  # channels are looked up from several threads
         self._finished: list[TransferResult] = []
+        self.num_bytes_total = 0  # KV payload bytes sent or received (a Prometheus counter's source)
 
     @property
     def worker_id(self) -> str:

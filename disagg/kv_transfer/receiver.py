@@ -100,6 +100,7 @@ class KVReceiver(KVEndpoint):
         heads.index_copy_(2, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         tr.state = TransferState.TRANSFERRING
         tr.num_bytes += payload.numel() * payload.element_size()
+        self.num_bytes_total += payload.numel() * payload.element_size()
 
     def _source_done(self, tr: _Incoming, peer_id: str, token: int) -> None:
         del tr.sources[peer_id]

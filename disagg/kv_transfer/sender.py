@@ -80,7 +80,9 @@ class KVSender(KVEndpoint):
         payload = layer_kv.index_select(2, src)  # packs scattered blocks into one message
         header = Header(MsgType.KV, tr.target.transfer_id, layer, first, last - first, heads[0], heads[1])
         tr.state = TransferState.TRANSFERRING
-        tr.num_bytes += payload.numel() * payload.element_size()
+        num_bytes = payload.numel() * payload.element_size()
+        tr.num_bytes += num_bytes
+        self.num_bytes_total += num_bytes
         self._post(tr, header, payload)
 
     def on_step_end(self, chunks) -> None:

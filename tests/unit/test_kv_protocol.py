@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +11,12 @@ import torch
 from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.decode_worker.worker import DecodeWorker
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.models.llama import layer_range
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
-from disagg.kv_transfer.sender import KVTarget
+from disagg.kv_transfer.receiver import KVReceiver
+from disagg.kv_transfer.resharding import ParallelPlan, head_range, plan_kv_routes
+from disagg.kv_transfer.sender import KVSender, KVTarget
 from disagg.prefill_worker.worker import PrefillWorker
 
 MODEL = "random:tiny"
@@ -122,3 +127,63 @@ def test_decode_abort_drops_late_kv_without_writing(pair):
     assert "next" in finished and "cancelled" not in finished
     assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
     assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
+
+
+# ---- resharding through the protocol ---------------------------------------------------------
+LAYERS, HEADS, BLOCKS = 4, 4, 8
+
+
+def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None) -> tuple[KVCache, int, int]:
+    (l0, l1), (h0, h1) = layer_range(LAYERS, rank[1], plan.pp), head_range(HEADS, rank[0], plan.tp)
+    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"))
+    if full is not None:
+        cache.tensor.copy_(full[l0:l1, :, h0:h1])
+    return cache, l0, h0
+
+
+def wait_for(endpoint, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if results := endpoint.poll():
+            return results
+        time.sleep(0.002)
+    raise AssertionError("transfer did not finish")
+
+
+@pytest.mark.parametrize("src,dst", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 2))])
+def test_resharded_transfer_rebuilds_each_decode_rank(src, dst):
+    src_plan, dst_plan = ParallelPlan(*src), ParallelPlan(*dst)
+    full = torch.randn(LAYERS, 2, HEADS, BLOCKS, 4, 8, generator=torch.Generator().manual_seed(1))
+    hub = InProcessHub()
+    src_block_ids, dst_block_ids = [5, 1, 6], [2, 7, 0]
+    receivers, dst_caches = {}, {}
+    routes = plan_kv_routes(LAYERS, HEADS, src_plan, dst_plan)
+    for rank in dst_plan.ranks():
+        cache, l0, h0 = rank_cache(dst_plan, rank, None)
+        dst_caches[rank] = cache
+        receivers[rank] = KVReceiver(InProcessTransport(f"d{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
+    senders = {}
+    for rank in src_plan.ranks():
+        cache, l0, h0 = rank_cache(src_plan, rank, full)
+        senders[rank] = KVSender(InProcessTransport(f"p{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
+    transfer_ids = {
+        rank: rx.expect("r", dst_block_ids, {f"p{r.src}": senders[r.src].address() for r in routes if r.dst == rank})
+        for rank, rx in receivers.items()
+    }
+    chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=src_block_ids), start=0, num_new_tokens=len(src_block_ids) * 4)
+    for rank, tx in senders.items():
+        targets = [KVTarget(f"d{r.dst}", receivers[r.dst].address(), transfer_ids[r.dst], dst_block_ids, r.layers, r.heads) for r in routes if r.src == rank]
+        tx.add("r", targets)
+        for local_layer in range(tx.kv_cache.num_layers):
+            tx.on_layer(local_layer, [chunk])
+        tx.on_step_end([chunk])
+        tx.finish("r", first_token=3)
+    for rank, rx in receivers.items():
+        [result] = wait_for(rx)
+        assert result.ok and result.first_token == 3
+        expected, _, _ = rank_cache(dst_plan, rank, full)
+        assert torch.equal(dst_caches[rank].export_blocks(dst_block_ids), expected.export_blocks(src_block_ids)), f"decode rank {rank}"
+    for tx in senders.values():
+        assert all(r.ok for r in wait_for(tx))
+    for endpoint in (*senders.values(), *receivers.values()):
+        endpoint.close()

@@ -1,0 +1,336 @@
+"""Transport over torch.distributed: one 2-rank process group per pair of workers, built lazily.
+
+Each worker hosts its own TCPStore. The pair (a, b), a < b, meets on a's store (a is rank 0) under
+a prefix that names both workers, both addresses and a generation number kept in that store. A
+side that discards a broken pair bumps the generation (compare-and-set, so two sides that both saw
+the failure bump it once), and the next `connect` of either side meets under the new prefix: a
+rebuilt pair never reuses the keys of a broken one. The addresses in the prefix do the same for a
+worker that restarted under its old id.
+
+Every message is a fixed-size header (dtype and shape) followed by the payload as raw bytes.
+The receiver checks the header against `out` before receiving the payload: gloo aborts the whole
+process when a message is larger than the buffer posted for it. Headers and payloads, and the
+two directions, use different tags.
+
+Backend: gloo for CPU tensors, NCCL for CUDA tensors (its group is made on first use), unless one
+is given: "gloo" also carries CUDA tensors, staged through host memory.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from disagg.errors import KVTransferError
+from disagg.kv_transfer.transport import Transport
+
+BACKENDS = ("gloo", "nccl")
+# Operations on this worker's own store are local; this only bounds a wedged store.
+OWN_STORE_TIMEOUT = timedelta(seconds=30)
+
+_MAGIC = 0x4B56_0001
+_MAX_DIMS = 8
+_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float8_e4m3fn, torch.float8_e5m2,
+)
+_HEADER, _PAYLOAD = 0, 1
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A gloo or NCCL failure (timeout, closed connection, store error) surfaces as RuntimeError;
+# reaching a peer's store that is gone, as OSError.
+_TRANSPORT_ERRORS = (RuntimeError, OSError)
+
+
+@dataclass
+class _Pair:
+    """One live 2-rank group with a peer, and what is needed to rebuild or retire it."""
+
+    peer_id: str
+    peer_address: str
+    rank: int
+    generation: int
+    generation_key: str
+    prefix: str
+    store: dist.Store  # the owner's store: ours, or a client of the peer's
+    timeout: timedelta
+    gloo: dist.ProcessGroup
+    nccl: dist.ProcessGroup | None = None
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    recv_lock: threading.Lock = field(default_factory=threading.Lock)
+    nccl_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def peer_rank(self) -> int:
+        return 1 - self.rank
+
+
+class TorchDistTransport(Transport):
+    def __init__(self, worker_id: str, host: str = "127.0.0.1", backend: str | None = None):
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+        self.worker_id = worker_id
+        self.backend = backend
+        self._store, port = _serve_store(host)
+        self._address = _format_address(host, port)
+        self._gloo_device = _gloo_device(host)
+        self._pairs: dict[str, _Pair] = {}
+        self._connect_locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()  # guards the two dicts above
+
+    # ---- Transport ------------------------------------------------------------------------------
+    def address(self) -> str:
+        return self._address
+
+    def connect(self, peer_id: str, peer_address: str, timeout: float) -> None:
+        if peer_id == self.worker_id:
+            raise ValueError(f"peer_id: a worker cannot connect to itself ({peer_id!r})")
+        deadline = time.monotonic() + timeout
+        with self._connect_lock(peer_id):
+            pair = self._pairs.get(peer_id)
+            if pair is not None and pair.peer_address != peer_address:
+                self._discard(pair, bump=False)  # the peer restarted elsewhere: a new pair name
+                pair = None
+            try:
+                store = pair.store if pair is not None else self._owner_store(peer_id, peer_address, deadline)
+                generation_key = f"kv/gen/{self._pair_name(peer_id, peer_address)}"
+                generation = int(store.add(generation_key, 0))
+            except _TRANSPORT_ERRORS as exc:
+                if pair is not None:
+                    self._discard(pair, bump=False)
+                raise self._error(peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc) from exc
+            if pair is not None:
+                if pair.generation == generation:
+                    return
+                self._discard(pair, bump=False)  # the peer already retired this generation
+            pair = self._build_pair(peer_id, peer_address, store, generation_key, generation, deadline)
+            with self._lock:
+                self._pairs[peer_id] = pair
+
+    def send(self, peer_id: str, tensor: torch.Tensor, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        header = _header(tensor)
+        pair = self._live_pair(peer_id)
+        with pair.send_lock:
+            try:
+                group, device = self._group_for(pair, tensor.device)
+                _wait(group.send([header.to(device)], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
+                if tensor.numel():
+                    payload = _as_bytes(tensor.to(device).contiguous())
+                    _wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline)
+            except _TRANSPORT_ERRORS as exc:
+                raise self._fail(pair, f"send of {_describe(header.tolist())} failed", exc) from exc
+
+    def recv(self, peer_id: str, out: torch.Tensor, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        expected = _header(out)
+        pair = self._live_pair(peer_id)
+        with pair.recv_lock:
+            try:
+                group, device = self._group_for(pair, out.device)
+                header = torch.empty_like(expected, device=device)
+                _wait(group.recv([header], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
+                got = header.tolist()
+                if got == expected.tolist() and out.numel():
+                    direct = out.is_contiguous() and out.device == device
+                    target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
+                    _wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
+                    if not direct:
+                        out.copy_(target)
+            except _TRANSPORT_ERRORS as exc:
+                raise self._fail(pair, f"recv into {_describe(expected.tolist())} failed", exc) from exc
+            if got != expected.tolist():
+                # The payload is not received: the pair goes, so nothing of it is left to misread.
+                raise self._fail(pair, f"message mismatch: expected {_describe(expected.tolist())}, got {_describe(got)}")
+
+    def disconnect(self, peer_id: str) -> None:
+        with self._lock:
+            pair = self._pairs.get(peer_id)
+        if pair is not None:
+            self._discard(pair, bump=True)
+
+    def close(self) -> None:
+        with self._lock:
+            pairs, self._pairs = list(self._pairs.values()), {}
+        for pair in pairs:
+            _abort(pair)
+        self._store = None  # stops our store server
+
+    # ---- pairs ----------------------------------------------------------------------------------
+    def _connect_lock(self, peer_id: str) -> threading.Lock:
+        with self._lock:
+            return self._connect_locks.setdefault(peer_id, threading.Lock())
+
+    def _live_pair(self, peer_id: str) -> _Pair:
+        with self._lock:
+            pair = self._pairs.get(peer_id)
+        if pair is None:
+            raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)")
+        return pair
+
+    def _pair_name(self, peer_id: str, peer_address: str) -> str:
+        (a, a_addr), (b, b_addr) = sorted([(self.worker_id, self.address()), (peer_id, peer_address)])
+        return f"{a}@{a_addr}/{b}@{b_addr}"
+
+    def _owner_address(self, peer_id: str, peer_address: str) -> str:
+        return self.address() if self.worker_id < peer_id else peer_address
+
+    def _owner_store(self, peer_id: str, peer_address: str, deadline: float) -> dist.Store:
+        """Our own store when we are rank 0, else a client of the peer's store."""
+        if self.worker_id < peer_id:
+            return self._store
+        host, port = _split_address(peer_address)
+        # A refused connection means the peer is gone (its address exists only while its store
+        # listens); fail at once instead of letting the store client retry until the deadline.
+        with socket.create_connection((host, port), timeout=_remaining(deadline)):
+            pass
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_remaining(deadline)), wait_for_workers=False)
+
+    def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> _Pair:
+        rank = 0 if self.worker_id < peer_id else 1
+        prefix = f"kv/pair/{self._pair_name(peer_id, peer_address)}/{generation}"
+        timeout = timedelta(seconds=_remaining(deadline))
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [self._gloo_device]
+        options._threads = 1  # only point-to-point ops, which do not use the worker threads
+        try:
+            gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+        except _TRANSPORT_ERRORS as exc:
+            _bump(store, generation_key, generation)  # never meet under a half-used prefix again
+            raise self._error(peer_id, f"peer did not join within {timeout.total_seconds():.1f}s", exc) from exc
+        return _Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo)
+
+    def _group_for(self, pair: _Pair, device: torch.device) -> tuple[dist.ProcessGroup, torch.device]:
+        """The group that carries tensors on `device`, and the device the wire tensors live on."""
+        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "gloo":
+            return pair.gloo, torch.device("cpu")
+        if device.type != "cuda":
+            raise ValueError(f"tensor: the nccl backend carries CUDA tensors only, got {device}")
+        with pair.nccl_lock:
+            if pair.nccl is None:
+                pair.nccl = _nccl_group(pair)
+        return pair.nccl, device
+
+    def _discard(self, pair: _Pair, bump: bool) -> None:
+        with self._lock:
+            if self._pairs.get(pair.peer_id) is pair:
+                del self._pairs[pair.peer_id]
+        # Bump before closing: a peer that sees the connection drop and reconnects must read the new generation.
+        if bump:
+            _bump(pair.store, pair.generation_key, pair.generation)
+        _abort(pair)
+
+    def _fail(self, pair: _Pair, what: str, exc: BaseException | None = None) -> KVTransferError:
+        self._discard(pair, bump=True)
+        return self._error(pair.peer_id, what, exc)
+
+    def _error(self, peer_id: str, what: str, exc: BaseException | None = None) -> KVTransferError:
+        cause = f": {_first_line(exc)}" if exc is not None else ""
+        return KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: {what}{cause}")
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _serve_store(host: str) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server on a free port of `host` (TCPStore itself would listen on every interface)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family, backlog=128)
+    port = sock.getsockname()[1]
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=OWN_STORE_TIMEOUT, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now and closes it
+    return store, port
+
+
+def _format_address(host: str, port: int) -> str:
+    if host in _WILDCARD_HOSTS:
+        host = socket.gethostbyname(socket.gethostname())
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _gloo_device(host: str):
+    if host in _WILDCARD_HOSTS:
+        return dist.ProcessGroupGloo.create_default_device()
+    return dist.ProcessGroupGloo.create_device(hostname=host)
+
+
+def _nccl_group(pair: _Pair) -> dist.ProcessGroup:
+    if not (torch.cuda.is_available() and dist.is_nccl_available()):
+        raise ValueError("tensor: CUDA tensors need CUDA and a torch built with NCCL (or backend='gloo')")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = pair.timeout
+    return dist.ProcessGroupNCCL(dist.PrefixStore(f"{pair.prefix}/nccl", pair.store), pair.rank, 2, options)
+
+
+def _bump(store: dist.Store, key: str, generation: int) -> None:
+    try:
+        store.compare_set(key, str(generation), str(generation + 1))
+    except _TRANSPORT_ERRORS:
+        pass  # the owner's store is gone with the owner: nobody will meet under that name again
+
+
+def _abort(pair: _Pair) -> None:
+    for group in (pair.gloo, pair.nccl):
+        if group is not None:
+            try:
+                group.abort()  # closes the connection now, so the peer's next op fails at once
+            except _TRANSPORT_ERRORS:
+                pass
+
+
+def _wait(work, deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
+        raise TimeoutError("timed out")
+
+
+def _tag(sender_rank: int, kind: int) -> int:
+    return 2 * sender_rank + kind
+
+
+def _header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in _DTYPES:
+        raise ValueError(f"tensor: dtype {tensor.dtype} is not supported by the transport")
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"tensor: at most {_MAX_DIMS} dimensions, got {tensor.dim()}")
+    shape = list(tensor.shape) + [0] * (_MAX_DIMS - tensor.dim())
+    return torch.tensor([_MAGIC, _DTYPES.index(tensor.dtype), tensor.dim(), *shape], dtype=torch.int64)
+
+
+def _describe(header: list[int]) -> str:
+    magic, code, ndim, *shape = header
+    if magic != _MAGIC or not 0 <= code < len(_DTYPES) or not 0 <= ndim <= _MAX_DIMS:
+        return "an unknown message"
+    return f"{str(_DTYPES[code]).removeprefix('torch.')}{list(shape[:ndim])}"
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (what goes on the wire, whatever the dtype)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"peer_address: expected 'host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _remaining(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def _first_line(exc: BaseException) -> str:
+    # c10d errors carry a C++ stack trace after the first line.
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
