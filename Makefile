@@ -34,5 +34,8 @@ serve: setup
 bench: setup
 	$(PY) loadtest/bench_engine.py
 
+proto: setup
+	$(PY) proto/generate.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -40,6 +40,12 @@ class UnavailableError(DisaggError):
     grpc_code_name = "UNAVAILABLE"
 
 
+class RegistryUnavailable(DisaggError):
+    """Redis (the registry) cannot be reached or refused us; callers keep their last view and retry later."""
+
+    grpc_code_name = "UNAVAILABLE"
+
+
 class KVTransferError(DisaggError):
     """A KV-cache transfer failed or timed out; the blocks involved have been freed."""
 

@@ -1,0 +1,151 @@
+"""Prometheus metrics with vLLM's names under our `disagg:` prefix.
+
+Every metric lives on the `CollectorRegistry` given to `ServingMetrics` (a fresh one by default,
+never the process-global default registry), so two servers can run in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Milliseconds to minutes: a prefill of a short prompt up to a long generation under load.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+# One decode step: sub-millisecond on a GPU, up to seconds on a loaded CPU.
+TOKEN_LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+INSTANCE_LABELS = ("instance", "role")
+
+
+@dataclass
+class MetricsHTTPServer:
+    """A running /metrics endpoint; `stop()` shuts it down and frees the port."""
+
+    host: str
+    port: int
+    _server: object
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> MetricsHTTPServer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class ServingMetrics:
+    """The serving metrics of one frontend (request latencies, KV transfers, instance load)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._define_request_metrics()
+        self._define_transfer_metrics()
+        self._define_instance_gauges()
+
+    def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> Histogram:
+        return Histogram(name, doc, buckets=tuple(buckets), registry=self.registry)
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        # prometheus_client appends `_total` to a counter's name when it renders it.
+        return Counter(name.removesuffix("_total"), doc, labelnames=labels, registry=self.registry)
+
+    def _define_request_metrics(self) -> None:
+        h, c = self._histogram, self._counter
+        self.time_to_first_token = h("disagg:time_to_first_token_seconds", "Arrival to first token at the frontend.")
+        self.inter_token_latency = h(
+            "disagg:inter_token_latency_seconds", "Time between consecutive output tokens.", TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e_request_latency = h("disagg:e2e_request_latency_seconds", "Arrival to last token.")
+        self.request_queue_time = h("disagg:request_queue_time_seconds", "Arrival until the prefill starts.")
+        self.request_prefill_time = h("disagg:request_prefill_time_seconds", "Prefill compute until the first token.")
+        self.request_decode_time = h("disagg:request_decode_time_seconds", "First token to last token.")
+        self.request_success = c("disagg:request_success_total", "Finished requests.", ("finish_reason",))
+        self.request_failure = c("disagg:request_failure_total", "Failed requests by gRPC status code.", ("code",))
+        self.prompt_tokens = c("disagg:prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = c("disagg:generation_tokens_total", "Generated tokens of finished requests.")
+
+    def _define_transfer_metrics(self) -> None:
+        self.kv_transfer_time = self._histogram("disagg:kv_transfer_seconds", "KV-cache transfer time per request.")
+        self.kv_transfer_bytes = self._counter("disagg:kv_transfer_bytes_total", "KV-cache bytes transferred.")
+
+    def _define_instance_gauges(self) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labelnames=INSTANCE_LABELS, registry=self.registry)
+
+        self.kv_cache_usage = gauge("disagg:kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = 100 percent).")
+        self.num_requests_running = gauge("disagg:num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("disagg:num_requests_waiting", "Requests waiting (incl. for KV).")
+
+    # -- observations -------------------------------------------------------------------------------
+
+    def observe_finished(
+        self,
+        ttft_s: float,
+        e2e_s: float,
+        itl_s: list[float],
+        queue_s: float,
+        prefill_s: float,
+        decode_s: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reason: str,
+    ) -> None:
+        """Record one request that finished (stop, length or abort) with its per-phase timings."""
+        self.time_to_first_token.observe(ttft_s)
+        self.e2e_request_latency.observe(e2e_s)
+        for gap_s in itl_s:
+            self.inter_token_latency.observe(gap_s)
+        self.request_queue_time.observe(queue_s)
+        self.request_prefill_time.observe(prefill_s)
+        self.request_decode_time.observe(decode_s)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(completion_tokens)
+        self.request_success.labels(finish_reason=finish_reason).inc()
+
+    def observe_transfer(self, seconds: float, num_bytes: int) -> None:
+        self.kv_transfer_time.observe(seconds)
+        self.kv_transfer_bytes.inc(num_bytes)
+
+    def observe_failure(self, code: str) -> None:
+        """A request that ended in an error; `code` is the gRPC status name (e.g. "UNAVAILABLE")."""
+        self.request_failure.labels(code=code).inc()
+
+    def set_instance_load(self, instance: str, role: str, running: int, waiting: int, kv_usage: float) -> None:
+        self.num_requests_running.labels(instance=instance, role=role).set(running)
+        self.num_requests_waiting.labels(instance=instance, role=role).set(waiting)
+        self.kv_cache_usage.labels(instance=instance, role=role).set(kv_usage)
+
+    def remove_instance(self, instance: str, role: str) -> None:
+        """Drop an instance's series (it left the cluster), so dashboards don't show a stale value."""
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            try:
+                gauge.remove(instance, role)
+            except KeyError:
+                pass
+
+    # -- exposition -----------------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric here."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def start_http_server(self, port: int, host: str = "127.0.0.1") -> MetricsHTTPServer:
+        """Serve /metrics on a daemon thread; `port=0` picks a free port (see `.port`)."""
+        server, _thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
+        return MetricsHTTPServer(host=host, port=server.server_port, _server=server)

@@ -1,0 +1,221 @@
+"""Redis soft state shared by the workers and the router: instance registry, load, request records.
+
+Each instance owns one key, `<ns>:instance:<id>`, written with `SET ... EX ttl` by every heartbeat
+(the etcd-lease pattern): an instance whose heartbeats stop disappears after `ttl`, one that comes
+back simply re-appears. Nothing here is the only copy of anything; losing Redis loses no request.
+Every Redis failure surfaces as `RegistryUnavailable`; the caller decides (a worker keeps serving
+and heartbeats again later, the router keeps its last view).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from disagg.errors import RegistryUnavailable
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass
+class InstanceInfo:
+    """What a worker publishes about itself (changes only when the worker restarts)."""
+
+    instance_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    actor_name: str
+    kv_address: str
+    model: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    started_at: float = 0.0
+
+
+@dataclass
+class LoadReport:
+    """A worker's load at its last heartbeat."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    queued_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    updated_at: float = 0.0
+
+
+@dataclass
+class InstanceView:
+    """What the router reads about one live instance."""
+
+    info: InstanceInfo
+    load: LoadReport
+    heartbeat_age_s: float
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    # Unknown keys are dropped so that a newer worker's extra fields don't break an older router.
+    known = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by `***` (safe for logs and error messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+class Registry:
+    """One Redis client with short socket timeouts; keys live under `<namespace>:`."""
+
+    def __init__(
+        self,
+        url: str,
+        namespace: str = "disagg",
+        timeout_s: float = 1.0,
+        max_request_records: int = 1000,
+    ):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_request_records < 1:
+            raise ValueError(f"max_request_records must be >= 1, got {max_request_records}")
+        self.namespace = namespace
+        self.max_request_records = max_request_records
+        self._safe_url = redact_url(url)
+        # One immediate retry covers a pooled connection that went stale (Redis restarted);
+        # beyond that the caller retries on its own schedule. Nothing is retried forever.
+        self._client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 1),
+            decode_responses=True,
+        )
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def _instance_key(self, instance_id: str) -> str:
+        return f"{self.namespace}:instance:{instance_id}"
+
+    def _requests_key(self) -> str:
+        return f"{self.namespace}:requests"
+
+    @contextlib.contextmanager
+    def _redis_errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except redis.RedisError as exc:
+            raise RegistryUnavailable(
+                f"registry {what} failed: Redis at {self._safe_url}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    # -- instances ----------------------------------------------------------------------------
+
+    def heartbeat(self, info: InstanceInfo, load: LoadReport, ttl_s: float) -> None:
+        """Publish (or refresh) this instance's key; it expires unless refreshed within `ttl_s`."""
+        if info.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {info.role!r}")
+        ttl_ms = int(ttl_s * 1000)
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_s must be at least 0.001, got {ttl_s}")
+        value = json.dumps({"info": asdict(info), "load": asdict(load), "ttl_ms": ttl_ms})
+        with self._redis_errors("heartbeat"):
+            self._client.set(self._instance_key(info.instance_id), value, px=ttl_ms)
+
+    def deregister(self, instance_id: str) -> None:
+        with self._redis_errors("deregister"):
+            self._client.delete(self._instance_key(instance_id))
+
+    def instances(self, role: str | None = None) -> list[InstanceView]:
+        """Live instances (optionally of one role), sorted by id."""
+        with self._redis_errors("instances"):
+            keys = list(self._client.scan_iter(match=self._instance_key("*"), count=500))
+            if not keys:
+                return []
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.get(key)
+                pipe.pttl(key)
+            replies = pipe.execute()
+        views = []
+        for key, value, pttl_ms in zip(keys, replies[0::2], replies[1::2]):
+            view = self._decode_instance(key, value, pttl_ms)
+            if view is not None and (role is None or view.info.role == role):
+                views.append(view)
+        return sorted(views, key=lambda v: v.info.instance_id)
+
+    @staticmethod
+    def _decode_instance(key: str, value: str | None, pttl_ms: int) -> InstanceView | None:
+        if value is None:  # expired or deregistered between SCAN and GET
+            return None
+        try:
+            data = json.loads(value)
+            info = _from_dict(InstanceInfo, data["info"])
+            load = _from_dict(LoadReport, data["load"])
+            ttl_ms = int(data["ttl_ms"])
+        except (ValueError, KeyError, TypeError) as exc:
+            logger.warning("skipping malformed registry entry %s: %s", key, exc)
+            return None
+        # Age from Redis's own countdown, not our clock: immune to clock skew between machines.
+        age_s = max(0.0, (ttl_ms - max(pttl_ms, 0)) / 1000.0)
+        return InstanceView(info=info, load=load, heartbeat_age_s=age_s)
+
+    # -- request records ------------------------------------------------------------------------
+
+    def record_request(self, record: dict, ttl_s: float = 3600) -> None:
+        """Append a finished request's record; the newest `max_request_records` are kept for `ttl_s`."""
+        ttl_ms = int(ttl_s * 1000)
+        if ttl_ms < 1:
+            raise ValueError(f"ttl_s must be at least 0.001, got {ttl_s}")
+        value = json.dumps(record)
+        key = self._requests_key()
+        with self._redis_errors("record_request"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.lpush(key, value)
+            pipe.ltrim(key, 0, self.max_request_records - 1)
+            pipe.pexpire(key, ttl_ms)
+            pipe.execute()
+
+    def recent_requests(self, limit: int = 100) -> list[dict]:
+        """Up to `limit` records, newest first."""
+        if limit <= 0:
+            return []
+        with self._redis_errors("recent_requests"):
+            values = self._client.lrange(self._requests_key(), 0, limit - 1)
+        return [json.loads(v) for v in values]
+
+    # -- connection -------------------------------------------------------------------------------
+
+    def ping(self) -> bool:
+        """True if Redis answers; False (not an exception) when it cannot be reached: a health probe."""
+        try:
+            with self._redis_errors("ping"):
+                return bool(self._client.ping())
+        except RegistryUnavailable as exc:
+            logger.debug("%s", exc)
+            return False
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,227 @@
+"""Registry against a real redis-server: heartbeats with TTL, role filter, request records, failures."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from disagg.cluster.redis_server import LocalRedis, wait_for_redis
+from disagg.errors import RegistryUnavailable
+from disagg.registry import InstanceInfo, LoadReport, Registry
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def registry(redis_url):
+    # A namespace per test: the session's redis-server is shared.
+    with Registry(redis_url, namespace=f"test-{uuid.uuid4().hex[:8]}") as reg:
+        yield reg
+
+
+def _info(instance_id: str, role: str = "prefill") -> InstanceInfo:
+    return InstanceInfo(
+        instance_id=instance_id, role=role, actor_name=f"actor-{instance_id}", kv_address="127.0.0.1:29500",
+        model="smollm2-135m", tensor_parallel_size=2, started_at=time.time(),
+    )  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _wait_gone(pid: int, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _process_gone(pid):
+            return True
+        time.sleep(0.05)
+    return _process_gone(pid)
+
+
+def test_heartbeat_then_instances_shows_info_load_and_age(registry):
+    load = LoadReport(num_running=3, num_waiting=1, queued_prefill_tokens=512, num_free_blocks=90,
+                      num_total_blocks=100, kv_cache_usage=0.1, updated_at=time.time())  # fmt: skip
+    registry.heartbeat(_info("p0"), load, ttl_s=10)
+    time.sleep(0.2)
+    (view,) = registry.instances()
+    assert view.info.instance_id == "p0" and view.info.role == "prefill"
+    assert view.info.actor_name == "actor-p0" and view.info.tensor_parallel_size == 2
+    assert view.load == load
+    assert 0.15 <= view.heartbeat_age_s < 2.0
+
+    registry.heartbeat(_info("p0"), LoadReport(num_running=5), ttl_s=10)  # refresh: new load, age ~0
+    (view,) = registry.instances()
+    assert view.load.num_running == 5
+    assert view.heartbeat_age_s < 0.15
+
+
+def test_role_filter(registry):
+    registry.heartbeat(_info("p0", "prefill"), LoadReport(), ttl_s=10)
+    registry.heartbeat(_info("d0", "decode"), LoadReport(), ttl_s=10)
+    registry.heartbeat(_info("d1", "decode"), LoadReport(), ttl_s=10)
+    assert [v.info.instance_id for v in registry.instances()] == ["d0", "d1", "p0"]
+    assert [v.info.instance_id for v in registry.instances("decode")] == ["d0", "d1"]
+    assert [v.info.instance_id for v in registry.instances("prefill")] == ["p0"]
+    assert registry.instances("colocated") == []
+    with pytest.raises(ValueError):
+        registry.heartbeat(_info("x", "router"), LoadReport(), ttl_s=10)
+
+
+def test_instance_disappears_after_ttl_and_reappears_on_heartbeat(registry):
+    registry.heartbeat(_info("p0"), LoadReport(), ttl_s=1.0)
+    started = time.monotonic()
+    time.sleep(0.5)
+    assert len(registry.instances()) == 1  # still within its lease
+    while registry.instances() and time.monotonic() - started < 3.0:
+        time.sleep(0.05)
+    assert registry.instances() == []
+    assert 0.9 <= time.monotonic() - started < 2.0
+
+    registry.heartbeat(_info("p0"), LoadReport(num_waiting=2), ttl_s=1.0)
+    (view,) = registry.instances()
+    assert view.load.num_waiting == 2
+
+
+def test_deregister(registry):
+    registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
+    registry.heartbeat(_info("d0", "decode"), LoadReport(), ttl_s=10)
+    registry.deregister("p0")
+    registry.deregister("p0")  # unknown id: no error
+    assert [v.info.instance_id for v in registry.instances()] == ["d0"]
+
+
+def test_namespaces_are_isolated(redis_url, registry):
+    registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
+    with Registry(redis_url, namespace=f"other-{uuid.uuid4().hex[:8]}") as other:
+        assert other.instances() == []
+
+
+def test_recent_requests_newest_first_with_limit(redis_url):
+    with Registry(redis_url, namespace=f"test-{uuid.uuid4().hex[:8]}", max_request_records=5) as registry:
+        assert registry.recent_requests() == []
+        for i in range(8):
+            registry.record_request({"request_id": f"r{i}", "ttft_s": 0.01 * i, "finish_reason": "stop"})
+        assert [r["request_id"] for r in registry.recent_requests(limit=3)] == ["r7", "r6", "r5"]
+        assert [r["request_id"] for r in registry.recent_requests()] == ["r7", "r6", "r5", "r4", "r3"]  # capped
+        assert registry.recent_requests()[0] == {"request_id": "r7", "ttft_s": 0.07, "finish_reason": "stop"}
+        assert registry.recent_requests(limit=0) == []
+
+
+def test_request_records_expire(registry):
+    registry.record_request({"request_id": "r0"}, ttl_s=0.3)
+    assert len(registry.recent_requests()) == 1
+    time.sleep(0.5)
+    assert registry.recent_requests() == []
+
+
+def test_dead_port_raises_registry_unavailable_quickly():
+    registry = Registry(f"redis://127.0.0.1:{_free_port()}/0", timeout_s=1.0)
+    started = time.monotonic()
+    with pytest.raises(RegistryUnavailable, match="127.0.0.1"):
+        registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
+    with pytest.raises(RegistryUnavailable):
+        registry.instances()
+    with pytest.raises(RegistryUnavailable):
+        registry.recent_requests()
+    assert registry.ping() is False
+    assert time.monotonic() - started < 2.0
+    assert RegistryUnavailable.grpc_code_name == "UNAVAILABLE"
+
+
+def test_silent_server_times_out_as_registry_unavailable():
+    # Accepts TCP connections (kernel backlog) but never answers: a hung Redis.
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        registry = Registry(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", timeout_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(RegistryUnavailable, match="Timeout"):
+            registry.instances()
+        assert time.monotonic() - started < 2.0
+
+
+def test_local_redis_stop_leaves_no_process_and_is_idempotent():
+    server = LocalRedis().start()
+    pid, url = server.pid, server.url
+    assert psutil.Process(pid).name() == "redis-server"
+    with Registry(url) as registry:
+        assert registry.ping()
+    server.stop()
+    assert _process_gone(pid)
+    server.stop()  # twice is fine
+    with pytest.raises(RegistryUnavailable):
+        wait_for_redis(url, timeout_s=0.3)
+
+
+@pytest.mark.parametrize("how", ["exception", "sigkill"])
+def test_local_redis_does_not_outlive_its_owner(how):
+    # The owner prints redis' pid, then dies by an uncaught exception (atexit) or SIGKILL (pdeathsig).
+    script = textwrap.dedent(
+        """
+        import sys, time
+        from disagg.cluster.redis_server import LocalRedis
+        server = LocalRedis().start()
+        print(server.pid, flush=True)
+        if sys.argv[1] == "exception":
+            raise RuntimeError("owner crashed")
+        time.sleep(60)
+        """
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", script, how], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        text=True,
+    )  # fmt: skip
+    work_dir = None
+    try:
+        redis_pid = int(owner.stdout.readline())
+        if how == "sigkill":
+            work_dir = psutil.Process(redis_pid).cwd()  # a SIGKILLed owner cannot remove it
+            os.kill(owner.pid, signal.SIGKILL)
+        owner.wait(timeout=10)
+        assert _wait_gone(redis_pid), f"redis-server {redis_pid} outlived its owner ({how})"
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+        if work_dir and "disagg-redis-" in work_dir:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def test_password_protected_redis():
+    with LocalRedis(password="s3cret pw") as server:
+        assert "s3cret%20pw@" in server.url
+        with Registry(server.url) as registry:
+            registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
+            assert [v.info.instance_id for v in registry.instances()] == ["p0"]
+        wrong_url = server.url.replace("s3cret%20pw", "wrong")
+        with Registry(wrong_url) as wrong:
+            with pytest.raises(RegistryUnavailable) as excinfo:
+                wrong.instances()
+            assert "wrong" not in str(excinfo.value)  # passwords are redacted from messages
+            assert wrong.ping() is False
+        with Registry(f"redis://127.0.0.1:{server.port}/0") as anonymous:
+            with pytest.raises(RegistryUnavailable):
+                anonymous.heartbeat(_info("p1"), LoadReport(), ttl_s=10)
+        with pytest.raises(RegistryUnavailable, match="password"):
+            wait_for_redis(wrong_url, timeout_s=5)
