@@ -1,4 +1,4 @@
-"""`disagg` command line: generate (offline for now), with serve/bench/plan to come."""
+"""`disagg` command line: serve, generate (against a server, or offline), status."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from disagg.config import DEFAULT_MODEL
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_serve(sub)
     _add_generate(sub)
+    _add_status(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -23,9 +25,46 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve the model over gRPC (default: local Ray, local Redis, 1 prefill + 1 decode worker)")
+    p.add_argument("--config", help="YAML serving config (see deploy/configs/)")
+    p.add_argument("--model", help="override the config's model")
+    p.add_argument("--port", type=int, help="override the config's gRPC port")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
+    p.add_argument("--ready-file", help="write HOST:PORT here once serving (for scripts)")
+    p.set_defaults(func=_serve)
+
+
+def _serve(args) -> int:
+    from disagg.cluster.serve import main_serve
+
+    logging.getLogger("disagg").setLevel(logging.INFO)
+    overrides = {k: v for k, v in {"model": args.model, "port": args.port, "mode": args.mode}.items() if v is not None}
+    return main_serve(args.config, overrides, args.ready_file)
+
+
+def _add_status(sub) -> None:
+    p = sub.add_parser("status", help="pools and instances of a running server")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.set_defaults(func=_status)
+
+
+def _status(args) -> int:
+    from disagg.client import DisaggClient
+
+    with DisaggClient(args.server) as client:
+        status = client.cluster_status()
+    print(f"{status.model} ({status.mode})")
+    for pool in status.pools:
+        for i in pool.instances:
+            print(f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago")
+    return 0
+
+
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion offline with the engine in this process")
+    p = sub.add_parser("generate", help="generate a completion: from a server with --server, else offline in this process")
     p.add_argument("prompt", help="the user message (sent through the model's chat template unless --raw)")
+    p.add_argument("--server", help="HOST:PORT of a `disagg serve`; without it the engine runs in this process")
     p.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, Hugging Face directory, random:<shape> or the default model")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -40,6 +79,8 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args) -> int:
+    if args.server:
+        return _generate_remote(args)
     from disagg import LLM, SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
@@ -61,6 +102,28 @@ def _generate(args) -> int:
         m = final.metrics
         n = len(final.outputs[0].token_ids)
         print(f"load {loaded - started:.2f}s  ttft {m.ttft * 1e3:.0f}ms  {n} tokens in {m.e2e:.2f}s  finish={final.outputs[0].finish_reason}", file=sys.stderr)
+    return 0
+
+
+def _generate_remote(args) -> int:
+    import grpc
+
+    from disagg.client import DisaggClient, generate_request
+
+    sampling = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    request = generate_request(args.prompt, **sampling) if args.raw else generate_request(chat=[{"role": "user", "content": args.prompt}], **sampling)
+    try:
+        with DisaggClient(args.server) as client:
+            for msg in client.stream(request, timeout=600):
+                print(msg.text, end="", flush=True)
+                final = msg
+    except grpc.RpcError as exc:
+        print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print()
+    if args.stats:
+        t = final.timings
+        print(f"ttft {t.ttft_s * 1e3:.0f}ms (queue {t.queue_s * 1e3:.0f} prefill {t.prefill_s * 1e3:.0f} transfer {t.transfer_s * 1e3:.0f})  {final.usage.completion_tokens} tokens in {t.e2e_s:.2f}s  finish={final.finish_reason}", file=sys.stderr)
     return 0
 
 

@@ -97,3 +97,119 @@ def _parse_enum(enum_cls, value: str, field_name: str):
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(field_name, message)
+
+
+# ---- the service ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool of instances (prefill, decode or colocated) and where its workers run."""
+
+    num_instances: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    num_cpus_per_worker: float = 1.0
+    num_gpus_per_worker: float = 0.0
+    resources: dict = field(default_factory=dict, hash=False)  # extra Ray resources per worker, e.g. {"prefill": 1}
+    engine: dict = field(default_factory=dict, hash=False)  # EngineConfig fields that differ for this pool
+
+    def __post_init__(self) -> None:
+        _require(self.num_instances >= 0, "num_instances", "must be >= 0")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
+        _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
+        _require(self.num_cpus_per_worker >= 0 and self.num_gpus_per_worker >= 0, "num_cpus_per_worker", "must be >= 0")
+        unknown = set(self.engine) - {f.name for f in dataclasses.fields(EngineConfig)}
+        _require(not unknown, "engine", f"unknown engine settings {sorted(unknown)}")
+
+    @property
+    def workers_per_instance(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class SLOConfig:
+    ttft_ms: float = 0.0  # 0: no target
+    tpot_ms: float = 0.0
+
+
+MODES = ("disaggregated", "colocated")
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)  # model and engine settings shared by every pool
+    mode: str = "disaggregated"
+    prefill: PoolConfig = field(default_factory=PoolConfig)
+    decode: PoolConfig = field(default_factory=PoolConfig)
+    colocated: PoolConfig = field(default_factory=PoolConfig)
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # Prometheus /metrics; None: off
+    redis_url: str | None = None  # None: start a local redis-server
+    ray_address: str | None = None  # None: start a local Ray
+    slo: SLOConfig = field(default_factory=SLOConfig)
+    max_inflight_requests: int = 256  # admission bound: more are refused with RESOURCE_EXHAUSTED
+    admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
+    request_timeout_s: float = 600.0
+    kv_timeout_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_s: float = 3.0
+    threads_per_worker: int = 1
+    api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
+        _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
+        for name in ("admission_timeout_s", "request_timeout_s", "kv_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s")
+        _require((self.tls_cert_file is None) == (self.tls_key_file is None), "tls_cert_file", "give both tls_cert_file and tls_key_file, or neither")
+        pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
+        _require(all(p.num_instances >= 1 for p in pools), "num_instances", f"{self.mode} mode needs at least one instance per pool")
+
+    def pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
+        return self.engine.replace(**pool.engine)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ServingConfig":
+        data = dict(data or {})
+        _no_unknown(cls, data, "config")
+        engine = dict(data.pop("engine", {}) or {})
+        if "model" in data:  # the one setting everybody changes, allowed at the top level too
+            engine["model"] = data.pop("model")
+        _no_unknown(EngineConfig, engine, "engine")
+        kwargs = {k: v for k, v in data.items() if k not in ("prefill", "decode", "colocated", "slo")}
+        for pool in ("prefill", "decode", "colocated"):
+            if pool in data:
+                _no_unknown(PoolConfig, data[pool] or {}, pool)
+                kwargs[pool] = PoolConfig(**(data[pool] or {}))
+        if "slo" in data:
+            _no_unknown(SLOConfig, data["slo"] or {}, "slo")
+            kwargs["slo"] = SLOConfig(**(data["slo"] or {}))
+        return cls(engine=EngineConfig(**engine), **kwargs)
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "ServingConfig":
+        import yaml
+
+        try:
+            with open(path) as f:
+                data = yaml.safe_load(f)
+        except OSError as exc:
+            raise InvalidRequestError("config", f"cannot read {path}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise InvalidRequestError("config", f"{path} is not valid YAML: {exc}") from None
+        if data is not None and not isinstance(data, dict):
+            raise InvalidRequestError("config", f"{path} must hold a mapping")
+        return cls.from_dict(data or {})
+
+
+def _no_unknown(cls, data: dict, where: str) -> None:
+    if not isinstance(data, dict):
+        raise InvalidRequestError(where, "must be a mapping")
+    known = {f.name for f in dataclasses.fields(cls)} | ({"model"} if cls is ServingConfig else set())
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise InvalidRequestError(where, f"unknown setting(s) {unknown}; known: {sorted(known)}")

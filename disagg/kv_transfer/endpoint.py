@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagg.kv_transfer.channel import PeerChannel
@@ -44,6 +45,8 @@ class KVEndpoint:
         self._channels_lock = threading.Lock()  # channels are looked up from several threads
         self._finished: list[TransferResult] = []
         self.num_bytes_total = 0  # KV payload bytes sent or received (a Prometheus counter's source)
+        # Called (from a channel thread, lock held) when a transfer finishes: wakes the worker's loop.
+        self.on_finished: Callable[[], None] | None = None
 
     @property
     def worker_id(self) -> str:
@@ -60,6 +63,14 @@ class KVEndpoint:
                     channel.close()
                 channel = self._channels[peer_id] = PeerChannel(self.transport, peer_id, peer_address, self, self.max_queued_messages)
             return channel
+
+    def has_finished(self) -> bool:
+        return bool(self._finished)  # a lock-free peek, for a loop deciding whether to wake
+
+    def _report(self, result: TransferResult) -> None:
+        self._finished.append(result)
+        if self.on_finished is not None:
+            self.on_finished()
 
     def poll(self) -> list[TransferResult]:
         """Transfers that finished (either way) since the last poll; also enforces deadlines."""

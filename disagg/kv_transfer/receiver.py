@@ -31,6 +31,7 @@ class _Incoming:
     state: TransferState = TransferState.PENDING
     first_token: int = -1
     num_bytes: int = 0
+    first_byte_at: float | None = None
 
 
 class KVReceiver(KVEndpoint):
@@ -99,6 +100,7 @@ class KVReceiver(KVEndpoint):
         heads = layer[:, header.head_start - self.head_offset : header.head_end - self.head_offset]
         heads.index_copy_(2, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         tr.state = TransferState.TRANSFERRING
+        tr.first_byte_at = tr.first_byte_at or time.monotonic()
         tr.num_bytes += payload.numel() * payload.element_size()
         self.num_bytes_total += payload.numel() * payload.element_size()
 
@@ -129,4 +131,5 @@ class KVReceiver(KVEndpoint):
     def _finish(self, tr: _Incoming, error: str | None = None) -> None:
         self._transfers.pop(tr.transfer_id, None)
         self._by_request.pop(tr.request_id, None)
-        self._finished.append(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - tr.started, tr.num_bytes))
+        # Transfer time runs from the first byte: time spent waiting for the prefill is not the network's.
+        self._report(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - (tr.first_byte_at or tr.started), tr.num_bytes))

@@ -167,4 +167,4 @@ class KVSender(KVEndpoint):
                 tr.state = TransferState.FAILED
         started = min(tr.started for tr in transfers)
         num_bytes = sum(tr.num_bytes for tr in transfers)
-        self._finished.append(TransferResult(request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes))
+        self._report(TransferResult(request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes))

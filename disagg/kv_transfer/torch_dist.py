@@ -9,8 +9,16 @@ worker that restarted under its old id.
 
 Every message is a fixed-size header (dtype and shape) followed by the payload as raw bytes.
 The receiver checks the header against `out` before receiving the payload: gloo aborts the whole
-process when a message is larger than the buffer posted for it. Headers and payloads, and the
-two directions, use different tags.
+process when a message is larger than the buffer posted for it. Headers, payloads and the two
+directions use different tags.
+
+Failing fast. gloo does not wake a transfer already under way when its connection drops (only
+ones still waiting for the peer), so a send or recv to a peer that dies mid-message would wait out
+its whole timeout. So each pair keeps a recv posted on a tag nobody sends to, watched by a thread:
+gloo fails it as soon as the connection drops, which marks the pair broken; and callers wait for
+their transfer on a condition that either the transfer or the breakage ends. A side that discards
+a pair closes its connection at once (a 1 ms wait on a recv that cannot match: gloo closes the
+connection on any timeout), so the peer's pending operations fail at once too.
 
 Backend: gloo for CPU tensors, NCCL for CUDA tensors (its group is made on first use), unless one
 is given: "gloo" also carries CUDA tensors, staged through host memory.
@@ -18,6 +26,7 @@ is given: "gloo" also carries CUDA tensors, staged through host memory.
 
 from __future__ import annotations
 
+import re
 import socket
 import threading
 import time
@@ -33,6 +42,11 @@ from disagg.kv_transfer.transport import Transport
 BACKENDS = ("gloo", "nccl")
 # Operations on this worker's own store are local; this only bounds a wedged store.
 OWN_STORE_TIMEOUT = timedelta(seconds=30)
+# How long past its deadline a caller waits for gloo to report the timeout of a transfer.
+_TIMEOUT_GRACE_S = 1.0
+_OWN_ERROR_GRACE_S = 0.05
+# The sentinel recv must outlive any pair; when this passes, the pair is rebuilt on next use.
+_SENTINEL_TIMEOUT = timedelta(days=7)
 
 _MAGIC = 0x4B56_0001
 _MAX_DIMS = 8
@@ -41,8 +55,10 @@ _DTYPES = (
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
     torch.float8_e4m3fn, torch.float8_e5m2,
 )
-_HEADER, _PAYLOAD = 0, 1
+_HEADER, _PAYLOAD = 0, 1  # tag = 2 * sender rank + kind
+_SENTINEL_TAG, _CLOSE_TAG = 100, 101
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+_SOURCE_PREFIX = re.compile(r"^\[[^]]*\] ")
 # A gloo or NCCL failure (timeout, closed connection, store error) surfaces as RuntimeError;
 # reaching a peer's store that is gone, as OSError.
 _TRANSPORT_ERRORS = (RuntimeError, OSError)
@@ -60,15 +76,87 @@ class _Pair:
     prefix: str
     store: dist.Store  # the owner's store: ours, or a client of the peer's
     timeout: timedelta
-    gloo: dist.ProcessGroup
-    nccl: dist.ProcessGroup | None = None
+    gloo: dist.ProcessGroupGloo
+    nccl: dist.ProcessGroupNCCL | None = None
+    broken: str | None = None  # why the pair can no longer be used
+    watcher: threading.Thread | None = None
+    cond: threading.Condition = field(default_factory=threading.Condition)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     recv_lock: threading.Lock = field(default_factory=threading.Lock)
-    nccl_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def peer_rank(self) -> int:
         return 1 - self.rank
+
+    def watch(self) -> None:
+        """Mark the pair broken as soon as its connection drops (see the module docstring)."""
+        sentinel = self.gloo.recv([torch.empty(1)], self.peer_rank, _SENTINEL_TAG)
+
+        def watch_sentinel() -> None:
+            try:
+                sentinel.wait(_SENTINEL_TIMEOUT)
+                reason = "unexpected message on the sentinel tag"
+            except RuntimeError as exc:
+                reason = _first_line(exc)
+            self.mark_broken(reason)
+
+        self.watcher = threading.Thread(target=watch_sentinel, name=f"kv-watch-{self.peer_id}", daemon=True)
+        self.watcher.start()
+
+    def wait(self, work, deadline: float) -> None:
+        """Wait for one transfer; raise RuntimeError when it fails, times out or the pair breaks.
+
+        A thread waits on gloo, so that this thread can leave as soon as the pair breaks; if the
+        transfer is one gloo does not wake, that thread ends at the deadline.
+        """
+        outcome: list[BaseException | None] = []
+
+        def wait_work() -> None:
+            try:
+                finished = work.wait(timedelta(seconds=_remaining(deadline)))
+                result = None if finished else TimeoutError("timed out")
+            except BaseException as exc:  # handed to the caller
+                result = exc
+            with self.cond:
+                outcome.append(result)
+                self.cond.notify_all()
+            result = None  # an exception's traceback holds this frame: no cycle through it
+
+        threading.Thread(target=wait_work, name=f"kv-wait-{self.peer_id}", daemon=True).start()
+        with self.cond:
+            self.cond.wait_for(lambda: outcome or self.broken is not None, _remaining(deadline) + _TIMEOUT_GRACE_S)
+            if not outcome:  # an operation that gloo does fail reports its own, clearer error at once
+                self.cond.wait_for(lambda: outcome, _OWN_ERROR_GRACE_S)
+        error = outcome.pop() if outcome else self._wait_failure(deadline)
+        if error is not None:
+            try:
+                raise error
+            finally:
+                error = None  # as above
+
+    def _wait_failure(self, deadline: float) -> BaseException:
+        if self.broken is not None and time.monotonic() < deadline:
+            return RuntimeError(f"connection lost: {self.broken}")
+        return TimeoutError("timed out")
+
+    def mark_broken(self, reason: str) -> None:
+        with self.cond:
+            if self.broken is None:
+                self.broken = reason
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Close the connection now, so that the peer's pending operations on it fail at once."""
+        self.mark_broken("discarded on this side")
+        try:
+            self.gloo.recv([torch.empty(1)], self.peer_rank, _CLOSE_TAG).wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass  # the timeout that closes it, or it was closed already
+        if self.nccl is not None:
+            try:
+                self.nccl.abort()
+            except RuntimeError:
+                pass
 
 
 class TorchDistTransport(Transport):
@@ -94,8 +182,8 @@ class TorchDistTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._connect_lock(peer_id):
             pair = self._pairs.get(peer_id)
-            if pair is not None and pair.peer_address != peer_address:
-                self._discard(pair, bump=False)  # the peer restarted elsewhere: a new pair name
+            if pair is not None and (pair.broken is not None or pair.peer_address != peer_address):
+                self._discard(pair, bump=pair.broken is not None)  # a new address is a new pair name
                 pair = None
             try:
                 store = pair.store if pair is not None else self._owner_store(peer_id, peer_address, deadline)
@@ -120,10 +208,10 @@ class TorchDistTransport(Transport):
         with pair.send_lock:
             try:
                 group, device = self._group_for(pair, tensor.device)
-                _wait(group.send([header.to(device)], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
+                pair.wait(group.send([header.to(device)], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
                 if tensor.numel():
                     payload = _as_bytes(tensor.to(device).contiguous())
-                    _wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline)
+                    pair.wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline)
             except _TRANSPORT_ERRORS as exc:
                 raise self._fail(pair, f"send of {_describe(header.tolist())} failed", exc) from exc
 
@@ -135,12 +223,12 @@ class TorchDistTransport(Transport):
             try:
                 group, device = self._group_for(pair, out.device)
                 header = torch.empty_like(expected, device=device)
-                _wait(group.recv([header], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
+                pair.wait(group.recv([header], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
                 got = header.tolist()
                 if got == expected.tolist() and out.numel():
                     direct = out.is_contiguous() and out.device == device
                     target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-                    _wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
+                    pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
                     if not direct:
                         out.copy_(target)
             except _TRANSPORT_ERRORS as exc:
@@ -159,7 +247,9 @@ class TorchDistTransport(Transport):
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
         for pair in pairs:
-            _abort(pair)
+            pair.close()
+        for pair in pairs:
+            pair.watcher.join(timeout=1.0)  # it holds the group, which holds our store
         self._store = None  # stops our store server
 
     # ---- pairs ----------------------------------------------------------------------------------
@@ -172,6 +262,8 @@ class TorchDistTransport(Transport):
             pair = self._pairs.get(peer_id)
         if pair is None:
             raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)")
+        if pair.broken is not None:
+            raise self._fail(pair, f"connection lost: {pair.broken}")
         return pair
 
     def _pair_name(self, peer_id: str, peer_address: str) -> str:
@@ -205,16 +297,18 @@ class TorchDistTransport(Transport):
         except _TRANSPORT_ERRORS as exc:
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
             raise self._error(peer_id, f"peer did not join within {timeout.total_seconds():.1f}s", exc) from exc
-        return _Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo)
+        pair = _Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo)
+        pair.watch()
+        return pair
 
-    def _group_for(self, pair: _Pair, device: torch.device) -> tuple[dist.ProcessGroup, torch.device]:
+    def _group_for(self, pair: _Pair, device: torch.device):
         """The group that carries tensors on `device`, and the device the wire tensors live on."""
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "gloo":
             return pair.gloo, torch.device("cpu")
         if device.type != "cuda":
             raise ValueError(f"tensor: the nccl backend carries CUDA tensors only, got {device}")
-        with pair.nccl_lock:
+        with pair.cond:
             if pair.nccl is None:
                 pair.nccl = _nccl_group(pair)
         return pair.nccl, device
@@ -226,7 +320,7 @@ class TorchDistTransport(Transport):
         # Bump before closing: a peer that sees the connection drop and reconnects must read the new generation.
         if bump:
             _bump(pair.store, pair.generation_key, pair.generation)
-        _abort(pair)
+        pair.close()
 
     def _fail(self, pair: _Pair, what: str, exc: BaseException | None = None) -> KVTransferError:
         self._discard(pair, bump=True)
@@ -264,7 +358,7 @@ def _gloo_device(host: str):
     return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
-def _nccl_group(pair: _Pair) -> dist.ProcessGroup:
+def _nccl_group(pair: _Pair) -> dist.ProcessGroupNCCL:
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("tensor: CUDA tensors need CUDA and a torch built with NCCL (or backend='gloo')")
     options = dist.ProcessGroupNCCL.Options()
@@ -277,21 +371,6 @@ def _bump(store: dist.Store, key: str, generation: int) -> None:
         store.compare_set(key, str(generation), str(generation + 1))
     except _TRANSPORT_ERRORS:
         pass  # the owner's store is gone with the owner: nobody will meet under that name again
-
-
-def _abort(pair: _Pair) -> None:
-    for group in (pair.gloo, pair.nccl):
-        if group is not None:
-            try:
-                group.abort()  # closes the connection now, so the peer's next op fails at once
-            except _TRANSPORT_ERRORS:
-                pass
-
-
-def _wait(work, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining <= 0 or not work.wait(timedelta(seconds=remaining)):
-        raise TimeoutError("timed out")
 
 
 def _tag(sender_rank: int, kind: int) -> int:
@@ -331,6 +410,7 @@ def _remaining(deadline: float) -> float:
 
 
 def _first_line(exc: BaseException) -> str:
-    # c10d errors carry a C++ stack trace after the first line.
+    # c10d errors carry a C++ stack trace after the first line, gloo's a "[file.cc:123] " prefix.
     lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""
+    return f"{type(exc).__name__}: {first}"

@@ -1,0 +1,133 @@
+"""What every worker actor shares: an engine step loop on its own thread, a heartbeat to the
+registry, and bridging results from that thread to the actor's asyncio loop.
+
+Ray runs an actor with `async def` methods on an event loop; the engine runs on the step-loop
+thread, so calls into it go through `StepLoop.call` and results come back through futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+
+import torch
+
+from disagg.engine.step_loop import StepLoop
+from disagg.errors import RegistryUnavailable
+from disagg.worker_api import WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerActorBase:
+    role = ""
+
+    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float):
+        torch.set_num_threads(num_threads)
+        self.instance_id = instance_id
+        self._registry_url = registry_url
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._heartbeat_ttl_s = heartbeat_ttl_s
+        self._heartbeat_enabled = threading.Event()
+        self._heartbeat_enabled.set()
+        self._stopping = threading.Event()
+        self._aloop: asyncio.AbstractEventLoop | None = None
+        self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
+
+    # ---- to be provided by the actor ---------------------------------------------------------
+    def _step(self) -> None:
+        raise NotImplementedError
+
+    def _has_work(self) -> bool:
+        raise NotImplementedError
+
+    def load(self) -> WorkerLoad:
+        raise NotImplementedError
+
+    def instance_info(self):
+        raise NotImplementedError
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        self.loop.start()
+        if self._registry_url:
+            threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.instance_id}", daemon=True).start()
+
+    async def ready(self) -> dict:
+        """Awaited by the launcher: the engine is loaded and the loop runs."""
+        self._aloop = asyncio.get_running_loop()
+        return {"instance_id": self.instance_id, "role": self.role, "pid": os.getpid()}
+
+    async def shutdown(self) -> None:
+        self._stopping.set()
+        self.loop.stop()
+        self._deregister()
+
+    def set_heartbeat_enabled(self, enabled: bool) -> None:
+        """Stop or resume heartbeats (draining an instance; also how tests simulate a lapse)."""
+        (self._heartbeat_enabled.set if enabled else self._heartbeat_enabled.clear)()
+
+    # ---- bridging ------------------------------------------------------------------------------
+    async def _on_loop(self, fn, *args):
+        """Run fn(*args) on the engine thread and await its result."""
+        self._aloop = self._aloop or asyncio.get_running_loop()
+        return await asyncio.wrap_future(self.loop.call(fn, *args))
+
+    def _to_asyncio(self, callback, *args) -> None:
+        """From the engine thread: run callback(*args) on the actor's event loop."""
+        if self._aloop is not None and not self._aloop.is_closed():
+            self._aloop.call_soon_threadsafe(callback, *args)
+
+    # ---- registry ------------------------------------------------------------------------------
+    def _heartbeat_loop(self) -> None:
+        from disagg.registry import LoadReport, Registry
+
+        registry = Registry(self._registry_url)
+        while not self._stopping.wait(self._heartbeat_interval_s):
+            if not self._heartbeat_enabled.is_set():
+                continue
+            load = self.load()
+            report = LoadReport(
+                num_running=load.num_running,
+                num_waiting=load.num_waiting,
+                num_waiting_for_kv=load.num_waiting_for_kv,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+                num_free_blocks=load.num_free_blocks,
+                num_total_blocks=load.num_total_blocks,
+                kv_cache_usage=load.kv_cache_usage,
+                updated_at=time.time(),
+            )
+            try:
+                registry.heartbeat(self.instance_info(), report, self._heartbeat_ttl_s)
+            except RegistryUnavailable as exc:  # keep serving; the next beat retries
+                logger.warning("heartbeat failed: %s", exc)
+        registry.close()
+
+    def _deregister(self) -> None:
+        if not self._registry_url:
+            return
+        from disagg.registry import Registry
+
+        try:
+            registry = Registry(self._registry_url)
+            registry.deregister(self.instance_id)
+            registry.close()
+        except RegistryUnavailable:
+            pass
+
+
+def engine_load(engine, num_waiting_for_kv: int = 0) -> WorkerLoad:
+    """A snapshot readable from any thread (len() of the scheduler's queues is atomic)."""
+    scheduler = engine.scheduler
+    queued = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.waiting) + list(scheduler.running) if r.num_computed_tokens < r.num_prompt_tokens)
+    return WorkerLoad(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_waiting_for_kv=num_waiting_for_kv,
+        queued_prefill_tokens=queued,
+        num_free_blocks=engine.num_free_blocks,
+        num_total_blocks=engine.num_total_blocks,
+    )

@@ -1,0 +1,63 @@
+"""A small gRPC client for the Serving API (used by the CLI, the tests and the load tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from disagg.v1 import serving_pb2, serving_pb2_grpc
+
+
+def sampling_proto(temperature: float | None = None, max_tokens: int | None = None, **kw) -> serving_pb2.SamplingParams:
+    params = serving_pb2.SamplingParams(**{k: v for k, v in kw.items() if v is not None})
+    if temperature is not None:
+        params.temperature = temperature
+    if max_tokens is not None:
+        params.max_tokens = max_tokens
+    return params
+
+
+def generate_request(prompt: str | None = None, *, chat: list[dict] | None = None, prompt_token_ids: list[int] | None = None, request_id: str = "", **sampling) -> serving_pb2.GenerateRequest:
+    request = serving_pb2.GenerateRequest(request_id=request_id, sampling=sampling_proto(**sampling))
+    if chat is not None:
+        request.chat.CopyFrom(serving_pb2.Chat(messages=[serving_pb2.ChatMessage(**m) for m in chat]))
+    elif prompt_token_ids is not None:
+        request.prompt_token_ids.CopyFrom(serving_pb2.TokenIds(ids=prompt_token_ids))
+    elif prompt is not None:
+        request.prompt = prompt
+    return request
+
+
+class DisaggClient:
+    def __init__(self, address: str, api_key: str | None = None):
+        self.channel = grpc.insecure_channel(address)
+        self.stub = serving_pb2_grpc.ServingStub(self.channel)
+        self.metadata = (("x-api-key", api_key),) if api_key else ()
+
+    def stream(self, request: serving_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[serving_pb2.GenerateResponse]:
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+
+    def generate(self, request: serving_pb2.GenerateRequest, timeout: float | None = None) -> tuple[list[int], str, serving_pb2.GenerateResponse]:
+        """Run to the end: (all token ids, all text, the final message)."""
+        token_ids, text, last = [], [], None
+        for msg in self.stream(request, timeout):
+            token_ids += msg.token_ids
+            text.append(msg.text)
+            last = msg
+        return token_ids, "".join(text), last
+
+    def cluster_status(self, timeout: float = 10.0) -> serving_pb2.ClusterStatusResponse:
+        return self.stub.ClusterStatus(serving_pb2.ClusterStatusRequest(), timeout=timeout, metadata=self.metadata)
+
+    def abort(self, request_id: str, timeout: float = 10.0) -> bool:
+        return self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata).found
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "DisaggClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

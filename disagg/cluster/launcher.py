@@ -1,0 +1,124 @@
+"""Starts the pools of worker actors on Ray, one placement group per instance.
+
+A placement group holds the instance's TP x PP workers together. When the cluster has nodes
+labelled with a custom resource named after the pool (`prefill`, `decode`, `colocated`), the
+pool is pinned to them; on a single machine it goes anywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from disagg.config import PoolConfig, ServingConfig
+from disagg.errors import InvalidRequestError, UnavailableError
+
+logger = logging.getLogger(__name__)
+NAMESPACE = "disagg"
+PIN_RESOURCE_AMOUNT = 0.001  # a sliver of the node label, so any number of workers fit on it
+
+
+@dataclass
+class LaunchedInstance:
+    instance_id: str
+    role: str
+    actor_name: str
+    actor: "ray.actor.ActorHandle"
+    placement_group: PlacementGroup
+
+
+class PoolLauncher:
+    def __init__(self, config: ServingConfig, registry_url: str | None):
+        self.config = config
+        self.registry_url = registry_url
+        self.instances: list[LaunchedInstance] = []
+
+    def pools(self) -> list[tuple[str, PoolConfig]]:
+        if self.config.mode == "colocated":
+            return [("colocated", self.config.colocated)]
+        return [("prefill", self.config.prefill), ("decode", self.config.decode)]
+
+    def launch(self, ready_timeout_s: float = 600.0) -> list[LaunchedInstance]:
+        run_id = uuid.uuid4().hex[:6]
+        for role, pool in self.pools():
+            if pool.workers_per_instance > 1:
+                raise InvalidRequestError(f"{role}.tensor_parallel_size", "instances of more than one worker (TP or PP > 1) are not supported yet")
+            for index in range(pool.num_instances):
+                self.instances.append(self._launch_one(role, pool, f"{role}-{index}-{run_id}"))
+        try:
+            ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=ready_timeout_s)
+        except Exception:
+            self.shutdown()
+            raise
+        return self.instances
+
+    def _launch_one(self, role: str, pool: PoolConfig, instance_id: str) -> LaunchedInstance:
+        bundle = {"CPU": pool.num_cpus_per_worker, **({"GPU": pool.num_gpus_per_worker} if pool.num_gpus_per_worker else {}), **pool.resources, **self._pin(role)}
+        group = placement_group([bundle] * pool.workers_per_instance, strategy="PACK", name=f"{NAMESPACE}-{instance_id}")
+        try:
+            ray.get(group.ready(), timeout=60)
+        except Exception as exc:
+            remove_placement_group(group)
+            raise UnavailableError(f"cannot place {instance_id}: the cluster lacks {bundle} ({exc})") from exc
+        actor_name = f"{NAMESPACE}-{instance_id}"
+        options = dict(
+            name=actor_name,
+            namespace=NAMESPACE,
+            num_cpus=pool.num_cpus_per_worker,
+            num_gpus=pool.num_gpus_per_worker,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+        )
+        common = dict(
+            registry_url=self.registry_url,
+            kv_timeout_s=self.config.kv_timeout_s,
+            num_threads=self.config.threads_per_worker,
+            heartbeat_interval_s=self.config.heartbeat_interval_s,
+            heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+            actor_name=actor_name,
+        )
+        engine_config = self.config.pool_engine_config(pool)
+        if role == "prefill":
+            from disagg.prefill_worker.actor import PrefillActor
+
+            actor = ray.remote(PrefillActor).options(**options).remote(instance_id, engine_config, **common)
+        else:
+            from disagg.decode_worker.actor import DecodeActor
+
+            actor = ray.remote(DecodeActor).options(**options).remote(instance_id, engine_config, colocated=role == "colocated", **common)
+        logger.info("launched %s", instance_id)
+        return LaunchedInstance(instance_id, role, actor_name, actor, group)
+
+    @staticmethod
+    def _pin(role: str) -> dict:
+        return {role: PIN_RESOURCE_AMOUNT} if ray.cluster_resources().get(role, 0) > 0 else {}
+
+    def shutdown(self, timeout_s: float = 15.0, remove_groups: bool = True) -> None:
+        """Stop every actor (deregistering it) and release its placement group.
+
+        Bounded: after Ctrl-C the terminal's SIGINT may already have taken Ray's own processes
+        down, and then Ray calls can block; the teardown runs on a thread we stop waiting for.
+        """
+        instances, self.instances = self.instances, []
+        worker = threading.Thread(target=self._stop_all, args=(instances, timeout_s, remove_groups), daemon=True)
+        worker.start()
+        worker.join(timeout_s + 5)
+        if worker.is_alive():
+            logger.warning("worker teardown did not finish in %.0fs; leaving it to ray.shutdown()", timeout_s + 5)
+
+    @staticmethod
+    def _stop_all(instances: list[LaunchedInstance], timeout_s: float, remove_groups: bool) -> None:
+        try:
+            ray.get([inst.actor.shutdown.remote() for inst in instances], timeout=timeout_s)
+        except Exception as exc:  # dead or stuck actors are killed below anyway
+            logger.warning("some workers did not shut down cleanly: %s", exc)
+        for inst in instances:
+            ray.kill(inst.actor, no_restart=True)
+            if remove_groups:
+                remove_placement_group(inst.placement_group)

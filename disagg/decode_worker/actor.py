@@ -1,0 +1,162 @@
+"""The decode (or colocated) instance as a Ray actor.
+
+Tokens leave in batches: after each engine step the new tokens of every request are merged
+into one outbox, and the router's single poller per instance takes the whole outbox with one
+`next_outputs()` call (a long poll). So the remote calls per second are one per step per
+instance, never one per token per request. The outbox holds at most one merged delta per live
+request, so it is bounded however slow the poller is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from disagg.actor_base import WorkerActorBase, engine_load
+from disagg.config import EngineConfig
+from disagg.decode_worker.worker import DecodeWorker, Reservation
+from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.request import SamplingParams
+from disagg.worker_api import TokenDelta, WorkerLoad
+
+
+class DecodeActor(WorkerActorBase):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = ""):
+        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
+        self.role = "colocated" if colocated else "decode"
+        self.actor_name = actor_name
+        self.engine_config = engine_config
+        transport = None if colocated else TorchDistTransport(instance_id, host)
+        self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s)
+        if self.worker.receiver is not None:
+            self.worker.receiver.on_finished = self.loop.wake
+        self._outbox: dict[str, TokenDelta] = {}
+        self._outbox_lock = threading.Lock()
+        self._outbox_ready: asyncio.Event | None = None  # created on the actor's loop
+        self._first_token_pending: set[str] = set()  # DECODE: the prefill side already streamed it
+        self._transfer_s: dict[str, float] = {}  # engine thread only
+        self._start()
+
+    def instance_info(self):
+        from disagg.registry import InstanceInfo
+
+        p = self.engine_config.parallel
+        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
+
+    def load(self) -> WorkerLoad:
+        receiver = self.worker.receiver
+        return engine_load(self.worker.engine, len(self.worker.engine.scheduler.waiting_for_kv) if receiver else 0)
+
+    def kv_address(self) -> str:
+        return self.worker.address()
+
+    # ---- called by the router ------------------------------------------------------------------
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sources: dict[str, str]) -> Reservation | None:
+        """The handshake: pre-allocate the prompt's blocks; None when there is no room now."""
+        reservation = await self._on_loop(self.worker.reserve, request_id, prompt_token_ids, params, sources)
+        if reservation is not None:
+            self._first_token_pending.add(request_id)
+        return reservation
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """COLOCATED: run the whole request here; its tokens come out of next_outputs()."""
+        await self._on_loop(self.worker.add_request, request_id, prompt_token_ids, params)
+
+    async def abort(self, request_id: str) -> bool:
+        found = await self._on_loop(self._abort, request_id)
+        self._first_token_pending.discard(request_id)
+        with self._outbox_lock:
+            self._outbox.pop(request_id, None)
+        return found
+
+    async def next_outputs(self, timeout_s: float = 1.0) -> list[TokenDelta]:
+        """Everything produced since the last call; waits up to timeout_s for something."""
+        ready = self._ready_event()
+        if not self._outbox:
+            try:
+                await asyncio.wait_for(ready.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return []
+        ready.clear()
+        with self._outbox_lock:
+            deltas, self._outbox = list(self._outbox.values()), {}
+        return deltas
+
+    async def status(self) -> dict:
+        receiver = self.worker.receiver
+        return {"load": self.load(), "kv_bytes_received": receiver.num_bytes_total if receiver else 0}
+
+    def _ready_event(self) -> asyncio.Event:
+        if self._outbox_ready is None:
+            self._aloop = asyncio.get_running_loop()
+            self._outbox_ready = asyncio.Event()
+        return self._outbox_ready
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _abort(self, request_id: str) -> bool:
+        self._transfer_s.pop(request_id, None)
+        return self.worker.abort(request_id)
+
+    def _has_work(self) -> bool:
+        scheduler, receiver = self.worker.engine.scheduler, self.worker.receiver
+        # Requests only waiting for KV need no step: the receiver wakes the loop when KV lands.
+        return bool(scheduler.running or scheduler.waiting) or (receiver is not None and receiver.has_finished())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.worker.step()
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
+        self._transfer_s.update((r.request_id, r.seconds) for r in self.worker.transfer_results if r.ok)
+        deltas = [self._delta(out) for out in outputs]
+        deltas += [TokenDelta(f.request_id, [], finished=True, finish_reason="abort", error=f.error) for f in self.worker.failed]
+        self._publish(deltas)
+
+    def _delta(self, out) -> TokenDelta:
+        completion = out.outputs[0]
+        token_ids, text = list(out.new_token_ids), out.new_text
+        if out.request_id in self._first_token_pending:  # DECODE: token 1 was streamed by the prefill worker
+            self._first_token_pending.discard(out.request_id)
+            token_ids, text = token_ids[1:], ""
+        logprobs = []
+        if completion.logprobs:
+            logprobs = [lp.get(t, float("nan")) for lp, t in zip(completion.logprobs[-len(token_ids) :], token_ids)] if token_ids else []
+        m = out.metrics
+        start = m.kv_ready or m.first_token or m.arrival
+        return TokenDelta(
+            request_id=out.request_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finished=out.finished,
+            finish_reason=completion.finish_reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=len(completion.token_ids),
+            queue_s=(m.first_scheduled or m.arrival) - m.arrival if self.role == "colocated" else 0.0,
+            prefill_s=(m.first_token or m.arrival) - (m.first_scheduled or m.arrival) if self.role == "colocated" else 0.0,
+            transfer_s=(self._transfer_s.pop(out.request_id, 0.0) if out.finished else self._transfer_s.get(out.request_id, 0.0)),
+            decode_s=((m.finished or time.perf_counter()) - start) if out.finished else 0.0,
+        )
+
+    def _publish(self, deltas: list[TokenDelta]) -> None:
+        if not deltas:
+            return
+        with self._outbox_lock:
+            for delta in deltas:
+                earlier = self._outbox.get(delta.request_id)
+                if earlier is None:
+                    self._outbox[delta.request_id] = delta
+                else:
+                    earlier.merge(delta)
+        if self._outbox_ready is not None:
+            self._to_asyncio(self._outbox_ready.set)
+
+    def _fail_all(self, exc: Exception) -> None:
+        engine = self.worker.engine
+        ids = list(engine.scheduler.requests)
+        for request_id in ids:
+            self.worker.abort(request_id)
+        self._publish([TokenDelta(r, [], finished=True, finish_reason="abort", error=f"decode step failed: {exc}") for r in ids])

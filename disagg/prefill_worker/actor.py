@@ -1,0 +1,120 @@
+"""The prefill instance as a Ray actor.
+
+`prefill()` returns once the first token exists (that is the request's TTFT); the KV keeps
+streaming to the decode worker in the background and the blocks are freed on its ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from disagg.actor_base import WorkerActorBase, engine_load
+from disagg.config import EngineConfig
+from disagg.errors import KVTransferError
+from disagg.kv_transfer.sender import KVTarget
+from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.prefill_worker.worker import PrefillWorker
+from disagg.request import SamplingParams
+from disagg.worker_api import PrefillResult, WorkerLoad
+
+
+class PrefillActor(WorkerActorBase):
+    role = "prefill"
+
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = ""):
+        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
+        self.actor_name = actor_name
+        self.engine_config = engine_config
+        self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, host), kv_timeout=kv_timeout_s)
+        self.worker.sender.on_finished = self.loop.wake
+        self._waiters: dict[str, asyncio.Future] = {}  # touched on the asyncio loop only
+        self._start()
+
+    def instance_info(self):
+        from disagg.registry import InstanceInfo
+
+        p = self.engine_config.parallel
+        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
+
+    def load(self) -> WorkerLoad:
+        return engine_load(self.worker.engine)
+
+    def kv_address(self) -> str:
+        return self.worker.address()
+
+    def geometry(self) -> dict:
+        cfg = self.worker.engine.model_config
+        return {"num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, targets: list[KVTarget]) -> PrefillResult:
+        """Compute the prompt, stream its KV to `targets`, return the first token."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = waiter
+        try:
+            await self._on_loop(self.worker.add_request, request_id, prompt_token_ids, params, targets)
+            return await waiter
+        finally:
+            self._waiters.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        await self._on_loop(self.worker.abort, request_id)
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+
+    async def status(self) -> dict:
+        return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        return not self.worker.is_idle() or self.worker.sender.has_finished()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.worker.step()
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
+        for out in outputs:
+            if out.finished:
+                self._to_asyncio(self._resolve, out.request_id, _first_token_result(out))
+        for result in self.worker.transfer_results:
+            if not result.ok:  # failed before the first token went out: the caller must know
+                self._to_asyncio(self._reject, result.request_id, KVTransferError(result.error or "KV transfer failed"))
+
+    def _fail_all(self, exc: Exception) -> None:
+        engine = self.worker.engine
+        for request_id in list(engine.scheduler.requests):
+            self.worker.abort(request_id)
+            self._to_asyncio(self._reject, request_id, RuntimeError(f"prefill step failed: {exc}"))
+
+    def _resolve(self, request_id: str, result: PrefillResult) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(result)
+
+    def _reject(self, request_id: str, exc: Exception) -> None:
+        waiter = self._waiters.get(request_id)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+
+
+def _first_token_result(out) -> PrefillResult:
+    m = out.metrics
+    completion = out.outputs[0]
+    logprob = None
+    if completion.logprobs:
+        logprob = completion.logprobs[0].get(completion.token_ids[0])
+    return PrefillResult(
+        request_id=out.request_id,
+        token_id=completion.token_ids[0],
+        text=completion.text,
+        logprob=logprob,
+        finished=completion.finish_reason is not None,
+        finish_reason=completion.finish_reason,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        queue_s=(m.first_scheduled or m.arrival) - m.arrival,
+        prefill_s=(m.first_token or time.perf_counter()) - (m.first_scheduled or m.arrival),
+    )

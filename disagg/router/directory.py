@@ -1,0 +1,103 @@
+"""The router's view of the live instances: discovered from Redis, kept fresh by a background
+task, with the router's own count of the work it has sent each one since.
+
+An instance is healthy while its heartbeat key exists. When Redis cannot be reached the last
+view is kept (requests in flight never touch Redis), and an instance that comes back simply
+reappears. Actor handles are looked up by name once and cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from disagg.errors import RegistryUnavailable
+from disagg.registry import InstanceView, Registry
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Instance:
+    instance_id: str
+    role: str
+    actor: "ray.actor.ActorHandle"
+    view: InstanceView
+    # What the router sent and has not seen finish (fresher than the instance's own report).
+    outstanding_prefill_tokens: int = 0
+    outstanding_requests: int = 0
+    reserved_blocks: int = 0  # blocks reserved by the router since the last load report
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_address(self) -> str:
+        return self.view.info.kv_address
+
+    @property
+    def free_blocks(self) -> int:
+        return self.view.load.num_free_blocks - self.reserved_blocks
+
+
+class InstanceDirectory:
+    def __init__(self, registry: Registry, namespace: str, refresh_interval_s: float = 0.5):
+        self.registry = registry
+        self.namespace = namespace
+        self.refresh_interval_s = refresh_interval_s
+        self._instances: dict[str, Instance] = {}
+        self._task: asyncio.Task | None = None
+        self.last_refresh_ok = 0.0
+
+    def healthy(self, role: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.role == role]
+
+    def get(self, instance_id: str) -> Instance | None:
+        return self._instances.get(instance_id)
+
+    def all(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._refresh_forever(), name="instance-directory")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        try:
+            views = await asyncio.to_thread(self.registry.instances)
+        except RegistryUnavailable as exc:
+            logger.warning("registry unreachable, keeping the last view of %d instances: %s", len(self._instances), exc)
+            return
+        self.last_refresh_ok = time.monotonic()
+        seen = set()
+        for view in views:
+            seen.add(view.info.instance_id)
+            self._update(view)
+        for gone in set(self._instances) - seen:
+            logger.info("instance %s left (heartbeat lapsed)", gone)
+            del self._instances[gone]
+
+    def _update(self, view: InstanceView) -> None:
+        known = self._instances.get(view.info.instance_id)
+        if known is not None and known.view.info.kv_address == view.info.kv_address:
+            if view.load.updated_at != known.view.load.updated_at:
+                known.reserved_blocks = 0  # the new report already counts earlier reservations
+            known.view = view
+            return
+        try:
+            actor = ray.get_actor(view.info.actor_name, namespace=self.namespace)
+        except ValueError:
+            logger.warning("instance %s is registered but its actor %s is gone", view.info.instance_id, view.info.actor_name)
+            return
+        self._instances[view.info.instance_id] = Instance(view.info.instance_id, view.info.role, actor, view)

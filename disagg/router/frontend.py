@@ -1,0 +1,178 @@
+"""The gRPC frontend (grpc.aio): validates, tokenizes, runs the request through the
+orchestrator and streams its tokens; plus Abort, ClusterStatus, health checking and reflection.
+
+Each response message carries one engine step's tokens of the request. Errors map to status
+codes in one place (disagg.errors): bad input INVALID_ARGUMENT, overload RESOURCE_EXHAUSTED,
+no worker UNAVAILABLE, deadline DEADLINE_EXCEEDED, cancel CANCELLED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+import grpc
+
+from disagg.errors import DisaggError, InvalidRequestError, RegistryUnavailable, grpc_code_name
+from disagg.metrics import ServingMetrics
+from disagg.registry import Registry
+from disagg.router.directory import InstanceDirectory
+from disagg.router.orchestrator import Orchestrator
+from disagg.router.validation import ModelLimits, check_fits, prompt_token_ids, sampling_params
+from disagg.v1 import serving_pb2, serving_pb2_grpc
+from disagg.worker_api import TokenDelta
+
+logger = logging.getLogger(__name__)
+
+
+class ServingServicer(serving_pb2_grpc.ServingServicer):
+    def __init__(self, orchestrator: Orchestrator, directory: InstanceDirectory, tokenizer, limits: ModelLimits, metrics: ServingMetrics, registry: Registry | None, model_name: str):
+        self.orchestrator = orchestrator
+        self.directory = directory
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.metrics = metrics
+        self.registry = registry
+        self.model_name = model_name
+        self.max_inflight = orchestrator.config.max_inflight_requests
+        self.api_key = orchestrator.config.api_key
+        self._active: dict[str, asyncio.Task] = {}
+        self.draining = False
+
+    # ---- Generate --------------------------------------------------------------------------------
+    async def Generate(self, request, context):
+        await self._admit(context)
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            prompt_ids, params = self._parse(request)
+        except InvalidRequestError as exc:
+            self.metrics.observe_failure("INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if request_id in self._active:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
+        self._active[request_id] = asyncio.current_task()
+        stream = _StreamStats(time.perf_counter(), len(prompt_ids))
+        try:
+            async for delta in self.orchestrator.generate(request_id, prompt_ids, params):
+                yield stream.response(request_id, delta)
+        except asyncio.CancelledError:
+            self.metrics.observe_failure("CANCELLED")
+            raise
+        except (DisaggError, ValueError, asyncio.TimeoutError) as exc:
+            code = "DEADLINE_EXCEEDED" if isinstance(exc, asyncio.TimeoutError) else grpc_code_name(exc)
+            self.metrics.observe_failure(code)
+            await context.abort(getattr(grpc.StatusCode, code), str(exc) or type(exc).__name__)
+        except Exception as exc:  # a worker died mid-request (RayActorError and friends)
+            logger.exception("request %s failed", request_id)
+            self.metrics.observe_failure("UNAVAILABLE")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._active.pop(request_id, None)
+        self._record(request_id, stream)
+
+    async def _admit(self, context) -> None:
+        if self.api_key and dict(context.invocation_metadata()).get("x-api-key") != self.api_key:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+        if len(self._active) >= self.max_inflight:
+            self.metrics.observe_failure("RESOURCE_EXHAUSTED")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_inflight} requests in flight; try again later")
+
+    def _parse(self, request) -> tuple[list[int], object]:
+        params = sampling_params(request.sampling, self.tokenizer)
+        ids = prompt_token_ids(request, self.tokenizer, self.limits.vocab_size)
+        check_fits(len(ids), params, self.limits)
+        return ids, params
+
+    def _record(self, request_id: str, stream: "_StreamStats") -> None:
+        if stream.final is None:
+            return
+        t = stream.final.timings
+        self.metrics.observe_finished(t.ttft_s, t.e2e_s, stream.itl, t.queue_s, t.prefill_s, t.decode_s, stream.final.usage.prompt_tokens, stream.final.usage.completion_tokens, stream.final.finish_reason)
+        if t.transfer_s:
+            self.metrics.observe_transfer(t.transfer_s, 0)
+        if self.registry is not None:
+            record = {"request_id": request_id, "finish_reason": stream.final.finish_reason, "prompt_tokens": stream.final.usage.prompt_tokens, "completion_tokens": stream.final.usage.completion_tokens, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s}
+            asyncio.get_running_loop().run_in_executor(None, _record_quietly, self.registry, record)
+
+    # ---- Abort, ClusterStatus --------------------------------------------------------------------
+    async def Abort(self, request, context):
+        await self._check_key(context)
+        task = self._active.get(request.request_id)
+        if task is not None:
+            task.cancel()
+        return serving_pb2.AbortResponse(found=task is not None)
+
+    async def ClusterStatus(self, request, context):
+        await self._check_key(context)
+        pools: dict[str, list] = {}
+        for inst in sorted(self.directory.all(), key=lambda i: i.instance_id):
+            load, info = inst.view.load, inst.view.info
+            pools.setdefault(inst.role, []).append(
+                serving_pb2.Instance(
+                    instance_id=inst.instance_id, role=inst.role, kv_address=info.kv_address, healthy=True,
+                    num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
+                    tensor_parallel_size=info.tensor_parallel_size, pipeline_parallel_size=info.pipeline_parallel_size,
+                    heartbeat_age_s=inst.view.heartbeat_age_s, num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+                )
+            )
+            self.metrics.set_instance_load(inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage)
+        return serving_pb2.ClusterStatusResponse(pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()], model=self.model_name, mode=self.orchestrator.config.mode)
+
+    async def _check_key(self, context) -> None:
+        if self.api_key and dict(context.invocation_metadata()).get("x-api-key") != self.api_key:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new requests; give those in flight `timeout_s` to finish, then cancel them."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for task in list(self._active.values()):
+            task.cancel()
+
+
+class _StreamStats:
+    """Builds the response messages of one stream and keeps what the final one reports."""
+
+    def __init__(self, started: float, num_prompt_tokens: int):
+        self.started = started
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.itl: list[float] = []
+        self.completion_tokens = 0
+        self.prefill_s = self.queue_s = self.transfer_s = 0.0
+        self.cached = 0
+        self.final: serving_pb2.GenerateResponse | None = None
+
+    def response(self, request_id: str, delta: TokenDelta) -> serving_pb2.GenerateResponse:
+        now = time.perf_counter()
+        if delta.token_ids:
+            if self.first_token_at is None:
+                self.first_token_at = now
+                self.prefill_s, self.cached = delta.prefill_s, delta.num_cached_tokens
+            elif self.last_token_at is not None:
+                self.itl.append((now - self.last_token_at) / len(delta.token_ids))
+            self.last_token_at = now
+        self.completion_tokens += len(delta.token_ids)
+        self.transfer_s = delta.transfer_s or self.transfer_s
+        msg = serving_pb2.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs, finished=delta.finished)
+        if delta.finished:
+            msg.finish_reason = delta.finish_reason or "stop"
+            msg.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens, cached_prompt_tokens=self.cached))
+            ttft = (self.first_token_at or now) - self.started
+            msg.timings.CopyFrom(serving_pb2.Timings(queue_s=max(0.0, ttft - self.prefill_s), prefill_s=self.prefill_s, transfer_s=self.transfer_s, decode_s=now - (self.first_token_at or now), ttft_s=ttft, e2e_s=now - self.started))
+            self.final = msg
+        return msg
+
+
+def _record_quietly(registry: Registry, record: dict) -> None:
+    try:
+        registry.record_request(record, ttl_s=3600)
+    except RegistryUnavailable:
+        pass  # records are soft state; losing one is fine

@@ -1,0 +1,162 @@
+"""One request's journey through the pools (DESIGN.md, "One request, end to end").
+
+Disaggregated: choose a prefill instance P and a decode instance D; D reserves blocks for the
+prompt (the handshake) and starts listening to P; P computes the prompt, streams its KV layer
+by layer into those blocks and returns the first token; D then decodes and its tokens reach the
+client through the instance's stream. Colocated: one instance does both.
+
+Whatever ends the request (finish, client cancel, deadline, error), both instances are told to
+drop it, so no block stays allocated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from disagg.config import ServingConfig
+from disagg.errors import KVTransferError, OverloadedError, UnavailableError
+from disagg.kv_transfer.sender import KVTarget
+from disagg.request import SamplingParams
+from disagg.router.directory import Instance, InstanceDirectory
+from disagg.router.policy import PlacementPolicy
+from disagg.router.streams import DecodeStreams, Mailbox
+from disagg.worker_api import TokenDelta
+
+logger = logging.getLogger(__name__)
+ABORT_TIMEOUT_S = 5.0
+RESERVE_RETRY_S = 0.02  # first back-off while no decode instance has room; doubles up to 0.5 s
+
+
+@dataclass
+class Placement:
+    prefill: Instance | None
+    decode: Instance
+
+
+class Orchestrator:
+    def __init__(self, config: ServingConfig, directory: InstanceDirectory, policy: PlacementPolicy, streams: DecodeStreams, block_size: int, geometry: dict):
+        self.config = config
+        self.directory = directory
+        self.policy = policy
+        self.streams = streams
+        self.block_size = block_size
+        self.geometry = geometry  # num_layers, num_kv_heads of the model
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.config.mode == "disaggregated"
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+        """Deltas of the request, the first token first; the last one has finished=True."""
+        placement, mailbox = None, None
+        try:
+            if self.disaggregated:
+                placement, mailbox, first = await self._start_disaggregated(request_id, prompt_token_ids, params)
+                yield first
+                if first.finished:
+                    return
+            else:
+                placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params)
+            async for delta in self._drain(mailbox):
+                yield delta
+        finally:
+            if placement is not None:
+                await self._cleanup(request_id, placement, len(prompt_token_ids))
+
+    # ---- disaggregated ---------------------------------------------------------------------------
+    async def _start_disaggregated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox, TokenDelta]:
+        prefill = self.policy.choose_prefill(self.directory.healthy("prefill"), len(prompt_token_ids))
+        if prefill is None:
+            raise UnavailableError("no healthy prefill instance")
+        decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
+        placement = Placement(prefill, decode)
+        try:
+            mailbox = self.streams.open(decode, request_id)  # before the prefill: no delta can be missed
+            target = KVTarget(decode.instance_id, decode.kv_address, reservation.transfer_id, reservation.block_ids, (0, self.geometry["num_layers"]), (0, self.geometry["num_kv_heads"]))
+            prefill.outstanding_prefill_tokens += len(prompt_token_ids)
+            try:
+                result = await prefill.actor.prefill.remote(request_id, prompt_token_ids, params, [target])
+            finally:
+                prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
+        except BaseException:
+            await self._cleanup(request_id, placement, len(prompt_token_ids))
+            raise
+        first = TokenDelta(
+            request_id,
+            [result.token_id],
+            text=result.text,
+            logprobs=[result.logprob] if result.logprob is not None else [],
+            finished=result.finished,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            num_output_tokens=1,
+            queue_s=result.queue_s,
+            prefill_s=result.prefill_s,
+        )
+        return placement, mailbox, first
+
+    async def _reserve(self, request_id, prompt_token_ids, params, prefill: Instance):
+        """The handshake, retried with back-off while no decode instance has room."""
+        blocks_needed = -(-len(prompt_token_ids) // self.block_size)
+        deadline = time.monotonic() + self.config.admission_timeout_s
+        backoff = RESERVE_RETRY_S
+        while True:
+            decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
+            if decode is None:
+                raise UnavailableError("no healthy decode instance")
+            reservation = await decode.actor.reserve.remote(request_id, prompt_token_ids, params, {prefill.instance_id: prefill.kv_address})
+            if reservation is not None:
+                decode.outstanding_requests += 1
+                decode.reserved_blocks += len(reservation.block_ids)
+                return decode, reservation
+            if time.monotonic() + backoff > deadline:
+                raise OverloadedError(f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+
+    # ---- colocated -------------------------------------------------------------------------------
+    async def _start_colocated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox]:
+        instance = self.policy.choose_decode(self.directory.healthy("colocated"), -(-len(prompt_token_ids) // self.block_size))
+        if instance is None:
+            raise UnavailableError("no healthy colocated instance")
+        placement = Placement(None, instance)
+        mailbox = self.streams.open(instance, request_id)
+        instance.outstanding_requests += 1
+        try:
+            await instance.actor.submit.remote(request_id, prompt_token_ids, params)
+        except BaseException:
+            await self._cleanup(request_id, placement, len(prompt_token_ids))
+            raise
+        return placement, mailbox
+
+    # ---- both --------------------------------------------------------------------------------------
+    async def _drain(self, mailbox: Mailbox) -> AsyncIterator[TokenDelta]:
+        deadline = time.monotonic() + self.config.request_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError(f"request exceeded request_timeout_s={self.config.request_timeout_s}")
+            delta = await mailbox.get(remaining)
+            if delta.error:
+                raise KVTransferError(delta.error)
+            yield delta
+            if delta.finished:
+                return
+
+    async def _cleanup(self, request_id: str, placement: Placement, num_prompt_tokens: int) -> None:
+        """Tell both instances to drop the request (a no-op where it already finished)."""
+        decode = placement.decode
+        self.streams.close(decode.instance_id, request_id)
+        decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
+        aborts = [decode.actor.abort.remote(request_id)]
+        if placement.prefill is not None:
+            aborts.append(placement.prefill.actor.abort.remote(request_id))
+        try:
+            await asyncio.shield(asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S))
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            logger.warning("abort of %s did not complete within %.0fs", request_id, ABORT_TIMEOUT_S)

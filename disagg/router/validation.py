@@ -1,0 +1,92 @@
+"""Turns a GenerateRequest into prompt token ids and SamplingParams, or an error naming the field.
+
+Everything a worker would refuse is refused here first, so a bad request costs nothing
+downstream and gets INVALID_ARGUMENT at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.engine.tokenizer import Tokenizer
+from disagg.errors import InvalidRequestError
+from disagg.request import SamplingParams
+from disagg.v1 import serving_pb2
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+MAX_PROMPT_CHARS = 4_000_000  # tokenizing more than this would stall the frontend
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int
+    max_model_len: int
+    max_blocks_per_request: int  # the smallest KV cache among the instances, in blocks
+    block_size: int
+
+
+def sampling_params(proto: serving_pb2.SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
+    def opt(name, default):
+        return getattr(proto, name) if proto.HasField(name) else default
+
+    if proto.stop and tokenizer is None:
+        raise InvalidRequestError("sampling.stop", "stop strings need a tokenizer; this model has none")
+    try:
+        return SamplingParams(
+            temperature=float(opt("temperature", 1.0)),
+            top_p=float(opt("top_p", 1.0)),
+            top_k=int(opt("top_k", -1)),
+            seed=opt("seed", None),
+            max_tokens=int(opt("max_tokens", 16)),
+            stop=list(proto.stop),
+            stop_token_ids=list(proto.stop_token_ids),
+            ignore_eos=proto.ignore_eos,
+            logprobs=opt("logprobs", None),
+        )
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+
+
+def prompt_token_ids(request: serving_pb2.GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
+    kind = request.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("prompt", "give one of prompt, chat or prompt_token_ids")
+    if kind == "prompt_token_ids":
+        ids = list(request.prompt_token_ids.ids)
+        if not ids:
+            raise InvalidRequestError("prompt_token_ids", "must not be empty")
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise InvalidRequestError("prompt_token_ids", f"must be in [0, {vocab_size})")
+        return ids
+    if tokenizer is None:
+        raise InvalidRequestError(kind, "this model has no tokenizer; send prompt_token_ids")
+    if kind == "prompt":
+        if not request.prompt.strip():
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(request.prompt) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
+        return tokenizer.encode(request.prompt)
+    return tokenizer.apply_chat_template(_chat_messages(request.chat))
+
+
+def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("chat.messages", "must not be empty")
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
+        if len(m.content) > MAX_PROMPT_CHARS:
+            raise InvalidRequestError(f"chat.messages[{i}].content", "too long")
+        messages.append({"role": m.role, "content": m.content})
+    return messages
+
+
+def check_fits(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
+    if num_prompt_tokens >= limits.max_model_len:
+        raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({limits.max_model_len})")
+    if num_prompt_tokens + params.max_tokens > limits.max_model_len:
+        raise InvalidRequestError("sampling.max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context ({limits.max_model_len})")
+    needed = -(-(num_prompt_tokens + params.max_tokens) // limits.block_size)
+    if needed > limits.max_blocks_per_request:
+        raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens needs {needed} KV blocks; an instance holds {limits.max_blocks_per_request}")

@@ -1,0 +1,65 @@
+"""Plain data exchanged between the router and the workers (crosses Ray, so no live objects)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one request since the last delta: what a decode (or colocated) worker streams."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None  # set when the request failed on the worker (e.g. its KV never arrived)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    queue_s: float = 0.0  # worker-side durations, measured on the worker's own clock
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+
+    def merge(self, later: "TokenDelta") -> None:
+        """Fold a later delta of the same request into this one (the consumer was slow)."""
+        self.token_ids += later.token_ids
+        self.text += later.text
+        self.logprobs += later.logprobs
+        for name in ("finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "queue_s", "prefill_s", "transfer_s", "decode_s"):
+            setattr(self, name, getattr(later, name))
+
+
+@dataclass
+class PrefillResult:
+    """The first token of a request, from a prefill worker (this is what sets TTFT)."""
+
+    request_id: str
+    token_id: int
+    text: str
+    logprob: float | None
+    finished: bool  # the first token already ends the request (EOS, max_tokens=1, ...)
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    queue_s: float
+    prefill_s: float
+
+
+@dataclass
+class WorkerLoad:
+    """A worker's load, as it reports it (to Redis and to ClusterStatus)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_for_kv: int = 0
+    queued_prefill_tokens: int = 0
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0
