@@ -23,6 +23,8 @@ class TokenDelta:
     prefill_s: float = 0.0
     transfer_s: float = 0.0
     decode_s: float = 0.0
+    prefill_instance: str = ""  # set by the router: where the request ran
+    decode_instance: str = ""
 
     def merge(self, later: "TokenDelta") -> None:
         """Fold a later delta of the same request into this one (the consumer was slow)."""

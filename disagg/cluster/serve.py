@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import grpc
@@ -41,58 +42,128 @@ SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 DRAIN_GRACE_S = 10.0
 
 
-def serve(config: ServingConfig, ready_file: str | None = None) -> int:
-    """Run until SIGINT/SIGTERM; returns the exit code."""
-    with contextlib.ExitStack() as stack:
-        redis_url = config.redis_url or stack.enter_context(LocalRedis()).url
-        _start_ray(config)
-        stack.callback(ray.shutdown)
+class Server:
+    """A running service: usable in-process (tests, benchmarks) or from `disagg serve`.
+
+    Uses the Ray already initialised in this process if there is one, else starts a local Ray;
+    starts a local redis-server when the config names none. The gRPC frontend runs on its own
+    event loop on a background thread.
+    """
+
+    def __init__(self, config: ServingConfig):
+        self.config = config
+        self.address: str | None = None
+        self.metrics_url: str | None = None
+        self.servicer: ServingServicer | None = None
+        self.launcher: PoolLauncher | None = None
+        self._stack = contextlib.ExitStack()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._started = threading.Event()
+        self._failure: BaseException | None = None
+
+    def start(self, timeout_s: float = 600.0) -> "Server":
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
+        config = self.config
+        redis_url = config.redis_url or self._stack.enter_context(LocalRedis()).url
+        owns_ray = not ray.is_initialized()
+        if owns_ray:
+            _start_ray(config)
+            self._stack.callback(ray.shutdown)
         model = load_model_source(config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer)
-        print(f"disagg: starting {config.mode} pools for {config.engine.model}", flush=True)
-        launcher = PoolLauncher(config, redis_url)
-        # A local Ray takes its placement groups down with it; a shared cluster needs them removed.
-        stack.callback(launcher.shutdown, remove_groups=config.ray_address is not None)
-        launcher.launch()
-        asyncio.run(_run_frontend(config, redis_url, model, ready_file))
+        self.launcher = PoolLauncher(config, redis_url)
+        # A Ray we started takes the placement groups down with it; a shared one needs them removed.
+        self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
+        self.launcher.launch()
+        self._thread = threading.Thread(target=self._run_frontend, args=(redis_url, model), name="frontend", daemon=True)
+        self._thread.start()
+        if not self._started.wait(timeout_s) or self._failure is not None:
+            raise self._failure or UnavailableError("the frontend did not start in time")
+
+    def _run_frontend(self, redis_url: str, model) -> None:
+        try:
+            asyncio.run(self._frontend(redis_url, model))
+        except BaseException as exc:  # reported to start(); a crash after start is logged
+            self._failure = exc
+            logger.exception("frontend failed")
+        finally:
+            self._started.set()
+
+    async def _frontend(self, redis_url: str, model) -> None:
+        config = self.config
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        registry = Registry(redis_url)
+        directory = InstanceDirectory(registry, NAMESPACE)
+        await _wait_for_instances(config, directory)
+        tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
+        limits = await _model_limits(config, model, directory)
+        geometry = {"num_layers": model.config.num_hidden_layers, "num_kv_heads": model.config.num_key_value_heads}
+        streams = DecodeStreams()
+        orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size, geometry)
+        metrics = ServingMetrics()
+        self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, registry, config.engine.model)
+        server, port = await _start_grpc(config, self.servicer)
+        metrics_server = metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
+        self.metrics_url = metrics_server.url if metrics_server else None
+        self.address = f"{config.host}:{port}"
+        self._started.set()
+        await self._stop.wait()
+        await self.servicer.drain(DRAIN_GRACE_S)
+        await server.stop(grace=1.0)
+        await streams.stop()
+        await directory.stop()
+        if metrics_server:
+            metrics_server.stop()
+        registry.close()
+
+    def stop(self) -> None:
+        """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours)."""
+        if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(DRAIN_GRACE_S + 10)
+        self._stack.close()
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def serve(config: ServingConfig, ready_file: str | None = None) -> int:
+    """`disagg serve`: run until SIGINT/SIGTERM; returns the exit code."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"disagg: starting {config.mode} pools for {config.engine.model}", flush=True)
+    server = Server(config).start()
+    extra = f", metrics on {server.metrics_url}" if server.metrics_url else ""
+    print(f"disagg: serving {config.engine.model} ({config.mode}) on {server.address}{extra}", flush=True)
+    if ready_file:
+        with open(ready_file, "w") as f:
+            f.write(f"{server.address}\n")
+    while not stop.wait(1.0):
+        pass
+    print(f"disagg: shutting down (in-flight requests get {DRAIN_GRACE_S:.0f}s)", flush=True)
+    server.stop()
     print("disagg: stopped", flush=True)
     return 0
 
 
 def _start_ray(config: ServingConfig) -> None:
-    if ray.is_initialized():
-        return
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
     else:
         ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING, num_cpus=max(2, os.cpu_count() or 2))
-
-
-async def _run_frontend(config: ServingConfig, redis_url: str, model, ready_file: str | None) -> None:
-    registry = Registry(redis_url)
-    directory = InstanceDirectory(registry, NAMESPACE)
-    await _wait_for_instances(config, directory)
-    tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
-    limits = await _model_limits(config, model, directory)
-    geometry = {"num_layers": model.config.num_hidden_layers, "num_kv_heads": model.config.num_key_value_heads}
-    streams = DecodeStreams()
-    orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size, geometry)
-    metrics = ServingMetrics()
-    servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, registry, config.engine.model)
-    server, port = await _start_grpc(config, servicer)
-    metrics_server = metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
-    print(f"disagg: serving {config.engine.model} ({config.mode}) on {config.host}:{port}" + (f", metrics on {metrics_server.url}" if metrics_server else ""), flush=True)
-    if ready_file:
-        with open(ready_file, "w") as f:
-            f.write(f"{config.host}:{port}\n")
-    await _until_signalled()
-    print("disagg: shutting down (in-flight requests get %.0fs)" % DRAIN_GRACE_S, flush=True)
-    await servicer.drain(DRAIN_GRACE_S)
-    await server.stop(grace=1.0)
-    await streams.stop()
-    await directory.stop()
-    if metrics_server:
-        metrics_server.stop()
-    registry.close()
 
 
 async def _wait_for_instances(config: ServingConfig, directory: InstanceDirectory, timeout_s: float = 60.0) -> None:
@@ -131,16 +202,6 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, port
-
-
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.remove_signal_handler(sig)
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None) -> int:

@@ -166,7 +166,13 @@ class _StreamStats:
             msg.finish_reason = delta.finish_reason or "stop"
             msg.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens, cached_prompt_tokens=self.cached))
             ttft = (self.first_token_at or now) - self.started
-            msg.timings.CopyFrom(serving_pb2.Timings(queue_s=max(0.0, ttft - self.prefill_s), prefill_s=self.prefill_s, transfer_s=self.transfer_s, decode_s=now - (self.first_token_at or now), ttft_s=ttft, e2e_s=now - self.started))
+            msg.timings.CopyFrom(
+                serving_pb2.Timings(
+                    queue_s=max(0.0, ttft - self.prefill_s), prefill_s=self.prefill_s, transfer_s=self.transfer_s,
+                    decode_s=now - (self.first_token_at or now), ttft_s=ttft, e2e_s=now - self.started,
+                    prefill_instance=delta.prefill_instance, decode_instance=delta.decode_instance,
+                )
+            )
             self.final = msg
         return msg
 

@@ -36,6 +36,11 @@ class Placement:
     prefill: Instance | None
     decode: Instance
 
+    def label(self, delta: TokenDelta) -> TokenDelta:
+        delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
+        delta.decode_instance = self.decode.instance_id
+        return delta
+
 
 class Orchestrator:
     def __init__(self, config: ServingConfig, directory: InstanceDirectory, policy: PlacementPolicy, streams: DecodeStreams, block_size: int, geometry: dict):
@@ -56,13 +61,13 @@ class Orchestrator:
         try:
             if self.disaggregated:
                 placement, mailbox, first = await self._start_disaggregated(request_id, prompt_token_ids, params)
-                yield first
+                yield placement.label(first)
                 if first.finished:
                     return
             else:
                 placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params)
             async for delta in self._drain(mailbox):
-                yield delta
+                yield placement.label(delta)
         finally:
             if placement is not None:
                 await self._cleanup(request_id, placement, len(prompt_token_ids))
