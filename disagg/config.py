@@ -58,6 +58,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 * GiB
     max_num_batched_tokens: int = 512  # the per-step token budget (Sarathi-Serve)
+    scheduling_policy: str = "chunked"  # or "prefill_first" (whole prompts first, decodes stall: vLLM v0)
     max_num_seqs: int = 128  # running requests at most
     max_waiting_requests: int = 4096  # bounded admission queue
     max_model_len: int | None = None  # defaults to the model's context length
@@ -77,6 +78,7 @@ class EngineConfig:
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _require(self.scheduling_policy in ("chunked", "prefill_first"), "scheduling_policy", "must be chunked or prefill_first")
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")

@@ -63,6 +63,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_waiting_requests=config.max_waiting_requests,
             max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(config.seed), self.device)
         self._generators: dict[str, torch.Generator] = {}

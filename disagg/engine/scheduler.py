@@ -5,6 +5,9 @@ chunks of prompts already started, then new requests, until `max_num_batched_tok
 When blocks run out, the most recently admitted request is preempted (its blocks freed, its
 tokens recomputed later), so the oldest requests always make progress and nothing deadlocks.
 
+With `policy="prefill_first"` (vLLM v0's default, the other baseline) a step runs either whole
+new prompts, unchunked, or, when none waits, the decodes: decodes stall while prompts run.
+
 Roles: a PREFILL scheduler ends a request after its first token but keeps its blocks until
 `release` (they are being exported); a DECODE scheduler admits requests whose blocks were
 reserved up front and whose KV arrives from elsewhere (WAITING_FOR_KV).
@@ -61,6 +64,9 @@ class SampledToken:
     logprobs: dict[int, float] | None = None
 
 
+SCHEDULING_POLICIES = ("chunked", "prefill_first")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -71,7 +77,11 @@ class Scheduler:
         max_num_seqs: int = 128,
         max_waiting_requests: int = 4096,
         max_model_len: int = 8192,
+        policy: str = "chunked",
     ):
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.policy = policy
         self.block_manager = block_manager
         self.role = role
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -121,6 +131,26 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.policy == "prefill_first" and self.waiting:
+            out = SchedulerOutput()
+            self._schedule_whole_prompts(out)
+            if out.chunks:
+                return out
+        return self._schedule_chunked()
+
+    def _schedule_whole_prompts(self, out: SchedulerOutput) -> None:
+        """Prefill-first: admit waiting prompts whole (the first one even beyond the budget)."""
+        budget = self.max_num_batched_tokens
+        while self.waiting and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs:
+            request = self.waiting[0]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if out.chunks and num_new > budget:
+                break
+            if not self._admit_waiting(request, num_new, out, cached=[]):
+                break
+            budget -= num_new
+
+    def _schedule_chunked(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -144,21 +174,27 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs:
             request = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(request)
-            num_cached = len(cached) * self.block_manager.block_size
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate_slots(request, num_new, cached):
+            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self._admit_waiting(request, num_new, out, cached):
                 break
-            self.waiting.popleft()
-            request.num_computed_tokens = num_cached
-            if request.num_output_tokens == 0:
-                request.num_cached_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            if request.timings.first_scheduled is None:
-                request.timings.first_scheduled = time.perf_counter()
-            self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, num_cached, num_new))
             budget -= num_new
         return budget
+
+    def _admit_waiting(self, request: Request, num_new: int, out: SchedulerOutput, cached: list[int]) -> bool:
+        """Move the head of the waiting queue to running with a first chunk of num_new tokens."""
+        if not self.block_manager.allocate_slots(request, num_new, cached):
+            return False
+        num_cached = len(cached) * self.block_manager.block_size
+        self.waiting.popleft()
+        request.num_computed_tokens = num_cached
+        if request.num_output_tokens == 0:
+            request.num_cached_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        if request.timings.first_scheduled is None:
+            request.timings.first_scheduled = time.perf_counter()
+        self.running.append(request)
+        out.chunks.append(ScheduledChunk(request, num_cached, num_new))
+        return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
