@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_serve(sub)
     _add_generate(sub)
     _add_status(sub)
+    _add_bench_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -23,6 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad input: a clear message, not a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+
+
+def _add_bench_commands(sub) -> None:
+    """`disagg bench | report | experiment` live with the load-testing code (disagg/bench/)."""
+    try:
+        from disagg.bench.cli import add_commands
+    except ImportError:  # the bench package is optional at this layer
+        return
+    add_commands(sub)
 
 
 def _add_serve(sub) -> None:

@@ -1,0 +1,48 @@
+"""Serving configs: the shipped examples parse, and bad settings are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from disagg.config import ServingConfig
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_example_configs_parse(path):
+    config = ServingConfig.from_yaml(str(path))
+    assert config.mode in ("disaggregated", "colocated")
+
+
+def test_examples_exist():
+    assert {p.name for p in CONFIGS} >= {"disaggregated.yaml", "colocated.yaml", "colocated-prefill-first.yaml"}
+
+
+@pytest.mark.parametrize(
+    "data,field",
+    [
+        ({"mode": "split"}, "mode"),
+        ({"prefil": {}}, "config"),
+        ({"prefill": {"num_instances": 0}}, "num_instances"),
+        ({"engine": {"block_size": 3}}, "block_size"),
+        ({"decode": {"engine": {"max_num_seq": 3}}}, "engine"),
+        ({"engine": {"scheduling_policy": "fifo"}}, "scheduling_policy"),
+        ({"heartbeat_ttl_s": 0.5, "heartbeat_interval_s": 1}, "heartbeat_ttl_s"),
+        ({"port": 70000}, "port"),
+    ],
+)
+def test_bad_settings_raise_value_error_naming_the_field(data, field):
+    with pytest.raises(ValueError, match=field):
+        ServingConfig.from_dict(data)
+
+
+def test_unreadable_or_invalid_yaml(tmp_path):
+    with pytest.raises(ValueError, match="config"):
+        ServingConfig.from_yaml(str(tmp_path / "missing.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: [unclosed")
+    with pytest.raises(ValueError, match="YAML"):
+        ServingConfig.from_yaml(str(bad))
