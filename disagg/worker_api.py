@@ -22,6 +22,7 @@ class TokenDelta:
     queue_s: float = 0.0  # worker-side durations, measured on the worker's own clock
     prefill_s: float = 0.0
     transfer_s: float = 0.0
+    transfer_bytes: int = 0
     decode_s: float = 0.0
     prefill_instance: str = ""  # set by the router: where the request ran
     decode_instance: str = ""
@@ -31,7 +32,7 @@ class TokenDelta:
         self.token_ids += later.token_ids
         self.text += later.text
         self.logprobs += later.logprobs
-        for name in ("finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "queue_s", "prefill_s", "transfer_s", "decode_s"):
+        for name in ("finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "decode_s"):
             setattr(self, name, getattr(later, name))
 
 

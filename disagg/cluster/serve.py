@@ -56,6 +56,7 @@ class Server:
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
         self.launcher: PoolLauncher | None = None
+        self.redis: LocalRedis | None = None
         self._stack = contextlib.ExitStack()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -73,7 +74,9 @@ class Server:
 
     def _start(self, timeout_s: float) -> None:
         config = self.config
-        redis_url = config.redis_url or self._stack.enter_context(LocalRedis()).url
+        if config.redis_url is None:
+            self.redis = self._stack.enter_context(LocalRedis())
+        redis_url = config.redis_url or self.redis.url
         owns_ray = not ray.is_initialized()
         if owns_ray:
             _start_ray(config)
@@ -115,8 +118,10 @@ class Server:
         metrics_server = metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
+        gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
         self._started.set()
         await self._stop.wait()
+        gauges.cancel()
         await self.servicer.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
         await streams.stop()
@@ -124,6 +129,21 @@ class Server:
         if metrics_server:
             metrics_server.stop()
         registry.close()
+
+    @staticmethod
+    async def _refresh_gauges(directory: InstanceDirectory, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
+        """The workers' load as Prometheus gauges, from their heartbeats (role and instance labels)."""
+        shown: set[tuple[str, str]] = set()
+        while True:
+            current = set()
+            for inst in directory.all():
+                load = inst.view.load
+                metrics.set_instance_load(inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage)
+                current.add((inst.instance_id, inst.role))
+            for instance_id, role in shown - current:
+                metrics.remove_instance(instance_id, role)
+            shown = current
+            await asyncio.sleep(interval_s)
 
     def stop(self) -> None:
         """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours)."""
@@ -141,11 +161,11 @@ class Server:
 
 def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     """`disagg serve`: run until SIGINT/SIGTERM; returns the exit code."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     print(f"disagg: starting {config.mode} pools for {config.engine.model}", flush=True)
     server = Server(config).start()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own handlers
+        signal.signal(sig, lambda *_: stop.set())
     extra = f", metrics on {server.metrics_url}" if server.metrics_url else ""
     print(f"disagg: serving {config.engine.model} ({config.mode}) on {server.address}{extra}", flush=True)
     if ready_file:

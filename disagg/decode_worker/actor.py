@@ -35,7 +35,7 @@ class DecodeActor(WorkerActorBase):
         self._outbox_lock = threading.Lock()
         self._outbox_ready: asyncio.Event | None = None  # created on the actor's loop
         self._first_token_pending: set[str] = set()  # DECODE: the prefill side already streamed it
-        self._transfer_s: dict[str, float] = {}  # engine thread only
+        self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes; engine thread only
         self._start()
 
     def instance_info(self):
@@ -95,7 +95,7 @@ class DecodeActor(WorkerActorBase):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _abort(self, request_id: str) -> bool:
-        self._transfer_s.pop(request_id, None)
+        self._transfers.pop(request_id, None)
         return self.worker.abort(request_id)
 
     def _has_work(self) -> bool:
@@ -109,7 +109,7 @@ class DecodeActor(WorkerActorBase):
         except Exception as exc:
             self._fail_all(exc)
             raise
-        self._transfer_s.update((r.request_id, r.seconds) for r in self.worker.transfer_results if r.ok)
+        self._transfers.update((r.request_id, (r.seconds, r.num_bytes)) for r in self.worker.transfer_results if r.ok)
         deltas = [self._delta(out) for out in outputs]
         deltas += [TokenDelta(f.request_id, [], finished=True, finish_reason="abort", error=f.error) for f in self.worker.failed]
         self._publish(deltas)
@@ -125,6 +125,7 @@ class DecodeActor(WorkerActorBase):
             logprobs = [lp.get(t, float("nan")) for lp, t in zip(completion.logprobs[-len(token_ids) :], token_ids)] if token_ids else []
         m = out.metrics
         start = m.kv_ready or m.first_token or m.arrival
+        transfer_s, transfer_bytes = (self._transfers.pop if out.finished else self._transfers.get)(out.request_id, (0.0, 0))
         return TokenDelta(
             request_id=out.request_id,
             token_ids=token_ids,
@@ -137,7 +138,8 @@ class DecodeActor(WorkerActorBase):
             num_output_tokens=len(completion.token_ids),
             queue_s=(m.first_scheduled or m.arrival) - m.arrival if self.role == "colocated" else 0.0,
             prefill_s=(m.first_token or m.arrival) - (m.first_scheduled or m.arrival) if self.role == "colocated" else 0.0,
-            transfer_s=(self._transfer_s.pop(out.request_id, 0.0) if out.finished else self._transfer_s.get(out.request_id, 0.0)),
+            transfer_s=transfer_s,
+            transfer_bytes=transfer_bytes,
             decode_s=((m.finished or time.perf_counter()) - start) if out.finished else 0.0,
         )
 

@@ -7,25 +7,31 @@ the failure bump it once), and the next `connect` of either side meets under the
 rebuilt pair never reuses the keys of a broken one. The addresses in the prefix do the same for a
 worker that restarted under its old id.
 
-Every message is a fixed-size header (dtype and shape) followed by the payload as raw bytes.
-The receiver checks the header against `out` before receiving the payload: gloo aborts the whole
-process when a message is larger than the buffer posted for it. Headers, payloads and the two
-directions use different tags.
+Every message is a fixed-size header (dtype and shape), then the payload as raw bytes: in the
+same gloo message when it is small, else in a second one. The receiver checks the header against
+`out` before it posts a recv for a large payload: gloo aborts the whole process when a message is
+larger than the buffer posted for it (so the first recv posts a buffer that fits any first message).
+Headers, payloads and the two directions use different tags.
 
 Failing fast. gloo does not wake a transfer already under way when its connection drops (only
-ones still waiting for the peer), so a send or recv to a peer that dies mid-message would wait out
-its whole timeout. So each pair keeps a recv posted on a tag nobody sends to, watched by a thread:
-gloo fails it as soon as the connection drops, which marks the pair broken; and callers wait for
-their transfer on a condition that either the transfer or the breakage ends. A side that discards
-a pair closes its connection at once (a 1 ms wait on a recv that cannot match: gloo closes the
-connection on any timeout), so the peer's pending operations fail at once too.
+ones still waiting for the peer), so a large send or recv to a peer that dies mid-message would
+wait out its whole timeout. So each pair keeps a recv posted on a tag nobody sends to, watched by
+a thread: gloo fails it as soon as the connection drops, which marks the pair broken; and a caller
+of a large transfer waits on a condition that either the transfer or the breakage ends. A side that
+discards a pair closes its connection at once (a 1 ms wait on a recv that cannot match: gloo
+closes the connection on any timeout), so the peer's pending operations fail at once too.
 
-Backend: gloo for CPU tensors, NCCL for CUDA tensors (its group is made on first use), unless one
-is given: "gloo" also carries CUDA tensors, staged through host memory.
+Backend: gloo for CPU tensors, NCCL for CUDA tensors, unless one is given: "gloo" also carries CUDA
+tensors, staged through host memory. The gloo group exists for every pair (rendezvous, watcher);
+NCCL groups are made on first use, one per direction: NCCL runs a group's operations in one stream
+order, so a send and a recv issued at once from two threads could each wait for the other.
+NCCL's `wait(timeout)` blocks the caller and raises on timeout only with TORCH_NCCL_BLOCKING_WAIT=1,
+so that is set (unless already set) before the first NCCL group of the process is made.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import threading
@@ -55,8 +61,16 @@ _DTYPES = (
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
     torch.float8_e4m3fn, torch.float8_e5m2,
 )
+_HEADER_BYTES = (3 + _MAX_DIMS) * 8
+# A payload this small travels in the header's message (gloo only): one round of gloo's
+# ready/ready/data messages instead of two. Larger transfers are waited for by a helper thread
+# (see _Pair.wait); this is also well under the usual socket buffer, so a small message is
+# written whole at once.
+_INLINE_MAX_BYTES = 64 * 1024
+_INBOX_BYTES = _HEADER_BYTES + _INLINE_MAX_BYTES
 _HEADER, _PAYLOAD = 0, 1  # tag = 2 * sender rank + kind
 _SENTINEL_TAG, _CLOSE_TAG = 100, 101
+_CLOSED_KEY = "kv/closed"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 _SOURCE_PREFIX = re.compile(r"^\[[^]]*\] ")
 # A gloo or NCCL failure (timeout, closed connection, store error) surfaces as RuntimeError;
@@ -77,9 +91,10 @@ class _Pair:
     store: dist.Store  # the owner's store: ours, or a client of the peer's
     timeout: timedelta
     gloo: dist.ProcessGroupGloo
-    nccl: dist.ProcessGroupNCCL | None = None
+    nccl: dict[int, dist.ProcessGroupNCCL] = field(default_factory=dict)  # sender rank -> group
     broken: str | None = None  # why the pair can no longer be used
     watcher: threading.Thread | None = None
+    inbox: torch.Tensor = field(default_factory=lambda: torch.empty(_INBOX_BYTES, dtype=torch.uint8))  # under recv_lock
     cond: threading.Condition = field(default_factory=threading.Condition)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     recv_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -103,12 +118,18 @@ class _Pair:
         self.watcher = threading.Thread(target=watch_sentinel, name=f"kv-watch-{self.peer_id}", daemon=True)
         self.watcher.start()
 
-    def wait(self, work, deadline: float) -> None:
+    def wait(self, work, deadline: float, nbytes: int) -> None:
         """Wait for one transfer; raise RuntimeError when it fails, times out or the pair breaks.
 
-        A thread waits on gloo, so that this thread can leave as soon as the pair breaks; if the
-        transfer is one gloo does not wake, that thread ends at the deadline.
+        For a large transfer a thread waits on gloo, so that this thread can leave as soon as the
+        pair breaks; if the transfer is one gloo does not wake, that thread ends at the deadline.
+        A small one is written or read whole at once, so gloo itself fails it if the pair breaks
+        while it waits, and the hand-off between threads (milliseconds on a loaded machine) is saved.
         """
+        if nbytes <= _INBOX_BYTES:
+            if not work.wait(timedelta(seconds=_remaining(deadline))):
+                raise TimeoutError("timed out")
+            return
         outcome: list[BaseException | None] = []
 
         def wait_work() -> None:
@@ -152,9 +173,9 @@ class _Pair:
             self.gloo.recv([torch.empty(1)], self.peer_rank, _CLOSE_TAG).wait(timedelta(milliseconds=1))
         except RuntimeError:
             pass  # the timeout that closes it, or it was closed already
-        if self.nccl is not None:
+        for group in self.nccl.values():
             try:
-                self.nccl.abort()
+                group.abort()  # ends NCCL operations stuck on a dead peer
             except RuntimeError:
                 pass
 
@@ -179,6 +200,8 @@ class TorchDistTransport(Transport):
     def connect(self, peer_id: str, peer_address: str, timeout: float) -> None:
         if peer_id == self.worker_id:
             raise ValueError(f"peer_id: a worker cannot connect to itself ({peer_id!r})")
+        _split_address(peer_address)
+        self._check_open(peer_id)
         deadline = time.monotonic() + timeout
         with self._connect_lock(peer_id):
             pair = self._pairs.get(peer_id)
@@ -189,10 +212,13 @@ class TorchDistTransport(Transport):
                 store = pair.store if pair is not None else self._owner_store(peer_id, peer_address, deadline)
                 generation_key = f"kv/gen/{self._pair_name(peer_id, peer_address)}"
                 generation = int(store.add(generation_key, 0))
+                peer_closed = store.check([_CLOSED_KEY])
             except _TRANSPORT_ERRORS as exc:
                 if pair is not None:
                     self._discard(pair, bump=False)
                 raise self._error(peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc) from exc
+            if peer_closed:
+                raise self._error(peer_id, "the peer has closed its transport")
             if pair is not None:
                 if pair.generation == generation:
                     return
@@ -207,35 +233,42 @@ class TorchDistTransport(Transport):
         pair = self._live_pair(peer_id)
         with pair.send_lock:
             try:
-                group, device = self._group_for(pair, tensor.device)
-                pair.wait(group.send([header.to(device)], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
-                if tensor.numel():
-                    payload = _as_bytes(tensor.to(device).contiguous())
-                    pair.wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline)
+                group, device = self._group_for(pair, tensor.device, pair.rank)
+                first = _as_bytes(header.to(device))
+                payload = _as_bytes(tensor.to(device).contiguous()) if tensor.numel() else None
+                if payload is not None and group is pair.gloo and payload.numel() <= _INLINE_MAX_BYTES:
+                    first, payload = torch.cat([first, payload]), None  # one round of messages, not two
+                pair.wait(group.send([first], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline, first.numel())
+                if payload is not None:
+                    pair.wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline, payload.numel())
             except _TRANSPORT_ERRORS as exc:
                 raise self._fail(pair, f"send of {_describe(header.tolist())} failed", exc) from exc
 
     def recv(self, peer_id: str, out: torch.Tensor, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        expected = _header(out)
+        expected = _header(out).tolist()
+        nbytes = out.numel() * out.element_size()
         pair = self._live_pair(peer_id)
         with pair.recv_lock:
             try:
-                group, device = self._group_for(pair, out.device)
-                header = torch.empty_like(expected, device=device)
-                pair.wait(group.recv([header], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
-                got = header.tolist()
-                if got == expected.tolist() and out.numel():
+                group, device = self._group_for(pair, out.device, pair.peer_rank)
+                inline = group is pair.gloo  # gloo may deliver fewer bytes than posted; NCCL may not
+                first = pair.inbox if inline else torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=device)
+                pair.wait(group.recv([first], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline, 0)
+                got = first[:_HEADER_BYTES].view(torch.int64).tolist()
+                if got == expected and nbytes and inline and nbytes <= _INLINE_MAX_BYTES:
+                    out.copy_(first[_HEADER_BYTES : _HEADER_BYTES + nbytes].view(out.dtype).view(out.shape))
+                elif got == expected and nbytes:
                     direct = out.is_contiguous() and out.device == device
                     target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-                    pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
+                    pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline, nbytes)
                     if not direct:
                         out.copy_(target)
             except _TRANSPORT_ERRORS as exc:
-                raise self._fail(pair, f"recv into {_describe(expected.tolist())} failed", exc) from exc
-            if got != expected.tolist():
+                raise self._fail(pair, f"recv into {_describe(expected)} failed", exc) from exc
+            if got != expected:
                 # The payload is not received: the pair goes, so nothing of it is left to misread.
-                raise self._fail(pair, f"message mismatch: expected {_describe(expected.tolist())}, got {_describe(got)}")
+                raise self._fail(pair, f"message mismatch: expected {_describe(expected)}, got {_describe(got)}")
 
     def disconnect(self, peer_id: str) -> None:
         with self._lock:
@@ -246,18 +279,28 @@ class TorchDistTransport(Transport):
     def close(self) -> None:
         with self._lock:
             pairs, self._pairs = list(self._pairs.values()), {}
+            store, self._store = self._store, None
+        if store is None:
+            return
+        # Our store lives on while anything holds it (a traceback's frame will): tell peers that
+        # connect to it meanwhile that nobody is coming.
+        store.set(_CLOSED_KEY, "1")
         for pair in pairs:
             pair.close()
         for pair in pairs:
             pair.watcher.join(timeout=1.0)  # it holds the group, which holds our store
-        self._store = None  # stops our store server
 
     # ---- pairs ----------------------------------------------------------------------------------
     def _connect_lock(self, peer_id: str) -> threading.Lock:
         with self._lock:
             return self._connect_locks.setdefault(peer_id, threading.Lock())
 
+    def _check_open(self, peer_id: str) -> None:
+        if self._store is None:
+            raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: this transport is closed")
+
     def _live_pair(self, peer_id: str) -> _Pair:
+        self._check_open(peer_id)
         with self._lock:
             pair = self._pairs.get(peer_id)
         if pair is None:
@@ -301,17 +344,17 @@ class TorchDistTransport(Transport):
         pair.watch()
         return pair
 
-    def _group_for(self, pair: _Pair, device: torch.device):
-        """The group that carries tensors on `device`, and the device the wire tensors live on."""
+    def _group_for(self, pair: _Pair, device: torch.device, sender_rank: int):
+        """The group that carries tensors on `device` from `sender_rank`, and the device the wire tensors live on."""
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "gloo":
             return pair.gloo, torch.device("cpu")
         if device.type != "cuda":
             raise ValueError(f"tensor: the nccl backend carries CUDA tensors only, got {device}")
         with pair.cond:
-            if pair.nccl is None:
-                pair.nccl = _nccl_group(pair)
-        return pair.nccl, device
+            if sender_rank not in pair.nccl:
+                pair.nccl[sender_rank] = _nccl_group(pair, sender_rank)
+        return pair.nccl[sender_rank], device
 
     def _discard(self, pair: _Pair, bump: bool) -> None:
         with self._lock:
@@ -358,12 +401,14 @@ def _gloo_device(host: str):
     return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
-def _nccl_group(pair: _Pair) -> dist.ProcessGroupNCCL:
+def _nccl_group(pair: _Pair, sender_rank: int) -> dist.ProcessGroupNCCL:
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("tensor: CUDA tensors need CUDA and a torch built with NCCL (or backend='gloo')")
+    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # read when the group is made (module docstring)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = pair.timeout
-    return dist.ProcessGroupNCCL(dist.PrefixStore(f"{pair.prefix}/nccl", pair.store), pair.rank, 2, options)
+    store = dist.PrefixStore(f"{pair.prefix}/nccl/{sender_rank}", pair.store)
+    return dist.ProcessGroupNCCL(store, pair.rank, 2, options)
 
 
 def _bump(store: dist.Store, key: str, generation: int) -> None:

@@ -93,7 +93,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         t = stream.final.timings
         self.metrics.observe_finished(t.ttft_s, t.e2e_s, stream.itl, t.queue_s, t.prefill_s, t.decode_s, stream.final.usage.prompt_tokens, stream.final.usage.completion_tokens, stream.final.finish_reason)
         if t.transfer_s:
-            self.metrics.observe_transfer(t.transfer_s, 0)
+            self.metrics.observe_transfer(t.transfer_s, stream.transfer_bytes)
         if self.registry is not None:
             record = {"request_id": request_id, "finish_reason": stream.final.finish_reason, "prompt_tokens": stream.final.usage.prompt_tokens, "completion_tokens": stream.final.usage.completion_tokens, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s}
             asyncio.get_running_loop().run_in_executor(None, _record_quietly, self.registry, record)
@@ -147,6 +147,7 @@ class _StreamStats:
         self.itl: list[float] = []
         self.completion_tokens = 0
         self.prefill_s = self.queue_s = self.transfer_s = 0.0
+        self.transfer_bytes = 0
         self.cached = 0
         self.final: serving_pb2.GenerateResponse | None = None
 
@@ -161,6 +162,7 @@ class _StreamStats:
             self.last_token_at = now
         self.completion_tokens += len(delta.token_ids)
         self.transfer_s = delta.transfer_s or self.transfer_s
+        self.transfer_bytes = delta.transfer_bytes or self.transfer_bytes
         msg = serving_pb2.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs, finished=delta.finished)
         if delta.finished:
             msg.finish_reason = delta.finish_reason or "stop"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
+from disagg.cluster.redis_server import LocalRedis
 from disagg.cluster.serve import Server
 from disagg.config import ServingConfig
 
@@ -37,6 +39,7 @@ def server(ray_session):
         "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
         "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
         "port": 0,
+        "metrics_port": 0,
         "max_inflight_requests": 20,
         "admission_timeout_s": 5,
         "heartbeat_interval_s": 0.3,
@@ -229,3 +232,45 @@ def test_cluster_status_health_and_reflection(server, client):
     responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5)
     services = {s.name for r in responses for s in r.list_services_response.service}
     assert "disagg.v1.Serving" in services
+
+
+def scrape(server) -> dict[str, float]:
+    text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_prometheus_metrics_from_frontend_and_workers(server, client):
+    client.generate(chat("What is 2 + 2?", max_tokens=4), timeout=60)
+    time.sleep(1.2)  # the worker gauges refresh every second
+    values = scrape(server)
+    assert values["disagg:time_to_first_token_seconds_count"] >= 1
+    assert values["disagg:e2e_request_latency_seconds_count"] >= 1
+    assert values["disagg:inter_token_latency_seconds_count"] >= 1
+    assert values["disagg:kv_transfer_seconds_count"] >= 1 and values["disagg:kv_transfer_bytes_total"] > 0
+    roles = {name.split('role="')[1].split('"')[0] for name in values if name.startswith("disagg:kv_cache_usage_perc{")}
+    assert roles == {"prefill", "decode"}
+    assert any(name.startswith("disagg:num_requests_running{") for name in values)
+    assert values['disagg:request_failure_total{code="INVALID_ARGUMENT"}'] >= 1  # from the bad-input tests
+
+
+def test_losing_redis_does_not_fail_requests_in_flight(server, client):
+    """Last in the module: it restarts Redis."""
+    call = client.stream(chat("Tell me about the sea.", max_tokens=40, ignore_eos=True), timeout=120)
+    tokens = list(next(call).token_ids)
+    port = server.redis.port
+    server.redis.stop()
+    for msg in call:
+        tokens += msg.token_ids
+    assert len(tokens) == 40, "the request in flight finished without Redis"
+    assert client.generate(chat("What is 2 + 2?", max_tokens=4), timeout=60)[0], "the router kept its last view"
+    server.redis = LocalRedis(port=port).start()
+    deadline = time.monotonic() + 15
+    while len(listed(client)) < 3:
+        assert time.monotonic() < deadline, "workers did not re-register after Redis came back"
+        time.sleep(0.2)
+    server.redis.stop()

@@ -1,0 +1,199 @@
+"""Per-request records and the metrics of vLLM's `bench serve`, with SLO attainment and goodput.
+
+Definitions (as vLLM's benchmark_serving):
+- TTFT: request sent to the first message carrying tokens.
+- TPOT: (E2EL - TTFT) / (output tokens - 1), per request with more than one output token.
+- ITL: gaps between consecutive tokens; a message carrying k tokens counts as k tokens that
+  share the gap since the previous message equally (tokens beside the first one in the first
+  message have gap 0).
+- E2EL: request sent to the last message.
+- Statistics: mean, median, std, and percentiles by linear interpolation (numpy's default).
+- SLO attainment: percent of ALL requests sent (failures count as misses) that met every SLO given.
+- Goodput: requests per second (over the benchmark's duration) that met every SLO given.
+Times are kept in seconds, reported in milliseconds.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import Counter
+from dataclasses import asdict, dataclass, field, fields
+
+import numpy as np
+
+SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+DEFAULT_PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    index: int  # position in the workload
+    prompt_len: int
+    target_output_len: int
+    request_id: str = ""
+    sent_at: float = 0.0  # seconds since the benchmark started
+    success: bool = False
+    output_len: int = 0  # tokens received
+    ttft: float = 0.0
+    e2el: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error_code: str = ""  # gRPC status code name of a failure
+    error: str = ""
+    finish_reason: str = ""
+    server: dict = field(default_factory=dict)  # the final message's usage and timings
+
+    @property
+    def tpot(self) -> float:
+        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "tpot": self.tpot}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RequestRecord":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class TokenTimer:
+    """Client-side timings of one stream; feed each message's token count and arrival time."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self.num_tokens = 0
+        self.itl: list[float] = []
+
+    def on_message(self, num_tokens: int, now: float) -> None:
+        if num_tokens == 0:
+            return
+        if self.first_at is None:
+            self.first_at = now
+            self.itl += [0.0] * (num_tokens - 1)
+        else:
+            self.itl += [(now - self.last_at) / num_tokens] * num_tokens
+        self.last_at = now
+        self.num_tokens += num_tokens
+
+    def finish(self, record: RequestRecord, now: float) -> RequestRecord:
+        record.success = True
+        record.output_len = self.num_tokens
+        record.ttft = (self.first_at if self.first_at is not None else now) - self.started
+        record.e2el = now - self.started
+        record.itl = self.itl
+        return record
+
+
+# ---- SLOs --------------------------------------------------------------------------------------
+def parse_slo(text: str | None) -> dict[str, float]:
+    """'ttft_ms=500,tpot_ms=100' (or vLLM's 'ttft:500 tpot:100') -> {'ttft_ms': 500.0, ...}."""
+    slo: dict[str, float] = {}
+    for item in (text or "").replace(",", " ").split():
+        key, sep, value = item.replace(":", "=").partition("=")
+        key = key if key.endswith("_ms") else f"{key}_ms"
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not sep or key not in SLO_KEYS or not number > 0:
+            raise ValueError(f"slo: {item!r} is not KEY=MILLISECONDS with KEY one of {', '.join(SLO_KEYS)} and a positive value")
+        slo[key] = number
+    return slo
+
+
+def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
+    if not record.success:
+        return False
+    measured = {"ttft_ms": record.ttft * 1e3, "tpot_ms": record.tpot * 1e3, "e2el_ms": record.e2el * 1e3}
+    return all(measured[k] <= limit for k, limit in slo.items())
+
+
+# ---- statistics --------------------------------------------------------------------------------
+def distribution_ms(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> dict[str, float]:
+    """mean, median, std and pNN of seconds, in milliseconds (zeros when empty, as vLLM)."""
+    x = np.asarray(values_s, dtype=float) * 1e3
+    if x.size == 0:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p:g}": 0.0 for p in percentiles}}
+    return {"mean": float(x.mean()), "median": float(np.median(x)), "std": float(x.std()), **{f"p{p:g}": float(np.percentile(x, p)) for p in percentiles}}
+
+
+def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:
+    ok = [r for r in records if r.success]
+    good = [r for r in records if meets_slo(r, slo or {})]
+    input_tokens = sum(r.prompt_len for r in ok)
+    output_tokens = sum(r.output_len for r in ok)
+    per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
+    return {
+        "num_requests": len(records),
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "failures_by_code": dict(Counter(r.error_code for r in records if not r.success)),
+        "duration_s": duration_s,
+        "total_input_tokens": input_tokens,
+        "total_output_tokens": output_tokens,
+        "request_throughput": per_s(len(ok)),
+        "output_throughput": per_s(output_tokens),
+        "total_token_throughput": per_s(input_tokens + output_tokens),
+        "ttft_ms": distribution_ms([r.ttft for r in ok], percentiles),
+        "tpot_ms": distribution_ms([r.tpot for r in ok if r.output_len > 1], percentiles),
+        "itl_ms": distribution_ms([gap for r in ok for gap in r.itl], percentiles),
+        "e2el_ms": distribution_ms([r.e2el for r in ok], percentiles),
+        "slo": dict(slo or {}),
+        "num_good": len(good),
+        "slo_attainment_pct": 100.0 * len(good) / len(records) if records else 0.0,
+        "goodput": per_s(len(good)),
+    }
+
+
+def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> str:
+    """The console block `disagg bench` prints (laid out like vLLM's)."""
+    lines = [f"{' ' + title + ' ':=^60}"]
+    row = lambda name, value: lines.append(f"{name:<44}{value:>16}")  # noqa: E731
+    row("Successful requests:", summary["completed"])
+    row("Failed requests:", summary["failed"])
+    for code, count in sorted(summary["failures_by_code"].items()):
+        row(f"  {code}:", count)
+    row("Benchmark duration (s):", f"{summary['duration_s']:.2f}")
+    row("Total input tokens:", summary["total_input_tokens"])
+    row("Total generated tokens:", summary["total_output_tokens"])
+    row("Request throughput (req/s):", f"{summary['request_throughput']:.2f}")
+    row("Output token throughput (tok/s):", f"{summary['output_throughput']:.2f}")
+    if summary["slo"]:
+        slo = ", ".join(f"{k}<={v:g}" for k, v in summary["slo"].items())
+        row(f"SLO attainment ({slo}) (%):", f"{summary['slo_attainment_pct']:.1f}")
+        row("Request goodput (req/s):", f"{summary['goodput']:.2f}")
+    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"), ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+        lines.append(f"{' ' + name + ' ':-^60}")
+        for stat, value in summary[key].items():
+            row(f"{stat.capitalize() if stat in ('mean', 'median', 'std') else stat.upper()} {key.split('_')[0].upper()} (ms):", f"{value:.2f}")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+# ---- exact per-request rows (CSV), shared by the Locust user and the report --------------------
+ROW_FIELDS = ("request_id", "index", "sent_at", "prompt_len", "target_output_len", "output_len", "success", "error_code", "ttft_s", "tpot_s", "e2el_s", "itl_s", "finish_reason")
+
+
+def record_row(record: RequestRecord) -> dict:
+    return {
+        "request_id": record.request_id, "index": record.index, "sent_at": f"{record.sent_at:.6f}", "prompt_len": record.prompt_len,
+        "target_output_len": record.target_output_len, "output_len": record.output_len, "success": int(record.success),
+        "error_code": record.error_code, "ttft_s": f"{record.ttft:.6f}", "tpot_s": f"{record.tpot:.6f}", "e2el_s": f"{record.e2el:.6f}",
+        "itl_s": json.dumps([round(g, 6) for g in record.itl]), "finish_reason": record.finish_reason,
+    }
+
+
+def read_rows(path: str) -> list[RequestRecord]:
+    with open(path, newline="") as f:
+        return [
+            RequestRecord(
+                index=int(row["index"]), prompt_len=int(row["prompt_len"]), target_output_len=int(row["target_output_len"]),
+                request_id=row["request_id"], sent_at=float(row["sent_at"]), success=row["success"] == "1", output_len=int(row["output_len"]),
+                ttft=float(row["ttft_s"]), e2el=float(row["e2el_s"]), itl=json.loads(row["itl_s"] or "[]"), error_code=row["error_code"],
+                finish_reason=row["finish_reason"],
+            )
+            for row in csv.DictReader(f)
+        ]

@@ -1,0 +1,67 @@
+"""`disagg serve` started as a new user would (no arguments), then `disagg generate --server`.
+
+Runs the real commands as subprocesses: the server starts its own Ray and redis-server, and
+everything it started must be gone after SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+BIN = Path(sys.executable).parent / "disagg"
+START_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def default_server(tmp_path_factory):
+    ready = tmp_path_factory.mktemp("serve") / "ready"
+    log = open(ready.with_name("serve.log"), "w")
+    # Its own session, like a service: the test's signals don't reach it, and we can find its tree.
+    proc = subprocess.Popen([str(BIN), "serve", "--ready-file", str(ready)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists() or not ready.read_text().strip():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"disagg serve did not start: {ready.with_name('serve.log').read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield proc, ready.read_text().strip(), ready.with_name("serve.log")
+    if proc.poll() is None:
+        proc.kill()
+
+
+def test_generate_against_the_default_server_answers_sensibly(default_server):
+    _, address, _ = default_server
+    assert address == "127.0.0.1:50051", "the default listens on 127.0.0.1:50051"
+    result = subprocess.run([str(BIN), "generate", "--server", address, "What is the capital of France?"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+def test_sigterm_stops_cleanly_and_leaves_no_process(default_server):
+    proc, _, log = default_server
+    session = os.getsid(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+    deadline = time.monotonic() + 20
+    while True:
+        left = [p for p in psutil.process_iter(["pid", "name"]) if _session_of(p) == session]
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"left running: {[(p.pid, p.info['name']) for p in left]}"
+        time.sleep(0.5)
+    assert "disagg: stopped" in log.read_text()
+
+
+def _session_of(p: psutil.Process) -> int | None:
+    try:
+        return os.getsid(p.pid) if p.status() != psutil.STATUS_ZOMBIE else None
+    except (psutil.Error, ProcessLookupError, PermissionError):
+        return None
