@@ -3,13 +3,18 @@
 `expect()` registers a transfer (the handshake's answer carries its id and block ids) and
 starts receiving from each source rank. Payloads are scattered into the blocks as they arrive;
 each source's DONE is acknowledged; when every source is done, `poll()` reports the request
-with its first token. A cancelled transfer's late payloads are dropped, never written, since
+with its first token. Received messages go to an importer thread through a small FIFO, so the
+next recv is posted while the previous payload is copied into its blocks (gloo's send waits
+for the matching recv: without this the sender would idle through every copy). DONE travels
+through the same FIFO, so it is acknowledged only after every payload before it is in place. A cancelled transfer's late payloads are dropped, never written, since
 its blocks may already belong to someone else.
 """
 
 from __future__ import annotations
 
 import itertools
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -18,6 +23,9 @@ import torch
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
 from disagg.kv_transfer.messages import Header, MsgType
 from disagg.kv_transfer.transport import Transport
+
+
+IMPORT_QUEUE_DEPTH = 4  # received messages waiting to be copied into blocks
 
 
 @dataclass
@@ -43,6 +51,9 @@ class KVReceiver(KVEndpoint):
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
+        self._imports: queue.Queue = queue.Queue(maxsize=IMPORT_QUEUE_DEPTH)
+        self._importer = threading.Thread(target=self._import_loop, name="kv-import", daemon=True)
+        self._importer.start()
 
     # ---- called by the worker ----------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str]) -> int:
@@ -79,6 +90,17 @@ class KVReceiver(KVEndpoint):
         return torch.empty(header.payload_shape(cache.block_size, cache.tensor.shape[-1]), dtype=cache.tensor.dtype, device=cache.tensor.device)
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
+        self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
+
+    def _import_loop(self) -> None:
+        while (item := self._imports.get()) is not None:
+            self._handle(*item)
+
+    def close(self) -> None:
+        self._imports.put(None)
+        super().close()
+
+    def _handle(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
         ack = None
         with self._lock:
             tr = self._transfers.get(header.transfer_id)

@@ -13,13 +13,7 @@ same gloo message when it is small, else in a second one. The receiver checks th
 larger than the buffer posted for it (so the first recv posts a buffer that fits any first message).
 Headers, payloads and the two directions use different tags.
 
-Failing fast. gloo does not wake a transfer already under way when its connection drops (only
-ones still waiting for the peer), so a large send or recv to a peer that dies mid-message would
-wait out its whole timeout. So each pair keeps a recv posted on a tag nobody sends to, watched by
-a thread: gloo fails it as soon as the connection drops, which marks the pair broken; and a caller
-of a large transfer waits on a condition that either the transfer or the breakage ends. A side that
-discards a pair closes its connection at once (a 1 ms wait on a recv that cannot match: gloo
-closes the connection on any timeout), so the peer's pending operations fail at once too.
+A dead peer fails an operation under way at once, not at its timeout: see torch_dist_pair.
 
 Backend: gloo for CPU tensors, NCCL for CUDA tensors, unless one is given: "gloo" also carries CUDA
 tensors, staged through host memory. The gloo group exists for every pair (rendezvous, watcher);
@@ -32,27 +26,22 @@ so that is set (unless already set) before the first NCCL group of the process i
 from __future__ import annotations
 
 import os
-import re
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+import weakref
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from disagg.errors import KVTransferError
+from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
 
 BACKENDS = ("gloo", "nccl")
 # Operations on this worker's own store are local; this only bounds a wedged store.
 OWN_STORE_TIMEOUT = timedelta(seconds=30)
-# How long past its deadline a caller waits for gloo to report the timeout of a transfer.
-_TIMEOUT_GRACE_S = 1.0
-_OWN_ERROR_GRACE_S = 0.05
-# The sentinel recv must outlive any pair; when this passes, the pair is rebuilt on next use.
-_SENTINEL_TIMEOUT = timedelta(days=7)
 
 _MAGIC = 0x4B56_0001
 _MAX_DIMS = 8
@@ -63,121 +52,15 @@ _DTYPES = (
 )
 _HEADER_BYTES = (3 + _MAX_DIMS) * 8
 # A payload this small travels in the header's message (gloo only): one round of gloo's
-# ready/ready/data messages instead of two. Larger transfers are waited for by a helper thread
-# (see _Pair.wait); this is also well under the usual socket buffer, so a small message is
-# written whole at once.
+# ready/ready/data messages instead of two, for the price of a copy.
 _INLINE_MAX_BYTES = 64 * 1024
 _INBOX_BYTES = _HEADER_BYTES + _INLINE_MAX_BYTES
 _HEADER, _PAYLOAD = 0, 1  # tag = 2 * sender rank + kind
-_SENTINEL_TAG, _CLOSE_TAG = 100, 101
 _CLOSED_KEY = "kv/closed"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
-_SOURCE_PREFIX = re.compile(r"^\[[^]]*\] ")
 # A gloo or NCCL failure (timeout, closed connection, store error) surfaces as RuntimeError;
 # reaching a peer's store that is gone, as OSError.
 _TRANSPORT_ERRORS = (RuntimeError, OSError)
-
-
-@dataclass
-class _Pair:
-    """One live 2-rank group with a peer, and what is needed to rebuild or retire it."""
-
-    peer_id: str
-    peer_address: str
-    rank: int
-    generation: int
-    generation_key: str
-    prefix: str
-    store: dist.Store  # the owner's store: ours, or a client of the peer's
-    timeout: timedelta
-    gloo: dist.ProcessGroupGloo
-    nccl: dict[int, dist.ProcessGroupNCCL] = field(default_factory=dict)  # sender rank -> group
-    broken: str | None = None  # why the pair can no longer be used
-    watcher: threading.Thread | None = None
-    inbox: torch.Tensor = field(default_factory=lambda: torch.empty(_INBOX_BYTES, dtype=torch.uint8))  # under recv_lock
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
-    recv_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def peer_rank(self) -> int:
-        return 1 - self.rank
-
-    def watch(self) -> None:
-        """Mark the pair broken as soon as its connection drops (see the module docstring)."""
-        sentinel = self.gloo.recv([torch.empty(1)], self.peer_rank, _SENTINEL_TAG)
-
-        def watch_sentinel() -> None:
-            try:
-                sentinel.wait(_SENTINEL_TIMEOUT)
-                reason = "unexpected message on the sentinel tag"
-            except RuntimeError as exc:
-                reason = _first_line(exc)
-            self.mark_broken(reason)
-
-        self.watcher = threading.Thread(target=watch_sentinel, name=f"kv-watch-{self.peer_id}", daemon=True)
-        self.watcher.start()
-
-    def wait(self, work, deadline: float, nbytes: int) -> None:
-        """Wait for one transfer; raise RuntimeError when it fails, times out or the pair breaks.
-
-        For a large transfer a thread waits on gloo, so that this thread can leave as soon as the
-        pair breaks; if the transfer is one gloo does not wake, that thread ends at the deadline.
-        A small one is written or read whole at once, so gloo itself fails it if the pair breaks
-        while it waits, and the hand-off between threads (milliseconds on a loaded machine) is saved.
-        """
-        if nbytes <= _INBOX_BYTES:
-            if not work.wait(timedelta(seconds=_remaining(deadline))):
-                raise TimeoutError("timed out")
-            return
-        outcome: list[BaseException | None] = []
-
-        def wait_work() -> None:
-            try:
-                finished = work.wait(timedelta(seconds=_remaining(deadline)))
-                result = None if finished else TimeoutError("timed out")
-            except BaseException as exc:  # handed to the caller
-                result = exc
-            with self.cond:
-                outcome.append(result)
-                self.cond.notify_all()
-            result = None  # an exception's traceback holds this frame: no cycle through it
-
-        threading.Thread(target=wait_work, name=f"kv-wait-{self.peer_id}", daemon=True).start()
-        with self.cond:
-            self.cond.wait_for(lambda: outcome or self.broken is not None, _remaining(deadline) + _TIMEOUT_GRACE_S)
-            if not outcome:  # an operation that gloo does fail reports its own, clearer error at once
-                self.cond.wait_for(lambda: outcome, _OWN_ERROR_GRACE_S)
-        error = outcome.pop() if outcome else self._wait_failure(deadline)
-        if error is not None:
-            try:
-                raise error
-            finally:
-                error = None  # as above
-
-    def _wait_failure(self, deadline: float) -> BaseException:
-        if self.broken is not None and time.monotonic() < deadline:
-            return RuntimeError(f"connection lost: {self.broken}")
-        return TimeoutError("timed out")
-
-    def mark_broken(self, reason: str) -> None:
-        with self.cond:
-            if self.broken is None:
-                self.broken = reason
-            self.cond.notify_all()
-
-    def close(self) -> None:
-        """Close the connection now, so that the peer's pending operations on it fail at once."""
-        self.mark_broken("discarded on this side")
-        try:
-            self.gloo.recv([torch.empty(1)], self.peer_rank, _CLOSE_TAG).wait(timedelta(milliseconds=1))
-        except RuntimeError:
-            pass  # the timeout that closes it, or it was closed already
-        for group in self.nccl.values():
-            try:
-                group.abort()  # ends NCCL operations stuck on a dead peer
-            except RuntimeError:
-                pass
 
 
 class TorchDistTransport(Transport):
@@ -189,9 +72,12 @@ class TorchDistTransport(Transport):
         self._store, port = _serve_store(host)
         self._address = _format_address(host, port)
         self._gloo_device = _gloo_device(host)
-        self._pairs: dict[str, _Pair] = {}
+        self._pairs: dict[str, Pair] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
         self._lock = threading.Lock()  # guards the two dicts above
+        # Close the pairs at interpreter exit too: a watcher thread still inside gloo while
+        # Python tears down aborts the process ("terminate called without an active exception").
+        self._close_pairs = weakref.finalize(self, _close_pairs, self._pairs, self._lock)
 
     # ---- Transport ------------------------------------------------------------------------------
     def address(self) -> str:
@@ -205,8 +91,8 @@ class TorchDistTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._connect_lock(peer_id):
             pair = self._pairs.get(peer_id)
-            if pair is not None and (pair.broken is not None or pair.peer_address != peer_address):
-                self._discard(pair, bump=pair.broken is not None)  # a new address is a new pair name
+            if pair is not None and (pair.broken.done() or pair.peer_address != peer_address):
+                self._discard(pair, bump=pair.broken.done())  # a new address is a new pair name
                 pair = None
             try:
                 store = pair.store if pair is not None else self._owner_store(peer_id, peer_address, deadline)
@@ -238,9 +124,9 @@ class TorchDistTransport(Transport):
                 payload = _as_bytes(tensor.to(device).contiguous()) if tensor.numel() else None
                 if payload is not None and group is pair.gloo and payload.numel() <= _INLINE_MAX_BYTES:
                     first, payload = torch.cat([first, payload]), None  # one round of messages, not two
-                pair.wait(group.send([first], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline, first.numel())
+                pair.wait(group.send([first], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
                 if payload is not None:
-                    pair.wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline, payload.numel())
+                    pair.wait(group.send([payload], pair.peer_rank, _tag(pair.rank, _PAYLOAD)), deadline)
             except _TRANSPORT_ERRORS as exc:
                 raise self._fail(pair, f"send of {_describe(header.tolist())} failed", exc) from exc
 
@@ -254,14 +140,14 @@ class TorchDistTransport(Transport):
                 group, device = self._group_for(pair, out.device, pair.peer_rank)
                 inline = group is pair.gloo  # gloo may deliver fewer bytes than posted; NCCL may not
                 first = pair.inbox if inline else torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=device)
-                pair.wait(group.recv([first], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline, 0)
+                pair.wait(group.recv([first], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
                 got = first[:_HEADER_BYTES].view(torch.int64).tolist()
                 if got == expected and nbytes and inline and nbytes <= _INLINE_MAX_BYTES:
                     out.copy_(first[_HEADER_BYTES : _HEADER_BYTES + nbytes].view(out.dtype).view(out.shape))
                 elif got == expected and nbytes:
                     direct = out.is_contiguous() and out.device == device
                     target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
-                    pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline, nbytes)
+                    pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
                     if not direct:
                         out.copy_(target)
             except _TRANSPORT_ERRORS as exc:
@@ -278,17 +164,13 @@ class TorchDistTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            pairs, self._pairs = list(self._pairs.values()), {}
             store, self._store = self._store, None
         if store is None:
             return
         # Our store lives on while anything holds it (a traceback's frame will): tell peers that
         # connect to it meanwhile that nobody is coming.
         store.set(_CLOSED_KEY, "1")
-        for pair in pairs:
-            pair.close()
-        for pair in pairs:
-            pair.watcher.join(timeout=1.0)  # it holds the group, which holds our store
+        self._close_pairs()
 
     # ---- pairs ----------------------------------------------------------------------------------
     def _connect_lock(self, peer_id: str) -> threading.Lock:
@@ -299,14 +181,14 @@ class TorchDistTransport(Transport):
         if self._store is None:
             raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: this transport is closed")
 
-    def _live_pair(self, peer_id: str) -> _Pair:
+    def _live_pair(self, peer_id: str) -> Pair:
         self._check_open(peer_id)
         with self._lock:
             pair = self._pairs.get(peer_id)
         if pair is None:
             raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)")
-        if pair.broken is not None:
-            raise self._fail(pair, f"connection lost: {pair.broken}")
+        if pair.broken.done():
+            raise self._fail(pair, f"connection lost: {pair.broken.result()}")
         return pair
 
     def _pair_name(self, peer_id: str, peer_address: str) -> str:
@@ -323,14 +205,14 @@ class TorchDistTransport(Transport):
         host, port = _split_address(peer_address)
         # A refused connection means the peer is gone (its address exists only while its store
         # listens); fail at once instead of letting the store client retry until the deadline.
-        with socket.create_connection((host, port), timeout=_remaining(deadline)):
+        with socket.create_connection((host, port), timeout=remaining(deadline)):
             pass
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=_remaining(deadline)), wait_for_workers=False)
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=remaining(deadline)), wait_for_workers=False)
 
-    def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> _Pair:
+    def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> Pair:
         rank = 0 if self.worker_id < peer_id else 1
         prefix = f"kv/pair/{self._pair_name(peer_id, peer_address)}/{generation}"
-        timeout = timedelta(seconds=_remaining(deadline))
+        timeout = timedelta(seconds=remaining(deadline))
         options = dist.ProcessGroupGloo._Options()
         options._timeout = timeout
         options._devices = [self._gloo_device]
@@ -340,23 +222,24 @@ class TorchDistTransport(Transport):
         except _TRANSPORT_ERRORS as exc:
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
             raise self._error(peer_id, f"peer did not join within {timeout.total_seconds():.1f}s", exc) from exc
-        pair = _Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo)
+        inbox = torch.empty(_INBOX_BYTES, dtype=torch.uint8)
+        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo, inbox)
         pair.watch()
         return pair
 
-    def _group_for(self, pair: _Pair, device: torch.device, sender_rank: int):
+    def _group_for(self, pair: Pair, device: torch.device, sender_rank: int):
         """The group that carries tensors on `device` from `sender_rank`, and the device the wire tensors live on."""
         backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "gloo":
             return pair.gloo, torch.device("cpu")
         if device.type != "cuda":
             raise ValueError(f"tensor: the nccl backend carries CUDA tensors only, got {device}")
-        with pair.cond:
+        with pair.nccl_lock:
             if sender_rank not in pair.nccl:
                 pair.nccl[sender_rank] = _nccl_group(pair, sender_rank)
         return pair.nccl[sender_rank], device
 
-    def _discard(self, pair: _Pair, bump: bool) -> None:
+    def _discard(self, pair: Pair, bump: bool) -> None:
         with self._lock:
             if self._pairs.get(pair.peer_id) is pair:
                 del self._pairs[pair.peer_id]
@@ -365,12 +248,12 @@ class TorchDistTransport(Transport):
             _bump(pair.store, pair.generation_key, pair.generation)
         pair.close()
 
-    def _fail(self, pair: _Pair, what: str, exc: BaseException | None = None) -> KVTransferError:
+    def _fail(self, pair: Pair, what: str, exc: BaseException | None = None) -> KVTransferError:
         self._discard(pair, bump=True)
         return self._error(pair.peer_id, what, exc)
 
     def _error(self, peer_id: str, what: str, exc: BaseException | None = None) -> KVTransferError:
-        cause = f": {_first_line(exc)}" if exc is not None else ""
+        cause = f": {first_line(exc)}" if exc is not None else ""
         return KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: {what}{cause}")
 
 
@@ -401,7 +284,7 @@ def _gloo_device(host: str):
     return dist.ProcessGroupGloo.create_device(hostname=host)
 
 
-def _nccl_group(pair: _Pair, sender_rank: int) -> dist.ProcessGroupNCCL:
+def _nccl_group(pair: Pair, sender_rank: int) -> dist.ProcessGroupNCCL:
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("tensor: CUDA tensors need CUDA and a torch built with NCCL (or backend='gloo')")
     os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # read when the group is made (module docstring)
@@ -409,6 +292,16 @@ def _nccl_group(pair: _Pair, sender_rank: int) -> dist.ProcessGroupNCCL:
     options._timeout = pair.timeout
     store = dist.PrefixStore(f"{pair.prefix}/nccl/{sender_rank}", pair.store)
     return dist.ProcessGroupNCCL(store, pair.rank, 2, options)
+
+
+def _close_pairs(pairs: dict[str, Pair], lock: threading.Lock) -> None:
+    with lock:
+        closing = list(pairs.values())
+        pairs.clear()
+    for pair in closing:
+        pair.close()
+    for pair in closing:
+        pair.watcher.join(timeout=1.0)  # it holds the group, which holds the owner's store
 
 
 def _bump(store: dist.Store, key: str, generation: int) -> None:
@@ -448,14 +341,3 @@ def _split_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"peer_address: expected 'host:port', got {address!r}")
     return host.strip("[]"), int(port)
-
-
-def _remaining(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.001)
-
-
-def _first_line(exc: BaseException) -> str:
-    # c10d errors carry a C++ stack trace after the first line, gloo's a "[file.cc:123] " prefix.
-    lines = str(exc).strip().splitlines()
-    first = _SOURCE_PREFIX.sub("", lines[0]) if lines else ""
-    return f"{type(exc).__name__}: {first}"

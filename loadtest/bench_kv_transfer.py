@@ -1,0 +1,188 @@
+"""KV-transfer benchmark (issue 3), all in one run:
+
+  (a) raw torch.distributed send/recv between two Ray actors, one contiguous tensor;
+  (b) the KV of a 1024-token prompt in Llama-3-8B's geometry (32 layers, 8 KV heads, head dim
+      128) through the protocol (per-layer messages, DONE, ACK) from scattered blocks into
+      scattered blocks: GB/s and its ratio to (a), target >= 0.9;
+  (c) a prefill of the default model with layer-wise streaming to a decode actor, against the
+      same prefill alone: time ratio, target <= 1.10 (the transfer hides behind compute).
+
+    .venv/bin/python loadtest/bench_kv_transfer.py [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 5]
+
+On a GPU machine use --device cuda: the transport then uses NCCL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import ray
+import torch
+from ray import cloudpickle
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_bench_actors import measure_raw_bandwidth  # noqa: E402
+
+from disagg.engine.kv_cache import KVCache  # noqa: E402
+from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
+from disagg.kv_transfer.sender import KVSender, KVTarget  # noqa: E402
+from disagg.kv_transfer.torch_dist import TorchDistTransport  # noqa: E402
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B
+TOKENS = 1024
+
+
+@ray.remote(num_cpus=0)
+class KVEndpointActor:
+    """A KV cache of Llama-3-8B's geometry with a sender and a receiver on one transport."""
+
+    def __init__(self, worker_id: str, num_blocks: int, dtype: torch.dtype, device: str):
+        torch.set_num_threads(1)
+        self.cache = KVCache(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device(device))
+        self.cache.tensor.normal_()
+        transport = TorchDistTransport(worker_id)
+        self.sender = KVSender(transport, self.cache, timeout=120)
+        self.receiver = KVReceiver(transport, self.cache, timeout=120)
+
+    def address(self) -> str:
+        return self.sender.address()
+
+    def expect(self, request_id: str, block_ids: list[int], sources: dict) -> int:
+        return self.receiver.expect(request_id, block_ids, sources)
+
+    def stream(self, request_id: str, block_ids: list[int], target: KVTarget) -> float:
+        """Send every layer of the blocks as the model would (one message per layer), then DONE;
+        returns seconds from the first layer to the receiver's ACK."""
+        chunk = SimpleNamespace(request=SimpleNamespace(request_id=request_id, block_ids=block_ids), start=0, num_new_tokens=len(block_ids) * BLOCK)
+        self.sender.add(request_id, [target])
+        for layer in range(LAYERS):
+            self.sender.on_layer(layer, [chunk])
+        self.sender.on_step_end([chunk])
+        self.sender.finish(request_id, first_token=1)
+        return _wait(self.sender).seconds
+
+    def received(self):
+        return _wait(self.receiver)
+
+
+def _wait(endpoint, timeout_s: float = 300.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        results = endpoint.poll()
+        if results:
+            assert results[0].ok, results[0].error
+            return results[0]
+        time.sleep(0.0005)
+    raise TimeoutError("transfer did not finish")
+
+
+def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int) -> tuple[float, int]:
+    num_blocks = TOKENS // BLOCK
+    total = 4 * num_blocks
+    src, dst = KVEndpointActor.remote("p-bench", total, dtype, device), KVEndpointActor.remote("d-bench", total, dtype, device)
+    src_addr, dst_addr = ray.get([src.address.remote(), dst.address.remote()])
+    seconds = []
+    for r in range(repeats + 1):  # the first is a warm-up (connects the pair)
+        src_blocks = list(range(r % 4, total, 4))[:num_blocks]  # every 4th block: scattered
+        dst_blocks = list(range(total - 1 - r % 4, -1, -4))[:num_blocks]
+        transfer_id = ray.get(dst.expect.remote(f"r{r}", dst_blocks, {"p-bench": src_addr}))
+        target = KVTarget("d-bench", dst_addr, transfer_id, dst_blocks, (0, LAYERS), (0, KV_HEADS))
+        received = dst.received.remote()
+        seconds.append(ray.get(src.stream.remote(f"r{r}", src_blocks, target)))
+        ray.get(received)
+        print(f"  protocol transfer {r}: {seconds[-1]:.2f} s", flush=True)
+    for actor in (src, dst):
+        ray.kill(actor)
+    num_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * TOKENS * torch.empty((), dtype=dtype).element_size()
+    return num_bytes / statistics.median(seconds[1:]) / 1e9, num_bytes
+
+
+@ray.remote(num_cpus=0)
+class DecodeSide:
+    def __init__(self, worker_id: str):
+        torch.set_num_threads(1)
+        from disagg.config import EngineConfig
+        from disagg.decode_worker.worker import DecodeWorker
+
+        self.worker = DecodeWorker(EngineConfig(num_kv_blocks=256), TorchDistTransport(worker_id), kv_timeout=120)
+
+    def address(self) -> str:
+        return self.worker.address()
+
+    def reserve(self, request_id, prompt, params, sources):
+        return self.worker.reserve(request_id, prompt, params, sources)
+
+    def drain(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self.worker.is_idle() and time.monotonic() < deadline:
+            self.worker.step()
+            time.sleep(0.001)
+
+
+def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, float, float]:
+    """Median prefill seconds alone and with layer-wise streaming, and their ratio."""
+    from disagg.config import EngineConfig
+    from disagg.prefill_worker.worker import PrefillWorker
+    from disagg.request import SamplingParams
+
+    torch.set_num_threads(1)
+    prefill = PrefillWorker(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), TorchDistTransport("p-stream"), kv_timeout=120)
+    decode = DecodeSide.remote("d-stream")
+    cfg = prefill.engine.model_config
+    prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    alone, streamed = [], []
+    for r in range(repeats + 1):
+        for streaming in (False, True):
+            prompt[0] = r * 2 + streaming  # a new prompt each time: no prefix-cache hits
+            targets = []
+            if streaming:
+                reservation = ray.get(decode.reserve.remote(f"s{r}", prompt, params, {"p-stream": prefill.address()}))
+                targets = [KVTarget("d-stream", ray.get(decode.address.remote()), reservation.transfer_id, reservation.block_ids, (0, cfg.num_hidden_layers), (0, cfg.num_key_value_heads))]
+                draining = decode.drain.remote()
+            start = time.perf_counter()
+            prefill.add_request(f"{'s' if streaming else 'a'}{r}", prompt, params, targets)
+            while prefill.engine.has_unfinished_requests():
+                prefill.step()
+            elapsed = time.perf_counter() - start
+            while not prefill.is_idle():  # acknowledgements, outside the timed part
+                prefill.step()
+                time.sleep(0.001)
+            if streaming:
+                ray.get(draining)
+            if r > 0:  # the first round warms up
+                (streamed if streaming else alone).append(elapsed)
+    ray.kill(decode)
+    prefill.close()
+    a, s = statistics.median(alone), statistics.median(streamed)
+    return a, s, s / a
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    proto_gbps, num_bytes = protocol_bandwidth(dtype, args.device, args.repeats)
+    print(f"protocol: {proto_gbps:.2f} GB/s", flush=True)
+    raw_gbps = measure_raw_bandwidth(num_bytes, dtype, args.repeats)
+    print(f"raw: {raw_gbps:.2f} GB/s", flush=True)
+    alone, streamed, ratio = streaming_overhead(args.repeats)
+    ray.shutdown()
+    print(f"\nKV of {TOKENS} tokens, Llama-3-8B geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}), {args.dtype}, {num_bytes / 2**20:.0f} MiB, {args.device}")
+    print(f"(a) raw send/recv, one contiguous tensor: {raw_gbps:6.2f} GB/s")
+    print(f"(b) protocol, per-layer messages, scattered blocks: {proto_gbps:6.2f} GB/s   ratio to raw {proto_gbps / raw_gbps:.3f} (target >= 0.9)")
+    print(f"(c) default-model prefill of 1024 tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10)")
+
+
+if __name__ == "__main__":
+    main()

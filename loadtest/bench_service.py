@@ -1,0 +1,116 @@
+"""What the service costs on top of the engine, at low load (issue 4's benchmark).
+
+The same 32 requests, one at a time: (a) offline through the engine in this process, with one
+torch thread as each worker has; (b) through gRPC, the router, the Ray prefill and decode
+actors and the KV transfer. Prints mean and p50 TTFT and TPOT for both and their differences.
+Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
+
+    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+
+TOPICS = ["the ocean", "a mountain village", "how bread is made", "the history of clocks", "a friendly robot", "winter in the city", "the planets", "a chess game"]
+
+
+def make_prompts(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        detail = " ".join(rng.choice(["Please", "be", "vivid", "and", "precise", "about", "it", "in", "detail"]) for _ in range(rng.randint(0, 40)))
+        prompts.append(f"Write a short paragraph about {topic}. {detail}")
+    return prompts
+
+
+def offline(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    from disagg.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+    from disagg.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(num_threads=1))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request("warmup", prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    results = []
+    for i, ids in enumerate(prompts):
+        start = time.perf_counter()
+        engine.add_request(str(i), prompt_token_ids=ids, sampling_params=params)
+        first = None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                first = first or time.perf_counter()
+        results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
+    return results
+
+
+def service(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+    import ray
+
+    from disagg.client import DisaggClient, generate_request
+    from disagg.cluster.serve import Server
+    from disagg.config import ServingConfig
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    config = ServingConfig.from_dict({"port": 0, "threads_per_worker": 1})
+    results = []
+    with Server(config) as server, DisaggClient(server.address) as client:
+        client.generate(generate_request(prompt_token_ids=prompts[0], max_tokens=2), timeout=60)  # warm-up
+        for ids in prompts:
+            start, first = time.perf_counter(), None
+            for msg in client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
+                if msg.token_ids and first is None:
+                    first = time.perf_counter()
+            results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
+    ray.shutdown()
+    return results
+
+
+def _ttft_tpot(start: float, first: float, end: float, num_tokens: int) -> tuple[float, float]:
+    return first - start, (end - first) / (num_tokens - 1)
+
+
+def summarize(name: str, results: list[tuple[float, float]]) -> dict:
+    ttft, tpot = [r[0] * 1e3 for r in results], [r[1] * 1e3 for r in results]
+    return {"name": name, "ttft_mean_ms": statistics.mean(ttft), "ttft_p50_ms": statistics.median(ttft), "tpot_mean_ms": statistics.mean(tpot), "tpot_p50_ms": statistics.median(tpot)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    from disagg.config import EngineConfig
+    from disagg.engine.loader import load_model_source
+    from disagg.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
+    a = summarize("offline engine", offline(prompts, args.max_tokens))
+    b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens))
+    print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
+    print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
+    for r in (a, b):
+        print(f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}")
+    added = b["ttft_p50_ms"] - a["ttft_p50_ms"]
+    ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
+    print(f"service adds {added:+.1f} ms to p50 TTFT (target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "tpot_p50_ratio": ratio_tpot}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
