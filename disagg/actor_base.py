@@ -17,7 +17,7 @@ import torch
 
 from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
-from disagg.worker_api import WorkerLoad
+from disagg.registry import InstanceInfo, LoadReport, Registry
 
 logger = logging.getLogger(__name__)
 
@@ -44,11 +44,13 @@ class WorkerActorBase:
     def _has_work(self) -> bool:
         raise NotImplementedError
 
-    def load(self) -> WorkerLoad:
+    def load(self) -> LoadReport:
         raise NotImplementedError
 
-    def instance_info(self):
-        raise NotImplementedError
+    def instance_info(self) -> InstanceInfo:
+        """What the registry shows about this instance (subclasses have worker, engine_config, actor_name)."""
+        p = self.engine_config.parallel
+        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -83,25 +85,12 @@ class WorkerActorBase:
 
     # ---- registry ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
-        from disagg.registry import LoadReport, Registry
-
         registry = Registry(self._registry_url)
         while not self._stopping.wait(self._heartbeat_interval_s):
             if not self._heartbeat_enabled.is_set():
                 continue
-            load = self.load()
-            report = LoadReport(
-                num_running=load.num_running,
-                num_waiting=load.num_waiting,
-                num_waiting_for_kv=load.num_waiting_for_kv,
-                queued_prefill_tokens=load.queued_prefill_tokens,
-                num_free_blocks=load.num_free_blocks,
-                num_total_blocks=load.num_total_blocks,
-                kv_cache_usage=load.kv_cache_usage,
-                updated_at=time.time(),
-            )
             try:
-                registry.heartbeat(self.instance_info(), report, self._heartbeat_ttl_s)
+                registry.heartbeat(self.instance_info(), self.load(), self._heartbeat_ttl_s)
             except RegistryUnavailable as exc:  # keep serving; the next beat retries
                 logger.warning("heartbeat failed: %s", exc)
         registry.close()
@@ -109,8 +98,6 @@ class WorkerActorBase:
     def _deregister(self) -> None:
         if not self._registry_url:
             return
-        from disagg.registry import Registry
-
         try:
             registry = Registry(self._registry_url)
             registry.deregister(self.instance_id)
@@ -119,15 +106,18 @@ class WorkerActorBase:
             pass
 
 
-def engine_load(engine, num_waiting_for_kv: int = 0) -> WorkerLoad:
+def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
     """A snapshot readable from any thread (len() of the scheduler's queues is atomic)."""
     scheduler = engine.scheduler
     queued = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.waiting) + list(scheduler.running) if r.num_computed_tokens < r.num_prompt_tokens)
-    return WorkerLoad(
+    free, total = engine.num_free_blocks, engine.num_total_blocks
+    return LoadReport(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
         num_waiting_for_kv=num_waiting_for_kv,
         queued_prefill_tokens=queued,
-        num_free_blocks=engine.num_free_blocks,
-        num_total_blocks=engine.num_total_blocks,
+        num_free_blocks=free,
+        num_total_blocks=total,
+        kv_cache_usage=1.0 - free / total,
+        updated_at=time.time(),
     )

@@ -50,19 +50,3 @@ class PrefillResult:
     num_cached_tokens: int
     queue_s: float
     prefill_s: float
-
-
-@dataclass
-class WorkerLoad:
-    """A worker's load, as it reports it (to Redis and to ClusterStatus)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_for_kv: int = 0
-    queued_prefill_tokens: int = 0
-    num_free_blocks: int = 0
-    num_total_blocks: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_total_blocks if self.num_total_blocks else 0.0

@@ -17,8 +17,9 @@ from disagg.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
 from disagg.decode_worker.worker import DecodeWorker, Reservation
 from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.registry import LoadReport
 from disagg.request import SamplingParams
-from disagg.worker_api import TokenDelta, WorkerLoad
+from disagg.worker_api import TokenDelta
 
 
 class DecodeActor(WorkerActorBase):
@@ -38,13 +39,7 @@ class DecodeActor(WorkerActorBase):
         self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes; engine thread only
         self._start()
 
-    def instance_info(self):
-        from disagg.registry import InstanceInfo
-
-        p = self.engine_config.parallel
-        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
-
-    def load(self) -> WorkerLoad:
+    def load(self) -> LoadReport:
         receiver = self.worker.receiver
         return engine_load(self.worker.engine, len(self.worker.engine.scheduler.waiting_for_kv) if receiver else 0)
 

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from disagg.config import EngineConfig, Role
+from disagg.config import EngineConfig
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.loader import load_model_source

@@ -15,8 +15,9 @@ from disagg.errors import KVTransferError
 from disagg.kv_transfer.sender import KVTarget
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
+from disagg.registry import LoadReport
 from disagg.request import SamplingParams
-from disagg.worker_api import PrefillResult, WorkerLoad
+from disagg.worker_api import PrefillResult
 
 
 class PrefillActor(WorkerActorBase):
@@ -31,13 +32,7 @@ class PrefillActor(WorkerActorBase):
         self._waiters: dict[str, asyncio.Future] = {}  # touched on the asyncio loop only
         self._start()
 
-    def instance_info(self):
-        from disagg.registry import InstanceInfo
-
-        p = self.engine_config.parallel
-        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
-
-    def load(self) -> WorkerLoad:
+    def load(self) -> LoadReport:
         return engine_load(self.worker.engine)
 
     def kv_address(self) -> str:
