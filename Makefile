@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: setup test test-fast serve bench clean proto
+.PHONY: setup test test-fast serve bench loadtest clean proto
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ serve: setup
 
 bench: setup
 	$(PY) loadtest/bench_engine.py
+
+loadtest: setup
+	$(PY) loadtest/run_locust.py
 
 proto: setup
 	$(PY) proto/generate.py

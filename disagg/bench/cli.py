@@ -30,7 +30,12 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def _workload(args, num_requests: int) -> tuple[list, dict]:
-    from disagg.bench.workloads import WorkloadConfig, describe, load_tokenizer, make_workload
+    from disagg.bench.workloads import (
+        WorkloadConfig,
+        describe,
+        load_tokenizer,
+        make_workload,
+    )
 
     tokenizer, context = load_tokenizer(args.model)
     config = WorkloadConfig(args.workload, num_requests, args.seed, args.max_model_len or context, args.length_scale, args.input_len, args.output_len)
@@ -108,6 +113,7 @@ def _add_experiment(sub) -> None:
     p.add_argument("--slo-factor", type=float, default=4.0)
     p.add_argument("--burstiness", type=float, default=1.0)
     p.add_argument("--max-concurrency", type=int)
+    p.add_argument("--one-server-at-a-time", action="store_true", help="serve one mode at a time (less memory) instead of all at once, taking turns at each rate")
     p.add_argument("--out-dir", default="experiment-results")
     _add_workload_args(p)
     p.set_defaults(func=experiment_command)
@@ -121,7 +127,7 @@ def experiment_command(args) -> int:
         rates = tuple(float(r) for r in args.rates.split(","))
     except ValueError:
         raise ValueError(f"rates: {args.rates!r} is not a comma-separated list of numbers") from None
-    exp = ExperimentConfig(rates, args.num_requests, args.out_dir, tuple(m.strip() for m in args.modes.split(",")), args.config_dir, parse_slo(args.slo) or None, args.slo_factor, burstiness=args.burstiness, seed=args.seed, max_concurrency=args.max_concurrency)
+    exp = ExperimentConfig(rates, args.num_requests, args.out_dir, tuple(m.strip() for m in args.modes.split(",")), args.config_dir, parse_slo(args.slo) or None, args.slo_factor, burstiness=args.burstiness, seed=args.seed, max_concurrency=args.max_concurrency, interleave=not args.one_server_at_a_time)
     requests, workload = _workload(args, workload_size(exp))
     started = time.monotonic()
     paths = run_experiment(exp, requests, workload, log=lambda line: print(line, flush=True))

@@ -1,9 +1,12 @@
 """`disagg experiment`: one workload across request rates against several serving modes on the
-same machine, each served by `disagg serve` with its own config, one mode at a time.
+same machine and cores, each served by `disagg serve` (a subprocess; free port; Prometheus off)
+with its own config.
 
-For each mode: start the server (a subprocess; free port; Prometheus off), measure the unloaded
-latency with a few sequential requests, run the open-loop benchmark at each rate, SIGTERM the
-server. Then the report: table and plots of attainment and goodput against rate. Without an
+Every server first answers a few sequential requests (its unloaded latency), then the open-loop
+benchmark runs at each rate. By default all the servers are up at once (idle workers sleep and
+cost nothing) and the modes take turns at each rate, in rotated order: on a shared, noisy
+machine, background load then falls on every mode alike. `interleave=False` runs one server at
+a time instead (start, every rate, SIGTERM, next mode) for machines short of memory. Without an
 SLO, one is set at `slo_factor` times the first mode's unloaded median TTFT and TPOT.
 
 Output directory:
@@ -50,30 +53,37 @@ class ServeProcess:
         self.stop_timeout_s = stop_timeout_s
         self.address: str | None = None
         self.process: subprocess.Popen | None = None
+        self._ready = self.log_path.with_suffix(".ready")
+        self._started_at = 0.0
 
     def __enter__(self) -> "ServeProcess":
-        ready = self.log_path.with_suffix(".ready")
-        ready.unlink(missing_ok=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "disagg.cli", "serve", "--config", self.config_path, "--port", str(free_port()), "--ready-file", str(ready)]
-        with open(self.log_path, "w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self.start()
         try:
-            self.address = self._wait_ready(ready)
+            self.wait_ready()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self, ready: Path) -> str:
-        deadline = time.monotonic() + self.start_timeout_s
-        while not (ready.exists() and ready.read_text().strip()):
+    def start(self) -> None:
+        self._ready.unlink(missing_ok=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "disagg.cli", "serve", "--config", self.config_path, "--port", str(free_port()), "--ready-file", str(self._ready)]
+        with open(self.log_path, "w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        self._started_at = time.monotonic()
+
+    def wait_ready(self) -> str:
+        """The server's HOST:PORT once it has written its ready file."""
+        while not (self._ready.exists() and self._ready.read_text().strip()):
             with contextlib.suppress(subprocess.TimeoutExpired):  # a wait that also notices an early exit
                 code = self.process.wait(timeout=0.25)
                 raise RuntimeError(f"`disagg serve` exited with {code} before it was ready; see {self.log_path}")
-            if time.monotonic() > deadline:
+            if time.monotonic() > self._started_at + self.start_timeout_s:
                 raise TimeoutError(f"`disagg serve` was not ready after {self.start_timeout_s:.0f}s; see {self.log_path}")
-        return ready.read_text().strip()
+        self.address = self._ready.read_text().strip()
+        self._ready.unlink()
+        return self.address
 
     def stop(self) -> int | None:
         if self.process is None or self.process.poll() is not None:
@@ -108,6 +118,7 @@ class ExperimentConfig:
     burstiness: float = 1.0
     seed: int = 0
     max_concurrency: int | None = None
+    interleave: bool = True  # all servers up at once, modes alternating at each rate
 
 
 def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload: dict, log=print) -> dict[str, str]:
@@ -119,37 +130,76 @@ def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload
         (out / sub).mkdir(parents=True, exist_ok=True)
     for stale in (out / "runs").glob("*.json"):
         stale.unlink()  # the report reads every run in the folder
-    slo = dict(exp.slo) if exp.slo else None
-    for mode in exp.modes:
-        config_path = _mode_config(exp, mode, out / "configs" / f"{mode}.yaml")
-        log(f"[{mode}] starting `disagg serve --config {config_path}`")
-        with ServeProcess(str(config_path), str(out / "logs" / f"{mode}.log")) as server:
-            unloaded = _unloaded(server.address, requests, exp)
-            _save(out / "unloaded" / f"{mode}.json", {**unloaded, "label": mode, "workload": workload})
-            s = unloaded["summary"]
-            log(f"[{mode}] unloaded: TTFT p50 {s['ttft_ms']['median']:.0f} ms, TPOT p50 {s['tpot_ms']['median']:.1f} ms")
-            if slo is None:
-                slo = {"ttft_ms": round(exp.slo_factor * s["ttft_ms"]["median"], -1), "tpot_ms": round(exp.slo_factor * s["tpot_ms"]["median"])}
-                log(f"SLO set to {exp.slo_factor:g}x the unloaded medians of {mode}: {slo}")
+    phases = _Phases(exp, requests, workload, out, log)
+    configs = {mode: _mode_config(exp, mode, out / "configs" / f"{mode}.yaml") for mode in exp.modes}
+    if exp.interleave:
+        with contextlib.ExitStack() as stack:
+            servers = {mode: ServeProcess(str(config), str(out / "logs" / f"{mode}.log")) for mode, config in configs.items()}
+            for mode, server in servers.items():
+                log(f"[{mode}] starting `disagg serve --config {configs[mode]}`")
+                stack.callback(server.stop)
+                server.start()
+            for server in servers.values():
+                server.wait_ready()
+            for mode, server in servers.items():
+                phases.unloaded(mode, server.address)
             for i, rate in enumerate(exp.rates):
-                load = LoadConfig(request_rate=rate, burstiness=exp.burstiness, num_requests=exp.num_requests, seed=exp.seed + i, max_concurrency=exp.max_concurrency)
-                result = run_benchmark(server.address, _phase_requests(exp, requests, i), load, slo)
-                _save(out / "runs" / f"{mode}_rate{rate:g}.json", {**result, "label": mode, "workload": workload, "server_config": str(config_path)})
-                s = result["summary"]
-                log(f"[{mode}] rate {rate:g}: {s['completed']}/{s['num_requests']} ok, attainment {s['slo_attainment_pct']:.1f}%, goodput {s['goodput']:.2f} req/s, TTFT p90 {s['ttft_ms']['p90']:.0f} ms, TPOT p90 {s['tpot_ms']['p90']:.0f} ms")
-        log(f"[{mode}] server stopped")
-    paths = write_report(load_runs([str(out / "runs")]), str(out), slo)
-    _save(out / "experiment.json", {"rates": list(exp.rates), "num_requests": exp.num_requests, "modes": list(exp.modes), "slo": slo, "workload": workload, "burstiness": exp.burstiness, "seed": exp.seed})
+                for mode in exp.modes[i % len(exp.modes):] + exp.modes[: i % len(exp.modes)]:  # rotated: no mode always goes first
+                    phases.at_rate(mode, servers[mode].address, i, rate, configs[mode])
+    else:
+        for mode, config in configs.items():
+            log(f"[{mode}] starting `disagg serve --config {config}`")
+            with ServeProcess(str(config), str(out / "logs" / f"{mode}.log")) as server:
+                phases.unloaded(mode, server.address)
+                for i, rate in enumerate(exp.rates):
+                    phases.at_rate(mode, server.address, i, rate, config)
+            log(f"[{mode}] server stopped")
+    paths = write_report(load_runs([str(out / "runs")]), str(out), phases.slo)
+    _save(out / "experiment.json", {"rates": list(exp.rates), "num_requests": exp.num_requests, "modes": list(exp.modes), "interleave": exp.interleave, "slo": phases.slo, "workload": workload, "burstiness": exp.burstiness, "seed": exp.seed})
     return paths
 
 
+class _Phases:
+    """The experiment's two kinds of measurement, saving each result as it comes."""
+
+    def __init__(self, exp: ExperimentConfig, requests: list[BenchRequest], workload: dict, out: Path, log):
+        self.exp, self.requests, self.workload, self.out, self.log = exp, requests, workload, out, log
+        self.slo = dict(exp.slo) if exp.slo else None
+
+    def unloaded(self, mode: str, address: str) -> None:
+        """Sequential requests: the first warms the server up, the rest measure it unloaded."""
+        exp = self.exp
+        result = run_benchmark(address, _phase_requests(exp, self.requests, None), LoadConfig(num_requests=exp.num_unloaded + 1, max_concurrency=1, seed=exp.seed))
+        records = [RequestRecord.from_dict(r) for r in result["requests"][1:]]
+        result["summary"] = s = summarize(records, sum(r.e2el for r in records))
+        _save(self.out / "unloaded" / f"{mode}.json", {**result, "label": mode, "workload": self.workload})
+        self.log(f"[{mode}] unloaded: TTFT p50 {s['ttft_ms']['median']:.0f} ms, TPOT p50 {s['tpot_ms']['median']:.1f} ms")
+        if self.slo is None:
+            self.slo = {"ttft_ms": round(exp.slo_factor * s["ttft_ms"]["median"], -1), "tpot_ms": round(exp.slo_factor * s["tpot_ms"]["median"])}
+            self.log(f"SLO set to {exp.slo_factor:g}x the unloaded medians of {mode}: {self.slo}")
+
+    def at_rate(self, mode: str, address: str, rate_index: int, rate: float, config: Path) -> None:
+        exp = self.exp
+        load = LoadConfig(request_rate=rate, burstiness=exp.burstiness, num_requests=exp.num_requests, seed=exp.seed + rate_index, max_concurrency=exp.max_concurrency)
+        result = run_benchmark(address, _phase_requests(exp, self.requests, rate_index), load, self.slo)
+        _save(self.out / "runs" / f"{mode}_rate{rate:g}.json", {**result, "label": mode, "workload": self.workload, "server_config": str(config)})
+        s = result["summary"]
+        self.log(f"[{mode}] rate {rate:g}: {s['completed']}/{s['num_requests']} ok, attainment {s['slo_attainment_pct']:.1f}%, goodput {s['goodput']:.2f} req/s, TTFT p90 {s['ttft_ms']['p90']:.0f} ms, TPOT p90 {s['tpot_ms']['p90']:.0f} ms")
+
+
 def _mode_config(exp: ExperimentConfig, mode: str, dest: Path) -> Path:
-    """The mode's deploy config, with Prometheus off (fixed ports could clash) and a free gRPC port."""
     if mode not in MODE_CONFIGS:
         raise ValueError(f"mode: {mode!r} is not one of {', '.join(MODE_CONFIGS)}")
-    config = yaml.safe_load((Path(exp.config_dir) / MODE_CONFIGS[mode]).read_text()) or {}
+    return config_without_fixed_ports(Path(exp.config_dir) / MODE_CONFIGS[mode], dest)
+
+
+def config_without_fixed_ports(source: Path, dest: Path) -> Path:
+    """A copy of a serving config with Prometheus off (a fixed port could be taken); the gRPC
+    port is given on the command line."""
+    config = yaml.safe_load(Path(source).read_text()) or {}
     config["metrics_port"] = None
-    dest.write_text(f"# {MODE_CONFIGS[mode]} as `disagg experiment` served it\n" + yaml.safe_dump(config, sort_keys=False))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_text(f"# {source} with metrics_port: null\n" + yaml.safe_dump(config, sort_keys=False))
     return dest
 
 
@@ -165,15 +215,6 @@ def _phase_requests(exp: ExperimentConfig, requests: list[BenchRequest], rate_in
     if rate_index is None:
         return requests[:first]
     return requests[first + rate_index * exp.num_requests: first + (rate_index + 1) * exp.num_requests]
-
-
-def _unloaded(address: str, requests: list[BenchRequest], exp: ExperimentConfig) -> dict:
-    """Sequential requests: the first warms the server up, the rest measure it unloaded."""
-    load = LoadConfig(num_requests=exp.num_unloaded + 1, max_concurrency=1, seed=exp.seed)
-    result = run_benchmark(address, _phase_requests(exp, requests, None), load)
-    records = [RequestRecord.from_dict(r) for r in result["requests"][1:]]
-    result["summary"] = summarize(records, sum(r.e2el for r in records))
-    return result
 
 
 def _save(path: Path, data: dict) -> None:

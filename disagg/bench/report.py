@@ -116,11 +116,12 @@ def _plots(runs: list[Run], out: Path) -> dict[str, str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
     paths = {}
     for metric, attr, slo_key in (("ttft", lambda r: r.ttft, "ttft_ms"), ("tpot", lambda r: r.tpot, "tpot_ms")):
         paths[f"{metric}_cdf"] = str(out / f"{metric}_cdf.png")
-        _cdf_figure(plt, runs, metric.upper(), attr, slo_key, paths[f"{metric}_cdf"])
+        _cdf_figure(plt, ticker, runs, metric.upper(), attr, slo_key, paths[f"{metric}_cdf"])
     rated = [r for r in runs if math.isfinite(r.rate) and r.slo]
     if rated:
         paths["attainment_vs_rate"] = str(out / "attainment_vs_rate.png")
@@ -137,7 +138,15 @@ def _by_label(runs: list[Run]) -> dict[str, list[Run]]:
     return groups
 
 
-def _cdf_figure(plt, runs: list[Run], metric: str, value_of, slo_key: str, path: str) -> None:
+def _log_axis(ax, ticker) -> None:
+    """Log scale labelled 1-2-5 in plain numbers (matplotlib's 3x10^2 labels collide)."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+
+
+def _cdf_figure(plt, ticker, runs: list[Run], metric: str, value_of, slo_key: str, path: str) -> None:
     groups = _by_label(runs)
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups) + 0.8, 3.6), sharex=True, sharey=True, squeeze=False)
     for ax, (label, group) in zip(axes[0], groups.items()):
@@ -150,7 +159,7 @@ def _cdf_figure(plt, runs: list[Run], metric: str, value_of, slo_key: str, path:
             ax.axvline(limit, color="grey", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")
         ax.set_title(label, fontsize=10)
         ax.set_xlabel(f"{metric} (ms)")
-        ax.set_xscale("log")
+        _log_axis(ax, ticker)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("fraction of requests")

@@ -199,7 +199,8 @@ def _chat_builder(tokenizer, rng, target):
 def _code_builder(tokenizer, rng, target):
     # A window onto the end of a file, ending in a function to complete (what an IDE sends).
     prefix = f"# {rng.choice(IDENTS)}_{rng.choice(CODE_VERBS)}.py\n"
-    suffix = _code_fill(rng.choice(CODE_TEMPLATES), rng).split("\n")[0] + "\n"
+    last = _code_fill(rng.choice(CODE_TEMPLATES), rng)
+    suffix = last[: last.index(":\n") + 2]  # up to its signature
     return prefix, _encode_at_least(tokenizer, lambda: _code_fill(rng.choice(CODE_TEMPLATES), rng), target), suffix, True
 
 

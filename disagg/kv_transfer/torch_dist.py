@@ -42,6 +42,9 @@ from disagg.kv_transfer.transport import Transport
 BACKENDS = ("gloo", "nccl")
 # Operations on this worker's own store are local; this only bounds a wedged store.
 OWN_STORE_TIMEOUT = timedelta(seconds=30)
+# gloo's (and NCCL's) own bound on any operation of a pair, the idle watcher's recv included (so an idle
+# pair is never closed by it); every call waits only until its own deadline.
+PAIR_OP_TIMEOUT = timedelta(days=7)
 
 _MAGIC = 0x4B56_0001
 _MAX_DIMS = 8
@@ -212,18 +215,24 @@ class TorchDistTransport(Transport):
     def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> Pair:
         rank = 0 if self.worker_id < peer_id else 1
         prefix = f"kv/pair/{self._pair_name(peer_id, peer_address)}/{generation}"
-        timeout = timedelta(seconds=remaining(deadline))
+        # The group's timeout is also gloo's timeout for every later operation, so it must not be
+        # what is left of this connect call: meet through the store first, bounded by the connect
+        # deadline, then build the group with the fixed operation timeout (each call still waits
+        # only until its own deadline).
+        pair_store = dist.PrefixStore(prefix, store)
         options = dist.ProcessGroupGloo._Options()
-        options._timeout = timeout
+        options._timeout = PAIR_OP_TIMEOUT
         options._devices = [self._gloo_device]
         options._threads = 1  # only point-to-point ops, which do not use the worker threads
         try:
-            gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, 2, options)
+            pair_store.set(f"joined/{rank}", "1")
+            pair_store.wait([f"joined/{1 - rank}"], timedelta(seconds=remaining(deadline)))
+            gloo = dist.ProcessGroupGloo(pair_store, rank, 2, options)
         except _TRANSPORT_ERRORS as exc:
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
-            raise self._error(peer_id, f"peer did not join within {timeout.total_seconds():.1f}s", exc) from exc
+            raise self._error(peer_id, "peer did not join in time", exc) from exc
         inbox = torch.empty(_INBOX_BYTES, dtype=torch.uint8)
-        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, timeout, gloo, inbox)
+        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, PAIR_OP_TIMEOUT, gloo, inbox)
         pair.watch()
         return pair
 

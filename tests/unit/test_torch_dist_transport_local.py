@@ -182,3 +182,25 @@ def test_nccl_backend_refuses_cpu_tensors(pool):
         a.send("b", torch.ones(2), 1)
     a.close()
     b.close()
+
+
+def test_an_idle_pair_outlives_its_connect_timeout():
+    """A pair stays usable however long it idles: the connect call's timeout bounds the meeting
+    only, not the pair's later operations or its idle watcher."""
+    import threading
+    import time
+
+    from disagg.kv_transfer.torch_dist import TorchDistTransport
+
+    with TorchDistTransport("idle-a") as a, TorchDistTransport("idle-b") as b:
+        waiting = threading.Thread(target=b.connect, args=("idle-a", a.address(), 1.0))
+        waiting.start()
+        a.connect("idle-b", b.address(), 1.0)
+        waiting.join()
+        time.sleep(2.0)  # idle for twice the connect timeout
+        out = torch.empty(4)
+        sender = threading.Thread(target=b.send, args=("idle-a", torch.ones(4), 5.0))
+        sender.start()
+        a.recv("idle-b", out, 5.0)  # the same pair, not rebuilt
+        sender.join()
+        assert torch.equal(out, torch.ones(4))

@@ -1,0 +1,178 @@
+"""Locust load test of the `Generate` stream (gRPC), with seeded real-text workloads.
+
+Every request is reported to Locust as request events (type "grpc"), so Locust's console, CSV
+and HTML reports show them: "Generate TTFT", "Generate TPOT" (per request), "Generate ITL" (per
+token gap), "Generate E2E" (per request; failures are reported here, with their status code).
+Locust rounds the times it keeps for percentiles, so each request is also written as one exact
+row to --rows-csv (or $DISAGG_LOCUST_ROWS); `disagg report ROWS.csv` reads those rows.
+
+    locust -f loadtest/locustfile.py --headless -u 4 -r 2 -t 60s --host 127.0.0.1:50051 \\
+        --csv out/locust --html out/locust.html --rows-csv out/rows.csv --workload chat
+
+Step load: DISAGG_LOCUST_SHAPE=step enables StepLoadShape (--step-users more users every
+--step-time seconds, --step-count steps; -u/-r/-t are then ignored).
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import time
+import uuid
+
+from grpc.experimental import gevent as grpc_gevent
+
+grpc_gevent.init_gevent()  # before any channel exists: gRPC must yield to Locust's greenlets
+
+import gevent  # noqa: E402
+import grpc  # noqa: E402
+from locust import LoadTestShape, User, events, task  # noqa: E402
+from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
+
+from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row  # noqa: E402
+from disagg.bench.workloads import (  # noqa: E402
+    WORKLOADS,
+    WorkloadConfig,
+    load_tokenizer,
+    make_workload,
+)
+from disagg.client import DisaggClient, generate_request  # noqa: E402
+
+
+@events.init_command_line_parser.add_listener
+def _arguments(parser) -> None:
+    group = parser.add_argument_group("disagg")
+    group.add_argument("--workload", choices=WORKLOADS, default="chat", help="seeded workload (disagg.bench.workloads)")
+    group.add_argument("--workload-seed", type=int, default=0)
+    group.add_argument("--workload-size", type=int, default=400, help="distinct prompts, used in order (then again)")
+    group.add_argument("--length-scale", type=float, default=0.25, help="scales every prompt and output length")
+    group.add_argument("--max-tokens", type=int, default=0, help="cap on output tokens per request (0: the workload's)")
+    group.add_argument("--model", default=None, help="whose tokenizer sizes the prompts (default: the default model)")
+    group.add_argument("--think-time", type=float, default=0.5, help="seconds a user waits between its requests")
+    group.add_argument("--request-timeout", type=float, default=300.0)
+    group.add_argument("--rows-csv", default=os.environ.get("DISAGG_LOCUST_ROWS", ""), help="write one exact row per request here")
+    group.add_argument("--step-users", type=int, default=2, help="StepLoadShape: users added per step")
+    group.add_argument("--step-time", type=float, default=20.0, help="StepLoadShape: seconds per step")
+    group.add_argument("--step-count", type=int, default=4, help="StepLoadShape: number of steps")
+
+
+class _Run:
+    """What the users of one test run share: the workload, its cursor and the rows file."""
+
+    def __init__(self, options):
+        tokenizer, context = load_tokenizer(options.model)
+        config = WorkloadConfig(options.workload, options.workload_size, options.workload_seed, context, options.length_scale)
+        self.requests = make_workload(config, tokenizer)
+        self.max_tokens = options.max_tokens
+        self.timeout = options.request_timeout
+        self.cursor = itertools.count()
+        self.csv_prefix = options.csv_prefix
+        self.started = time.perf_counter()
+        self.rows_file = open(options.rows_csv, "w", newline="") if options.rows_csv else None  # noqa: SIM115
+        self.rows = csv.DictWriter(self.rows_file, ROW_FIELDS) if self.rows_file else None
+        if self.rows:
+            self.rows.writeheader()
+
+    def next_request(self):
+        index = next(self.cursor)
+        req = self.requests[index % len(self.requests)]
+        output_len = min(req.output_len, self.max_tokens) if self.max_tokens else req.output_len
+        return index, req, output_len
+
+    def write(self, record: RequestRecord) -> None:
+        if self.rows:
+            self.rows.writerow(record_row(record))
+            self.rows_file.flush()
+
+    def close(self) -> None:
+        if self.rows_file:
+            self.rows_file.close()
+            self.rows_file = self.rows = None
+
+
+_run: _Run | None = None
+
+
+@events.test_start.add_listener
+def _on_test_start(environment, **_) -> None:
+    global _run
+    if _run is None:
+        _run = _Run(environment.parsed_options)
+
+
+@events.quitting.add_listener
+def _on_quitting(environment, **_) -> None:
+    if _run is not None:
+        _run.close()
+
+
+@events.quit.add_listener
+def _on_quit(**_) -> None:
+    # Locust's CSV writer rewrites its files once a second and not again once the users have
+    # stopped, so requests that ended in the last second would be missing: let it run once more.
+    if _run is not None and _run.csv_prefix:
+        gevent.sleep(CSV_STATS_INTERVAL_SEC + 0.25)
+
+
+class GenerateUser(User):
+    """A closed-loop user: sends one streaming Generate, waits --think-time, repeats."""
+
+    host = "127.0.0.1:50051"
+
+    def wait_time(self) -> float:
+        return self.environment.parsed_options.think_time
+
+    def on_start(self) -> None:
+        self.client = DisaggClient(self.host)
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    @task
+    def generate(self) -> None:
+        index, req, output_len = _run.next_request()
+        record = RequestRecord(index=index, prompt_len=req.prompt_len, target_output_len=output_len, request_id=f"locust-{uuid.uuid4().hex[:12]}")
+        message = generate_request(req.prompt, request_id=record.request_id, temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        sent = time.perf_counter()
+        record.sent_at = sent - _run.started
+        timer = TokenTimer(sent)
+        try:
+            for msg in self.client.stream(message, timeout=_run.timeout):
+                timer.on_message(len(msg.token_ids), time.perf_counter())
+                record.finish_reason = msg.finish_reason or record.finish_reason
+            if record.finish_reason:
+                timer.finish(record, time.perf_counter())
+            else:
+                record.error_code, record.error = "UNKNOWN", "the stream ended without a final message"
+        except grpc.RpcError as exc:
+            record.error_code, record.error = exc.code().name, exc.details() or ""
+        if not record.success:
+            record.e2el = time.perf_counter() - sent
+        self._report(record)
+        _run.write(record)
+
+    def _report(self, record: RequestRecord) -> None:
+        fire = self.environment.events.request.fire
+        if not record.success:
+            fire(request_type="grpc", name="Generate E2E", response_time=record.e2el * 1e3, response_length=0, exception=RuntimeError(f"{record.error_code}: {record.error}"), context={})
+            return
+        fire(request_type="grpc", name="Generate TTFT", response_time=record.ttft * 1e3, response_length=1, exception=None, context={})
+        if record.output_len > 1:
+            fire(request_type="grpc", name="Generate TPOT", response_time=record.tpot * 1e3, response_length=record.output_len - 1, exception=None, context={})
+        for gap in record.itl:
+            fire(request_type="grpc", name="Generate ITL", response_time=gap * 1e3, response_length=1, exception=None, context={})
+        fire(request_type="grpc", name="Generate E2E", response_time=record.e2el * 1e3, response_length=record.output_len, exception=None, context={})
+
+
+class StepLoadShape(LoadTestShape):
+    """--step-users more users every --step-time seconds for --step-count steps, then stop."""
+
+    abstract = os.environ.get("DISAGG_LOCUST_SHAPE", "") != "step"  # only used when asked for
+
+    def tick(self):
+        options = self.runner.environment.parsed_options
+        step = int(self.get_run_time() // options.step_time)
+        if step >= options.step_count:
+            return None
+        return (step + 1) * options.step_users, max(1, options.step_users)
