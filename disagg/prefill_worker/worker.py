@@ -31,7 +31,8 @@ class PrefillWorker:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, targets: list[KVTarget]) -> None:
         # Register the transfer first: the very first step may already stream layers.
-        self.sender.add(request_id, targets)
+        if targets:
+            self.sender.add(request_id, targets)
         try:
             self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
         except Exception:
@@ -48,8 +49,12 @@ class PrefillWorker:
         """One engine step; first tokens go out with DONE; acknowledged blocks are freed."""
         outputs = self.engine.step()
         for out in outputs:
-            if out.finished and self.sender.has_transfer(out.request_id):
+            if not out.finished:
+                continue
+            if self.sender.has_transfer(out.request_id):
                 self.sender.finish(out.request_id, out.outputs[0].token_ids[0])
+            else:  # nobody to send the KV to: nothing to hold it for
+                self.engine.release_kv(out.request_id)
         self.transfer_results = self.sender.poll()
         for result in self.transfer_results:
             if result.ok:

@@ -187,3 +187,16 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst):
         assert all(r.ok for r in wait_for(tx))
     for endpoint in (*senders.values(), *receivers.values()):
         endpoint.close()
+
+
+def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
+    _, prefill, _ = pair
+    prefill.add_request("alone", prompts()[3], greedy(), targets=[])
+    outputs = []
+    for _ in range(1000):
+        if prefill.is_idle():
+            break
+        outputs += prefill.step()
+    assert prefill.is_idle(), "blocks held for a transfer that has no destination"
+    assert [o.request_id for o in outputs if o.finished] == ["alone"]
+    assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
