@@ -49,12 +49,13 @@ class DecodeWorker:
         """COLOCATED role: run the whole request here."""
         self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, sources: dict[str, str]) -> Reservation | None:
-        """Pre-allocate the prompt's blocks and listen for them; None when there is no room now."""
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, sources: dict[str, str], kv_timeout: float | None = None) -> Reservation | None:
+        """Pre-allocate the prompt's blocks and listen for them; None when there is no room now.
+        The KV must be in within `kv_timeout` seconds (default: the worker's), else the request fails."""
         block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
         if block_ids is None:
             return None
-        return Reservation(self.receiver.expect(request_id, block_ids, sources), block_ids)
+        return Reservation(self.receiver.expect(request_id, block_ids, sources, kv_timeout), block_ids)
 
     def abort(self, request_id: str) -> bool:
         if self.receiver is not None:

@@ -2,8 +2,9 @@
 that runs only while its owner expects messages from that peer.
 
 The loop must not idle in `recv`: with gloo a recv that times out breaks the pair, so the loop
-receives only until the owner's nearest deadline for this peer, and exits when nothing is
-expected. Sending happens off the caller's thread, so the model's compute never waits on the
+receives only while the owner expects something from this peer, each recv waiting at most the
+owner's timeout, and exits when nothing is expected. A single transfer's deadline is enforced
+by its owner's poll(), never by timing out a recv, which would fail every transfer on the pair. Sending happens off the caller's thread, so the model's compute never waits on the
 network, only on the bounded queue (back-pressure instead of unbounded memory).
 """
 
@@ -25,8 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class ChannelOwner(Protocol):
+    timeout: float  # seconds a peer may stay silent while we expect something from it
+
     def recv_deadline(self, peer_id: str) -> float | None:
-        """time.monotonic() by which the next message from the peer must arrive; None: expect nothing."""
+        """time.monotonic() until which messages from the peer are expected; None: expect nothing."""
 
     def send_deadline(self, peer_id: str, header: Header) -> float | None:
         """By when this queued message must be sent; None: its transfer is over, skip it."""
@@ -94,6 +97,9 @@ class PeerChannel:
                         self._receiver = None
                         return
                 continue
+            # Each recv may wait a full timeout, whatever a transfer has left: a pair breaks only
+            # when the peer stays silent that long while we expect it (transfers expire on their own).
+            deadline = max(deadline, time.monotonic() + self.owner.timeout)
             try:
                 self._receive_one(deadline)
             except KVTransferError as exc:

@@ -56,12 +56,14 @@ class KVReceiver(KVEndpoint):
         self._importer.start()
 
     # ---- called by the worker ----------------------------------------------------------------
-    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str]) -> int:
-        """Register a transfer into `block_ids` from `sources` (peer id -> address); returns its id."""
+    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None) -> int:
+        """Register a transfer into `block_ids` from `sources` (peer id -> address); returns its id.
+        It fails unless complete within `timeout` seconds (default: the receiver's)."""
         with self._lock:
             transfer_id = next(self._ids)
             index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv_cache.tensor.device)
-            self._transfers[transfer_id] = _Incoming(request_id, transfer_id, index, dict(sources), time.monotonic() + self.timeout)
+            deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+            self._transfers[transfer_id] = _Incoming(request_id, transfer_id, index, dict(sources), deadline)
             self._by_request[request_id] = transfer_id
         for peer_id, address in sources.items():
             self._channel(peer_id, address).wake_receiver()
@@ -78,7 +80,9 @@ class KVReceiver(KVEndpoint):
     # ---- called by channel threads -------------------------------------------------------------
     def recv_deadline(self, peer_id: str) -> float | None:
         with self._lock:
-            return min((tr.deadline for tr in self._transfers.values() if peer_id in tr.sources), default=None)
+            # The latest deadline, not the nearest: a recv that times out breaks the whole pair, so
+            # one stale transfer must not cut short the others (poll() expires each on its own).
+            return max((tr.deadline for tr in self._transfers.values() if peer_id in tr.sources), default=None)
 
     def send_deadline(self, peer_id: str, header: Header) -> float | None:
         return time.monotonic() + self.timeout  # ACKs are small and always worth sending

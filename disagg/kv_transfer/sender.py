@@ -117,7 +117,7 @@ class KVSender(KVEndpoint):
     def recv_deadline(self, peer_id: str) -> float | None:
         with self._lock:
             waiting = [tr.deadline for tr in self._by_key.values() if tr.target.peer_id == peer_id and tr.state is TransferState.AWAITING_ACK]
-        return min(waiting, default=None)
+        return max(waiting, default=None)  # the latest: see KVReceiver.recv_deadline
 
     def send_deadline(self, peer_id: str, header: Header) -> float | None:
         with self._lock:

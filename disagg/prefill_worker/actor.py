@@ -63,7 +63,9 @@ class PrefillActor(WorkerActorBase):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _has_work(self) -> bool:
-        return not self.worker.is_idle() or self.worker.sender.has_finished()
+        # Requests held for export need no steps: the sender wakes the loop when their ACK lands.
+        scheduler = self.worker.engine.scheduler
+        return bool(scheduler.running or scheduler.waiting) or self.worker.sender.has_finished()
 
     def _step(self) -> None:
         try:

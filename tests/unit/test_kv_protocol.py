@@ -200,3 +200,28 @@ def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
     assert prefill.is_idle(), "blocks held for a transfer that has no destination"
     assert [o.request_id for o in outputs if o.finished] == ["alone"]
     assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
+
+
+def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
+    """A transfer whose KV never comes expires alone; the pair and its other transfers live on."""
+    hub = InProcessHub()
+    prefill = PrefillWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    try:
+        # "stale": reserved, but its prefill never comes; it must expire alone.
+        assert decode.reserve("stale", prompts()[1], greedy(), {"prefill-0": prefill.address()}, kv_timeout=1.0) is not None
+        reservation = decode.reserve("live", prompts()[4], greedy(), {"prefill-0": prefill.address()})
+        failed = []
+        while not failed:  # the stale one expires on its own
+            failed += [f.request_id for f in decode.step() and [] or decode.failed]
+            time.sleep(0.05)
+        assert failed == ["stale"]
+        cfg = prefill.engine.model_config
+        target = KVTarget("decode-0", decode.address(), reservation.transfer_id, reservation.block_ids, (0, cfg.num_hidden_layers), (0, cfg.num_key_value_heads))
+        prefill.add_request("live", prompts()[4], greedy(), [target])  # only now does its KV flow
+        finished = run(prefill, decode, timeout=10)
+        assert len(finished["live"]) == 12
+        assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
+    finally:
+        prefill.close()
+        decode.close()
