@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import random_prompts
+from support import random_prompts
 
 from disagg import LLM, SamplingParams
 

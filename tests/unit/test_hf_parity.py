@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import default_gguf_location, describe_mismatches, hf_greedy, random_prompts
+from support import default_gguf_location, describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
 

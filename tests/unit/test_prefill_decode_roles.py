@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from conftest import random_prompts
+from support import random_prompts
 
 from disagg import LLM, EngineConfig, Role, SamplingParams
 from disagg.config import DEFAULT_MODEL

