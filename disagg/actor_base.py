@@ -38,11 +38,31 @@ class WorkerActorBase:
         self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
 
     # ---- to be provided by the actor ---------------------------------------------------------
-    def _step(self) -> None:
+    def _kv_endpoint(self):
+        """The worker's KV sender or receiver (None for a colocated worker)."""
         raise NotImplementedError
 
-    def _has_work(self) -> bool:
+    def _handle_outputs(self, outputs) -> None:
+        """After a step, on the engine thread: hand the step's results to whoever waits."""
         raise NotImplementedError
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised: end every request of the engine with an error."""
+        raise NotImplementedError
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        # Requests waiting only for KV or for an ACK need no step: their endpoint wakes the loop.
+        scheduler, endpoint = self.worker.engine.scheduler, self._kv_endpoint()
+        return bool(scheduler.running or scheduler.waiting) or (endpoint is not None and endpoint.has_finished())
+
+    def _step(self) -> None:
+        try:
+            outputs = self.worker.step()
+        except Exception as exc:
+            self._fail_all(exc)
+            raise
+        self._handle_outputs(outputs)
 
     def load(self) -> LoadReport:
         raise NotImplementedError

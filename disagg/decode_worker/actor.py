@@ -93,17 +93,10 @@ class DecodeActor(WorkerActorBase):
         self._transfers.pop(request_id, None)
         return self.worker.abort(request_id)
 
-    def _has_work(self) -> bool:
-        scheduler, receiver = self.worker.engine.scheduler, self.worker.receiver
-        # Requests only waiting for KV need no step: the receiver wakes the loop when KV lands.
-        return bool(scheduler.running or scheduler.waiting) or (receiver is not None and receiver.has_finished())
+    def _kv_endpoint(self):
+        return self.worker.receiver
 
-    def _step(self) -> None:
-        try:
-            outputs = self.worker.step()
-        except Exception as exc:
-            self._fail_all(exc)
-            raise
+    def _handle_outputs(self, outputs) -> None:
         self._transfers.update((r.request_id, (r.seconds, r.num_bytes)) for r in self.worker.transfer_results if r.ok)
         deltas = [self._delta(out) for out in outputs]
         deltas += [TokenDelta(f.request_id, [], finished=True, finish_reason="abort", error=f.error) for f in self.worker.failed]

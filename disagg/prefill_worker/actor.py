@@ -62,17 +62,10 @@ class PrefillActor(WorkerActorBase):
         return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
 
     # ---- engine thread -------------------------------------------------------------------------
-    def _has_work(self) -> bool:
-        # Requests held for export need no steps: the sender wakes the loop when their ACK lands.
-        scheduler = self.worker.engine.scheduler
-        return bool(scheduler.running or scheduler.waiting) or self.worker.sender.has_finished()
+    def _kv_endpoint(self):
+        return self.worker.sender
 
-    def _step(self) -> None:
-        try:
-            outputs = self.worker.step()
-        except Exception as exc:
-            self._fail_all(exc)
-            raise
+    def _handle_outputs(self, outputs) -> None:
         for out in outputs:
             if out.finished:
                 self._to_asyncio(self._resolve, out.request_id, _first_token_result(out))
