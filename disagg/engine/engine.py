@@ -16,6 +16,7 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.distributed import InstanceGroups
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
@@ -43,8 +44,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, groups: InstanceGroups | None = None):
+        """`groups`: this rank's process groups when the instance has several workers (TP x PP);
+        every rank builds an engine for its shard, and only rank 0's scheduler is used."""
         self.config = config
+        self.groups = groups
+        p = config.parallel
+        if p.world_size > 1 and (groups is None or groups.place.world_size != p.world_size):
+            raise ValueError(f"parallel: an instance of {p.world_size} workers needs its process groups (disagg.engine.distributed.join_instance)")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -66,6 +73,9 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, Sampler(config.seed), self.device)
+        if groups is not None:
+            self.runner.pipe = groups.pipe
+            self.runner.returns_logits = groups.place.tp_rank == 0
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -78,18 +88,26 @@ class LLMEngine:
         torch.set_default_dtype(self.dtype)  # build parameters directly in the target dtype
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(source.config, self.max_model_len)
+                place = self.groups.place if self.groups is not None else None
+                if place is None:
+                    model = LlamaForCausalLM(source.config, self.max_model_len)
+                else:
+                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(source.iter_weights())
         return model.eval()
 
     def _build_kv_cache(self) -> KVCache:
-        cfg, c = self.model_config, self.config
-        per_block = KVCache.bytes_per_block(cfg, self.model.num_local_layers, cfg.num_key_value_heads, c.block_size, self.dtype)
+        cfg, c, p = self.model_config, self.config, self.config.parallel
+        num_kv_heads = cfg.num_key_value_heads // p.tensor_parallel_size
+        # Every rank of an instance sizes its cache for the largest stage, so that all ranks
+        # have the same number of blocks: rank 0's block ids are valid everywhere.
+        largest_stage = -(-cfg.num_hidden_layers // p.pipeline_parallel_size)
+        per_block = KVCache.bytes_per_block(cfg, largest_stage, num_kv_heads, c.block_size, self.dtype)
         num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20)
-        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:

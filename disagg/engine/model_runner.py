@@ -32,24 +32,52 @@ class ModelRunner:
         # KV-streaming hooks (a prefill worker's sender): after each layer, and after the forward pass.
         self.on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None
         self.on_forward_done: Callable[[list[ScheduledChunk]], None] | None = None
+        # Multi-worker instances (disagg.engine.distributed): the stage-to-stage link, whether this
+        # rank hands the logits to the driver, and (driver only) the other ranks.
+        self.pipe = None
+        self.returns_logits = True
+        self.followers = None
+        self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, generator_of: Callable[[str], torch.Generator | None]) -> dict[str, SampledToken]:
         chunks = _decodes_first(out.chunks)
-        input_ids, positions, meta = self._prepare(chunks)
-        after_layer = None if self.on_layer is None else (lambda index: self.on_layer(index, chunks))
-        hidden = self.model(input_ids, positions, self.kv_cache, meta, after_layer=after_layer)
-        if self.on_forward_done is not None:
-            self.on_forward_done(chunks)
-        sampling = [(i, c) for i, c in enumerate(chunks) if c.samples]
+        # A multi-worker instance: the other ranks start the same step before this one computes.
+        pending = self.followers.submit(chunks) if self.followers is not None else None
+        logits = self._forward_logits(chunks)
+        if pending is not None:
+            remote = pending.result()  # the last stage's logits when this rank is not the last stage
+            logits = remote if logits is None else logits
+        sampling = [c for c in chunks if c.samples]
         if not sampling:
             return {}
-        ends = list(itertools.accumulate(c.num_new_tokens for c in chunks))
-        last_rows = torch.tensor([ends[i] - 1 for i, _ in sampling], device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, last_rows))
-        requests = [c.request for _, c in sampling]
+        requests = [c.request for c in sampling]
         tokens, logprobs = self.sampler(logits, [r.sampling_params for r in requests], [generator_of(r.request_id) for r in requests])
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, tokens, logprobs)}
+
+    @torch.inference_mode()
+    def execute_shard(self, chunks) -> torch.Tensor | None:
+        """A non-driver rank's part of a step (chunks already in the driver's order): the logits
+        of the sampled rows from the last stage's first TP rank, None from the others."""
+        return self._forward_logits(chunks)
+
+    def _forward_logits(self, chunks) -> torch.Tensor | None:
+        input_ids, positions, meta = self._prepare(chunks)
+        after_layer = None if self.on_layer is None else (lambda index: self.on_layer(index, chunks))
+        hidden, residual = None, None
+        if not self.model.is_first_stage:
+            hidden, residual = self.pipe.recv_prev(len(positions), self.model.config.hidden_size, self.dtype, self.device)
+        out = self.model(input_ids, positions, self.kv_cache, meta, hidden_states=hidden, residual=residual, after_layer=after_layer)
+        if self.on_forward_done is not None:
+            self.on_forward_done(chunks)
+        if not self.model.is_last_stage:
+            self.pipe.send_next(*out)
+            return None
+        if not self.returns_logits or not any(c.samples for c in chunks):
+            return None
+        ends = list(itertools.accumulate(c.num_new_tokens for c in chunks))
+        last_rows = torch.tensor([ends[i] - 1 for i, c in enumerate(chunks) if c.samples], device=self.device)
+        return self.model.compute_logits(out.index_select(0, last_rows))
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         num_decodes = sum(1 for c in chunks if _is_decode(c))

@@ -15,8 +15,10 @@ class TPGroup:
     group: "dist.ProcessGroup | None" = None  # None when size == 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x across the group in place. The group is a standalone ProcessGroup (see
+        disagg.engine.distributed), so its own method is called, not dist.all_reduce."""
         if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+            self.group.allreduce([x]).wait()
         return x
 
     def shard(self, n: int, what: str) -> int:
