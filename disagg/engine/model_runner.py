@@ -13,13 +13,10 @@ from collections.abc import Callable
 import torch
 
 from disagg.engine.kv_cache import KVCache
-from disagg.engine.layers.attention import AttentionMetadata, DecodeBucket, PrefillSpan
+from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from disagg.engine.layers.paged_kernel import decode_kernel
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
-
-# Decode buckets: enough to cut padding, few enough that per-call overhead stays small.
-MAX_DECODE_BUCKETS = 4
-MIN_DECODES_PER_BUCKET = 8
 
 
 class ModelRunner:
@@ -29,6 +26,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
+        self.decode_kernel = decode_kernel(device)  # None: decode attention takes the torch path
         # KV-streaming hooks (a prefill worker's sender): after each layer, and after the forward pass.
         self.on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None
         self.on_forward_done: Callable[[list[ScheduledChunk]], None] | None = None
@@ -89,7 +87,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.empty(0), num_decode_tokens=num_decodes)
         decodes = chunks[:num_decodes]
         slots = [self._slot(c.request.block_ids, c.start) for c in decodes]
-        meta.decode_buckets = self._decode_buckets(decodes)
+        meta.decode = self._decode_batch(decodes) if decodes else None
         query_start = num_decodes
         for c in chunks[num_decodes:]:
             meta.prefills.append(self._prefill_span(c, query_start))
@@ -104,23 +102,13 @@ class ModelRunner:
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
-    def _decode_buckets(self, decodes: list[ScheduledChunk]) -> list[DecodeBucket]:
-        """Split decodes, sorted by length, into a few equal-count buckets: each bucket is padded
-        only to its own longest context instead of the batch's (halves the gathered bytes)."""
-        order = sorted(range(len(decodes)), key=lambda i: len(decodes[i].request.block_ids))
-        num_buckets = min(MAX_DECODE_BUCKETS, -(-len(decodes) // MIN_DECODES_PER_BUCKET))
-        buckets = []
-        for b in range(num_buckets):
-            rows = order[b * len(order) // num_buckets : (b + 1) * len(order) // num_buckets]
-            buckets.append(self._decode_bucket(rows, [decodes[i] for i in rows]))
-        return buckets
-
-    def _decode_bucket(self, rows: list[int], decodes: list[ScheduledChunk]) -> DecodeBucket:
-        max_blocks = max(len(c.request.block_ids) for c in decodes)
-        block_ids = [b for c in decodes for b in c.request.block_ids + [0] * (max_blocks - len(c.request.block_ids))]
-        last_pos = self._long([c.start for c in decodes])
-        mask = torch.arange(max_blocks * self.block_size, device=self.device).unsqueeze(0) <= last_pos.unsqueeze(1)
-        return DecodeBucket(self._long(rows), self._long(block_ids), max_blocks, mask.view(len(decodes), 1, 1, -1))
+    def _decode_batch(self, decodes: list[ScheduledChunk]) -> DecodeBatch:
+        tables = [c.request.block_ids for c in decodes]
+        width = max(len(t) for t in tables)
+        padded = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(decodes), width)
+        context_lens = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int32, device=self.device)
+        return DecodeBatch(block_tables, context_lens, self.block_size, self.decode_kernel)
 
     def _prefill_span(self, c: ScheduledChunk, query_start: int) -> PrefillSpan:
         end = c.start + c.num_new_tokens

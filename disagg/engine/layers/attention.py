@@ -1,30 +1,55 @@
 """Attention over the paged KV cache, for batches that mix prefill chunks and decodes.
 
-The runner orders a step's tokens decodes-first. Decodes are grouped by context length (the
-runner sorts them into a few buckets so padding stays small) and each bucket is one batched
-call over its gathered blocks. Each prefill chunk gets its own call (a step holds few of them);
-a chunk that starts at position 0 attends to its own fresh K/V and needs no gather at all.
+The runner orders a step's tokens decodes-first. All decodes are one call: on CPU the C++ kernel
+(paged_kernel.py) reads each request's K/V blocks in place through its block table; elsewhere,
+or when the kernel cannot be built, the torch path gathers the blocks and runs SDPA, over a few
+buckets of similar context length so that padding stays small. Each prefill chunk gets its own
+call (a step holds few of them); a chunk that starts at position 0 attends to its own fresh K/V
+and needs no gather at all.
 
-The cache is head-major ([2, KVH, blocks, bs, D] per layer), so an index_select of blocks gives
-each (request, KV head) a contiguous [tokens, D] matrix. For decodes the query heads that share
-a KV head are folded into the query-length dimension ([B, KVH, group, D]), so grouped-query
-attention needs no expansion of K and V.
+The cache is head-major ([2, KVH, blocks, bs, D] per layer): each block of one KV head is a
+contiguous [bs, D] matrix, and an index_select of blocks gives each (request, KV head) a
+contiguous [tokens, D] matrix. The query heads that share a KV head are computed together
+([B, KVH, group, D]), so grouped-query attention needs no expansion of K and V.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from disagg.engine.layers.paged_kernel import DecodeKernel
+
+# Torch path: buckets of decodes by context length, enough to cut padding, few enough that
+# per-call overhead stays small.
+MAX_DECODE_BUCKETS = 4
+MIN_DECODES_PER_BUCKET = 8
 
 
 @dataclass
 class DecodeBucket:
     rows: torch.Tensor  # [b] positions of these decodes among the step's first tokens
     block_ids: torch.Tensor  # [b * max_blocks] long: each decode's blocks, padded with block 0
-    max_blocks: int
     mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool: True = attend
+
+
+@dataclass
+class DecodeBatch:
+    """The step's decodes: its first rows, one query token each."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [B] int32: tokens each decode attends to (its position + 1)
+    block_size: int
+    kernel: DecodeKernel | None = None  # None: the torch path
+
+    @functools.cached_property
+    def buckets(self) -> list[DecodeBucket]:
+        """The torch path's inputs, built once per step: decodes sorted by length, split into a
+        few equal-count buckets, each padded only to its own longest context."""
+        return _decode_buckets(self.block_tables, self.context_lens, self.block_size)
 
 
 @dataclass
@@ -40,7 +65,7 @@ class PrefillSpan:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every token in the step
     num_decode_tokens: int = 0  # the first tokens of the batch are decodes, one per request
-    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    decode: DecodeBatch | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -50,15 +75,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
     Returns [T, H, D].
     """
     out = torch.empty_like(q)
-    for bucket in meta.decode_buckets:
-        out[bucket.rows] = _decode_attention(q.index_select(0, bucket.rows), kv_layer, bucket, scale)
+    if meta.decode is not None:
+        n = meta.num_decode_tokens
+        out[:n] = decode_attention(q[:n], kv_layer, meta.decode, scale)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.num_tokens)
         out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, span, scale)
     return out
 
 
-def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, bucket: DecodeBucket, scale: float) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeBatch, scale: float) -> torch.Tensor:
+    """q: [B, H, D], one token per decode -> [B, H, D]."""
+    if decode.kernel is not None:
+        return decode.kernel(q.float(), kv_layer, decode.block_tables, decode.context_lens, scale).to(q.dtype)
+    out = torch.empty_like(q)
+    for bucket in decode.buckets:
+        out[bucket.rows] = _decode_bucket_attention(q.index_select(0, bucket.rows), kv_layer, bucket, scale)
+    return out
+
+
+def _decode_bucket_attention(q: torch.Tensor, kv_layer: torch.Tensor, bucket: DecodeBucket, scale: float) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[1]
     keys = _gather(kv_layer[0], bucket.block_ids).view(num_kv_heads, batch, -1, head_dim).transpose(0, 1)
@@ -66,6 +102,22 @@ def _decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, bucket: DecodeBuc
     grouped_q = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=bucket.mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
+
+
+def _decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeBucket]:
+    lens = context_lens.tolist()
+    order = sorted(range(len(lens)), key=lens.__getitem__)
+    num_buckets = min(MAX_DECODE_BUCKETS, -(-len(lens) // MIN_DECODES_PER_BUCKET))
+    buckets = []
+    for b in range(num_buckets):
+        rows = order[b * len(order) // num_buckets : (b + 1) * len(order) // num_buckets]
+        rows_t = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
+        max_blocks = -(-lens[rows[-1]] // block_size)
+        block_ids = block_tables.index_select(0, rows_t)[:, :max_blocks].reshape(-1).long()
+        positions = torch.arange(max_blocks * block_size, device=block_tables.device)
+        mask = positions.unsqueeze(0) < context_lens.index_select(0, rows_t).unsqueeze(1)
+        buckets.append(DecodeBucket(rows_t, block_ids, mask.view(len(rows), 1, 1, -1)))
+    return buckets
 
 
 def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float) -> torch.Tensor:

@@ -1,0 +1,148 @@
+"""The C++ decode paged-attention kernel (csrc/paged_attention.cpp): built on first use, then cached.
+
+The shared library goes into a cache directory (DISAGG_KERNEL_CACHE, else ~/.cache/disagg/kernels)
+under a name keyed by the source, the flags, the torch version and the CPU's features (the code is
+built for the CPU it runs on), so later processes only load it. Without a compiler, or when the
+build fails, `decode_kernel` returns None after one warning and attention keeps its torch path.
+
+DISAGG_ATTENTION_BACKEND picks the decode attention: `auto` (default: the kernel on CPU when it
+builds), `torch` (never the kernel), `kernel` (the kernel or an error).
+
+    python -m disagg.engine.layers.paged_kernel --build    # pre-build it (`make setup` does)
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
+BACKEND_ENV = "DISAGG_ATTENTION_BACKEND"
+BACKENDS = ("auto", "torch", "kernel")
+
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def backend() -> str:
+    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if choice not in BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
+    return choice
+
+
+def decode_kernel(device: torch.device) -> DecodeKernel | None:
+    """The kernel's entry point for this device, or None where attention should use torch.
+
+    (q [B, H, D] float32, kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32,
+    context_lens [B] int32, scale) -> [B, H, D] float32."""
+    choice = backend()
+    if choice == "torch" or device.type != "cpu":
+        return None
+    module = _load()
+    if module is None and choice == "kernel":
+        raise KernelUnavailable(f"{BACKEND_ENV}=kernel but the paged-attention kernel did not build (see the warning above)")
+    return None if module is None else module.decode_attention
+
+
+@functools.cache
+def _load():
+    """The compiled module, or None (one warning) when it cannot be built."""
+    try:
+        return _build_or_import()
+    except Exception as exc:  # any compiler/toolchain failure: the torch path still works
+        logger.warning("paged-attention kernel unavailable, decode attention uses the torch path: %s", _first_line(exc))
+        return None
+
+
+def library_path() -> Path:
+    name = module_name()
+    return cache_dir() / name / f"{name}.so"
+
+
+def module_name() -> str:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
+        key.update(part)
+    return f"disagg_paged_attention_{key.hexdigest()[:16]}"
+
+
+def cache_dir() -> Path:
+    configured = os.environ.get("DISAGG_KERNEL_CACHE")
+    if configured:
+        return Path(configured).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "disagg" / "kernels"
+
+
+def _build_or_import():
+    path = library_path()
+    if not path.exists():
+        _build(path)
+    spec = importlib.util.spec_from_file_location(path.stem, path, loader=importlib.machinery.ExtensionFileLoader(path.stem, str(path)))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(path: Path) -> None:
+    from torch.utils import cpp_extension  # slow to import: only when building
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    # torch's build locks the directory, so concurrent first uses build once. (It extends the
+    # flag lists in place, hence the copies: they are part of the cache key.)
+    cpp_extension.load(path.stem, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(path.parent), verbose=False)
+    logger.info("built the paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine() + platform.processor()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build (or check) the CPU paged-attention kernel.")
+    parser.add_argument("--build", action="store_true", help="build it now if it is not cached")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not args.build:
+        print(library_path(), "(cached)" if library_path().exists() else "(not built)")
+        return 0
+    module = _load()
+    print(f"paged-attention kernel: {library_path() if module is not None else 'NOT available (torch fallback)'}")
+    return 0 if module is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
