@@ -15,9 +15,13 @@ import time
 
 import torch
 
+from disagg.engine.distributed import RankPlace, join_instance, serve_store
+from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
+from disagg.kv_transfer.layout import KVLayout, KVRank
 from disagg.registry import InstanceInfo, LoadReport, Registry
+from disagg.shard_worker.group import ShardGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class WorkerActorBase:
         self._stopping = threading.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
+        self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
 
     # ---- to be provided by the actor ---------------------------------------------------------
     def _kv_endpoint(self):
@@ -54,7 +59,8 @@ class WorkerActorBase:
     def _has_work(self) -> bool:
         # Requests waiting only for KV or for an ACK need no step: their endpoint wakes the loop.
         scheduler, endpoint = self.worker.engine.scheduler, self._kv_endpoint()
-        return bool(scheduler.running or scheduler.waiting) or (endpoint is not None and endpoint.has_finished())
+        busy = bool(scheduler.running or scheduler.waiting) or self.worker.needs_sync()
+        return busy or (endpoint is not None and endpoint.has_finished())
 
     def _step(self) -> None:
         try:
@@ -70,7 +76,32 @@ class WorkerActorBase:
     def instance_info(self) -> InstanceInfo:
         """What the registry shows about this instance (subclasses have worker, engine_config, actor_name)."""
         p = self.engine_config.parallel
-        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size)
+        layout = self.kv_layout()
+        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size, kv_ranks=layout.to_list() if layout else [])
+
+    def kv_layout(self) -> KVLayout | None:
+        """Every rank's KV endpoint (None for a colocated instance, which moves no KV)."""
+        if not self.worker.address():
+            return None
+        p = self.engine_config.parallel
+        ranks = [KVRank(self.worker.transport.worker_id, self.worker.address())]
+        if self.shards is not None:
+            ranks += self.shards.kv_ranks
+        return KVLayout(p.tensor_parallel_size, p.pipeline_parallel_size, tuple(ranks))
+
+    # ---- several workers per instance ------------------------------------------------------------
+    def _start_ranks(self, followers, device: str, host: str):
+        """Rank 0 of a TP x PP instance: serve the rendezvous store, have the other ranks join
+        and join too. Returns this rank's groups and a function that waits for the others to
+        have loaded their shards; (None, None) for an instance of one worker."""
+        if not followers:
+            return None, None
+        self.shards = ShardGroup(followers)
+        store, address = serve_store(host)
+        joining = self.shards.start_join(address)
+        p = self.engine_config.parallel
+        groups = join_instance(RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, resolve_device(device), store=store)
+        return groups, lambda: self.shards.finish_join(joining)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
@@ -87,6 +118,8 @@ class WorkerActorBase:
         self._stopping.set()
         self.loop.stop()
         self._deregister()
+        if self.shards is not None:
+            self.shards.shutdown()
 
     def set_heartbeat_enabled(self, enabled: bool) -> None:
         """Stop or resume heartbeats (draining an instance; also how tests simulate a lapse)."""

@@ -172,7 +172,9 @@ class ServingConfig:
         _require(all(p.num_instances >= 1 for p in pools), "num_instances", f"{self.mode} mode needs at least one instance per pool")
 
     def pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
-        return self.engine.replace(**pool.engine)
+        """The engine settings of the pool's rank-0 workers (the others differ only in their ranks)."""
+        parallel = ParallelConfig(pool.tensor_parallel_size, pool.pipeline_parallel_size)
+        return self.engine.replace(**{**pool.engine, "parallel": parallel})
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServingConfig":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
@@ -39,6 +39,7 @@ class InstanceInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     started_at: float = 0.0
+    kv_ranks: list = field(default_factory=list)  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.kv_transfer.layout import KVLayout
+
 
 @dataclass
 class TokenDelta:
@@ -50,3 +52,14 @@ class PrefillResult:
     num_cached_tokens: int
     queue_s: float
     prefill_s: float
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A decode instance's answer to the handshake: blocks allocated for the prompt (the same ids
+    on every rank), and the transfer each of its ranks expects."""
+
+    transfer_id: int  # rank 0's
+    block_ids: list[int]
+    transfer_ids: dict[str, int] = field(default_factory=dict)  # KV peer id -> transfer id, every rank
+    layout: KVLayout | None = None  # the decode instance's KV endpoints

@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from disagg.config import PoolConfig, ServingConfig
-from disagg.errors import InvalidRequestError, UnavailableError
+from disagg.config import ParallelConfig, PoolConfig, ServingConfig
+from disagg.engine.distributed import RankPlace
+from disagg.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "disagg"
@@ -29,8 +30,9 @@ class LaunchedInstance:
     instance_id: str
     role: str
     actor_name: str
-    actor: "ray.actor.ActorHandle"
+    actor: "ray.actor.ActorHandle"  # rank 0: schedules, and is what the router talks to
     placement_group: PlacementGroup
+    shard_actors: list = field(default_factory=list)  # the other ranks of a TP x PP instance
 
 
 class PoolLauncher:
@@ -47,8 +49,6 @@ class PoolLauncher:
     def launch(self, ready_timeout_s: float = 600.0) -> list[LaunchedInstance]:
         run_id = uuid.uuid4().hex[:6]
         for role, pool in self.pools():
-            if pool.workers_per_instance > 1:
-                raise InvalidRequestError(f"{role}.tensor_parallel_size", "instances of more than one worker (TP or PP > 1) are not supported yet")
             for index in range(pool.num_instances):
                 self.instances.append(self._launch_one(role, pool, f"{role}-{index}-{run_id}"))
         try:
@@ -67,14 +67,8 @@ class PoolLauncher:
             remove_placement_group(group)
             raise UnavailableError(f"cannot place {instance_id}: the cluster lacks {bundle} ({exc})") from exc
         actor_name = f"{NAMESPACE}-{instance_id}"
-        options = dict(
-            name=actor_name,
-            namespace=NAMESPACE,
-            num_cpus=pool.num_cpus_per_worker,
-            num_gpus=pool.num_gpus_per_worker,
-            max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-        )
+        options = self._worker_options(pool, group, 0)
+        options["name"], options["namespace"] = actor_name, NAMESPACE
         common = dict(
             registry_url=self.registry_url,
             kv_timeout_s=self.config.kv_timeout_s,
@@ -84,6 +78,8 @@ class PoolLauncher:
             actor_name=actor_name,
         )
         engine_config = self.config.pool_engine_config(pool)
+        shards = self._launch_shards(role, pool, group, instance_id, engine_config)
+        common["followers"] = shards or None
         if role == "prefill":
             from disagg.prefill_worker.actor import PrefillActor
 
@@ -92,8 +88,32 @@ class PoolLauncher:
             from disagg.decode_worker.actor import DecodeActor
 
             actor = ray.remote(DecodeActor).options(**options).remote(instance_id, engine_config, colocated=role == "colocated", **common)
-        logger.info("launched %s", instance_id)
-        return LaunchedInstance(instance_id, role, actor_name, actor, group)
+        logger.info("launched %s (%d workers)", instance_id, pool.workers_per_instance)
+        return LaunchedInstance(instance_id, role, actor_name, actor, group, [handle for _, handle in shards])
+
+    def _launch_shards(self, role: str, pool: PoolConfig, group: PlacementGroup, instance_id: str, engine_config) -> list:
+        """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
+        prefill or decode actor) makes them all join its process groups."""
+        from disagg.shard_worker.actor import ShardActor
+
+        shards = []
+        for rank in range(1, pool.workers_per_instance):
+            place = RankPlace.of_rank(rank, pool.tensor_parallel_size, pool.pipeline_parallel_size)
+            parallel = ParallelConfig(place.tp_size, place.pp_size, place.tp_rank, place.pp_rank)
+            actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(
+                instance_id, engine_config.replace(parallel=parallel), role, kv_timeout_s=self.config.kv_timeout_s, num_threads=self.config.threads_per_worker
+            )
+            shards.append((place, actor))
+        return shards
+
+    @staticmethod
+    def _worker_options(pool: PoolConfig, group: PlacementGroup, bundle: int) -> dict:
+        return dict(
+            num_cpus=pool.num_cpus_per_worker,
+            num_gpus=pool.num_gpus_per_worker,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+        )
 
     @staticmethod
     def _pin(role: str) -> dict:
@@ -119,6 +139,7 @@ class PoolLauncher:
         except Exception as exc:  # dead or stuck actors are killed below anyway
             logger.warning("some workers did not shut down cleanly: %s", exc)
         for inst in instances:
-            ray.kill(inst.actor, no_restart=True)
+            for actor in [inst.actor, *inst.shard_actors]:
+                ray.kill(actor, no_restart=True)
             if remove_groups:
                 remove_placement_group(inst.placement_group)

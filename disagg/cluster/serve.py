@@ -109,9 +109,8 @@ class Server:
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
         limits = await _model_limits(config, model, directory)
-        geometry = {"num_layers": model.config.num_hidden_layers, "num_kv_heads": model.config.num_key_value_heads}
         streams = DecodeStreams()
-        orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size, geometry)
+        orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size)
         metrics = ServingMetrics()
         self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, registry, config.engine.model)
         server, port = await _start_grpc(config, self.servicer)

@@ -15,21 +15,26 @@ import time
 
 from disagg.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
-from disagg.decode_worker.worker import DecodeWorker, Reservation
+from disagg.decode_worker.worker import DecodeWorker
+from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
-from disagg.worker_api import TokenDelta
+from disagg.worker_api import Reservation, TokenDelta
 
 
 class DecodeActor(WorkerActorBase):
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = ""):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
+        """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
         super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
         self.role = "colocated" if colocated else "decode"
         self.actor_name = actor_name
         self.engine_config = engine_config
         transport = None if colocated else TorchDistTransport(instance_id, host)
-        self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s)
+        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device, host)
+        self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+        if wait_for_ranks is not None:
+            wait_for_ranks()
         if self.worker.receiver is not None:
             self.worker.receiver.on_finished = self.loop.wake
         self._outbox: dict[str, TokenDelta] = {}
@@ -47,9 +52,10 @@ class DecodeActor(WorkerActorBase):
         return self.worker.address()
 
     # ---- called by the router ------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sources: dict[str, str]) -> Reservation | None:
-        """The handshake: pre-allocate the prompt's blocks; None when there is no room now."""
-        reservation = await self._on_loop(self.worker.reserve, request_id, prompt_token_ids, params, sources)
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Reservation | None:
+        """The handshake with the prefill instance whose ranks are `prefill`: pre-allocate the
+        prompt's blocks on every rank; None when there is no room now."""
+        reservation = await self._on_loop(self.worker.reserve_from, request_id, prompt_token_ids, params, prefill, self.kv_layout())
         if reservation is not None:
             self._first_token_pending.add(request_id)
         return reservation

@@ -18,13 +18,14 @@ from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.transport import Transport
+from disagg.engine.distributed import InstanceGroups
+from disagg.kv_transfer.layout import KVLayout, sources_for
+from disagg.kv_transfer.tally import TransferTally
 from disagg.request import SamplingParams
+from disagg.worker_api import Reservation
 
 
-@dataclass(frozen=True)
-class Reservation:
-    transfer_id: int
-    block_ids: list[int]
+FOLLOWER_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,15 @@ class FailedRequest:
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, transport: Transport | None, kv_timeout: float = 30.0):
+    def __init__(self, config: EngineConfig, transport: Transport | None, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
+        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.shard_worker.group.ShardGroup)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
-        self.engine = LLMEngine(config.replace(role=role))
+        self.engine = LLMEngine(config.replace(role=role), groups=groups)
+        self.engine.runner.followers = followers
+        self.followers = followers
         self.transport = transport
         self.receiver = KVReceiver(transport, self.engine.kv_cache, timeout=kv_timeout) if role is Role.DECODE else None
+        self.tally = TransferTally()  # a request's KV is in when every rank's slice is
         self.failed: list[FailedRequest] = []  # the latest step's transfer failures
         self.transfer_results: list[TransferResult] = []
 
@@ -55,18 +60,45 @@ class DecodeWorker:
         block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
         if block_ids is None:
             return None
-        return Reservation(self.receiver.expect(request_id, block_ids, sources, kv_timeout), block_ids)
+        transfer_id = self.receiver.expect(request_id, block_ids, sources, kv_timeout)
+        self.tally.expect(request_id, 1)
+        return Reservation(transfer_id, block_ids, {self.receiver.worker_id: transfer_id})
+
+    def reserve_from(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout, layout: KVLayout, kv_timeout: float | None = None) -> Reservation | None:
+        """The handshake with a prefill instance of any parallel plan: every rank of this
+        instance (`layout`) listens to the prefill ranks that hold its slice of the KV."""
+        block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
+        if block_ids is None:
+            return None
+        cfg = self.engine.model_config
+        transfer_ids = {}
+        for rank in layout.ranks:
+            sources = sources_for(rank.place, prefill, layout.plan, cfg.num_hidden_layers, cfg.num_key_value_heads)
+            if rank.peer_id == self.receiver.worker_id:
+                transfer_ids[rank.peer_id] = self.receiver.expect(request_id, block_ids, sources, kv_timeout)
+            else:
+                index = [r.peer_id for r in self.followers.kv_ranks].index(rank.peer_id)
+                transfer_ids[rank.peer_id] = self.followers.call(index, "expect", request_id, block_ids, sources, kv_timeout)
+        self.tally.expect(request_id, len(layout.ranks))
+        return Reservation(transfer_ids[self.receiver.worker_id], block_ids, transfer_ids, layout)
 
     def abort(self, request_id: str) -> bool:
-        if self.receiver is not None:
-            self.receiver.cancel(request_id)  # before the blocks are freed: no late write lands in them
+        if self.receiver is not None:  # before the blocks are freed: no late write lands in them
+            self.receiver.cancel(request_id)
+            if self.followers is not None:
+                self.followers.call_all("cancel", request_id)
+            self.tally.forget(request_id)
         return self.engine.abort_request(request_id)
+
+    def needs_sync(self) -> bool:
+        """The other ranks hold transfers still under way: keep polling them."""
+        return self.followers is not None and self.tally.has_pending
 
     def step(self) -> list[RequestOutput]:
         """Admit requests whose KV arrived (their first-token output comes first), then decode."""
         outputs = []
         self.failed = []
-        self.transfer_results = self.receiver.poll() if self.receiver is not None else []
+        self.transfer_results = self._finished_transfers()
         for result in self.transfer_results:
             if result.ok:
                 outputs.append(self.engine.finish_kv_import(result.request_id, result.first_token))
@@ -75,6 +107,16 @@ class DecodeWorker:
                 self.failed.append(FailedRequest(result.request_id, result.error or "KV transfer failed"))
         outputs.extend(self.engine.step())
         return outputs
+
+    def _finished_transfers(self) -> list[TransferResult]:
+        if self.receiver is None:
+            return []
+        results = self.receiver.poll()
+        if self.followers is not None:
+            if self.tally.has_pending and not self.engine.scheduler.running:
+                self.followers.sync(FOLLOWER_POLL_S)  # no step will bring their news: ask
+            results += self.followers.take_results()
+        return self.tally.add(results)
 
     def is_idle(self) -> bool:
         return not self.engine.has_unfinished_requests()

@@ -12,22 +12,25 @@ import time
 from disagg.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
 from disagg.errors import KVTransferError
-from disagg.kv_transfer.sender import KVTarget
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
-from disagg.worker_api import PrefillResult
+from disagg.worker_api import PrefillResult, Reservation
 
 
 class PrefillActor(WorkerActorBase):
     role = "prefill"
 
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = ""):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
+        """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
         super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
         self.actor_name = actor_name
         self.engine_config = engine_config
-        self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, host), kv_timeout=kv_timeout_s)
+        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device, host)
+        self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, host), kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+        if wait_for_ranks is not None:
+            wait_for_ranks()
         self.worker.sender.on_finished = self.loop.wake
         self._waiters: dict[str, asyncio.Future] = {}  # touched on the asyncio loop only
         self._start()
@@ -42,12 +45,13 @@ class PrefillActor(WorkerActorBase):
         cfg = self.worker.engine.model_config
         return {"num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, targets: list[KVTarget]) -> PrefillResult:
-        """Compute the prompt, stream its KV to `targets`, return the first token."""
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation) -> PrefillResult:
+        """Compute the prompt, stream its KV into the decode instance's reserved blocks, return
+        the first token."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = waiter
         try:
-            await self._on_loop(self.worker.add_request, request_id, prompt_token_ids, params, targets)
+            await self._on_loop(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
             return await waiter
         finally:
             self._waiters.pop(request_id, None)

@@ -14,16 +14,27 @@ from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.sender import KVSender, KVTarget
 from disagg.kv_transfer.transport import Transport
+from disagg.engine.distributed import InstanceGroups
+from disagg.kv_transfer.layout import KVLayout, targets_for
+from disagg.kv_transfer.tally import TransferTally
 from disagg.request import SamplingParams
+from disagg.worker_api import Reservation
+
+
+FOLLOWER_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, transport: Transport, kv_timeout: float = 30.0):
-        self.engine = LLMEngine(config.replace(role=Role.PREFILL))
+    def __init__(self, config: EngineConfig, transport: Transport, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
+        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.shard_worker.group.ShardGroup)."""
+        self.engine = LLMEngine(config.replace(role=Role.PREFILL), groups=groups)
+        self.engine.runner.followers = followers
+        self.followers = followers
         self.transport = transport
-        self.sender = KVSender(transport, self.engine.kv_cache, timeout=kv_timeout)
+        self.sender = KVSender(transport, self.engine.kv_cache, timeout=kv_timeout)  # rank 0: layer 0, head 0 on
         self.engine.runner.on_layer = self.sender.on_layer
         self.engine.runner.on_forward_done = self.sender.on_step_end
+        self.tally = TransferTally()  # a request's KV is delivered when every rank's slice is
         self.transfer_results: list[TransferResult] = []  # the latest step's, for metrics
 
     def address(self) -> str:
@@ -33,35 +44,77 @@ class PrefillWorker:
         # Register the transfer first: the very first step may already stream layers.
         if targets:
             self.sender.add(request_id, targets)
+            self.tally.expect(request_id, 1)
+        self._add(request_id, prompt_token_ids, sampling_params)
+
+    def add_request_for(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, reservation: Reservation, layout: KVLayout) -> None:
+        """Prefill for a decode instance of any parallel plan: each rank of this instance
+        (`layout`) streams its slice to the decode ranks that need it (the resharding map)."""
+        cfg = self.engine.model_config
+        follower_ids = [r.peer_id for r in self.followers.kv_ranks] if self.followers is not None else []
+        for rank in layout.ranks:
+            targets = targets_for(rank.place, layout.plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads)
+            if rank.peer_id == self.sender.worker_id:
+                self.sender.add(request_id, targets)
+            else:  # delivered with the next step, before it computes anything
+                self.followers.command(follower_ids.index(rank.peer_id), "add", request_id, targets)
+        self.tally.expect(request_id, len(layout.ranks))
+        self._add(request_id, prompt_token_ids, sampling_params)
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
         except Exception:
-            self.sender.abort(request_id)
+            self._abort_transfers(request_id)
             self.sender.poll()
             raise
 
     def abort(self, request_id: str) -> None:
-        self.sender.abort(request_id)
+        self._abort_transfers(request_id)
         self.engine.abort_request(request_id)
         self.engine.release_kv(request_id)
 
+    def _abort_transfers(self, request_id: str) -> None:
+        self.sender.abort(request_id)
+        if self.followers is not None:
+            self.followers.call_all("abort", request_id)
+        self.tally.forget(request_id)
+
+    def needs_sync(self) -> bool:
+        """The other ranks have commands to receive or transfers under way: keep talking to them."""
+        return self.followers is not None and (self.followers.has_commands() or self.tally.has_pending)
+
     def step(self) -> list[RequestOutput]:
         """One engine step; first tokens go out with DONE; acknowledged blocks are freed."""
+        scheduler = self.engine.scheduler
+        computes = bool(scheduler.running or scheduler.waiting)
         outputs = self.engine.step()
         for out in outputs:
             if not out.finished:
                 continue
             if self.sender.has_transfer(out.request_id):
                 self.sender.finish(out.request_id, out.outputs[0].token_ids[0])
+                if self.followers is not None:
+                    self.followers.command_all("finish", out.request_id)
             else:  # nobody to send the KV to: nothing to hold it for
                 self.engine.release_kv(out.request_id)
-        self.transfer_results = self.sender.poll()
+        self.transfer_results = self._finished_transfers(computes)
         for result in self.transfer_results:
             if result.ok:
                 self.engine.release_kv(result.request_id)
             else:  # the prompt may still be computing: stop it too, wherever it is
+                if self.followers is not None:
+                    self.followers.call_all("abort", result.request_id)
                 self.engine.abort_request(result.request_id)
         return outputs
+
+    def _finished_transfers(self, computed: bool) -> list[TransferResult]:
+        results = self.sender.poll()
+        if self.followers is not None:
+            if self.followers.has_commands() or (self.tally.has_pending and not computed):
+                self.followers.sync(0.0 if self.followers.has_commands() else FOLLOWER_POLL_S)
+            results += self.followers.take_results()
+        return self.tally.add(results)
 
     def is_idle(self) -> bool:
         """No request left to compute and no blocks held for a transfer."""

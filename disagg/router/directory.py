@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import ray
 
 from disagg.errors import RegistryUnavailable
+from disagg.kv_transfer.layout import KVLayout
 from disagg.registry import InstanceView, Registry
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,14 @@ class Instance:
     @property
     def kv_address(self) -> str:
         return self.view.info.kv_address
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """Every rank's KV endpoint (one for an instance of one worker)."""
+        info = self.view.info
+        if info.kv_ranks:
+            return KVLayout.from_list(info.tensor_parallel_size, info.pipeline_parallel_size, info.kv_ranks)
+        return KVLayout.single(info.instance_id, info.kv_address)
 
     @property
     def free_blocks(self) -> int:

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 from disagg.config import ServingConfig
 from disagg.errors import KVTransferError, OverloadedError, UnavailableError
-from disagg.kv_transfer.sender import KVTarget
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.policy import PlacementPolicy
@@ -43,13 +42,12 @@ class Placement:
 
 
 class Orchestrator:
-    def __init__(self, config: ServingConfig, directory: InstanceDirectory, policy: PlacementPolicy, streams: DecodeStreams, block_size: int, geometry: dict):
+    def __init__(self, config: ServingConfig, directory: InstanceDirectory, policy: PlacementPolicy, streams: DecodeStreams, block_size: int):
         self.config = config
         self.directory = directory
         self.policy = policy
         self.streams = streams
         self.block_size = block_size
-        self.geometry = geometry  # num_layers, num_kv_heads of the model
 
     @property
     def disaggregated(self) -> bool:
@@ -81,10 +79,9 @@ class Orchestrator:
         placement = Placement(prefill, decode)
         try:
             mailbox = self.streams.open(decode, request_id)  # before the prefill: no delta can be missed
-            target = KVTarget(decode.instance_id, decode.kv_address, reservation.transfer_id, reservation.block_ids, (0, self.geometry["num_layers"]), (0, self.geometry["num_kv_heads"]))
             prefill.outstanding_prefill_tokens += len(prompt_token_ids)
             try:
-                result = await prefill.actor.prefill.remote(request_id, prompt_token_ids, params, [target])
+                result = await prefill.actor.prefill.remote(request_id, prompt_token_ids, params, reservation)
             finally:
                 prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
         except BaseException:
@@ -114,7 +111,7 @@ class Orchestrator:
             decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
-            reservation = await decode.actor.reserve.remote(request_id, prompt_token_ids, params, {prefill.instance_id: prefill.kv_address})
+            reservation = await decode.actor.reserve.remote(request_id, prompt_token_ids, params, prefill.kv_layout)
             if reservation is not None:
                 decode.outstanding_requests += 1
                 decode.reserved_blocks += len(reservation.block_ids)

@@ -1,0 +1,74 @@
+"""Instances of several workers: a prefill pool at TP=2 streaming KV to a decode pool at PP=2,
+and a colocated pool at TP=2 x PP=2, through the whole service (gRPC, router, Ray actors in
+placement groups, per-instance gloo groups, per-rank KV transfer). Greedy output equals one
+unsharded offline engine's, and every rank's blocks are free afterwards."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from disagg import LLM, SamplingParams
+from disagg.client import DisaggClient, generate_request
+from disagg.cluster.launcher import NAMESPACE
+from disagg.cluster.serve import Server
+from disagg.config import ServingConfig
+
+PROMPTS = [[5, 9, 14, 3, 7], list(range(3, 60)), [11], [8, 2, 30, 41] * 9, list(range(100, 140))]
+MAX_TOKENS = 10
+
+
+def offline_tokens(model: str) -> list[list[int]]:
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+
+
+def served_tokens(server: Server) -> list[list[int]]:
+    with DisaggClient(server.address) as client:
+        streams = [client.stream(generate_request(prompt_token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120) for p in PROMPTS]
+        results = []
+        for call in streams:  # all in flight at once
+            tokens = []
+            for message in call:
+                tokens.extend(message.token_ids)
+            results.append(tokens)
+    return results
+
+
+def config(model: str, pools: dict, mode: str) -> ServingConfig:
+    small = {"num_cpus_per_worker": 0.25}
+    data = {"mode": mode, "port": 0, "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 24}}
+    data.update({role: {**small, **pool} for role, pool in pools.items()})
+    return ServingConfig.from_dict(data)
+
+
+def assert_all_blocks_free(server: Server) -> None:
+    deadline = time.monotonic() + 5
+    for inst in server.launcher.instances:
+        actor = ray.get_actor(inst.actor_name, namespace=NAMESPACE)
+        while (load := ray.get(actor.status.remote())["load"]).num_free_blocks != load.num_total_blocks:
+            assert time.monotonic() < deadline, f"{inst.instance_id} still holds blocks"
+            time.sleep(0.05)
+
+
+def test_prefill_tp2_to_decode_pp2(ray_session, tiny_untied_dir):
+    expected = offline_tokens(tiny_untied_dir)
+    pools = {"prefill": {"tensor_parallel_size": 2}, "decode": {"pipeline_parallel_size": 2}}
+    with Server(config(tiny_untied_dir, pools, "disaggregated")) as server:
+        assert served_tokens(server) == expected
+        with DisaggClient(server.address) as client:
+            status = client.cluster_status()
+        plans = {p.role: (i.tensor_parallel_size, i.pipeline_parallel_size) for p in status.pools for i in p.instances}
+        assert plans == {"prefill": (2, 1), "decode": (1, 2)}
+        assert_all_blocks_free(server)
+
+
+def test_colocated_tp2_pp2(ray_session, tiny_untied_dir):
+    expected = offline_tokens(tiny_untied_dir)
+    pools = {"colocated": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}}
+    with Server(config(tiny_untied_dir, pools, "colocated")) as server:
+        assert served_tokens(server) == expected
+        assert_all_blocks_free(server)
