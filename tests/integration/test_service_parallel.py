@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import ray
 
 from disagg import LLM, SamplingParams
