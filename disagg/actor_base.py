@@ -66,9 +66,19 @@ class WorkerActorBase:
         try:
             outputs = self.worker.step()
         except Exception as exc:
+            if self.shards is not None:  # its ranks may be out of lockstep now
+                self.shards.mark_broken(f"step failed: {type(exc).__name__}: {exc}")
             self._fail_all(exc)
             raise
         self._handle_outputs(outputs)
+
+    def _leave_service(self, reason: str) -> None:
+        """A multi-worker instance whose rank failed (died, or hangs in a collective) cannot
+        trust any later step. Stop heartbeating and deregister, so that the router places
+        nothing more here; its requests end with an error."""
+        logger.error("instance %s leaves service: %s", self.instance_id, reason)
+        self._heartbeat_enabled.clear()
+        self._deregister()
 
     def load(self) -> LoadReport:
         raise NotImplementedError
@@ -97,6 +107,7 @@ class WorkerActorBase:
         if not followers:
             return None, None
         self.shards = ShardGroup(followers)
+        self.shards.on_broken = self._leave_service
         store, address = serve_store(host)
         joining = self.shards.start_join(address)
         p = self.engine_config.parallel

@@ -27,6 +27,10 @@ class ShardGroup:
         self.kv_ranks: list[KVRank] = []
         self._commands: list[list[tuple]] = [[] for _ in self.actors]
         self._results: list[TransferResult] = []
+        # Set when a call to a rank failed: the ranks may no longer be in lockstep (one may be
+        # dead, or stuck in a collective), so nothing more is sent; rank 0 leaves service.
+        self.broken: str | None = None
+        self.on_broken = None  # called once, with the reason, when the group breaks
 
     # ---- setup: every rank joins the instance's groups at once -----------------------------------
     def start_join(self, store_address: str) -> list:
@@ -39,12 +43,14 @@ class ShardGroup:
     # ---- per step ------------------------------------------------------------------------------
     def submit(self, chunks) -> "_PendingStep":
         """Start the step on every other rank (the model runner's `followers` hook)."""
+        self._check()
         plain = portable(chunks)
         return _PendingStep(self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)])
 
     def sync(self, wait_s: float = 0.0) -> None:
         """No step to run: deliver queued commands and collect finished transfers (each rank
         waits up to wait_s for one)."""
+        self._check()
         refs = [actor.step.remote(None, self._take_commands(i), wait_s) for i, actor in enumerate(self.actors)]
         self._collect(refs)
 
@@ -59,11 +65,15 @@ class ShardGroup:
         return any(self._commands)
 
     def call_all(self, method: str, *args) -> list:
-        """Run one method on every other rank now and wait for all (handshake, cancel)."""
-        return ray.get([getattr(actor, method).remote(*args) for actor in self.actors], timeout=self.timeout_s)
+        """Run one method on every other rank now and wait for all (cancel, abort). On a broken
+        group it does nothing: the instance is leaving service and its ranks are being stopped."""
+        if self.broken:
+            return []
+        return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
 
     def call(self, rank_index: int, method: str, *args):
-        return ray.get(getattr(self.actors[rank_index], method).remote(*args), timeout=self.timeout_s)
+        self._check()
+        return self._get(getattr(self.actors[rank_index], method).remote(*args))
 
     def take_results(self) -> list[TransferResult]:
         results, self._results = self._results, []
@@ -79,8 +89,25 @@ class ShardGroup:
         commands, self._commands[index] = self._commands[index], []
         return commands
 
+    def _check(self) -> None:
+        if self.broken:
+            raise RuntimeError(f"instance out of service: {self.broken}")
+
+    def _get(self, refs):
+        try:
+            return ray.get(refs, timeout=self.timeout_s)
+        except Exception as exc:
+            self.mark_broken(f"a rank failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            raise
+
+    def mark_broken(self, reason: str) -> None:
+        if self.broken is None:
+            self.broken = reason
+            if self.on_broken is not None:
+                self.on_broken(reason)
+
     def _collect(self, refs: list):
-        replies = ray.get(refs, timeout=self.timeout_s)
+        replies = self._get(refs)
         for reply in replies:
             self._results.extend(reply.results)
         return next((r.logits for r in replies if r.logits is not None), None)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+import grpc
+import pytest
 import ray
 
 from disagg import LLM, SamplingParams
@@ -53,16 +55,40 @@ def assert_all_blocks_free(server: Server) -> None:
             time.sleep(0.05)
 
 
-def test_prefill_tp2_to_decode_pp2(ray_session, tiny_untied_dir):
-    expected = offline_tokens(tiny_untied_dir)
+@pytest.fixture(scope="module")
+def disaggregated(ray_session, tiny_untied_dir):
     pools = {"prefill": {"tensor_parallel_size": 2}, "decode": {"pipeline_parallel_size": 2}}
     with Server(config(tiny_untied_dir, pools, "disaggregated")) as server:
-        assert served_tokens(server) == expected
-        with DisaggClient(server.address) as client:
-            status = client.cluster_status()
-        plans = {p.role: (i.tensor_parallel_size, i.pipeline_parallel_size) for p in status.pools for i in p.instances}
-        assert plans == {"prefill": (2, 1), "decode": (1, 2)}
-        assert_all_blocks_free(server)
+        yield server
+
+
+def test_prefill_tp2_to_decode_pp2(disaggregated, tiny_untied_dir):
+    assert served_tokens(disaggregated) == offline_tokens(tiny_untied_dir)
+    with DisaggClient(disaggregated.address) as client:
+        status = client.cluster_status()
+    plans = {p.role: (i.tensor_parallel_size, i.pipeline_parallel_size) for p in status.pools for i in p.instances}
+    assert plans == {"prefill": (2, 1), "decode": (1, 2)}
+    assert_all_blocks_free(disaggregated)
+
+
+def test_dead_rank_takes_its_instance_out_of_service(disaggregated):
+    """Runs last on this server: a decode instance that lost a rank fails its requests at once
+    (no hang) and leaves the registry; with no decode instance left, requests get UNAVAILABLE."""
+    decode = next(inst for inst in disaggregated.launcher.instances if inst.role == "decode")
+    ray.kill(decode.shard_actors[0], no_restart=True)
+    with DisaggClient(disaggregated.address) as client:
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as first:
+            client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS), timeout=60)
+        assert time.monotonic() - started < 30
+        assert first.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 10
+        while any(p.role == "decode" and p.instances for p in client.cluster_status().pools):
+            assert time.monotonic() < deadline, "the broken decode instance is still listed"
+            time.sleep(0.2)
+        with pytest.raises(grpc.RpcError) as failure:
+            client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS), timeout=60)
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_colocated_tp2_pp2(ray_session, tiny_untied_dir):
