@@ -122,9 +122,10 @@ class KVReceiver(KVEndpoint):
             self._channel(peer_id, address).post(header, timeout=self.timeout)
 
     def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
-        layer = self.kv_cache.layer(header.layer - self.layer_offset)
-        heads = layer[:, header.head_start - self.head_offset : header.head_end - self.head_offset]
-        heads.index_copy_(2, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
+        first_layer = header.layer - self.layer_offset
+        layers = self.kv_cache.tensor[first_layer : first_layer + header.num_layers]  # [n, 2, KVH, NB, bs, D]
+        heads = layers[:, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         tr.state = TransferState.TRANSFERRING
         tr.first_byte_at = tr.first_byte_at or time.monotonic()
         tr.num_bytes += payload.numel() * payload.element_size()

@@ -71,7 +71,10 @@ def run(prefill: PrefillWorker, decode: DecodeWorker, timeout: float = 60.0) -> 
     return finished
 
 
-def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens):
+# One message per layer; small chunks grouped, larger ones per layer; everything in one message.
+@pytest.mark.parametrize("min_message_bytes", [1, 10_000, 1 << 30])
+def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatch, min_message_bytes):
+    monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", min_message_bytes)
     _, prefill, decode = pair
     for i, p in enumerate(prompts()):
         submit(prefill, decode, f"r{i}", p, greedy())
