@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
 from disagg.kv_transfer.messages import Header, MsgType
@@ -115,6 +116,14 @@ class KVSender(KVEndpoint):
         per_layer = two * heads * num_blocks * bs * dim * layer_kv.element_size()
         num_layers = max(1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // per_layer)))
         return _LayerBatch(torch.empty(num_layers, two, heads, num_blocks, bs, dim, dtype=layer_kv.dtype, device=layer_kv.device), layer)
+
+    def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        """Targets added after `num_tokens` positions were computed: send those now, every layer
+        (later chunks stream as usual)."""
+        done = [PortableChunk(RequestRef(request_id, list(block_ids)), 0, num_tokens, [], False)]
+        for local_layer in range(self.kv_cache.num_layers):
+            self.on_layer(local_layer, done)
+        self.on_step_end(done)
 
     def on_step_end(self, chunks) -> None:
         """Every layer of this step went out: the chunk's positions are now sent."""

@@ -27,6 +27,7 @@ class PrefillActor(WorkerActorBase):
         super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
         self.actor_name = actor_name
         self.engine_config = engine_config
+        self.kv_timeout_s = kv_timeout_s
         groups, wait_for_ranks = self._start_ranks(followers, engine_config.device, host)
         self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, host), kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
@@ -45,16 +46,24 @@ class PrefillActor(WorkerActorBase):
         cfg = self.worker.engine.model_config
         return {"num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation) -> PrefillResult:
-        """Compute the prompt, stream its KV into the decode instance's reserved blocks, return
-        the first token."""
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation | None = None) -> PrefillResult:
+        """Compute the prompt and return the first token. Its KV goes into the decode instance's
+        reserved blocks: given here, or (None) sent later with `set_kv_targets`, so that the
+        prefill can start while the decode side is still answering the handshake."""
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[request_id] = waiter
         try:
-            await self._on_loop(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
+            if reservation is None:
+                await self._on_loop(self.worker.add_request_early, request_id, prompt_token_ids, params, self.kv_timeout_s)
+            else:
+                await self._on_loop(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
             return await waiter
         finally:
             self._waiters.pop(request_id, None)
+
+    async def set_kv_targets(self, request_id: str, reservation: Reservation) -> bool:
+        """Where the KV of a request started without a reservation goes; False if it is gone."""
+        return await self._on_loop(self.worker.set_targets, request_id, reservation, self.kv_layout())
 
     async def abort(self, request_id: str) -> None:
         await self._on_loop(self.worker.abort, request_id)

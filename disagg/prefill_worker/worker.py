@@ -8,6 +8,10 @@ acknowledgement, or when the transfer fails or times out.
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
+
 from disagg.config import EngineConfig, Role
 from disagg.engine.engine import LLMEngine
 from disagg.engine.outputs import RequestOutput
@@ -21,7 +25,14 @@ from disagg.request import SamplingParams
 from disagg.worker_api import Reservation
 
 
+logger = logging.getLogger(__name__)
 FOLLOWER_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
+
+
+@dataclass
+class _AwaitingTargets:
+    deadline: float
+    first_token: int | None = None  # set when the prompt finished before the targets came
 
 
 class PrefillWorker:
@@ -35,6 +46,7 @@ class PrefillWorker:
         self.engine.runner.on_layer = self.sender.on_layer
         self.engine.runner.on_forward_done = self.sender.on_step_end
         self.tally = TransferTally()  # a request's KV is delivered when every rank's slice is
+        self._awaiting_targets: dict[str, _AwaitingTargets] = {}  # started early, handshake pending
         self.transfer_results: list[TransferResult] = []  # the latest step's, for metrics
 
     def address(self) -> str:
@@ -50,6 +62,33 @@ class PrefillWorker:
     def add_request_for(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, reservation: Reservation, layout: KVLayout) -> None:
         """Prefill for a decode instance of any parallel plan: each rank of this instance
         (`layout`) streams its slice to the decode ranks that need it (the resharding map)."""
+        self._register_targets(request_id, reservation, layout)
+        self._add(request_id, prompt_token_ids, sampling_params)
+
+    def add_request_early(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, targets_timeout: float) -> None:
+        """Start the prefill before the decode side has answered the handshake: the KV stays in
+        this instance's blocks until `set_targets` says where it goes (then what is computed by
+        then is sent at once, the rest as it is computed). Without targets within
+        `targets_timeout` seconds the request is dropped and its blocks freed."""
+        self._add(request_id, prompt_token_ids, sampling_params)
+        self._awaiting_targets[request_id] = _AwaitingTargets(time.monotonic() + targets_timeout)
+
+    def set_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> bool:
+        """The handshake's answer for a request started early; False if it is gone (aborted)."""
+        waiting = self._awaiting_targets.pop(request_id, None)
+        request = self.engine.scheduler.requests.get(request_id)
+        if waiting is None or request is None:
+            return False
+        self._register_targets(request_id, reservation, layout)
+        if request.num_computed_tokens:
+            self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
+            if self.followers is not None:
+                self.followers.command_all("catch_up", request_id, list(request.block_ids), request.num_computed_tokens)
+        if waiting.first_token is not None:  # the prompt is done already: the KV is all out
+            self._finish_transfer(request_id, waiting.first_token)
+        return True
+
+    def _register_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
         cfg = self.engine.model_config
         follower_ids = [r.peer_id for r in self.followers.kv_ranks] if self.followers is not None else []
         for rank in layout.ranks:
@@ -59,7 +98,11 @@ class PrefillWorker:
             else:  # delivered with the next step, before it computes anything
                 self.followers.command(follower_ids.index(rank.peer_id), "add", request_id, targets)
         self.tally.expect(request_id, len(layout.ranks))
-        self._add(request_id, prompt_token_ids, sampling_params)
+
+    def _finish_transfer(self, request_id: str, first_token: int) -> None:
+        self.sender.finish(request_id, first_token)
+        if self.followers is not None:
+            self.followers.command_all("finish", request_id)
 
     def _add(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         try:
@@ -69,7 +112,14 @@ class PrefillWorker:
             self.sender.poll()
             raise
 
+    def _expire_awaiting_targets(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, w in self._awaiting_targets.items() if now > w.deadline]:
+            logger.warning("request %s: no KV targets arrived in time; dropping it", request_id)
+            self.abort(request_id)
+
     def abort(self, request_id: str) -> None:
+        self._awaiting_targets.pop(request_id, None)
         self._abort_transfers(request_id)
         self.engine.abort_request(request_id)
         self.engine.release_kv(request_id)
@@ -81,7 +131,10 @@ class PrefillWorker:
         self.tally.forget(request_id)
 
     def needs_sync(self) -> bool:
-        """The other ranks have commands to receive or transfers under way: keep talking to them."""
+        """A step is due although nothing computes: the other ranks have commands to receive or
+        transfers under way, or a request waited too long for its targets."""
+        if any(time.monotonic() > w.deadline for w in self._awaiting_targets.values()):
+            return True
         return self.followers is not None and (self.followers.has_commands() or self.tally.has_pending)
 
     def step(self) -> list[RequestOutput]:
@@ -92,12 +145,13 @@ class PrefillWorker:
         for out in outputs:
             if not out.finished:
                 continue
-            if self.sender.has_transfer(out.request_id):
-                self.sender.finish(out.request_id, out.outputs[0].token_ids[0])
-                if self.followers is not None:
-                    self.followers.command_all("finish", out.request_id)
+            if out.request_id in self._awaiting_targets:  # hold the KV until set_targets
+                self._awaiting_targets[out.request_id].first_token = out.outputs[0].token_ids[0]
+            elif self.sender.has_transfer(out.request_id):
+                self._finish_transfer(out.request_id, out.outputs[0].token_ids[0])
             else:  # nobody to send the KV to: nothing to hold it for
                 self.engine.release_kv(out.request_id)
+        self._expire_awaiting_targets()
         self.transfer_results = self._finished_transfers(computes)
         for result in self.transfer_results:
             if result.ok:

@@ -33,7 +33,7 @@ RESERVE_RETRY_S = 0.02  # first back-off while no decode instance has room; doub
 @dataclass
 class Placement:
     prefill: Instance | None
-    decode: Instance
+    decode: Instance | None  # None until the handshake found one
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
@@ -75,18 +75,23 @@ class Orchestrator:
         prefill = self.policy.choose_prefill(self.directory.healthy("prefill"), len(prompt_token_ids))
         if prefill is None:
             raise UnavailableError("no healthy prefill instance")
-        decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
-        placement = Placement(prefill, decode)
+        # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
+        # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
+        prefill.outstanding_prefill_tokens += len(prompt_token_ids)
+        placement = Placement(prefill, None)
         try:
-            mailbox = self.streams.open(decode, request_id)  # before the prefill: no delta can be missed
-            prefill.outstanding_prefill_tokens += len(prompt_token_ids)
-            try:
-                result = await prefill.actor.prefill.remote(request_id, prompt_token_ids, params, reservation)
-            finally:
-                prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
+            prefill_call = prefill.actor.prefill.remote(request_id, prompt_token_ids, params, None)
+            decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
+            placement.decode = decode
+            mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
+            if not await prefill.actor.set_kv_targets.remote(request_id, reservation):
+                raise UnavailableError(f"prefill instance {prefill.instance_id} dropped the request")
+            result = await prefill_call
         except BaseException:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
+        finally:
+            prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
         first = TokenDelta(
             request_id,
             [result.token_id],
@@ -152,10 +157,11 @@ class Orchestrator:
 
     async def _cleanup(self, request_id: str, placement: Placement, num_prompt_tokens: int) -> None:
         """Tell both instances to drop the request (a no-op where it already finished)."""
-        decode = placement.decode
-        self.streams.close(decode.instance_id, request_id)
-        decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
-        aborts = [decode.actor.abort.remote(request_id)]
+        decode, aborts = placement.decode, []
+        if decode is not None:
+            self.streams.close(decode.instance_id, request_id)
+            decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
+            aborts.append(decode.actor.abort.remote(request_id))
         if placement.prefill is not None:
             aborts.append(placement.prefill.actor.abort.remote(request_id))
         try:

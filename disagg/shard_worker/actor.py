@@ -100,6 +100,9 @@ class ShardActor:
     def _add(self, request_id: str, targets) -> None:
         self.endpoint.add(request_id, targets)
 
+    def _catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        self.endpoint.catch_up(request_id, block_ids, num_tokens)
+
     def _finish(self, request_id: str) -> None:
         if self.endpoint.has_transfer(request_id):
             self.endpoint.finish(request_id, -1)  # rank 0 sends the first token; this rank only its KV

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from disagg.decode_worker.worker import DecodeWorker
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.models.llama import layer_range
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
+from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.resharding import ParallelPlan, head_range, plan_kv_routes
 from disagg.kv_transfer.sender import KVSender, KVTarget
@@ -82,6 +84,45 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
     assert [finished[f"r{i}"] for i in range(len(PROMPT_LENGTHS))] == colocated_tokens
     for engine in (prefill.engine, decode.engine):
         assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def late_targets(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]) -> None:
+    """The router's handshake answer, arriving after the prefill started."""
+    reservation = decode.reserve(request_id, prompt, greedy(), {"prefill-0": prefill.address()})
+    decode_layout = KVLayout.single("decode-0", decode.address())
+    reservation = dataclasses.replace(reservation, layout=decode_layout)
+    assert prefill.set_targets(request_id, reservation, KVLayout.single("prefill-0", prefill.address()))
+
+
+@pytest.mark.parametrize("prefill_steps_first", [0, 2, 50])  # before it starts, mid-chunks, after the first token
+def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, prefill_steps_first):
+    _, prefill, decode = pair
+    index = len(PROMPT_LENGTHS) - 1  # 250 tokens: four chunks at this budget
+    prompt = prompts()[index]
+    prefill.add_request_early("late", prompt, greedy(), targets_timeout=30)
+    for _ in range(prefill_steps_first):
+        prefill.step()
+    if prefill_steps_first:  # blocks are allocated when scheduled, and held without targets
+        assert prefill.engine.num_free_blocks < prefill.engine.num_total_blocks
+    late_targets(prefill, decode, "late", prompt)
+    assert run(prefill, decode)["late"] == colocated_tokens[index]
+    for engine in (prefill.engine, decode.engine):
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
+def test_targets_that_never_arrive_free_the_blocks(pair):
+    _, prefill, _ = pair
+    prefill.add_request_early("orphan", prompts()[2], greedy(), targets_timeout=0.3)
+    (first,) = prefill.step()
+    assert first.finished and prefill.engine.num_free_blocks < prefill.engine.num_total_blocks
+    assert not prefill.needs_sync()  # nothing to do until the deadline
+    deadline = time.monotonic() + 5
+    while prefill.engine.num_free_blocks != prefill.engine.num_total_blocks:
+        assert time.monotonic() < deadline, "blocks still held without targets"
+        if prefill.needs_sync():
+            prefill.step()
+        time.sleep(0.01)
+    assert not prefill.set_targets("orphan", None, None)
 
 
 def test_prefix_cached_prompt_still_sends_every_block(pair, colocated_tokens):
