@@ -2,7 +2,8 @@
 
 The same 32 requests, one at a time: (a) offline through the engine in this process, with one
 torch thread as each worker has; (b) through gRPC, the router, the Ray prefill and decode
-actors and the KV transfer. Prints mean and p50 TTFT and TPOT for both and their differences.
+actors and the KV transfer, served by a `disagg serve` process (the default deployment: 1
+prefill + 1 decode worker, one thread each); this process is only the gRPC client. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
     .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--out results.json]
@@ -14,7 +15,9 @@ import argparse
 import json
 import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,17 +56,18 @@ def offline(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, floa
     return results
 
 
-def service(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
-    import ray
+def service(prompts: list[list[int]], max_tokens: int, workdir: Path) -> list[tuple[float, float]]:
+    """Through a real `disagg serve` process (as users run it), so that this client and the
+    server's frontend do not share a Python process (and its GIL)."""
+    import yaml
 
+    from disagg.bench.experiment import ServeProcess
     from disagg.client import DisaggClient, generate_request
-    from disagg.cluster.serve import Server
-    from disagg.config import ServingConfig
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    config = ServingConfig.from_dict({"port": 0, "threads_per_worker": 1})
+    config = workdir / "serving-config.yaml"
+    config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None}))
     results = []
-    with Server(config) as server, DisaggClient(server.address) as client:
+    with ServeProcess(str(config), str(workdir / "serve.log")) as server, DisaggClient(server.address) as client:
         client.generate(generate_request(prompt_token_ids=prompts[0], max_tokens=2), timeout=60)  # warm-up
         for ids in prompts:
             start, first = time.perf_counter(), None
@@ -71,7 +75,6 @@ def service(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, floa
                 if msg.token_ids and first is None:
                     first = time.perf_counter()
             results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
-    ray.shutdown()
     return results
 
 
@@ -99,7 +102,8 @@ def main() -> None:
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
     a = summarize("offline engine", offline(prompts, args.max_tokens))
-    b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens))
+    with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
+        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, Path(workdir)))
     print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
