@@ -48,6 +48,7 @@ class Orchestrator:
         self.policy = policy
         self.streams = streams
         self.block_size = block_size
+        self._tasks: set[asyncio.Task] = set()
 
     @property
     def disaggregated(self) -> bool:
@@ -84,8 +85,9 @@ class Orchestrator:
             decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
-            if not await prefill.actor.set_kv_targets.remote(request_id, reservation):
-                raise UnavailableError(f"prefill instance {prefill.instance_id} dropped the request")
+            # The first token does not wait for the targets call (which returns only once the
+            # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
+            self._background(self._send_targets(prefill, request_id, reservation, mailbox))
             result = await prefill_call
         except BaseException:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
@@ -106,6 +108,21 @@ class Orchestrator:
             prefill_s=result.prefill_s,
         )
         return placement, mailbox, first
+
+    async def _send_targets(self, prefill: Instance, request_id: str, reservation, mailbox: Mailbox) -> None:
+        """Tell the prefill where the KV goes; if it cannot, the request's stream ends in an error."""
+        try:
+            if await prefill.actor.set_kv_targets.remote(request_id, reservation):
+                return
+            error = f"prefill instance {prefill.instance_id} dropped the request"
+        except Exception as exc:  # the prefill worker died or failed
+            error = f"prefill instance {prefill.instance_id}: {exc}"
+        mailbox.put(TokenDelta(request_id, [], finished=True, finish_reason="abort", error=error))
+
+    def _background(self, coroutine) -> None:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)  # a reference until it ends (the loop keeps only weak ones)
+        task.add_done_callback(self._tasks.discard)
 
     async def _reserve(self, request_id, prompt_token_ids, params, prefill: Instance):
         """The handshake, retried with back-off while no decode instance has room."""
