@@ -24,14 +24,14 @@ def kernel():
     return fn
 
 
-def _random_batch(context_lens: list[int], num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, seed: int):
+def _random_batch(context_lens: list[int], num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, seed: int, block_size: int = BLOCK_SIZE):
     """A cache with random contents and, per request, random distinct blocks in random order."""
     gen = torch.Generator().manual_seed(seed)
-    kv_layer = torch.randn(2, num_kv_heads, NUM_BLOCKS, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
-    width = max(-(-n // BLOCK_SIZE) for n in context_lens)
+    kv_layer = torch.randn(2, num_kv_heads, NUM_BLOCKS, block_size, head_dim, generator=gen).to(dtype)
+    width = max(-(-n // block_size) for n in context_lens)
     tables = torch.zeros(len(context_lens), width, dtype=torch.int32)
     for row, n in enumerate(context_lens):
-        needed = -(-n // BLOCK_SIZE)
+        needed = -(-n // block_size)
         tables[row, :needed] = torch.randperm(NUM_BLOCKS, generator=gen)[:needed].int()
     q = torch.randn(len(context_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     return q, kv_layer, tables, torch.tensor(context_lens, dtype=torch.int32)
@@ -40,8 +40,9 @@ def _random_batch(context_lens: list[int], num_kv_heads: int, group: int, head_d
 def _reference(q, kv_layer, tables, lens, scale) -> torch.Tensor:
     """One request at a time: gather its blocks, plain float32 SDPA with GQA."""
     out = torch.empty(q.shape, dtype=torch.float32)
+    block_size = kv_layer.shape[3]
     for row, n in enumerate(lens.tolist()):
-        blocks = tables[row, : -(-n // BLOCK_SIZE)].long()
+        blocks = tables[row, : -(-n // block_size)].long()
         keys = kv_layer[0].index_select(1, blocks).flatten(1, 2)[:, :n].float()
         values = kv_layer[1].index_select(1, blocks).flatten(1, 2)[:, :n].float()
         query = q[row].float().unsqueeze(1).unsqueeze(0)  # [1, H, 1, D]
@@ -56,6 +57,7 @@ CASES = {
     "gqa4-d128": ([2, 64, 127, 300], 2, 4, 128),
     "odd-head-dim": ([15, 48, 100], 2, 3, 80),
     "one-long": ([1000], 1, 4, 64),
+    "group9": ([3, 40, 77], 2, 9, 64),  # more query heads per KV head than the fast path unrolls
 }
 
 
@@ -69,6 +71,13 @@ def test_kernel_matches_reference(kernel, case, dtype):
     expected = _reference(q, kv_layer, tables, context_lens, scale)
     # Both accumulate in float32 from the same (bf16-rounded) inputs: only summation order differs.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("block_size", [8, 32])
+def test_kernel_other_block_sizes(kernel, block_size):
+    q, kv_layer, tables, context_lens = _random_batch([1, 9, 31, 32, 33, 300], 3, 3, 64, torch.float32, seed=block_size, block_size=block_size)
+    got = kernel(q, kv_layer, tables, context_lens, 0.125)
+    torch.testing.assert_close(got, _reference(q, kv_layer, tables, context_lens, 0.125), rtol=1e-5, atol=2e-6)
 
 
 def test_kernel_reads_only_the_context(kernel):

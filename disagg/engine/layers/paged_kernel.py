@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import hashlib
-import importlib.machinery
-import importlib.util
 import logging
 import os
 import platform
@@ -58,17 +56,23 @@ def decode_kernel(device: torch.device) -> DecodeKernel | None:
     choice = backend()
     if choice == "torch" or device.type != "cpu":
         return None
-    module = _load()
-    if module is None and choice == "kernel":
+    kernel = _load()
+    if kernel is None and choice == "kernel":
         raise KernelUnavailable(f"{BACKEND_ENV}=kernel but the paged-attention kernel did not build (see the warning above)")
-    return None if module is None else module.decode_attention
+    return kernel
 
 
 @functools.cache
-def _load():
-    """The compiled module, or None (one warning) when it cannot be built."""
+def _load() -> DecodeKernel | None:
+    """The registered op (torch.ops.disagg_paged.decode_attention), or None (one warning) when it
+    cannot be built. Cached: a process registers the op once."""
     try:
-        return _build_or_import()
+        path = library_path()
+        if path.exists():
+            torch.ops.load_library(str(path))
+        else:
+            _build(path)  # also loads it
+        return torch.ops.disagg_paged.decode_attention
     except Exception as exc:  # any compiler/toolchain failure: the torch path still works
         logger.warning("paged-attention kernel unavailable, decode attention uses the torch path: %s", _first_line(exc))
         return None
@@ -94,16 +98,6 @@ def cache_dir() -> Path:
     return Path(base) / "disagg" / "kernels"
 
 
-def _build_or_import():
-    path = library_path()
-    if not path.exists():
-        _build(path)
-    spec = importlib.util.spec_from_file_location(path.stem, path, loader=importlib.machinery.ExtensionFileLoader(path.stem, str(path)))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _build(path: Path) -> None:
     from torch.utils import cpp_extension  # slow to import: only when building
 
@@ -111,7 +105,15 @@ def _build(path: Path) -> None:
     started = time.perf_counter()
     # torch's build locks the directory, so concurrent first uses build once. (It extends the
     # flag lists in place, hence the copies: they are part of the cache key.)
-    cpp_extension.load(path.stem, sources=[str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), build_directory=str(path.parent), verbose=False)
+    cpp_extension.load(
+        path.stem,
+        sources=[str(SOURCE)],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(path.parent),
+        is_python_module=False,  # a plain library registering torch.ops.disagg_paged.*
+        verbose=False,
+    )
     logger.info("built the paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
 
 
@@ -139,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.build:
         print(library_path(), "(cached)" if library_path().exists() else "(not built)")
         return 0
-    module = _load()
-    print(f"paged-attention kernel: {library_path() if module is not None else 'NOT available (torch fallback)'}")
-    return 0 if module is not None else 1
+    kernel = _load()
+    print(f"paged-attention kernel: {library_path() if kernel is not None else 'NOT available (torch fallback)'}")
+    return 0 if kernel is not None else 1
 
 
 if __name__ == "__main__":
