@@ -37,6 +37,7 @@ class WorkerActorBase:
         self._heartbeat_ttl_s = heartbeat_ttl_s
         self._heartbeat_enabled = threading.Event()
         self._heartbeat_enabled.set()
+        self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
         self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
@@ -77,8 +78,9 @@ class WorkerActorBase:
         trust any later step. Stop heartbeating and deregister, so that the router places
         nothing more here; its requests end with an error."""
         logger.error("instance %s leaves service: %s", self.instance_id, reason)
-        self._heartbeat_enabled.clear()
-        self._deregister()
+        with self._heartbeat_lock:  # a beat under way would otherwise re-register it
+            self._heartbeat_enabled.clear()
+            self._deregister()
 
     def load(self) -> LoadReport:
         raise NotImplementedError
@@ -151,12 +153,13 @@ class WorkerActorBase:
     def _heartbeat_loop(self) -> None:
         registry = Registry(self._registry_url)
         while not self._stopping.wait(self._heartbeat_interval_s):
-            if not self._heartbeat_enabled.is_set():
-                continue
-            try:
-                registry.heartbeat(self.instance_info(), self.load(), self._heartbeat_ttl_s)
-            except RegistryUnavailable as exc:  # keep serving; the next beat retries
-                logger.warning("heartbeat failed: %s", exc)
+            with self._heartbeat_lock:
+                if not self._heartbeat_enabled.is_set():
+                    continue
+                try:
+                    registry.heartbeat(self.instance_info(), self.load(), self._heartbeat_ttl_s)
+                except RegistryUnavailable as exc:  # keep serving; the next beat retries
+                    logger.warning("heartbeat failed: %s", exc)
         registry.close()
 
     def _deregister(self) -> None:
