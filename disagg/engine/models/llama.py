@@ -16,7 +16,8 @@ from torch import nn
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
-from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from disagg.engine.layers.linear import RowParallelLinear
+from disagg.engine.layers.packed_linear import PackedColumnParallelLinear, PackedRowParallelLinear, PackedWeight
 from disagg.engine.layers.norm import RMSNorm
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.engine.layers.rotary import RotaryEmbedding, apply_rotary
@@ -40,13 +41,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         d = cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(
+        self.qkv_proj = PackedColumnParallelLinear(
             cfg.hidden_size,
             {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d, "v": cfg.num_key_value_heads * d},
             bias=cfg.attention_bias,
             tp=tp,
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
+        self.o_proj = PackedRowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -63,8 +64,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = PackedColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
+        self.down_proj = PackedRowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -100,6 +101,7 @@ class LlamaForCausalLM(nn.Module):
         if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        self.logits_weight = PackedWeight()  # the vocabulary projection: the biggest GEMM of a decode step
 
     @property
     def num_local_layers(self) -> int:
@@ -121,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        return self.logits_weight.linear(hidden, weight).float()
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -132,6 +134,9 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ModelLoadError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        # Loads write through .data, which moves no version counter: repack on next use.
+        for holder in [self.logits_weight] + [m.packed for m in self.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]:
+            holder.reset()
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
     _SHARDS = {

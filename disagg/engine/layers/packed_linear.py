@@ -1,0 +1,80 @@
+"""Linear layers on CPU through oneDNN with the weight prepacked once, instead of F.linear (MKL).
+
+Measured on the development machine (AMD EPYC, 2 threads, fp32, SmolLM2-135M shapes, weights
+cold in memory as in a real step): the 120 layer GEMMs plus the vocabulary projection of one
+decode step take 50 ms at batch 32 instead of 90 ms, 32 ms instead of 69 ms at batch 16, and 17%
+less at prefill sizes (512 rows). MKL repacks the weight on every call, which at decode batch
+sizes costs more than the multiplication.
+
+The packed copy is rebuilt when the weight changes (its version counter moves, e.g. a reload),
+costs one more copy of the weights in memory, and is only used where it pays: CPU, float32,
+2-D inputs. DISAGG_CPU_GEMM=torch switches it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.nn.functional as F
+
+from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+logger = logging.getLogger(__name__)
+
+GEMM_ENV = "DISAGG_CPU_GEMM"
+# oneDNN picks the packed layout for this many rows; 32 measured best for both decode batches
+# and 512-row prefill steps.
+PACK_BATCH_HINT = 32
+
+
+def onednn_enabled() -> bool:
+    if os.environ.get(GEMM_ENV, "onednn").strip().lower() == "torch":
+        return False
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class PackedWeight:
+    """One weight's oneDNN-packed copy, made on first use and remade when the weight changes."""
+
+    def __init__(self) -> None:
+        self.enabled = onednn_enabled()
+        self._packed: torch.Tensor | None = None
+        self._key: tuple[int, int] | None = None
+
+    def reset(self) -> None:
+        self._packed, self._key = None, None
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if not (self.enabled and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight._version)
+        if key != self._key:
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+            except RuntimeError as exc:  # an unusual oneDNN build: stay on F.linear
+                logger.warning("oneDNN weight packing failed, using F.linear: %s", exc)
+                self.enabled = False
+                return F.linear(x, weight, bias)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+
+
+class PackedColumnParallelLinear(ColumnParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.packed.linear(x, self.weight, self.bias)
+
+
+class PackedRowParallelLinear(RowParallelLinear):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.packed = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.all_reduce(self.packed.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
