@@ -58,7 +58,7 @@ class PackedWeight:
                 self.enabled = False
                 return F.linear(x, weight, bias)
             self._key = key
-        return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
 
 class PackedColumnParallelLinear(ColumnParallelLinear):

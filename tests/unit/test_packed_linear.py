@@ -1,0 +1,60 @@
+"""oneDNN prepacked linears equal F.linear, follow weight changes, and step aside where they do not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagg.engine.layers import packed_linear
+from disagg.engine.layers.packed_linear import PackedColumnParallelLinear, PackedRowParallelLinear, PackedWeight
+
+needs_onednn = pytest.mark.skipif(not packed_linear.onednn_enabled(), reason="oneDNN packing not available in this torch build")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_matches_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    holder = PackedWeight()
+    torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(holder.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(holder.linear(x.t().contiguous().t(), weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_repacks_when_the_weight_changes():
+    x, weight = torch.randn(4, 32), torch.randn(16, 32)
+    holder = PackedWeight()
+    holder.linear(x, weight)
+    with torch.no_grad():
+        weight.mul_(2)  # in place: the version counter moves
+    torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+    weight.data.copy_(torch.randn(16, 32))  # through .data (as checkpoint loading does): needs reset()
+    holder.reset()
+    torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+def test_falls_back_outside_cpu_float32(monkeypatch):
+    holder = PackedWeight()
+    x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
+    assert torch.equal(holder.linear(x, weight), F.linear(x, weight))
+    assert holder._packed is None
+    monkeypatch.setenv(packed_linear.GEMM_ENV, "torch")
+    off = PackedWeight()
+    assert not off.enabled
+    x32, w32 = torch.randn(3, 8), torch.randn(5, 8)
+    assert torch.equal(off.linear(x32, w32), F.linear(x32, w32))
+
+
+def test_layers_keep_the_parallel_layers_contract():
+    column = PackedColumnParallelLinear(8, {"a": 4, "b": 6}, bias=True)
+    row = PackedRowParallelLinear(10, 8)
+    with torch.no_grad():
+        for p in (column.weight, column.bias, row.weight):
+            p.copy_(torch.randn_like(p))
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(column(x), F.linear(x, column.weight, column.bias), rtol=1e-5, atol=1e-4)
+    h = torch.randn(5, 10)
+    torch.testing.assert_close(row(h), F.linear(h, row.weight), rtol=1e-5, atol=1e-4)
