@@ -147,6 +147,7 @@ def run_ours(job: dict) -> dict:
     engine = llm.engine
     return {
         "side": "ours",
+        "backends": _our_backends(engine),
         "wall_s": wall,
         "load_s": load_s,
         "useful_output_tokens": useful,
@@ -162,6 +163,15 @@ def run_ours(job: dict) -> dict:
         "rss_after_load_mib": rss_loaded,
         "rss_at_start_mib": rss_start,
     }
+
+
+def _our_backends(engine) -> str:
+    """Which CPU fast paths this run used (each can be switched off by an environment variable)."""
+    from disagg.engine.layers.packed_linear import onednn_enabled
+
+    attention = "C++ paged kernel" if getattr(engine.runner, "decode_kernel", None) is not None else "torch gather+SDPA"
+    gemm = "oneDNN prepacked" if onednn_enabled() and engine.device.type == "cpu" else "torch F.linear"
+    return f"decode attention: {attention}; linears: {gemm}"
 
 
 def load_hf_model(model: str | None, dtype):
@@ -287,6 +297,8 @@ def print_table(summary: dict) -> None:
     print(f"{'':26s}{'ours':>12s}{'HF':>12s}")
     for label, key, fmt in rows:
         print(f"{label:26s}{cell(ours, key, fmt):>12s}{cell(hf, key, fmt):>12s}")
+    if ours and ours.get("backends"):
+        print(f"ours: {ours['backends']}")
     if ours and ours.get("peak_kv_blocks_used") is not None:
         print(f"{'KV blocks total':26s}{ours['kv_blocks_total']:>12d}   (block size {ours['kv_block_size']})")
     busy = max(w["load_average_1m_start"], w["load_average_1m_end"])

@@ -68,10 +68,10 @@ def _load() -> DecodeKernel | None:
     cannot be built. Cached: a process registers the op once."""
     try:
         path = library_path()
-        if path.exists():
+        try:
             torch.ops.load_library(str(path))
-        else:
-            _build(path)  # also loads it
+        except OSError:  # not built yet, or another process is still writing it
+            _build(path)  # waits for a concurrent build (torch's file lock), then loads it
         return torch.ops.disagg_paged.decode_attention
     except Exception as exc:  # any compiler/toolchain failure: the torch path still works
         logger.warning("paged-attention kernel unavailable, decode attention uses the torch path: %s", _first_line(exc))
