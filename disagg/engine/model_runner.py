@@ -14,7 +14,7 @@ import torch
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillSpan
-from disagg.engine.layers.paged_kernel import decode_kernel
+from disagg.engine.layers.cpu_kernels import decode_kernel
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 

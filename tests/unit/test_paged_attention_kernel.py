@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.engine.layers import paged_kernel
+from disagg.engine.layers import cpu_kernels
 from disagg.engine.layers.attention import DecodeBatch, decode_attention
 
 BLOCK_SIZE = 16
@@ -16,9 +16,9 @@ NUM_BLOCKS = 200
 
 @pytest.fixture(scope="module")
 def kernel():
-    if paged_kernel.backend() == "torch":
-        pytest.skip(f"{paged_kernel.BACKEND_ENV}=torch: the kernel is switched off")
-    fn = paged_kernel.decode_kernel(torch.device("cpu"))
+    if cpu_kernels.backend() == "torch":
+        pytest.skip(f"{cpu_kernels.BACKEND_ENV}=torch: the kernel is switched off")
+    fn = cpu_kernels.decode_kernel(torch.device("cpu"))
     if fn is None:
         pytest.skip("the paged-attention kernel could not be built on this machine (no compiler?)")
     return fn
@@ -111,13 +111,13 @@ def test_decode_attention_kernel_and_torch_paths_agree(kernel, dtype):
 
 
 def test_backend_env_forces_torch(monkeypatch):
-    monkeypatch.setenv(paged_kernel.BACKEND_ENV, "torch")
-    assert paged_kernel.decode_kernel(torch.device("cpu")) is None
-    monkeypatch.setenv(paged_kernel.BACKEND_ENV, "bogus")
-    with pytest.raises(ValueError, match=paged_kernel.BACKEND_ENV):
-        paged_kernel.decode_kernel(torch.device("cpu"))
+    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "torch")
+    assert cpu_kernels.decode_kernel(torch.device("cpu")) is None
+    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "bogus")
+    with pytest.raises(ValueError, match=cpu_kernels.BACKEND_ENV):
+        cpu_kernels.decode_kernel(torch.device("cpu"))
 
 
 def test_no_kernel_off_cpu(monkeypatch):
-    monkeypatch.setenv(paged_kernel.BACKEND_ENV, "auto")
-    assert paged_kernel.decode_kernel(torch.device("meta")) is None
+    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "auto")
+    assert cpu_kernels.decode_kernel(torch.device("meta")) is None

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache, for batches that mix prefill chunks and decodes.
 
 The runner orders a step's tokens decodes-first. All decodes are one call: on CPU the C++ kernel
-(paged_kernel.py) reads each request's K/V blocks in place through its block table; elsewhere,
+(cpu_kernels.py) reads each request's K/V blocks in place through its block table; elsewhere,
 or when the kernel cannot be built, the torch path gathers the blocks and runs SDPA, over a few
 buckets of similar context length so that padding stays small. Each prefill chunk gets its own
 call (a step holds few of them); a chunk that starts at position 0 attends to its own fresh K/V
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from disagg.engine.layers.paged_kernel import DecodeKernel
+from disagg.engine.layers.cpu_kernels import DecodeKernel
 
 # Torch path: buckets of decodes by context length, enough to cut padding, few enough that
 # per-call overhead stays small.

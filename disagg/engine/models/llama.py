@@ -18,9 +18,9 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
 from disagg.engine.layers.linear import RowParallelLinear
 from disagg.engine.layers.packed_linear import PackedColumnParallelLinear, PackedRowParallelLinear, PackedWeight
-from disagg.engine.layers.norm import RMSNorm
+from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.parallel import SINGLE, TPGroup
-from disagg.engine.layers.rotary import RotaryEmbedding, apply_rotary
+from disagg.engine.layers.rotary import RotaryEmbedding
 from disagg.engine.model_config import ModelConfig
 from disagg.errors import ModelLoadError
 
@@ -48,13 +48,14 @@ class LlamaAttention(nn.Module):
             tp=tp,
         )
         self.o_proj = PackedRowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
+        self.rope = Rotary()
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rotary(q.view(n, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
+        q = self.rope(q.view(n, self.num_heads, self.head_dim), cos, sin)
+        k = self.rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale)
@@ -77,8 +78,8 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, cache_index, tp)
         self.mlp = LlamaMLP(cfg, tp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         h, residual = self.input_layernorm(x, residual)
@@ -96,7 +97,7 @@ class LlamaForCausalLM(nn.Module):
         # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i - self.start_layer, tp) for i in range(self.start_layer, self.end_layer))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
+        self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
         self.lm_head = None
         if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

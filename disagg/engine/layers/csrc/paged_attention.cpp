@@ -357,8 +357,8 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_layer, at::Tensor block_
   return out;
 }
 
-TORCH_LIBRARY(disagg_paged, m) {
+TORCH_LIBRARY_FRAGMENT(disagg_cpu, m) {
   m.def("decode_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(disagg_paged, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(disagg_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }

@@ -1,14 +1,15 @@
-"""The C++ decode paged-attention kernel (csrc/paged_attention.cpp): built on first use, then cached.
+"""The C++ CPU kernels (csrc/): decode paged attention, and the fused norm and rotary ops.
 
-The shared library goes into a cache directory (DISAGG_KERNEL_CACHE, else ~/.cache/disagg/kernels)
-under a name keyed by the source, the flags, the torch version and the CPU's features (the code is
-built for the CPU it runs on), so later processes only load it. Without a compiler, or when the
-build fails, `decode_kernel` returns None after one warning and attention keeps its torch path.
+One shared library, built on first use and registered as torch.ops.disagg_cpu.*. It goes into a
+cache directory (DISAGG_KERNEL_CACHE, else ~/.cache/disagg/kernels) under a name keyed by the
+sources, the flags, the torch version and the CPU's features (the code is built for the CPU it
+runs on), so later processes only load it. Without a compiler, or when the build fails, the
+accessors return None after one warning and the model keeps its torch code.
 
-DISAGG_ATTENTION_BACKEND picks the decode attention: `auto` (default: the kernel on CPU when it
-builds), `torch` (never the kernel), `kernel` (the kernel or an error).
+DISAGG_ATTENTION_BACKEND picks: `auto` (default: the kernels on CPU when they build), `torch`
+(none of them: attention, norm and rotary all in torch), `kernel` (the kernels or an error).
 
-    python -m disagg.engine.layers.paged_kernel --build    # pre-build it (`make setup` does)
+    python -m disagg.engine.layers.cpu_kernels --build    # pre-build it (`make setup` does)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 BACKEND_ENV = "DISAGG_ATTENTION_BACKEND"
@@ -53,29 +54,35 @@ def decode_kernel(device: torch.device) -> DecodeKernel | None:
 
     (q [B, H, D] float32, kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32,
     context_lens [B] int32, scale) -> [B, H, D] float32."""
+    ops = cpu_ops(device)
+    return None if ops is None else ops.decode_attention
+
+
+def cpu_ops(device: torch.device):
+    """torch.ops.disagg_cpu (decode_attention, rms_norm, rotary), or None where torch code should run."""
     choice = backend()
     if choice == "torch" or device.type != "cpu":
         return None
-    kernel = _load()
-    if kernel is None and choice == "kernel":
-        raise KernelUnavailable(f"{BACKEND_ENV}=kernel but the paged-attention kernel did not build (see the warning above)")
-    return kernel
+    loaded = _load()
+    if not loaded and choice == "kernel":
+        raise KernelUnavailable(f"{BACKEND_ENV}=kernel but the CPU kernels did not build (see the warning above)")
+    return torch.ops.disagg_cpu if loaded else None
 
 
 @functools.cache
-def _load() -> DecodeKernel | None:
-    """The registered op (torch.ops.disagg_paged.decode_attention), or None (one warning) when it
-    cannot be built. Cached: a process registers the op once."""
+def _load() -> bool:
+    """Loads (building first if needed) the library; False (one warning) when it cannot be built.
+    Cached: a process registers the ops once."""
     try:
         path = library_path()
         try:
             torch.ops.load_library(str(path))
         except OSError:  # not built yet, or another process is still writing it
             _build(path)  # waits for a concurrent build (torch's file lock), then loads it
-        return torch.ops.disagg_paged.decode_attention
+        return True
     except Exception as exc:  # any compiler/toolchain failure: the torch path still works
-        logger.warning("paged-attention kernel unavailable, decode attention uses the torch path: %s", _first_line(exc))
-        return None
+        logger.warning("CPU kernels unavailable, attention, norm and rotary use torch: %s", _first_line(exc))
+        return False
 
 
 def library_path() -> Path:
@@ -85,9 +92,9 @@ def library_path() -> Path:
 
 def module_name() -> str:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
+    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
         key.update(part)
-    return f"disagg_paged_attention_{key.hexdigest()[:16]}"
+    return f"disagg_cpu_kernels_{key.hexdigest()[:16]}"
 
 
 def cache_dir() -> Path:
@@ -107,14 +114,14 @@ def _build(path: Path) -> None:
     # flag lists in place, hence the copies: they are part of the cache key.)
     cpp_extension.load(
         path.stem,
-        sources=[str(SOURCE)],
+        sources=[str(source) for source in SOURCES],
         extra_cflags=list(CFLAGS),
         extra_ldflags=list(LDFLAGS),
         build_directory=str(path.parent),
-        is_python_module=False,  # a plain library registering torch.ops.disagg_paged.*
+        is_python_module=False,  # a plain library registering torch.ops.disagg_cpu.*
         verbose=False,
     )
-    logger.info("built the paged-attention kernel in %.1f s: %s", time.perf_counter() - started, path)
+    logger.info("built the CPU kernels in %.1f s: %s", time.perf_counter() - started, path)
 
 
 def _cpu_signature() -> str:
@@ -134,16 +141,16 @@ def _first_line(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Build (or check) the CPU paged-attention kernel.")
+    parser = argparse.ArgumentParser(description="Build (or check) the C++ CPU kernels.")
     parser.add_argument("--build", action="store_true", help="build it now if it is not cached")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not args.build:
         print(library_path(), "(cached)" if library_path().exists() else "(not built)")
         return 0
-    kernel = _load()
-    print(f"paged-attention kernel: {library_path() if kernel is not None else 'NOT available (torch fallback)'}")
-    return 0 if kernel is not None else 1
+    loaded = _load()
+    print(f"CPU kernels: {library_path() if loaded else 'NOT available (torch fallback)'}")
+    return 0 if loaded else 1
 
 
 if __name__ == "__main__":
