@@ -7,9 +7,9 @@ checkpoint tensor (`load`), so the model's weight loading is the same at any TP 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from disagg.engine.layers.cpu_gemm import PackedWeight
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 
 
@@ -28,6 +28,7 @@ class ColumnParallelLinear(nn.Module):
             offset += n
         self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(offset), requires_grad=False) if bias else None
+        self.packed = PackedWeight()  # the CPU fp32 fast path (layers/cpu_gemm.py)
 
     def load(self, shard: str, full: torch.Tensor, is_bias: bool = False) -> None:
         n = self.local_sizes[shard]
@@ -36,7 +37,7 @@ class ColumnParallelLinear(nn.Module):
         target.data.narrow(0, self.offsets[shard], n).copy_(part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.packed.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -48,10 +49,11 @@ class RowParallelLinear(nn.Module):
         self.local_in = tp.shard(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.packed = PackedWeight()
 
     def load(self, full: torch.Tensor) -> None:
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(self.packed.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

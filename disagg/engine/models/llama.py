@@ -16,8 +16,8 @@ from torch import nn
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
-from disagg.engine.layers.linear import RowParallelLinear
-from disagg.engine.layers.packed_linear import PackedColumnParallelLinear, PackedRowParallelLinear, PackedWeight
+from disagg.engine.layers.cpu_gemm import PackedWeight
+from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.engine.layers.rotary import RotaryEmbedding
@@ -41,13 +41,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         d = cfg.head_dim
-        self.qkv_proj = PackedColumnParallelLinear(
+        self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d, "v": cfg.num_key_value_heads * d},
             bias=cfg.attention_bias,
             tp=tp,
         )
-        self.o_proj = PackedRowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
         self.rope = Rotary()
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -65,8 +65,8 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
-        self.gate_up_proj = PackedColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
-        self.down_proj = PackedRowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from disagg.engine.layers import packed_linear
-from disagg.engine.layers.packed_linear import PackedColumnParallelLinear, PackedRowParallelLinear, PackedWeight
+from disagg.engine.layers import cpu_gemm
+from disagg.engine.layers.cpu_gemm import PackedWeight
+from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-needs_onednn = pytest.mark.skipif(not packed_linear.onednn_enabled(), reason="oneDNN packing not available in this torch build")
+needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_enabled(), reason="oneDNN packing not available in this torch build")
 
 
 @needs_onednn
@@ -41,7 +42,7 @@ def test_falls_back_outside_cpu_float32(monkeypatch):
     x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     assert torch.equal(holder.linear(x, weight), F.linear(x, weight))
     assert holder._packed is None
-    monkeypatch.setenv(packed_linear.GEMM_ENV, "torch")
+    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "torch")
     off = PackedWeight()
     assert not off.enabled
     x32, w32 = torch.randn(3, 8), torch.randn(5, 8)
@@ -49,8 +50,8 @@ def test_falls_back_outside_cpu_float32(monkeypatch):
 
 
 def test_layers_keep_the_parallel_layers_contract():
-    column = PackedColumnParallelLinear(8, {"a": 4, "b": 6}, bias=True)
-    row = PackedRowParallelLinear(10, 8)
+    column = ColumnParallelLinear(8, {"a": 4, "b": 6}, bias=True)
+    row = RowParallelLinear(10, 8)
     with torch.no_grad():
         for p in (column.weight, column.bias, row.weight):
             p.copy_(torch.randn_like(p))

@@ -1,4 +1,4 @@
-"""Linear layers on CPU through oneDNN with the weight prepacked once, instead of F.linear (MKL).
+"""Linear algebra on CPU through oneDNN with the weight prepacked once, instead of F.linear (MKL).
 
 Measured on the development machine (AMD EPYC, 2 threads, fp32, SmolLM2-135M shapes, weights
 cold in memory as in a real step): the 120 layer GEMMs plus the vocabulary projection of one
@@ -18,8 +18,6 @@ import os
 
 import torch
 import torch.nn.functional as F
-
-from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +58,3 @@ class PackedWeight:
             self._key = key
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
-
-class PackedColumnParallelLinear(ColumnParallelLinear):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.linear(x, self.weight, self.bias)
-
-
-class PackedRowParallelLinear(RowParallelLinear):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.packed = PackedWeight()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.packed.linear(x, self.weight))
-        return out if self.bias is None else out + self.bias
