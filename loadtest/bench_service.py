@@ -21,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+# A fresh Ray cluster keeps the CPU busy for a few seconds after start (worker prestart, its own
+# services), and each worker packs its weights on first use: the measurement starts after that.
+WARMUP_SETTLE_S = 3.0
 TOPICS = ["the ocean", "a mountain village", "how bread is made", "the history of clocks", "a friendly robot", "winter in the city", "the planets", "a chess game"]
 
 
@@ -34,16 +37,17 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return prompts
 
 
-def offline(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, float]]:
+def offline(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]]) -> list[tuple[float, float]]:
     from disagg.config import EngineConfig
     from disagg.engine.engine import LLMEngine
     from disagg.request import SamplingParams
 
     engine = LLMEngine(EngineConfig(num_threads=1))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engine.add_request("warmup", prompt_token_ids=prompts[0], sampling_params=SamplingParams(max_tokens=2))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for i, ids in enumerate(warmup):
+        engine.add_request(f"warmup-{i}", prompt_token_ids=ids, sampling_params=params)
+        while engine.has_unfinished_requests():
+            engine.step()
     results = []
     for i, ids in enumerate(prompts):
         start = time.perf_counter()
@@ -56,7 +60,7 @@ def offline(prompts: list[list[int]], max_tokens: int) -> list[tuple[float, floa
     return results
 
 
-def service(prompts: list[list[int]], max_tokens: int, workdir: Path) -> list[tuple[float, float]]:
+def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path) -> list[tuple[float, float]]:
     """Through a real `disagg serve` process (as users run it), so that this client and the
     server's frontend do not share a Python process (and its GIL)."""
     import yaml
@@ -68,7 +72,9 @@ def service(prompts: list[list[int]], max_tokens: int, workdir: Path) -> list[tu
     config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None}))
     results = []
     with ServeProcess(str(config), str(workdir / "serve.log")) as server, DisaggClient(server.address) as client:
-        client.generate(generate_request(prompt_token_ids=prompts[0], max_tokens=2), timeout=60)  # warm-up
+        for ids in warmup:
+            client.generate(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300)
+        time.sleep(WARMUP_SETTLE_S)
         for ids in prompts:
             start, first = time.perf_counter(), None
             for msg in client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
@@ -92,6 +98,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -101,9 +108,10 @@ def main() -> None:
 
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
-    a = summarize("offline engine", offline(prompts, args.max_tokens))
+    warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
+    a = summarize("offline engine", offline(prompts, args.max_tokens, warmup))
     with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, Path(workdir)))
+        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir)))
     print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
