@@ -49,6 +49,7 @@ class _Outgoing:
     sent_tokens: int = 0  # positions whose KV went out for every layer
     num_bytes: int = 0
     batch: "_LayerBatch | None" = None  # this step's layers packed so far, not yet sent
+    step_layer: int = 0  # the next layer to send in this step (global)
 
 
 @dataclass
@@ -69,8 +70,12 @@ class KVSender(KVEndpoint):
 
     # ---- called by the worker ----------------------------------------------------------------
     def add(self, request_id: str, targets: list[KVTarget]) -> None:
+        """Register a request's targets (once: a second call is ignored). Safe from any thread,
+        also while the request's step runs: the layers it computed before are sent first."""
         deadline = time.monotonic() + self.timeout
         with self._lock:
+            if request_id in self._by_request:
+                return
             transfers = [_Outgoing(request_id, t, deadline) for t in targets]
             self._by_request[request_id] = transfers
             for tr in transfers:
@@ -85,11 +90,16 @@ class KVSender(KVEndpoint):
         for chunk in chunks:
             for tr in self._by_request.get(chunk.request.request_id, ()):
                 if tr.target.layers[0] <= layer < tr.target.layers[1] and tr.state in (TransferState.PENDING, TransferState.TRANSFERRING):
-                    self._send_layer(tr, chunk, local_layer, layer)
+                    # Normally step_layer == layer; it is behind when the targets came mid-step.
+                    for missed in range(max(tr.step_layer, tr.target.layers[0]), layer + 1):
+                        self._send_layer(tr, chunk, missed - self.layer_offset, missed)
+                    tr.step_layer = layer + 1
 
     def _send_layer(self, tr: _Outgoing, chunk, local_layer: int, layer: int) -> None:
         bs = self.kv_cache.block_size
         first, last = tr.sent_tokens // bs, -(-(chunk.start + chunk.num_new_tokens) // bs)
+        if first >= last:
+            return  # nothing new (a catch-up after every layer had gone out)
         heads = tr.target.heads
         layer_kv = self.kv_cache.layer(local_layer)[:, heads[0] - self.head_offset : heads[1] - self.head_offset]
         if tr.batch is None:
@@ -129,7 +139,9 @@ class KVSender(KVEndpoint):
         """Every layer of this step went out: the chunk's positions are now sent."""
         for chunk in chunks:
             for tr in self._by_request.get(chunk.request.request_id, ()):
-                tr.sent_tokens = chunk.start + chunk.num_new_tokens
+                if tr.step_layer >= tr.target.layers[1]:  # every layer of the range went out
+                    tr.sent_tokens = chunk.start + chunk.num_new_tokens
+                tr.step_layer = tr.target.layers[0]  # next step: from the range's first layer
                 tr.batch = None  # always sent by now: batches end at the range's last layer
 
     def finish(self, request_id: str, first_token: int) -> None:

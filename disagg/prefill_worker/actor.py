@@ -62,8 +62,12 @@ class PrefillActor(WorkerActorBase):
             self._waiters.pop(request_id, None)
 
     async def set_kv_targets(self, request_id: str, reservation: Reservation) -> bool:
-        """Where the KV of a request started without a reservation goes; False if it is gone."""
-        return await self._on_loop(self.worker.set_targets, request_id, reservation, self.kv_layout())
+        """Where the KV of a request started without a reservation goes; False if it is gone.
+        This rank's sender learns it at once (its prefill step may be running); the rest waits
+        for the engine thread."""
+        layout = self.kv_layout()
+        self.worker.add_targets_now(request_id, reservation, layout)
+        return await self._on_loop(self.worker.set_targets, request_id, reservation, layout)
 
     async def abort(self, request_id: str) -> None:
         await self._on_loop(self.worker.abort, request_id)

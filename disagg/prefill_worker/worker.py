@@ -73,19 +73,30 @@ class PrefillWorker:
         self._add(request_id, prompt_token_ids, sampling_params)
         self._awaiting_targets[request_id] = _AwaitingTargets(time.monotonic() + targets_timeout)
 
+    def add_targets_now(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
+        """The part of `set_targets` that may run on any thread, also while the request's step
+        runs: this rank's sender learns its targets, so that the KV streams from the next layer
+        on (the layers computed before go first) instead of after the step."""
+        if request_id not in self._awaiting_targets:
+            return
+        cfg = self.engine.model_config
+        own = next(r for r in layout.ranks if r.peer_id == self.sender.worker_id)
+        self.sender.add(request_id, targets_for(own.place, layout.plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads))
+
     def set_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> bool:
         """The handshake's answer for a request started early; False if it is gone (aborted)."""
         waiting = self._awaiting_targets.pop(request_id, None)
         request = self.engine.scheduler.requests.get(request_id)
         if waiting is None or request is None:
+            self.sender.abort(request_id)  # targets that add_targets_now may have registered
             return False
-        self._register_targets(request_id, reservation, layout)
-        if request.num_computed_tokens:
+        self._register_targets(request_id, reservation, layout)  # (this rank's own: already there, or now)
+        if waiting.first_token is not None:  # the prompt is done: send what has not gone out, then DONE
             self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
             if self.followers is not None:
                 self.followers.command_all("catch_up", request_id, list(request.block_ids), request.num_computed_tokens)
-        if waiting.first_token is not None:  # the prompt is done already: the KV is all out
             self._finish_transfer(request_id, waiting.first_token)
+        # Otherwise the next steps stream it: every rank sends the layers it computed before first.
         return True
 
     def _register_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:

@@ -86,12 +86,14 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
         assert engine.num_free_blocks == engine.num_total_blocks
 
 
+def late_reservation(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]):
+    reservation = decode.reserve(request_id, prompt, greedy(), {"prefill-0": prefill.address()})
+    return dataclasses.replace(reservation, layout=KVLayout.single("decode-0", decode.address())), KVLayout.single("prefill-0", prefill.address())
+
+
 def late_targets(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]) -> None:
     """The router's handshake answer, arriving after the prefill started."""
-    reservation = decode.reserve(request_id, prompt, greedy(), {"prefill-0": prefill.address()})
-    decode_layout = KVLayout.single("decode-0", decode.address())
-    reservation = dataclasses.replace(reservation, layout=decode_layout)
-    assert prefill.set_targets(request_id, reservation, KVLayout.single("prefill-0", prefill.address()))
+    assert prefill.set_targets(request_id, *late_reservation(prefill, decode, request_id, prompt))
 
 
 @pytest.mark.parametrize("prefill_steps_first", [0, 2, 50])  # before it starts, mid-chunks, after the first token
@@ -106,6 +108,34 @@ def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, p
         assert prefill.engine.num_free_blocks < prefill.engine.num_total_blocks
     late_targets(prefill, decode, "late", prompt)
     assert run(prefill, decode)["late"] == colocated_tokens[index]
+    for engine in (prefill.engine, decode.engine):
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
+@pytest.mark.parametrize("chunk", [0, 2])  # during the first chunk, or a later one
+def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pair, colocated_tokens, chunk):
+    """As the actor does: add_targets_now while the step runs (here: from the layer hook, after
+    layer 0), set_targets after it. The layers computed before go first, the rest as computed."""
+    _, prefill, decode = pair
+    index = len(PROMPT_LENGTHS) - 1
+    prompt = prompts()[index]
+    prefill.add_request_early("mid", prompt, greedy(), targets_timeout=30)
+    for _ in range(chunk):
+        prefill.step()
+    answer = late_reservation(prefill, decode, "mid", prompt)
+    hook = prefill.engine.runner.on_layer
+
+    def on_layer(local_layer, chunks):
+        hook(local_layer, chunks)
+        if local_layer == 0:
+            prefill.add_targets_now("mid", *answer)
+
+    prefill.engine.runner.on_layer = on_layer
+    prefill.step()
+    prefill.engine.runner.on_layer = hook
+    assert prefill.sender.num_bytes_total > 0  # streamed during the step, not after it
+    assert prefill.set_targets("mid", *answer)
+    assert run(prefill, decode)["mid"] == colocated_tokens[index]
     for engine in (prefill.engine, decode.engine):
         assert engine.num_free_blocks == engine.num_total_blocks
 
