@@ -25,9 +25,6 @@ from disagg.request import SamplingParams
 from disagg.worker_api import Reservation
 
 
-FOLLOWER_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
-
-
 @dataclass(frozen=True)
 class FailedRequest:
     request_id: str
@@ -114,7 +111,7 @@ class DecodeWorker:
         results = self.receiver.poll()
         if self.followers is not None:
             if self.tally.has_pending and not self.engine.scheduler.running:
-                self.followers.sync(FOLLOWER_POLL_S)  # no step will bring their news: ask
+                self.followers.sync()  # no step will bring their news: ask
             results += self.followers.take_results()
         return self.tally.add(results)
 

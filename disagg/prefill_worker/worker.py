@@ -26,7 +26,6 @@ from disagg.worker_api import Reservation
 
 
 logger = logging.getLogger(__name__)
-FOLLOWER_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
 @dataclass
@@ -177,7 +176,7 @@ class PrefillWorker:
         results = self.sender.poll()
         if self.followers is not None:
             if self.followers.has_commands() or (self.tally.has_pending and not computed):
-                self.followers.sync(0.0 if self.followers.has_commands() else FOLLOWER_POLL_S)
+                self.followers.sync()
             results += self.followers.take_results()
         return self.tally.add(results)
 

@@ -17,6 +17,7 @@ from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVRank
 
 STEP_TIMEOUT_S = 120.0  # one forward pass of a shard, with room for a slow first step
+IDLE_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
 class ShardGroup:
@@ -47,10 +48,11 @@ class ShardGroup:
         plain = portable(chunks)
         return _PendingStep(self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)])
 
-    def sync(self, wait_s: float = 0.0) -> None:
-        """No step to run: deliver queued commands and collect finished transfers (each rank
-        waits up to wait_s for one)."""
+    def sync(self) -> None:
+        """No step to run: deliver queued commands and collect finished transfers. With no
+        commands to deliver, each rank waits up to IDLE_POLL_S for a transfer to finish."""
         self._check()
+        wait_s = 0.0 if self.has_commands() else IDLE_POLL_S
         refs = [actor.step.remote(None, self._take_commands(i), wait_s) for i, actor in enumerate(self.actors)]
         self._collect(refs)
 
