@@ -10,11 +10,12 @@ reserved up front (`reserve_for_remote_prefill`), filled by `import_kv`, and it 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.kv_cache import KVCache
@@ -107,7 +108,10 @@ class LLMEngine:
         per_block = KVCache.bytes_per_block(cfg, largest_stage, num_kv_heads, c.block_size, self.dtype)
         num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20)
-        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        # A prefill cache is read by the transfer: in shared memory, a decode worker on this host
+        # copies from it directly (DISAGG_KV_SHARED_MEMORY=0: always send over the transport).
+        shared = c.role is Role.PREFILL and os.environ.get("DISAGG_KV_SHARED_MEMORY", "1") != "0"
+        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device, shared=shared)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:

@@ -37,6 +37,9 @@ class ChannelOwner(Protocol):
     def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
         """Where the payload following this header goes; None when it has none."""
 
+    def coalesce(self, messages: list[tuple[Header, torch.Tensor | None]]) -> list[tuple[Header, torch.Tensor | None]]:
+        """The queued messages, in order, with those that can travel as one merged."""
+
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None: ...
 
     def on_error(self, peer_id: str, error: Exception) -> None:
@@ -64,15 +67,27 @@ class PeerChannel:
             raise KVTransferError(f"send queue to {self.peer_id} stayed full for {timeout:.1f}s") from None
 
     def _send_loop(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            header, payload = item
-            deadline = self.owner.send_deadline(self.peer_id, header)
-            if deadline is None:
-                continue  # the transfer already ended; drop its leftovers
-            try:
-                self._send(header, payload, deadline)
-            except KVTransferError as exc:
-                self.owner.on_error(self.peer_id, exc)
+        closing = False
+        while not closing and (item := self._outbox.get()) is not None:
+            queued = [item]
+            while True:  # and whatever else is queued already
+                try:
+                    item = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    closing = True
+                    break
+                queued.append(item)
+            # A backlog goes out in fewer messages (each costs a rendezvous on both sides).
+            for header, payload in self.owner.coalesce(queued):
+                deadline = self.owner.send_deadline(self.peer_id, header)
+                if deadline is None:
+                    continue  # the transfer already ended; drop its leftovers
+                try:
+                    self._send(header, payload, deadline)
+                except KVTransferError as exc:
+                    self.owner.on_error(self.peer_id, exc)
 
     def _send(self, header: Header, payload: torch.Tensor | None, deadline: float) -> None:
         self._connect(deadline)

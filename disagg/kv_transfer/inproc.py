@@ -167,6 +167,9 @@ class InProcessTransport(Transport):
         with self._failing_pair(peer_id, generation):
             out.copy_(self._hub.get(self.worker_id, peer_id, generation, out, timeout))
 
+    def shares_memory_with(self, peer_id: str) -> bool:
+        return True  # one process
+
     def disconnect(self, peer_id: str) -> None:
         with self._lock:
             generation = self._generations.pop(peer_id, None)

@@ -3,12 +3,16 @@
 Every message to a peer is one header tensor; a KV header is followed by one packed tensor
 [layers, 2, heads, blocks, block_size, head_dim] (consecutive layers) whose shape the receiver
 derives from the header and its own cache geometry, so no shape metadata travels separately.
+
+Between workers on one host whose prefill cache is in shared memory, KV_REF replaces KV: its
+payload (`BlockRef`) names the sender's cache and its blocks, and the receiver copies them
+itself, straight from the sender's cache into its own blocks.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, field
 
 import torch
 
@@ -20,6 +24,7 @@ class MsgType(enum.IntEnum):
     DONE = 2  # the sender has sent everything for the transfer; carries the first token
     ACK = 3  # the receiver has everything; the sender may free its blocks
     ABORT = 4  # the sender gives up on the transfer (request aborted or failed)
+    KV_REF = 5  # as KV, but by reference to the sender's shared cache: a BlockRef payload follows
 
 
 @dataclass(frozen=True)
@@ -48,3 +53,37 @@ class Header:
 
     def payload_shape(self, block_size: int, head_dim: int) -> tuple[int, ...]:
         return (self.num_layers, 2, self.head_end - self.head_start, self.num_blocks, block_size, head_dim)
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """A KV_REF payload: where the sender's shared cache is, its geometry, which of its blocks
+    hold the message's positions, and until when they are guaranteed to stay there."""
+
+    pid: int
+    fd: int
+    token: int
+    num_layers: int  # the sender's cache: [num_layers, 2, num_heads, num_blocks, block_size, head_dim]
+    num_heads: int
+    num_blocks: int
+    layer_offset: int  # global index of the sender's layer 0
+    head_offset: int  # global index of the sender's KV head 0
+    # CLOCK_MONOTONIC (same host: one clock) nanoseconds until which the sender keeps the blocks,
+    # whatever happens (it frees them earlier only on an ACK, which comes after the copy).
+    valid_until_ns: int
+    block_ids: list[int] = field(default_factory=list)  # the sender's block ids, in order
+
+    FIXED = 9  # int64 fields before the block ids
+
+    def to_tensor(self) -> torch.Tensor:
+        fixed = astuple(self)[: self.FIXED]
+        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "BlockRef":
+        values = t.tolist()
+        return cls(*values[: cls.FIXED], block_ids=values[cls.FIXED :])
+
+    @classmethod
+    def empty(cls, num_blocks: int) -> torch.Tensor:
+        return torch.empty(cls.FIXED + num_blocks, dtype=torch.int64)

@@ -8,6 +8,9 @@ next recv is posted while the previous payload is copied into its blocks (gloo's
 for the matching recv: without this the sender would idle through every copy). DONE travels
 through the same FIFO, so it is acknowledged only after every payload before it is in place. A cancelled transfer's late payloads are dropped, never written, since
 its blocks may already belong to someone else.
+
+A KV_REF (a sender on this host with its cache in shared memory) is imported by mapping the
+sender's cache once per peer and copying the named blocks straight into ours: one copy in all.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg.engine.layers.cpu_kernels import cpu_ops
+from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
-from disagg.kv_transfer.messages import Header, MsgType
+from disagg.kv_transfer.messages import BlockRef, Header, MsgType
+from disagg.kv_transfer.shared_memory import SharedHandle, attach
 from disagg.kv_transfer.transport import Transport
 
 
@@ -51,6 +57,7 @@ class KVReceiver(KVEndpoint):
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
+        self._peer_caches: dict[str, tuple[SharedHandle, torch.Tensor]] = {}  # senders' shared caches, mapped
         self._imports: queue.Queue = queue.Queue(maxsize=IMPORT_QUEUE_DEPTH)
         self._importer = threading.Thread(target=self._import_loop, name="kv-import", daemon=True)
         self._importer.start()
@@ -88,6 +95,8 @@ class KVReceiver(KVEndpoint):
         return time.monotonic() + self.timeout  # ACKs are small and always worth sending
 
     def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
+        if header.type is MsgType.KV_REF:
+            return BlockRef.empty(header.num_blocks)
         if header.type is not MsgType.KV:
             return None
         cache = self.kv_cache
@@ -112,6 +121,8 @@ class KVReceiver(KVEndpoint):
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
                 self._import(tr, header, payload)
+            elif header.type is MsgType.KV_REF:
+                self._import_ref(tr, peer_id, header, BlockRef.from_tensor(payload))
             elif header.type is MsgType.DONE:
                 ack = (tr.sources[peer_id], Header(MsgType.ACK, tr.transfer_id))
                 self._source_done(tr, peer_id, header.token)
@@ -126,10 +137,40 @@ class KVReceiver(KVEndpoint):
         layers = self.kv_cache.tensor[first_layer : first_layer + header.num_layers]  # [n, 2, KVH, NB, bs, D]
         heads = layers[:, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
         heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
+        self._count(tr, payload.numel() * payload.element_size())
+
+    def _import_ref(self, tr: _Incoming, peer_id: str, header: Header, ref: BlockRef) -> None:
+        try:
+            source = self._peer_cache(peer_id, ref)
+        except KVTransferError as exc:
+            self._fail(tr, str(exc))
+            return
+        src_layer, dst_layer = header.layer - ref.layer_offset, header.layer - self.layer_offset
+        src = source[src_layer : src_layer + header.num_layers, :, header.head_start - ref.head_offset : header.head_end - ref.head_offset]
+        dst = self.kv_cache.tensor[dst_layer : dst_layer + header.num_layers, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        dst_ids = tr.block_ids[header.first_block : header.first_block + header.num_blocks].tolist()
+        copy_blocks(src, ref.block_ids, dst, dst_ids)
+        if time.monotonic_ns() >= ref.valid_until_ns:
+            # The sender may have freed its blocks (and reused them) before our copy ended.
+            self._fail(tr, f"KV of {peer_id} was copied after the sender stopped holding it")
+            return
+        self._count(tr, src.element_size() * src.numel() // src.shape[3] * len(dst_ids))
+
+    def _peer_cache(self, peer_id: str, ref: BlockRef) -> torch.Tensor:
+        """The sender's shared cache, mapped on first use (again if the peer's cache changed)."""
+        handle = SharedHandle(ref.pid, ref.fd, ref.token)
+        mapped = self._peer_caches.get(peer_id)
+        if mapped is None or mapped[0] != handle:
+            _, _, _, _, block_size, head_dim = self.kv_cache.tensor.shape
+            shape = (ref.num_layers, 2, ref.num_heads, ref.num_blocks, block_size, head_dim)
+            mapped = self._peer_caches[peer_id] = (handle, attach(handle, shape, self.kv_cache.tensor.dtype))
+        return mapped[1]
+
+    def _count(self, tr: _Incoming, num_bytes: int) -> None:
         tr.state = TransferState.TRANSFERRING
         tr.first_byte_at = tr.first_byte_at or time.monotonic()
-        tr.num_bytes += payload.numel() * payload.element_size()
-        self.num_bytes_total += payload.numel() * payload.element_size()
+        tr.num_bytes += num_bytes
+        self.num_bytes_total += num_bytes
 
     def _source_done(self, tr: _Incoming, peer_id: str, token: int) -> None:
         del tr.sources[peer_id]
@@ -141,6 +182,7 @@ class KVReceiver(KVEndpoint):
 
     def on_error(self, peer_id: str, error: Exception) -> None:
         with self._lock:
+            self._peer_caches.pop(peer_id, None)  # a peer that died: let its memory go
             for tr in list(self._transfers.values()):
                 if peer_id in tr.sources:
                     self._fail(tr, f"{peer_id}: {error}")
@@ -160,3 +202,21 @@ class KVReceiver(KVEndpoint):
         self._by_request.pop(tr.request_id, None)
         # Transfer time runs from the first byte: time spent waiting for the prefill is not the network's.
         self._report(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - (tr.first_byte_at or tr.started), tr.num_bytes))
+
+
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+    """dst's blocks dst_ids[i] = src's blocks src_ids[i] (dim 3 of [n, 2, heads, blocks, bs, D])
+    in one pass over the bytes: the C++ kernel, else one strided copy per run of blocks that are
+    consecutive on both sides (an index_select then index_copy_ would copy everything twice)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"block ids: {len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+    ops = cpu_ops(src.device)
+    if ops is not None:
+        ops.copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
+        return
+    start = 0
+    for i in range(1, len(src_ids) + 1):
+        if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
+            n = i - start
+            dst.narrow(3, dst_ids[start], n).copy_(src.narrow(3, src_ids[start], n))
+            start = i

@@ -2,21 +2,25 @@
 
 The model runner calls `on_layer` right after each layer of a step has written its KV, so the
 packing copy happens while later layers compute and the network send runs on the channel's
-thread; small layers are grouped into fewer, larger messages (MIN_MESSAGE_BYTES). After the last chunk the first token goes out in a DONE message; the blocks may be freed
-when every target acknowledged (or the transfer failed/timed out), which `poll()` reports.
+thread; small layers are grouped into fewer, larger messages (MIN_MESSAGE_BYTES). After the
+last chunk the first token goes out in a DONE message; the blocks may be freed when every target
+acknowledged (or the transfer failed/timed out), which `poll()` reports.
+
+When the cache is in shared memory and the target is on this host, nothing is packed: a KV_REF
+names the blocks and the receiver copies them out of our cache itself (messages.BlockRef).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
-from disagg.kv_transfer.messages import Header, MsgType
+from disagg.kv_transfer.messages import BlockRef, Header, MsgType
 from disagg.kv_transfer.transport import Transport
 
 
@@ -54,8 +58,9 @@ class _Outgoing:
 
 @dataclass
 class _LayerBatch:
-    payload: torch.Tensor  # [layers, 2, heads, blocks, block_size, head_dim]
     first_layer: int  # global
+    num_layers: int
+    payload: torch.Tensor | None  # [layers, 2, heads, blocks, block_size, head_dim]; None: by reference
     filled: int = 0
 
 
@@ -101,31 +106,46 @@ class KVSender(KVEndpoint):
         if first >= last:
             return  # nothing new (a catch-up after every layer had gone out)
         heads = tr.target.heads
-        layer_kv = self.kv_cache.layer(local_layer)[:, heads[0] - self.head_offset : heads[1] - self.head_offset]
         if tr.batch is None:
-            tr.batch = self._new_batch(tr, layer_kv, layer, first, last - first)
+            tr.batch = self._new_batch(tr, layer, last - first)
         batch = tr.batch
-        src = torch.as_tensor(chunk.request.block_ids[first:last], dtype=torch.long, device=layer_kv.device)
-        torch.index_select(layer_kv, 2, src, out=batch.payload[batch.filled])  # packs scattered blocks
+        if batch.payload is not None:
+            layer_kv = self.kv_cache.layer(local_layer)[:, heads[0] - self.head_offset : heads[1] - self.head_offset]
+            src = torch.as_tensor(chunk.request.block_ids[first:last], dtype=torch.long, device=layer_kv.device)
+            torch.index_select(layer_kv, 2, src, out=batch.payload[batch.filled])  # packs scattered blocks
         batch.filled += 1
         tr.state = TransferState.TRANSFERRING
-        if batch.filled == len(batch.payload):
-            tr.batch = None
-            num_layers = len(batch.payload)
-            header = Header(MsgType.KV, tr.target.transfer_id, batch.first_layer, first, last - first, heads[0], heads[1], num_layers=num_layers)
-            num_bytes = batch.payload.numel() * batch.payload.element_size()
-            tr.num_bytes += num_bytes
-            self.num_bytes_total += num_bytes
-            self._post(tr, header, batch.payload)
+        if batch.filled < batch.num_layers:
+            return
+        tr.batch = None
+        num_bytes = batch.num_layers * self._layer_bytes(tr, last - first)
+        tr.num_bytes += num_bytes
+        self.num_bytes_total += num_bytes
+        kind, payload = (MsgType.KV, batch.payload) if batch.payload is not None else (MsgType.KV_REF, self._block_ref(tr, chunk.request.block_ids[first:last]))
+        self._post(tr, Header(kind, tr.target.transfer_id, batch.first_layer, first, last - first, heads[0], heads[1], num_layers=batch.num_layers), payload)
 
-    @staticmethod
-    def _new_batch(tr: _Outgoing, layer_kv: torch.Tensor, layer: int, first_block: int, num_blocks: int) -> "_LayerBatch":
+    def _new_batch(self, tr: _Outgoing, layer: int, num_blocks: int) -> _LayerBatch:
         """Room for as many of the next layers as make one message of MIN_MESSAGE_BYTES (at least
         one layer, at most those left in the target's range this step)."""
-        two, heads, _, bs, dim = layer_kv.shape
-        per_layer = two * heads * num_blocks * bs * dim * layer_kv.element_size()
-        num_layers = max(1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // per_layer)))
-        return _LayerBatch(torch.empty(num_layers, two, heads, num_blocks, bs, dim, dtype=layer_kv.dtype, device=layer_kv.device), layer)
+        num_layers = max(1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks))))
+        if self.kv_cache.shared_handle is not None and self.transport.shares_memory_with(tr.target.peer_id):
+            return _LayerBatch(layer, num_layers, None)
+        _, _, _, _, bs, dim = self.kv_cache.tensor.shape
+        heads = tr.target.heads[1] - tr.target.heads[0]
+        payload = torch.empty(num_layers, 2, heads, num_blocks, bs, dim, dtype=self.kv_cache.tensor.dtype, device=self.kv_cache.tensor.device)
+        return _LayerBatch(layer, num_layers, payload)
+
+    def _layer_bytes(self, tr: _Outgoing, num_blocks: int) -> int:
+        _, two, _, _, bs, dim = self.kv_cache.tensor.shape
+        heads = tr.target.heads[1] - tr.target.heads[0]
+        return two * heads * num_blocks * bs * dim * self.kv_cache.tensor.element_size()
+
+    def _block_ref(self, tr: _Outgoing, block_ids: list[int]) -> torch.Tensor:
+        handle, shape = self.kv_cache.shared_handle, self.kv_cache.tensor.shape
+        # We hold the blocks at least until the transfer's deadline (it only ever moves later);
+        # a millisecond off it covers the float seconds' rounding.
+        valid_until_ns = int(tr.deadline * 1e9) - 1_000_000
+        return BlockRef(handle.pid, handle.fd, handle.token, shape[0], shape[2], shape[3], self.layer_offset, self.head_offset, valid_until_ns, list(block_ids)).to_tensor()
 
     def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """Targets added after `num_tokens` positions were computed: send those now, every layer
@@ -181,6 +201,20 @@ class KVSender(KVEndpoint):
     def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
         return None  # only ACKs come back
 
+    def coalesce(self, messages: list[tuple[Header, torch.Tensor | None]]) -> list[tuple[Header, torch.Tensor | None]]:
+        """Queued references to consecutive layers of the same blocks become one KV_REF: when
+        layers are computed faster than messages go out, the receiver gets them in fewer."""
+        merged = [messages[0]]
+        for header, payload in messages[1:]:
+            last_header, last_payload = merged[-1]
+            if _follows(last_header, header) and torch.equal(last_payload[BlockRef.FIXED :], payload[BlockRef.FIXED :]):
+                ref = BlockRef.from_tensor(last_payload)
+                valid_until_ns = min(ref.valid_until_ns, BlockRef.from_tensor(payload).valid_until_ns)
+                merged[-1] = (replace(last_header, num_layers=last_header.num_layers + header.num_layers), replace(ref, valid_until_ns=valid_until_ns).to_tensor())
+            else:
+                merged.append((header, payload))
+        return merged
+
     def on_message(self, peer_id: str, header: Header, payload) -> None:
         with self._lock:
             tr = self._by_key.get((peer_id, header.transfer_id))
@@ -221,3 +255,9 @@ class KVSender(KVEndpoint):
         started = min(tr.started for tr in transfers)
         num_bytes = sum(tr.num_bytes for tr in transfers)
         self._report(TransferResult(request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes))
+
+
+def _follows(a: Header, b: Header) -> bool:
+    """b references the layers right after a's, of the same blocks and heads of one transfer."""
+    same = (a.transfer_id, a.first_block, a.num_blocks, a.head_start, a.head_end) == (b.transfer_id, b.first_block, b.num_blocks, b.head_start, b.head_end)
+    return a.type is b.type is MsgType.KV_REF and same and b.layer == a.layer + a.num_layers

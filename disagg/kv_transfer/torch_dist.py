@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.errors import KVTransferError
+from disagg.kv_transfer.shared_memory import host_key
 from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
 
@@ -159,6 +160,11 @@ class TorchDistTransport(Transport):
                 # The payload is not received: the pair goes, so nothing of it is left to misread.
                 raise self._fail(pair, f"message mismatch: expected {_describe(expected)}, got {_describe(got)}")
 
+    def shares_memory_with(self, peer_id: str) -> bool:
+        with self._lock:
+            pair = self._pairs.get(peer_id)
+        return pair is not None and pair.same_host and not pair.broken.done()
+
     def disconnect(self, peer_id: str) -> None:
         with self._lock:
             pair = self._pairs.get(peer_id)
@@ -225,14 +231,15 @@ class TorchDistTransport(Transport):
         options._devices = [self._gloo_device]
         options._threads = 1  # only point-to-point ops, which do not use the worker threads
         try:
-            pair_store.set(f"joined/{rank}", "1")
+            pair_store.set(f"joined/{rank}", host_key())  # each side learns whether the other is on its host
             pair_store.wait([f"joined/{1 - rank}"], timedelta(seconds=remaining(deadline)))
+            same_host = bool(host_key()) and pair_store.get(f"joined/{1 - rank}").decode() == host_key()
             gloo = dist.ProcessGroupGloo(pair_store, rank, 2, options)
         except _TRANSPORT_ERRORS as exc:
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
             raise self._error(peer_id, "peer did not join in time", exc) from exc
         inbox = torch.empty(_INBOX_BYTES, dtype=torch.uint8)
-        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, PAIR_OP_TIMEOUT, gloo, inbox)
+        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, PAIR_OP_TIMEOUT, gloo, inbox, same_host)
         pair.watch()
         return pair
 

@@ -47,6 +47,7 @@ class Pair:
     timeout: timedelta
     gloo: dist.ProcessGroupGloo
     inbox: torch.Tensor  # the first message of each recv lands here (gloo); under recv_lock
+    same_host: bool = False  # the peer can map our shared tensors (shared_memory.host_key)
     nccl: dict[int, dist.ProcessGroupNCCL] = field(default_factory=dict)  # sender rank -> group
     broken: futures.Future = field(default_factory=futures.Future)  # its result: why it broke
     send_lock: threading.Lock = field(default_factory=threading.Lock)

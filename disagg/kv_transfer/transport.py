@@ -43,6 +43,10 @@ class Transport(ABC):
     def recv(self, peer_id: str, out: torch.Tensor, timeout: float) -> None:
         """Receive the next message from `peer_id` into `out`, whose shape and dtype must match it."""
 
+    def shares_memory_with(self, peer_id: str) -> bool:
+        """True when the pair is connected and the peer can map our shared tensors (same host)."""
+        return False
+
     @abstractmethod
     def disconnect(self, peer_id: str) -> None:
         """Drop the pair (after an error, or when the peer left); the peer's next use of it fails."""

@@ -144,9 +144,9 @@ def test_default_model_disaggregated_equals_colocated(ray_session):
 class CacheActor:
     """A bare KV cache with a sender or receiver: the byte-exact block transfer, no model."""
 
-    def __init__(self, worker_id: str, num_blocks: int, fill_seed: int | None):
+    def __init__(self, worker_id: str, num_blocks: int, fill_seed: int | None, shared: bool = False):
         torch.set_num_threads(1)
-        self.cache = KVCache(num_layers=4, num_blocks=num_blocks, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float32, device=torch.device("cpu"))
+        self.cache = KVCache(num_layers=4, num_blocks=num_blocks, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float32, device=torch.device("cpu"), shared=shared)
         if fill_seed is not None:
             self.cache.tensor.copy_(torch.randn(self.cache.tensor.shape, generator=torch.Generator().manual_seed(fill_seed)))
         transport = TorchDistTransport(worker_id)
@@ -156,25 +156,29 @@ class CacheActor:
     def address(self) -> str:
         return self.sender.address()
 
-    def expect(self, block_ids, sources) -> int:
-        return self.receiver.expect("req", block_ids, sources)
+    def expect(self, block_ids, sources, request_id: str = "req") -> int:
+        return self.receiver.expect(request_id, block_ids, sources)
 
-    def send(self, block_ids, target: KVTarget) -> bool:
+    def send(self, block_ids, target: KVTarget, request_id: str = "req") -> bool:
         """Stream all layers of `block_ids` as one chunk, then DONE; wait for the outcome."""
 
         class Chunk:  # what the model runner hands the hook: a request's blocks and the computed span
             class request:  # noqa: N801
-                request_id = "req"
+                pass
 
             start, num_new_tokens = 0, len(block_ids) * 16
 
-        Chunk.request.block_ids = block_ids
-        self.sender.add("req", [target])
+        Chunk.request.request_id, Chunk.request.block_ids = request_id, block_ids
+        self.sender.add(request_id, [target])
         for layer in range(4):
             self.sender.on_layer(layer, [Chunk])
         self.sender.on_step_end([Chunk])
-        self.sender.finish("req", first_token=7)
+        self.sender.finish(request_id, first_token=7)
         return self._wait(self.sender)
+
+    def mapped_peer_caches(self) -> list[str]:
+        """Senders whose shared cache this receiver has mapped (it got KV by reference from them)."""
+        return list(self.receiver._peer_caches)
 
     def wait_received(self):
         return self._wait(self.receiver)
@@ -192,18 +196,24 @@ class CacheActor:
         return self.cache.export_blocks(block_ids)
 
 
-def test_random_blocks_arrive_byte_exact_in_scattered_blocks(ray_session):
-    src, dst = CacheActor.remote("bx-src", 64, fill_seed=11), CacheActor.remote("bx-dst", 64, fill_seed=None)
-    src_blocks, dst_blocks = [3, 40, 7, 8, 21, 60], [50, 2, 33, 9, 17, 44]
-    transfer_id = ray.get(dst.expect.remote(dst_blocks, {"bx-src": ray.get(src.address.remote())}))
-    target = KVTarget("bx-dst", ray.get(dst.address.remote()), transfer_id, dst_blocks, (0, 4), (0, 8))
-    received = dst.wait_received.remote()
-    sent = ray.get(src.send.remote(src_blocks, target))
-    got = ray.get(received)
-    assert sent.ok and got.ok and got.first_token == 7
-    assert torch.equal(ray.get(src.blocks.remote(src_blocks)), ray.get(dst.blocks.remote(dst_blocks)))
-    untouched = [b for b in range(64) if b not in dst_blocks][:5]
+# Between actors on one host a shared sender cache goes by reference once the pair is up (the
+# first transfer connects it, so it is packed); otherwise every transfer is packed.
+@pytest.mark.parametrize("shared", [False, True], ids=["packed", "by-reference"])
+def test_random_blocks_arrive_byte_exact_in_scattered_blocks(ray_session, shared):
+    src, dst = CacheActor.remote(f"bx-src-{shared}", 64, fill_seed=11, shared=shared), CacheActor.remote(f"bx-dst-{shared}", 64, fill_seed=None)
+    src_address, dst_address = ray.get([src.address.remote(), dst.address.remote()])
+    for request_id, src_blocks, dst_blocks in [("first", [3, 40, 7, 8, 21, 60], [50, 2, 33, 9, 17, 44]), ("second", [4, 5, 6, 30], [10, 11, 58, 1])]:
+        transfer_id = ray.get(dst.expect.remote(dst_blocks, {f"bx-src-{shared}": src_address}, request_id))
+        target = KVTarget(f"bx-dst-{shared}", dst_address, transfer_id, dst_blocks, (0, 4), (0, 8))
+        received = dst.wait_received.remote()
+        sent = ray.get(src.send.remote(src_blocks, target, request_id))
+        got = ray.get(received)
+        assert sent.ok and got.ok and got.first_token == 7
+        assert torch.equal(ray.get(src.blocks.remote(src_blocks)), ray.get(dst.blocks.remote(dst_blocks))), request_id
+    written = [50, 2, 33, 9, 17, 44, 10, 11, 58, 1]
+    untouched = [b for b in range(64) if b not in written][:5]
     assert torch.count_nonzero(ray.get(dst.blocks.remote(untouched))) == 0, "no other block was written"
+    assert ray.get(dst.mapped_peer_caches.remote()) == ([f"bx-src-{shared}"] if shared else [])
     ray.kill(src)
     ray.kill(dst)
 

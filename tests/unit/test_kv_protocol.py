@@ -16,6 +16,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.models.llama import layer_range
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.layout import KVLayout
+from disagg.kv_transfer.messages import HEADER_LEN, MsgType
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.resharding import ParallelPlan, head_range, plan_kv_routes
 from disagg.kv_transfer.sender import KVSender, KVTarget
@@ -41,7 +42,10 @@ def colocated_tokens() -> list[list[int]]:
 
 
 @pytest.fixture
-def pair():
+def pair(request, monkeypatch):
+    """By default the prefill cache is in shared memory, so KV goes by reference (KV_REF);
+    parametrize indirectly with False for packed KV messages."""
+    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if getattr(request, "param", True) else "0")
     hub = InProcessHub()
     prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
@@ -73,10 +77,26 @@ def run(prefill: PrefillWorker, decode: DecodeWorker, timeout: float = 60.0) -> 
     return finished
 
 
+def message_kinds(monkeypatch) -> list[MsgType]:
+    """Record the type of every protocol header any in-process transport sends."""
+    kinds = []
+    send = InProcessTransport.send
+
+    def spy(self, peer_id, tensor, timeout):
+        if tensor.dtype == torch.int64 and tensor.shape == (HEADER_LEN,):
+            kinds.append(MsgType(int(tensor[0])))
+        return send(self, peer_id, tensor, timeout)
+
+    monkeypatch.setattr(InProcessTransport, "send", spy)
+    return kinds
+
+
 # One message per layer; small chunks grouped, larger ones per layer; everything in one message.
 @pytest.mark.parametrize("min_message_bytes", [1, 10_000, 1 << 30])
-def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatch, min_message_bytes):
+@pytest.mark.parametrize("pair", [True, False], indirect=True, ids=["by-reference", "packed"])
+def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatch, min_message_bytes, request):
     monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", min_message_bytes)
+    kinds = message_kinds(monkeypatch)
     _, prefill, decode = pair
     for i, p in enumerate(prompts()):
         submit(prefill, decode, f"r{i}", p, greedy())
@@ -84,6 +104,8 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
     assert [finished[f"r{i}"] for i in range(len(PROMPT_LENGTHS))] == colocated_tokens
     for engine in (prefill.engine, decode.engine):
         assert engine.num_free_blocks == engine.num_total_blocks
+    by_reference = request.node.callspec.params["pair"]
+    assert (MsgType.KV_REF in kinds, MsgType.KV in kinds) == (by_reference, not by_reference)
 
 
 def late_reservation(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]):
@@ -207,9 +229,9 @@ def test_decode_abort_drops_late_kv_without_writing(pair):
 LAYERS, HEADS, BLOCKS = 4, 4, 8
 
 
-def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None) -> tuple[KVCache, int, int]:
+def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None, shared: bool = False) -> tuple[KVCache, int, int]:
     (l0, l1), (h0, h1) = layer_range(LAYERS, rank[1], plan.pp), head_range(HEADS, rank[0], plan.tp)
-    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"))
+    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"), shared=shared)
     if full is not None:
         cache.tensor.copy_(full[l0:l1, :, h0:h1])
     return cache, l0, h0
@@ -224,8 +246,9 @@ def wait_for(endpoint, timeout: float = 10.0):
     raise AssertionError("transfer did not finish")
 
 
+@pytest.mark.parametrize("by_reference", [True, False], ids=["by-reference", "packed"])
 @pytest.mark.parametrize("src,dst", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 2))])
-def test_resharded_transfer_rebuilds_each_decode_rank(src, dst):
+def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
     src_plan, dst_plan = ParallelPlan(*src), ParallelPlan(*dst)
     full = torch.randn(LAYERS, 2, HEADS, BLOCKS, 4, 8, generator=torch.Generator().manual_seed(1))
     hub = InProcessHub()
@@ -238,7 +261,7 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst):
         receivers[rank] = KVReceiver(InProcessTransport(f"d{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
     senders = {}
     for rank in src_plan.ranks():
-        cache, l0, h0 = rank_cache(src_plan, rank, full)
+        cache, l0, h0 = rank_cache(src_plan, rank, full, shared=by_reference)
         senders[rank] = KVSender(InProcessTransport(f"p{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
     transfer_ids = {
         rank: rx.expect("r", dst_block_ids, {f"p{r.src}": senders[r.src].address() for r in routes if r.dst == rank})

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (csrc/): decode paged attention, and the fused norm and rotary ops.
+"""The C++ CPU kernels (csrc/): decode paged attention, the fused norm and rotary ops, and the
+KV block copy of a transfer between workers on one host.
 
 One shared library, built on first use and registered as torch.ops.disagg_cpu.*. It goes into a
 cache directory (DISAGG_KERNEL_CACHE, else ~/.cache/disagg/kernels) under a name keyed by the
@@ -29,7 +30,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 BACKEND_ENV = "DISAGG_ATTENTION_BACKEND"
@@ -59,7 +60,7 @@ def decode_kernel(device: torch.device) -> DecodeKernel | None:
 
 
 def cpu_ops(device: torch.device):
-    """torch.ops.disagg_cpu (decode_attention, rms_norm, rotary), or None where torch code should run."""
+    """torch.ops.disagg_cpu (decode_attention, rms_norm, rotary, copy_blocks), or None where torch code should run."""
     choice = backend()
     if choice == "torch" or device.type != "cpu":
         return None
