@@ -60,7 +60,7 @@ def offline(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]]) 
     return results
 
 
-def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path) -> list[tuple[float, float]]:
+def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path, phases: list | None = None) -> list[tuple[float, float]]:
     """Through a real `disagg serve` process (as users run it), so that this client and the
     server's frontend do not share a Python process (and its GIL)."""
     import yaml
@@ -80,6 +80,8 @@ def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], 
             for msg in client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
                 if msg.token_ids and first is None:
                     first = time.perf_counter()
+                if msg.finished and phases is not None:
+                    phases.append(msg.timings)
             results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
     return results
 
@@ -111,7 +113,8 @@ def main() -> None:
     warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
     a = summarize("offline engine", offline(prompts, args.max_tokens, warmup))
     with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir)))
+        phases = []
+        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir), phases))
     print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
@@ -119,6 +122,10 @@ def main() -> None:
     added = b["ttft_p50_ms"] - a["ttft_p50_ms"]
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
     print(f"service adds {added:+.1f} ms to p50 TTFT (target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
+    # Where the service's TTFT goes (p50 of each part; the server's parts from the last message's timings).
+    p50 = {name: statistics.median(getattr(t, name) for t in phases) * 1e3 for name in ("queue_s", "prefill_s", "ttft_s")}
+    print(f"service TTFT p50 parts: at the frontend {p50['ttft_s']:.1f} ms (the client's {b['ttft_p50_ms'] - p50['ttft_s']:+.1f} ms more: gRPC), "
+          f"of which prefill compute on the worker {p50['prefill_s']:.1f} ms (offline TTFT {a['ttft_p50_ms']:.1f}) and the rest {p50['queue_s']:.1f} ms (router, Ray calls, waiting for the engine thread)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "tpot_p50_ratio": ratio_tpot}, f, indent=2)

@@ -182,7 +182,10 @@ def _start_ray(config: ServingConfig) -> None:
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
     else:
-        ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING, num_cpus=max(2, os.cpu_count() or 2))
+        # Ray starts its workers at nice 15 (so that they cannot starve its own daemons); ours
+        # are the request path: at 15 every other process on the machine preempts a prefill
+        # (measured: 10% slower prefills in the service than offline on 2 cores).
+        ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING, num_cpus=max(2, os.cpu_count() or 2), _system_config={"worker_niceness": 0})
 
 
 async def _wait_for_instances(config: ServingConfig, directory: InstanceDirectory, timeout_s: float = 60.0) -> None:

@@ -57,8 +57,11 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
     fd = os.memfd_create(f"disagg-kv-{token:016x}", os.MFD_CLOEXEC)
     try:
-        os.ftruncate(fd, nbytes)  # pages are zero and allocated when first touched
+        os.ftruncate(fd, nbytes)
         tensor = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=_numel(shape), dtype=dtype).view(shape)
+        # Allocate every page now, as torch.zeros would: not one page fault at a time later,
+        # in the middle of the prefills that first write them.
+        tensor.zero_()
     except BaseException:
         os.close(fd)
         raise
