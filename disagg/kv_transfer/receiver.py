@@ -114,6 +114,9 @@ class KVReceiver(KVEndpoint):
         super().close()
 
     def _handle(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
+        if header.type is MsgType.KV_REF:
+            self._import_ref(peer_id, header, BlockRef.from_tensor(payload))
+            return
         ack = None
         with self._lock:
             tr = self._transfers.get(header.transfer_id)
@@ -121,8 +124,6 @@ class KVReceiver(KVEndpoint):
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
                 self._import(tr, header, payload)
-            elif header.type is MsgType.KV_REF:
-                self._import_ref(tr, peer_id, header, BlockRef.from_tensor(payload))
             elif header.type is MsgType.DONE:
                 ack = (tr.sources[peer_id], Header(MsgType.ACK, tr.transfer_id))
                 self._source_done(tr, peer_id, header.token)
@@ -139,22 +140,37 @@ class KVReceiver(KVEndpoint):
         heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         self._count(tr, payload.numel() * payload.element_size())
 
-    def _import_ref(self, tr: _Incoming, peer_id: str, header: Header, ref: BlockRef) -> None:
-        try:
-            source = self._peer_cache(peer_id, ref)
-        except KVTransferError as exc:
-            self._fail(tr, str(exc))
-            return
+    def _import_ref(self, peer_id: str, header: Header, ref: BlockRef) -> None:
+        """Copy the referenced blocks, one layer at a time under the lock: a cancel (after which
+        the blocks may be handed to another request) waits for one layer's copy at most, and so
+        does the engine thread's poll(), however many layers the message covers."""
+        with self._lock:
+            tr = self._transfers.get(header.transfer_id)
+            if tr is None or peer_id not in tr.sources:
+                return  # cancelled or unknown: drop it
+            try:
+                source = self._peer_cache(peer_id, ref)
+            except KVTransferError as exc:
+                self._fail(tr, str(exc))
+                return
         src_layer, dst_layer = header.layer - ref.layer_offset, header.layer - self.layer_offset
-        src = source[src_layer : src_layer + header.num_layers, :, header.head_start - ref.head_offset : header.head_end - ref.head_offset]
-        dst = self.kv_cache.tensor[dst_layer : dst_layer + header.num_layers, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        src_heads = slice(header.head_start - ref.head_offset, header.head_end - ref.head_offset)
+        dst_heads = slice(header.head_start - self.head_offset, header.head_end - self.head_offset)
         dst_ids = tr.block_ids[header.first_block : header.first_block + header.num_blocks].tolist()
-        copy_blocks(src, ref.block_ids, dst, dst_ids)
-        if time.monotonic_ns() >= ref.valid_until_ns:
-            # The sender may have freed its blocks (and reused them) before our copy ended.
-            self._fail(tr, f"KV of {peer_id} was copied after the sender stopped holding it")
-            return
-        self._count(tr, src.element_size() * src.numel() // src.shape[3] * len(dst_ids))
+        for i in range(header.num_layers):
+            with self._lock:
+                if self._transfers.get(header.transfer_id) is not tr:
+                    return  # cancelled or failed meanwhile: its blocks are no longer ours to write
+                copy_blocks(source[src_layer + i : src_layer + i + 1, :, src_heads], ref.block_ids, self.kv_cache.tensor[dst_layer + i : dst_layer + i + 1, :, dst_heads], dst_ids)
+        with self._lock:
+            if self._transfers.get(header.transfer_id) is not tr:
+                return
+            if time.monotonic_ns() >= ref.valid_until_ns:
+                # The sender may have freed its blocks (and reused them) before our copy ended.
+                self._fail(tr, f"KV of {peer_id} was copied after the sender stopped holding it")
+                return
+            block_bytes = 2 * (dst_heads.stop - dst_heads.start) * self.kv_cache.block_size * self.kv_cache.tensor.shape[-1] * self.kv_cache.tensor.element_size()
+            self._count(tr, header.num_layers * len(dst_ids) * block_bytes)
 
     def _peer_cache(self, peer_id: str, ref: BlockRef) -> torch.Tensor:
         """The sender's shared cache, mapped on first use (again if the peer's cache changed)."""
