@@ -23,7 +23,7 @@ class MsgType(enum.IntEnum):
     KV = 1  # some consecutive layers' blocks of one transfer (a chunk's worth), payload follows
     DONE = 2  # the sender has sent everything for the transfer; carries the first token
     ACK = 3  # the receiver has everything; the sender may free its blocks
-    ABORT = 4  # the sender gives up on the transfer (request aborted or failed)
+    ABORT = 4  # either side gives up on the transfer (request aborted, cancelled or failed)
     KV_REF = 5  # as KV, but by reference to the sender's shared cache: a BlockRef payload follows
 
 

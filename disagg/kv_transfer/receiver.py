@@ -121,6 +121,8 @@ class KVReceiver(KVEndpoint):
         with self._lock:
             tr = self._transfers.get(header.transfer_id)
             if tr is None or peer_id not in tr.sources:
+                if header.type is MsgType.DONE:  # cancelled here: the sender may free its blocks now, not at its timeout
+                    self._reply_to(peer_id, Header(MsgType.ABORT, header.transfer_id))
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
                 self._import(tr, header, payload)
@@ -132,6 +134,15 @@ class KVReceiver(KVEndpoint):
         if ack is not None:  # outside the lock: posting may wait on a full queue
             address, header = ack
             self._channel(peer_id, address).post(header, timeout=self.timeout)
+
+    def _reply_to(self, peer_id: str, header: Header) -> None:
+        with self._channels_lock:
+            channel = self._channels.get(peer_id)  # the one the message came through
+        try:
+            if channel is not None:
+                channel.post(header, timeout=0.0)
+        except KVTransferError:
+            pass  # best effort: with its queue full the pair is in trouble anyway (the sender times out)
 
     def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
         first_layer = header.layer - self.layer_offset

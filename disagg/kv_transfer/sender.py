@@ -221,6 +221,8 @@ class KVSender(KVEndpoint):
             if tr is not None and header.type is MsgType.ACK and tr.state is TransferState.AWAITING_ACK:
                 tr.state = TransferState.DONE
                 self._settle(tr.request_id)
+            elif tr is not None and header.type is MsgType.ABORT:
+                self._fail(tr, f"{peer_id} dropped the transfer (cancelled on its side)")
 
     def on_error(self, peer_id: str, error: Exception) -> None:
         with self._lock:
