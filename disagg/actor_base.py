@@ -1,13 +1,14 @@
-"""What every worker actor shares: an engine step loop on its own thread, a heartbeat to the
-registry, and bridging results from that thread to the actor's asyncio loop.
+"""What every worker actor shares: an engine step loop on its own thread, the request link
+that routers call it on, and a heartbeat to the registry.
 
-Ray runs an actor with `async def` methods on an event loop; the engine runs on the step-loop
-thread, so calls into it go through `StepLoop.call` and results come back through futures.
+The request path does not go through Ray: routers call rank 0 over its request link
+(disagg.rpc), whose handlers hand work to the engine thread (`StepLoop.call`) and return
+futures that the engine thread completes, replies and token streams leaving from there. Ray
+places the actors and runs their lifecycle (`ready`, `status`, `shutdown`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout, KVRank
 from disagg.registry import InstanceInfo, LoadReport, Registry
+from disagg.rpc.server import Link, RpcServer
 from disagg.shard_worker.group import ShardGroup
 
 logger = logging.getLogger(__name__)
@@ -29,9 +31,11 @@ logger = logging.getLogger(__name__)
 class WorkerActorBase:
     role = ""
 
-    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float):
+    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str = "127.0.0.1"):
         torch.set_num_threads(num_threads)
         self.instance_id = instance_id
+        self.host = host
+        self.rpc: RpcServer | None = None
         self._registry_url = registry_url
         self._heartbeat_interval_s = heartbeat_interval_s
         self._heartbeat_ttl_s = heartbeat_ttl_s
@@ -39,7 +43,6 @@ class WorkerActorBase:
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
-        self._aloop: asyncio.AbstractEventLoop | None = None
         self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
 
@@ -55,6 +58,13 @@ class WorkerActorBase:
     def _fail_all(self, exc: Exception) -> None:
         """A step raised: end every request of the engine with an error."""
         raise NotImplementedError
+
+    def _rpc_handlers(self) -> dict:
+        """The request link's methods: name -> fn(link, *args) returning a value or a Future."""
+        raise NotImplementedError
+
+    def _link_closed(self, link: Link) -> None:
+        """A router went away: drop what only it was waiting for."""
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _has_work(self) -> bool:
@@ -89,7 +99,10 @@ class WorkerActorBase:
         """What the registry shows about this instance (subclasses have worker, engine_config, actor_name)."""
         p = self.engine_config.parallel
         layout = self.kv_layout()
-        return InstanceInfo(self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size, kv_ranks=layout.to_list() if layout else [])
+        return InstanceInfo(
+            self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size,
+            kv_ranks=layout.to_list() if layout else [], rpc_address=self.rpc.address, rpc_token=self.rpc.token_hex,
+        )
 
     def kv_layout(self) -> KVLayout | None:
         """Every rank's KV endpoint (None for a colocated instance, which moves no KV)."""
@@ -119,35 +132,26 @@ class WorkerActorBase:
     # ---- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
         self.loop.start()
+        self.rpc = RpcServer(self._rpc_handlers(), self.host, name=self.instance_id)
+        self.rpc.on_link_closed = self._link_closed
         if self._registry_url:
             threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.instance_id}", daemon=True).start()
 
     async def ready(self) -> dict:
         """Awaited by the launcher: the engine is loaded and the loop runs."""
-        self._aloop = asyncio.get_running_loop()
         return {"instance_id": self.instance_id, "role": self.role, "pid": os.getpid()}
 
     async def shutdown(self) -> None:
         self._stopping.set()
-        self.loop.stop()
         self._deregister()
+        self.rpc.close()
+        self.loop.stop()
         if self.shards is not None:
             self.shards.shutdown()
 
     def set_heartbeat_enabled(self, enabled: bool) -> None:
         """Stop or resume heartbeats (draining an instance; also how tests simulate a lapse)."""
         (self._heartbeat_enabled.set if enabled else self._heartbeat_enabled.clear)()
-
-    # ---- bridging ------------------------------------------------------------------------------
-    async def _on_loop(self, fn, *args):
-        """Run fn(*args) on the engine thread and await its result."""
-        self._aloop = self._aloop or asyncio.get_running_loop()
-        return await asyncio.wrap_future(self.loop.call(fn, *args))
-
-    def _to_asyncio(self, callback, *args) -> None:
-        """From the engine thread: run callback(*args) on the actor's event loop."""
-        if self._aloop is not None and not self._aloop.is_closed():
-            self._aloop.call_soon_threadsafe(callback, *args)
 
     # ---- registry ------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:

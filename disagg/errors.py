@@ -52,6 +52,18 @@ class KVTransferError(DisaggError):
     grpc_code_name = "UNAVAILABLE"
 
 
+class RemoteError(DisaggError):
+    """A worker raised this while serving a router's call; carries the status code it maps to."""
+
+    def __init__(self, message: str, grpc_code_name: str = "UNAVAILABLE"):
+        super().__init__(message)
+        self.grpc_code_name = grpc_code_name
+
+
+class WorkerLinkError(UnavailableError):
+    """The router's link to a worker broke (the worker died or stopped reading)."""
+
+
 def grpc_code_name(exc: BaseException) -> str:
     """The gRPC status code name (e.g. "INVALID_ARGUMENT") for any exception."""
     if isinstance(exc, DisaggError):

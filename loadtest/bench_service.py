@@ -125,7 +125,7 @@ def main() -> None:
     # Where the service's TTFT goes (p50 of each part; the server's parts from the last message's timings).
     p50 = {name: statistics.median(getattr(t, name) for t in phases) * 1e3 for name in ("queue_s", "prefill_s", "ttft_s")}
     print(f"service TTFT p50 parts: at the frontend {p50['ttft_s']:.1f} ms (the client's {b['ttft_p50_ms'] - p50['ttft_s']:+.1f} ms more: gRPC), "
-          f"of which prefill compute on the worker {p50['prefill_s']:.1f} ms (offline TTFT {a['ttft_p50_ms']:.1f}) and the rest {p50['queue_s']:.1f} ms (router, Ray calls, waiting for the engine thread)")
+          f"of which prefill compute on the worker {p50['prefill_s']:.1f} ms (offline TTFT {a['ttft_p50_ms']:.1f}) and the rest {p50['queue_s']:.1f} ms (router, request links, hand-offs to the engine thread)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "tpot_p50_ratio": ratio_tpot}, f, indent=2)

@@ -1,17 +1,15 @@
 """The decode (or colocated) instance as a Ray actor.
 
-Tokens leave in batches: after each engine step the new tokens of every request are merged
-into one outbox, and the router's single poller per instance takes the whole outbox with one
-`next_outputs()` call (a long poll). So the remote calls per second are one per step per
-instance, never one per token per request. The outbox holds at most one merged delta per live
-request, so it is bounded however slow the poller is.
+Tokens leave in batches: after each engine step, the engine thread sends each router one
+frame over its request link (disagg.rpc) with the new tokens of all that router's requests.
+So the messages per second are one per step per router, never one per token per request, and
+nothing queues here: a router that stops reading loses its link (send timeout).
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
+from concurrent.futures import Future
 
 from disagg.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
@@ -20,13 +18,16 @@ from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
+from disagg.rpc.server import Link
 from disagg.worker_api import Reservation, TokenDelta
+
+TOKENS_TOPIC = "tokens"
 
 
 class DecodeActor(WorkerActorBase):
     def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
+        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host)
         self.role = "colocated" if colocated else "decode"
         self.actor_name = actor_name
         self.engine_config = engine_config
@@ -37,67 +38,61 @@ class DecodeActor(WorkerActorBase):
             wait_for_ranks()
         if self.worker.receiver is not None:
             self.worker.receiver.on_finished = self.loop.wake
-        self._outbox: dict[str, TokenDelta] = {}
-        self._outbox_lock = threading.Lock()
-        self._outbox_ready: asyncio.Event | None = None  # created on the actor's loop
-        self._first_token_pending: set[str] = set()  # DECODE: the prefill side already streamed it
-        self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes; engine thread only
+        # Engine thread only: where each request's tokens go, and which ones had their first
+        # token streamed by the prefill side already.
+        self._streams: dict[str, Link] = {}
+        self._first_token_pending: set[str] = set()
+        self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes
         self._start()
 
     def load(self) -> LoadReport:
         receiver = self.worker.receiver
         return engine_load(self.worker.engine, len(self.worker.engine.scheduler.waiting_for_kv) if receiver else 0)
 
-    def kv_address(self) -> str:
-        return self.worker.address()
-
-    # ---- called by the router ------------------------------------------------------------------
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Reservation | None:
-        """The handshake with the prefill instance whose ranks are `prefill`: pre-allocate the
-        prompt's blocks on every rank; None when there is no room now."""
-        reservation = await self._on_loop(self.worker.reserve_from, request_id, prompt_token_ids, params, prefill, self.kv_layout())
-        if reservation is not None:
-            self._first_token_pending.add(request_id)
-        return reservation
-
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """COLOCATED: run the whole request here; its tokens come out of next_outputs()."""
-        await self._on_loop(self.worker.add_request, request_id, prompt_token_ids, params)
-
-    async def abort(self, request_id: str) -> bool:
-        found = await self._on_loop(self._abort, request_id)
-        self._first_token_pending.discard(request_id)
-        with self._outbox_lock:
-            self._outbox.pop(request_id, None)
-        return found
-
-    async def next_outputs(self, timeout_s: float = 1.0) -> list[TokenDelta]:
-        """Everything produced since the last call; waits up to timeout_s for something."""
-        ready = self._ready_event()
-        if not self._outbox:
-            try:
-                await asyncio.wait_for(ready.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return []
-        ready.clear()
-        with self._outbox_lock:
-            deltas, self._outbox = list(self._outbox.values()), {}
-        return deltas
-
     async def status(self) -> dict:
         receiver = self.worker.receiver
         return {"load": self.load(), "kv_bytes_received": receiver.num_bytes_total if receiver else 0}
 
-    def _ready_event(self) -> asyncio.Event:
-        if self._outbox_ready is None:
-            self._aloop = asyncio.get_running_loop()
-            self._outbox_ready = asyncio.Event()
-        return self._outbox_ready
+    # ---- the request link ----------------------------------------------------------------------
+    def _rpc_handlers(self) -> dict:
+        return {"reserve": self.reserve, "submit": self.submit, "abort": self.abort}
+
+    def reserve(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Future:
+        """The handshake with the prefill instance whose ranks are `prefill`: pre-allocate the
+        prompt's blocks on every rank; None when there is no room now."""
+        return self.loop.call(self._reserve, link, request_id, prompt_token_ids, params, prefill)
+
+    def submit(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
+        """COLOCATED: run the whole request here; its tokens stream back over `link`."""
+        return self.loop.call(self._submit, link, request_id, prompt_token_ids, params)
+
+    def abort(self, link: Link, request_id: str) -> Future:
+        return self.loop.call(self._abort, request_id)
+
+    def _link_closed(self, link: Link) -> None:
+        self.loop.call(self._abort_streams_of, link)
 
     # ---- engine thread -------------------------------------------------------------------------
+    def _reserve(self, link: Link, request_id, prompt_token_ids, params, prefill: KVLayout) -> Reservation | None:
+        reservation = self.worker.reserve_from(request_id, prompt_token_ids, params, prefill, self.kv_layout())
+        if reservation is not None:
+            self._first_token_pending.add(request_id)
+            self._streams[request_id] = link
+        return reservation
+
+    def _submit(self, link: Link, request_id, prompt_token_ids, params) -> None:
+        self.worker.add_request(request_id, prompt_token_ids, params)
+        self._streams[request_id] = link
+
     def _abort(self, request_id: str) -> bool:
         self._transfers.pop(request_id, None)
+        self._streams.pop(request_id, None)
+        self._first_token_pending.discard(request_id)
         return self.worker.abort(request_id)
+
+    def _abort_streams_of(self, link: Link) -> None:
+        for request_id in [r for r, to in self._streams.items() if to is link]:
+            self._abort(request_id)
 
     def _kv_endpoint(self):
         return self.worker.receiver
@@ -106,6 +101,7 @@ class DecodeActor(WorkerActorBase):
         self._transfers.update((r.request_id, (r.seconds, r.num_bytes)) for r in self.worker.transfer_results if r.ok)
         deltas = [self._delta(out) for out in outputs]
         deltas += [TokenDelta(f.request_id, [], finished=True, finish_reason="abort", error=f.error) for f in self.worker.failed]
+        self._first_token_pending.difference_update(f.request_id for f in self.worker.failed)
         self._publish(deltas)
 
     def _delta(self, out) -> TokenDelta:
@@ -138,17 +134,14 @@ class DecodeActor(WorkerActorBase):
         )
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
-        if not deltas:
-            return
-        with self._outbox_lock:
-            for delta in deltas:
-                earlier = self._outbox.get(delta.request_id)
-                if earlier is None:
-                    self._outbox[delta.request_id] = delta
-                else:
-                    earlier.merge(delta)
-        if self._outbox_ready is not None:
-            self._to_asyncio(self._outbox_ready.set)
+        """One frame per router with this step's deltas of its requests."""
+        by_link: dict[Link, list[TokenDelta]] = {}
+        for delta in deltas:
+            link = self._streams.pop(delta.request_id, None) if delta.finished else self._streams.get(delta.request_id)
+            if link is not None:
+                by_link.setdefault(link, []).append(delta)
+        for link, batch in by_link.items():
+            link.send_event(TOKENS_TOPIC, batch)  # a broken link aborts its requests (_link_closed)
 
     def _fail_all(self, exc: Exception) -> None:
         engine = self.worker.engine

@@ -1,13 +1,14 @@
 """The prefill instance as a Ray actor.
 
-`prefill()` returns once the first token exists (that is the request's TTFT); the KV keeps
+Its request link (disagg.rpc) serves `prefill`, whose reply is the first token (that is the
+request's TTFT) and is sent by the engine thread as soon as the token exists; the KV keeps
 streaming to the decode worker in the background and the blocks are freed on its ack.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
+from concurrent.futures import Future, InvalidStateError
 
 from disagg.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
@@ -16,6 +17,7 @@ from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
+from disagg.rpc.server import Link
 from disagg.worker_api import PrefillResult, Reservation
 
 
@@ -24,7 +26,7 @@ class PrefillActor(WorkerActorBase):
 
     def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s)
+        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host)
         self.actor_name = actor_name
         self.engine_config = engine_config
         self.kv_timeout_s = kv_timeout_s
@@ -33,50 +35,55 @@ class PrefillActor(WorkerActorBase):
         if wait_for_ranks is not None:
             wait_for_ranks()
         self.worker.sender.on_finished = self.loop.wake
-        self._waiters: dict[str, asyncio.Future] = {}  # touched on the asyncio loop only
+        # request id -> (its first token, the link that asked); set on link threads, completed on the engine thread
+        self._first_tokens: dict[str, tuple[Future, Link]] = {}
         self._start()
 
     def load(self) -> LoadReport:
         return engine_load(self.worker.engine)
 
-    def kv_address(self) -> str:
-        return self.worker.address()
+    async def status(self) -> dict:
+        return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
 
-    def geometry(self) -> dict:
-        cfg = self.worker.engine.model_config
-        return {"num_layers": cfg.num_hidden_layers, "num_kv_heads": cfg.num_key_value_heads}
+    # ---- the request link ----------------------------------------------------------------------
+    def _rpc_handlers(self) -> dict:
+        return {"prefill": self.prefill, "set_kv_targets": self.set_kv_targets, "abort": self.abort}
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation | None = None) -> PrefillResult:
-        """Compute the prompt and return the first token. Its KV goes into the decode instance's
-        reserved blocks: given here, or (None) sent later with `set_kv_targets`, so that the
-        prefill can start while the decode side is still answering the handshake."""
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters[request_id] = waiter
+    def prefill(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation | None = None) -> Future:
+        """Compute the prompt; the Future is its first token. Its KV goes into the decode
+        instance's reserved blocks: given here, or (None) sent later with `set_kv_targets`, so
+        that the prefill can start while the decode side is still answering the handshake."""
+        first_token: Future = Future()
+        self._first_tokens[request_id] = (first_token, link)
         try:
             if reservation is None:
-                await self._on_loop(self.worker.add_request_early, request_id, prompt_token_ids, params, self.kv_timeout_s)
+                added = self.loop.call(self.worker.add_request_early, request_id, prompt_token_ids, params, self.kv_timeout_s)
             else:
-                await self._on_loop(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
-            return await waiter
-        finally:
-            self._waiters.pop(request_id, None)
+                added = self.loop.call(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
+        except BaseException:
+            self._first_tokens.pop(request_id, None)
+            raise
+        added.add_done_callback(lambda f: f.exception() is not None and self._reject(request_id, f.exception()))
+        return first_token
 
-    async def set_kv_targets(self, request_id: str, reservation: Reservation) -> bool:
+    def set_kv_targets(self, link: Link, request_id: str, reservation: Reservation) -> Future:
         """Where the KV of a request started without a reservation goes; False if it is gone.
         This rank's sender learns it at once (its prefill step may be running); the rest waits
         for the engine thread."""
         layout = self.kv_layout()
         self.worker.add_targets_now(request_id, reservation, layout)
-        return await self._on_loop(self.worker.set_targets, request_id, reservation, layout)
+        return self.loop.call(self.worker.set_targets, request_id, reservation, layout)
 
-    async def abort(self, request_id: str) -> None:
-        await self._on_loop(self.worker.abort, request_id)
-        waiter = self._waiters.get(request_id)
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
+    def abort(self, link: Link, request_id: str) -> Future:
+        waiting = self._first_tokens.pop(request_id, None)
+        if waiting is not None:
+            waiting[0].cancel()
+        return self.loop.call(self.worker.abort, request_id)
 
-    async def status(self) -> dict:
-        return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
+    def _link_closed(self, link: Link) -> None:
+        for request_id, (_, asked_by) in list(self._first_tokens.items()):
+            if asked_by is link:
+                self.abort(link, request_id)
 
     # ---- engine thread -------------------------------------------------------------------------
     def _kv_endpoint(self):
@@ -85,26 +92,32 @@ class PrefillActor(WorkerActorBase):
     def _handle_outputs(self, outputs) -> None:
         for out in outputs:
             if out.finished:
-                self._to_asyncio(self._resolve, out.request_id, _first_token_result(out))
+                self._resolve(out.request_id, _first_token_result(out))
         for result in self.worker.transfer_results:
             if not result.ok:  # failed before the first token went out: the caller must know
-                self._to_asyncio(self._reject, result.request_id, KVTransferError(result.error or "KV transfer failed"))
+                self._reject(result.request_id, KVTransferError(result.error or "KV transfer failed"))
 
     def _fail_all(self, exc: Exception) -> None:
         engine = self.worker.engine
         for request_id in list(engine.scheduler.requests):
             self.worker.abort(request_id)
-            self._to_asyncio(self._reject, request_id, RuntimeError(f"prefill step failed: {exc}"))
+            self._reject(request_id, RuntimeError(f"prefill step failed: {exc}"))
 
     def _resolve(self, request_id: str, result: PrefillResult) -> None:
-        waiter = self._waiters.get(request_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(result)
+        waiting = self._first_tokens.pop(request_id, None)
+        if waiting is not None:
+            try:
+                waiting[0].set_result(result)  # its link sends the reply from this thread, now
+            except InvalidStateError:
+                pass  # aborted meanwhile
 
-    def _reject(self, request_id: str, exc: Exception) -> None:
-        waiter = self._waiters.get(request_id)
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+    def _reject(self, request_id: str, exc: BaseException) -> None:
+        waiting = self._first_tokens.pop(request_id, None)
+        if waiting is not None:
+            try:
+                waiting[0].set_exception(exc)
+            except InvalidStateError:
+                pass
 
 
 def _first_token_result(out) -> PrefillResult:

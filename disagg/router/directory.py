@@ -3,7 +3,8 @@ task, with the router's own count of the work it has sent each one since.
 
 An instance is healthy while its heartbeat key exists. When Redis cannot be reached the last
 view is kept (requests in flight never touch Redis), and an instance that comes back simply
-reappears. Actor handles are looked up by name once and cached.
+reappears. Each instance's request link (disagg.rpc) is dialled on first use and kept; its
+Ray actor handle is looked up by name once, for lifecycle calls only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ray
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
 from disagg.registry import InstanceView, Registry
+from disagg.rpc.client import RpcClient
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,7 @@ class Instance:
     role: str
     actor: "ray.actor.ActorHandle"
     view: InstanceView
+    rpc: RpcClient  # the request path: prefill, handshake, abort, token stream
     # What the router sent and has not seen finish (fresher than the instance's own report).
     outstanding_prefill_tokens: int = 0
     outstanding_requests: int = 0
@@ -58,6 +61,7 @@ class InstanceDirectory:
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, Instance] = {}
         self._task: asyncio.Task | None = None
+        self._links: dict[str, RpcClient] = {}  # request-link address -> its client, reused when an instance comes back
         self.last_refresh_ok = 0.0
 
     def healthy(self, role: str) -> list[Instance]:
@@ -76,6 +80,8 @@ class InstanceDirectory:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for link in self._links.values():
+            await link.close()
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -99,7 +105,7 @@ class InstanceDirectory:
 
     def _update(self, view: InstanceView) -> None:
         known = self._instances.get(view.info.instance_id)
-        if known is not None and known.view.info.kv_address == view.info.kv_address:
+        if known is not None and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
                 known.reserved_blocks = 0  # the new report already counts earlier reservations
             known.view = view
@@ -109,4 +115,8 @@ class InstanceDirectory:
         except ValueError:
             logger.warning("instance %s is registered but its actor %s is gone", view.info.instance_id, view.info.actor_name)
             return
-        self._instances[view.info.instance_id] = Instance(view.info.instance_id, view.info.role, actor, view)
+        info = view.info
+        link = self._links.get(info.rpc_address)
+        if link is None:
+            link = self._links[info.rpc_address] = RpcClient(info.rpc_address, info.rpc_token, name=info.instance_id)
+        self._instances[info.instance_id] = Instance(info.instance_id, info.role, actor, view, link)

@@ -80,16 +80,19 @@ class Orchestrator:
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
         placement = Placement(prefill, None)
+        prefill_call = None
         try:
-            prefill_call = prefill.actor.prefill.remote(request_id, prompt_token_ids, params, None)
+            prefill_call = await prefill.rpc.submit("prefill", request_id, prompt_token_ids, params, None)
             decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
             # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
             self._background(self._send_targets(prefill, request_id, reservation, mailbox))
-            result = await prefill_call
+            result = await asyncio.wait_for(prefill_call, self.config.request_timeout_s)
         except BaseException:
+            if prefill_call is not None:
+                prefill_call.cancel()
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
         finally:
@@ -112,7 +115,7 @@ class Orchestrator:
     async def _send_targets(self, prefill: Instance, request_id: str, reservation, mailbox: Mailbox) -> None:
         """Tell the prefill where the KV goes; if it cannot, the request's stream ends in an error."""
         try:
-            if await prefill.actor.set_kv_targets.remote(request_id, reservation):
+            if await prefill.rpc.call("set_kv_targets", request_id, reservation, timeout_s=self.config.request_timeout_s):
                 return
             error = f"prefill instance {prefill.instance_id} dropped the request"
         except Exception as exc:  # the prefill worker died or failed
@@ -133,7 +136,7 @@ class Orchestrator:
             decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
-            reservation = await decode.actor.reserve.remote(request_id, prompt_token_ids, params, prefill.kv_layout)
+            reservation = await decode.rpc.call("reserve", request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s)
             if reservation is not None:
                 decode.outstanding_requests += 1
                 decode.reserved_blocks += len(reservation.block_ids)
@@ -152,7 +155,7 @@ class Orchestrator:
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
         try:
-            await instance.actor.submit.remote(request_id, prompt_token_ids, params)
+            await instance.rpc.call("submit", request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s)
         except BaseException:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
@@ -178,9 +181,9 @@ class Orchestrator:
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
             decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
-            aborts.append(decode.actor.abort.remote(request_id))
+            aborts.append(decode.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))
         if placement.prefill is not None:
-            aborts.append(placement.prefill.actor.abort.remote(request_id))
+            aborts.append(placement.prefill.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))
         try:
             await asyncio.shield(asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S))
         except (asyncio.TimeoutError, asyncio.CancelledError):

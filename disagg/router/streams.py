@@ -1,9 +1,10 @@
 """Token streams from decode (or colocated) instances to the requests waiting on them.
 
-One poller task per instance takes that instance's whole outbox per call (`next_outputs`),
-so the router makes one remote call per engine step per instance, and hands each request its
-delta through a mailbox. A mailbox holds one merged delta: however slowly a client reads, it
-holds at most one entry, so nothing here grows without bound.
+Each instance's worker sends one frame per engine step over the router's request link
+(disagg.rpc) with the new tokens of every request of this router; the link's reader hands
+them here, on the event loop, and each request gets its delta through a mailbox. A mailbox
+holds one merged delta: however slowly a client reads, it holds at most one entry, so
+nothing here grows without bound.
 """
 
 from __future__ import annotations
@@ -38,17 +39,14 @@ class Mailbox:
 
 
 class DecodeStreams:
-    def __init__(self, poll_timeout_s: float = 1.0):
-        self.poll_timeout_s = poll_timeout_s
+    def __init__(self):
         self._mailboxes: dict[str, dict[str, Mailbox]] = {}  # instance id -> request id -> mailbox
-        self._pollers: dict[str, asyncio.Task] = {}
 
     def open(self, instance: Instance, request_id: str) -> Mailbox:
-        box = Mailbox(request_id)
-        self._mailboxes.setdefault(instance.instance_id, {})[request_id] = box
-        poller = self._pollers.get(instance.instance_id)
-        if poller is None or poller.done():
-            self._pollers[instance.instance_id] = asyncio.create_task(self._poll(instance), name=f"poll-{instance.instance_id}")
+        boxes = self._mailboxes.setdefault(instance.instance_id, {})
+        box = boxes[request_id] = Mailbox(request_id)
+        instance.rpc.on_event = lambda topic, deltas: self._deliver(boxes, deltas)
+        instance.rpc.on_disconnect = lambda: self._fail_all(instance.instance_id, boxes)
         return box
 
     def close(self, instance_id: str, request_id: str) -> None:
@@ -57,20 +55,17 @@ class DecodeStreams:
             boxes.pop(request_id, None)
 
     async def stop(self) -> None:
-        for task in self._pollers.values():
-            task.cancel()
+        self._mailboxes.clear()
 
-    async def _poll(self, instance: Instance) -> None:
-        boxes = self._mailboxes[instance.instance_id]
-        while boxes:
-            try:
-                deltas = await instance.actor.next_outputs.remote(self.poll_timeout_s)
-            except Exception as exc:  # the actor died: every request on it has failed
-                logger.warning("decode instance %s unreachable: %s", instance.instance_id, exc)
-                for request_id, box in list(boxes.items()):
-                    box.put(TokenDelta(request_id, [], finished=True, finish_reason="abort", error=f"instance {instance.instance_id} failed"))
-                return
-            for delta in deltas:
-                box = boxes.get(delta.request_id)
-                if box is not None:
-                    box.put(delta)
+    @staticmethod
+    def _deliver(boxes: dict[str, Mailbox], deltas: list[TokenDelta]) -> None:
+        for delta in deltas:
+            box = boxes.get(delta.request_id)
+            if box is not None:  # else the request ended here already
+                box.put(delta)
+
+    @staticmethod
+    def _fail_all(instance_id: str, boxes: dict[str, Mailbox]) -> None:
+        """The link broke (the worker died): every request streaming from it has failed."""
+        for request_id, box in list(boxes.items()):
+            box.put(TokenDelta(request_id, [], finished=True, finish_reason="abort", error=f"instance {instance_id} failed"))

@@ -1,6 +1,6 @@
 """The router's targets call for an early-started prefill: when it fails, the request's stream
-ends with an error instead of waiting for KV that will never come. (Pure asyncio logic: the
-prefill actor is a stand-in with the one remote method the router calls.)"""
+ends with an error instead of waiting for KV that will never come. (No Ray: the prefill
+worker is a request-link server with the one method the router calls.)"""
 
 from __future__ import annotations
 
@@ -12,24 +12,29 @@ import pytest
 from disagg.config import ServingConfig
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.streams import Mailbox
+from disagg.rpc.client import RpcClient
+from disagg.rpc.server import RpcServer
 
 
-def prefill_instance(outcome):
-    async def answer():
+def prefill_server(outcome) -> RpcServer:
+    def set_kv_targets(link, request_id, reservation):
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
 
-    actor = SimpleNamespace(set_kv_targets=SimpleNamespace(remote=lambda request_id, reservation: answer()))
-    return SimpleNamespace(instance_id="prefill-0", actor=actor)
+    return RpcServer({"set_kv_targets": set_kv_targets}, "127.0.0.1")
 
 
 @pytest.mark.parametrize("outcome,error", [(True, None), (False, "dropped the request"), (RuntimeError("actor died"), "actor died")])
 def test_targets_call_outcome_reaches_the_stream(outcome, error):
+    server = prefill_server(outcome)
+
     async def scenario():
         orchestrator = Orchestrator(ServingConfig(), directory=None, policy=None, streams=None, block_size=16)
         mailbox = Mailbox("r1")
-        await orchestrator._send_targets(prefill_instance(outcome), "r1", reservation=None, mailbox=mailbox)
+        prefill = SimpleNamespace(instance_id="prefill-0", rpc=RpcClient(server.address, server.token_hex))
+        await orchestrator._send_targets(prefill, "r1", reservation=None, mailbox=mailbox)
+        await prefill.rpc.close()
         if error is None:
             with pytest.raises(asyncio.TimeoutError):
                 await mailbox.get(0.05)  # nothing to report: the decode stream goes on
@@ -37,4 +42,7 @@ def test_targets_call_outcome_reaches_the_stream(outcome, error):
         delta = await mailbox.get(1.0)
         assert delta.finished and error in delta.error
 
-    asyncio.run(scenario())
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()

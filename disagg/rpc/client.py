@@ -1,0 +1,113 @@
+"""The router's end of a request link to one instance (asyncio, on the frontend's event loop).
+
+`call()` sends a call and awaits its reply; events (token deltas) go to `on_event` as they
+arrive, on the loop itself, so a token is in the gRPC stream's hands without a thread hop.
+The link is dialled on first use and again after it broke; when it breaks, every call waiting
+on it fails with WorkerLinkError and `on_disconnect` runs (the streams end their requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Callable
+
+from disagg.errors import RemoteError, WorkerLinkError
+from disagg.rpc.framing import ERROR, EVENT, REPLY, encode, read_frame
+
+logger = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 5.0
+
+
+class RpcClient:
+    def __init__(self, address: str, token_hex: str, name: str = ""):
+        self.address = address
+        self.name = name or address
+        self._token = bytes.fromhex(token_hex)
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._dialing = asyncio.Lock()
+        self._pending: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self.on_event: Callable[[str, object], None] = lambda topic, payload: None
+        self.on_disconnect: Callable[[], None] = lambda: None
+
+    async def submit(self, method: str, *args) -> asyncio.Future:
+        """Send a call now; the returned Future is its reply (the handler's return value, its
+        exception as RemoteError, WorkerLinkError if the link breaks first). Cancelling it only
+        stops waiting."""
+        writer = await self._connected()
+        call_id = next(self._call_ids)
+        reply = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = reply
+        reply.add_done_callback(lambda _: self._pending.pop(call_id, None))
+        try:
+            writer.write(encode((call_id, method, args)))
+            await writer.drain()  # returns at once unless the worker stopped reading
+        except (ConnectionError, OSError) as exc:
+            reply.cancel()
+            raise WorkerLinkError(f"link to {self.name} broke: {exc}") from exc
+        except BaseException:
+            reply.cancel()
+            raise
+        return reply
+
+    async def call(self, method: str, *args, timeout_s: float):
+        """Send a call and wait for its reply; TimeoutError after timeout_s."""
+        return await asyncio.wait_for(await self.submit(method, *args), timeout_s)
+
+    async def close(self) -> None:
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+
+    async def _connected(self) -> asyncio.StreamWriter:
+        if self._writer is not None:
+            return self._writer
+        async with self._dialing:
+            if self._writer is None:
+                host, port = self.address.rsplit(":", 1)
+                try:
+                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT_S)
+                except (OSError, asyncio.TimeoutError) as exc:
+                    raise WorkerLinkError(f"cannot reach {self.name} at {self.address}: {exc}") from exc
+                writer.write(self._token)
+                self._writer = writer
+                self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-read-{self.name}")
+        return self._writer
+
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reason = "closed"
+        try:
+            while True:
+                kind, key, value = await read_frame(reader)
+                if kind == EVENT:
+                    self.on_event(key, value)
+                    continue
+                reply = self._pending.get(key)
+                if reply is None or reply.done():
+                    continue  # its caller gave up (timeout, cancel)
+                if kind == REPLY:
+                    reply.set_result(value)
+                elif kind == ERROR:
+                    code, message = value
+                    reply.set_exception(RemoteError(message, code))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - end of stream, reset, or a frame we cannot read
+            reason = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._lost(writer, reason)
+
+    def _lost(self, writer: asyncio.StreamWriter, reason: str) -> None:
+        writer.close()
+        if self._writer is writer:
+            self._writer = None
+        (logger.info if reason == "closed" else logger.warning)("request link to %s lost (%s)", self.name, reason)
+        for reply in self._pending.values():
+            if not reply.done():
+                reply.set_exception(WorkerLinkError(f"link to {self.name} lost: {reason}"))
+        self.on_disconnect()

@@ -1,0 +1,74 @@
+"""Frames on a request link: a 4-byte big-endian length, then a pickled tuple.
+
+Pickle because the payloads are the same plain dataclasses that crossed Ray before
+(disagg.worker_api); it is safe only because a peer must present the instance's secret
+(`hello`) before any frame of theirs is unpickled.
+
+    router -> worker   (call_id, method, args)
+    worker -> router   (REPLY, call_id, value) | (ERROR, call_id, exception) | (EVENT, topic, payload)
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+import struct
+
+REPLY, ERROR, EVENT = 0, 1, 2
+MAX_FRAME_BYTES = 64 << 20  # a step's token deltas or a long prompt are far below this
+TOKEN_BYTES = 32
+_HEADER = struct.Struct(">I")
+
+
+class FrameError(ValueError):
+    """The peer sent something that is not a frame of this protocol."""
+
+
+def encode(message: tuple) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def body_length(header: bytes) -> int:
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    return length
+
+
+def decode(body: bytes) -> tuple:
+    message = pickle.loads(body)
+    if not isinstance(message, tuple) or len(message) != 3:
+        raise FrameError("a frame must hold a 3-tuple")
+    return message
+
+
+def recv_exactly(sock: socket.socket, n: int, is_open=lambda: True) -> bytes:
+    """Blocking read of n bytes; ConnectionError at end of stream. The socket's timeout only
+    bounds each wait, so that a closed link is noticed (`is_open`): an idle link is fine."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:])
+        except socket.timeout:
+            if is_open():
+                continue
+            raise ConnectionError("link closed") from None
+        if k == 0:
+            raise ConnectionError("peer closed the link")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, is_open=lambda: True) -> tuple:
+    return decode(recv_exactly(sock, body_length(recv_exactly(sock, _HEADER.size, is_open)), is_open))
+
+
+async def read_frame(reader) -> tuple:
+    """The same from an asyncio StreamReader."""
+    header = await reader.readexactly(_HEADER.size)
+    return decode(await reader.readexactly(body_length(header)))
+

@@ -1,0 +1,181 @@
+"""The worker's end of request links: a listening socket on rank 0 of an instance.
+
+Each router that connects gets a `Link` and a reader thread. A call runs its handler on that
+thread; handlers only hand work to the engine thread (`StepLoop.call`) and return a Future,
+whose reply is sent by whichever thread completes it: the engine thread itself, so a first
+token leaves the process without waking any other thread. Token streams go the same way
+(`Link.send_event` after each step), one frame per step per router.
+
+A send waits at most `send_timeout_s` for room in the socket: a router that stops reading
+that long loses its link (and learns it from the closed socket), the engine never stalls longer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from disagg.errors import grpc_code_name
+from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, FrameError, encode, recv_exactly, recv_frame
+
+logger = logging.getLogger(__name__)
+HELLO_TIMEOUT_S = 5.0
+
+
+class Link:
+    """One router's connection; `send` may be called from any thread."""
+
+    def __init__(self, sock: socket.socket, peer: str):
+        self.peer = peer
+        self._sock = sock
+        self._lock = threading.Lock()
+        self.closed = False
+        self.on_close: list[Callable[["Link"], None]] = []
+
+    def send(self, message: tuple) -> bool:
+        """False if the link is gone (or broke now)."""
+        try:
+            frame = encode(message)
+        except Exception as exc:  # noqa: BLE001 - an unpicklable value must not kill the link
+            if message[0] != REPLY:
+                raise
+            frame = encode((ERROR, message[1], ("INTERNAL", f"reply not serializable: {exc}")))
+        with self._lock:
+            if self.closed:
+                return False
+            try:
+                self._sock.sendall(frame)
+                return True
+            except OSError as exc:
+                logger.warning("request link to %s broke while sending: %s", self.peer, exc)
+        self.close()
+        return False
+
+    def send_event(self, topic: str, payload) -> bool:
+        return self.send((EVENT, topic, payload))
+
+    def reply(self, call_id: int, value) -> None:
+        self.send((REPLY, call_id, value))
+
+    def reply_error(self, call_id: int, exc: BaseException) -> None:
+        code = grpc_code_name(exc)
+        if code == "INTERNAL":  # the worker failed, not the request: the router may retry elsewhere
+            code = "UNAVAILABLE"
+        self.send((ERROR, call_id, (code, f"{type(exc).__name__}: {exc}")))
+
+    def reply_when_done(self, call_id: int, future: Future) -> None:
+        def done(f: Future) -> None:
+            if f.cancelled():
+                self.send((ERROR, call_id, ("CANCELLED", "the request was aborted")))
+            elif f.exception() is not None:
+                self.reply_error(call_id, f.exception())
+            else:
+                self.reply(call_id, f.result())
+
+        future.add_done_callback(done)
+
+    def close(self) -> None:
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the reader thread
+            except OSError:
+                pass
+            self._sock.close()
+        for callback in self.on_close:
+            callback(self)
+
+
+class RpcServer:
+    """`handlers`: method name -> fn(link, *args) returning a value or a concurrent Future."""
+
+    def __init__(self, handlers: dict[str, Callable], host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0):
+        self.handlers = handlers
+        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self.name = name
+        self.send_timeout_s = send_timeout_s
+        self._listener = socket.create_server((host, 0))
+        self.address = f"{host}:{self._listener.getsockname()[1]}"
+        self._links: set[Link] = set()
+        self._lock = threading.Lock()
+        self._stopped = False
+        self.on_link_closed: Callable[[Link], None] | None = None
+        threading.Thread(target=self._accept_loop, name=f"rpc-accept-{name}", daemon=True).start()
+
+    @property
+    def token_hex(self) -> str:
+        return self.token.hex()
+
+    def close(self) -> None:
+        self._stopped = True
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            links = list(self._links)
+        for link in links:
+            link.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stopped:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name=f"rpc-link-{self.name}", daemon=True).start()
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(HELLO_TIMEOUT_S)
+        try:
+            hello = recv_exactly(sock, TOKEN_BYTES, is_open=lambda: False)
+        except (ConnectionError, OSError):
+            sock.close()
+            return
+        if not hmac.compare_digest(hello, self.token):
+            logger.warning("request link from %s refused: wrong token", peer)
+            sock.close()
+            return
+        sock.settimeout(self.send_timeout_s)
+        link = Link(sock, peer)
+        with self._lock:
+            self._links.add(link)
+        link.on_close.append(self._forget)
+        try:
+            while True:
+                call_id, method, args = recv_frame(sock, is_open=lambda: not link.closed)
+                self._dispatch(link, call_id, method, args)
+        except (ConnectionError, OSError):
+            pass  # the router went away (or we closed): its requests are aborted by on_close
+        except (FrameError, Exception) as exc:  # noqa: BLE001 - garbage from a peer that knew the token
+            logger.warning("request link from %s: bad frame (%s); closing it", peer, exc)
+        link.close()
+
+    def _dispatch(self, link: Link, call_id: int, method: str, args: tuple) -> None:
+        handler = self.handlers.get(method)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown method {method!r}")
+            result = handler(link, *args)
+        except Exception as exc:  # noqa: BLE001 - the caller gets it; the link serves on
+            link.reply_error(call_id, exc)
+            return
+        if isinstance(result, Future):
+            link.reply_when_done(call_id, result)
+        else:
+            link.reply(call_id, result)
+
+    def _forget(self, link: Link) -> None:
+        with self._lock:
+            self._links.discard(link)
+        if self.on_link_closed is not None:
+            self.on_link_closed(link)

@@ -1,0 +1,172 @@
+"""The request link between the router and a worker (disagg.rpc): real sockets on 127.0.0.1,
+a worker-side server with threads and a router-side asyncio client, as in the service."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import threading
+import time
+from concurrent.futures import Future
+
+import pytest
+
+from disagg.errors import RemoteError, WorkerLinkError
+from disagg.rpc.client import RpcClient
+from disagg.rpc.framing import MAX_FRAME_BYTES
+from disagg.rpc.server import RpcServer
+
+
+@pytest.fixture
+def server():
+    pending: dict[str, Future] = {}
+    closed_links = []
+
+    def later(link, key):
+        pending[key] = Future()
+        return pending[key]
+
+    def fail(link, kind):
+        raise {"value": ValueError("prompt: empty"), "runtime": RuntimeError("engine broke")}[kind]
+
+    def stream(link, n):
+        for i in range(n):
+            link.send_event("tokens", [i])
+        return n
+
+    handlers = {"add": lambda link, a, b: a + b, "later": later, "fail": fail, "stream": stream, "drop": lambda link: link.close()}
+    srv = RpcServer(handlers, "127.0.0.1", name="test")
+    srv.pending = pending
+    srv.on_link_closed = closed_links.append
+    srv.closed_links = closed_links
+    yield srv
+    srv.close()
+
+
+def client_of(srv: RpcServer, token: str | None = None) -> RpcClient:
+    return RpcClient(srv.address, token or srv.token_hex, name="worker")
+
+
+def test_calls_are_answered_and_replies_do_not_wait_for_each_other(server):
+    async def scenario():
+        client = client_of(server)
+        assert await client.call("add", 2, 3, timeout_s=5) == 5
+        slow = await client.submit("later", "a")
+        assert await client.call("add", 1, 1, timeout_s=5) == 2  # answered while "a" is pending
+        # Completed from another thread, as the engine thread completes a first token.
+        threading.Thread(target=lambda: server.pending["a"].set_result("first token")).start()
+        assert await asyncio.wait_for(slow, 5) == "first token"
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_errors_keep_their_status_code_and_the_link_keeps_serving(server):
+    async def scenario():
+        client = client_of(server)
+        with pytest.raises(RemoteError, match="prompt: empty") as bad:
+            await client.call("fail", "value", timeout_s=5)
+        assert bad.value.grpc_code_name == "INVALID_ARGUMENT"
+        with pytest.raises(RemoteError, match="engine broke") as broken:
+            await client.call("fail", "runtime", timeout_s=5)
+        assert broken.value.grpc_code_name == "UNAVAILABLE"  # the worker failed, not the request
+        with pytest.raises(RemoteError, match="unknown method"):
+            await client.call("no_such_method", timeout_s=5)
+        cancelled = await client.submit("later", "c")
+        await client.call("add", 0, 0, timeout_s=5)  # one reader thread per link: "c" is registered by now
+        server.pending["c"].cancel()  # the worker aborted the request
+        with pytest.raises(RemoteError, match="aborted") as aborted:
+            await asyncio.wait_for(cancelled, 5)
+        assert aborted.value.grpc_code_name == "CANCELLED"
+        assert await client.call("add", 20, 22, timeout_s=5) == 42
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_events_arrive_in_order_before_the_reply(server):
+    async def scenario():
+        client = client_of(server)
+        seen = []
+        client.on_event = lambda topic, payload: seen.append((topic, payload))
+        assert await client.call("stream", 50, timeout_s=5) == 50
+        assert seen == [("tokens", [i]) for i in range(50)]
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_wait_times_out_and_leaves_nothing_pending(server):
+    async def scenario():
+        client = client_of(server)
+        with pytest.raises(asyncio.TimeoutError):
+            await client.call("later", "never", timeout_s=0.2)
+        assert client._pending == {}
+        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_wrong_token_is_refused_and_others_are_unaffected(server):
+    async def scenario():
+        intruder = client_of(server, token="00" * 32)
+        with pytest.raises(WorkerLinkError):
+            await intruder.call("add", 1, 2, timeout_s=5)
+        client = client_of(server)
+        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_garbage_after_the_token_closes_that_link_only(server):
+    with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as raw:
+        raw.sendall(server.token + struct.pack(">I", MAX_FRAME_BYTES + 1))
+        raw.settimeout(5)
+        assert raw.recv(1) == b""  # the worker hung up on a frame it will not read
+    deadline = time.monotonic() + 5
+    while not server.closed_links and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(server.closed_links) == 1
+
+    async def scenario():
+        client = client_of(server)
+        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
+    async def scenario():
+        client = client_of(server)
+        disconnects = []
+        client.on_disconnect = lambda: disconnects.append(True)
+        waiting = await client.submit("later", "w")
+        with pytest.raises(WorkerLinkError):
+            await client.call("drop", timeout_s=5)  # the worker closes the link mid-call
+        with pytest.raises(WorkerLinkError):
+            await asyncio.wait_for(waiting, 5)
+        assert disconnects == [True]
+        assert len(server.closed_links) == 1  # the worker learns it too (it aborts that router's requests)
+        assert await client.call("add", 3, 4, timeout_s=5) == 7  # a new link
+        await client.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_dead_worker_is_a_link_error(server):
+    async def scenario():
+        client = client_of(server)
+        assert await client.call("add", 1, 1, timeout_s=5) == 2
+        waiting = await client.submit("later", "x")
+        server.close()
+        with pytest.raises(WorkerLinkError):
+            await asyncio.wait_for(waiting, 5)
+        with pytest.raises(WorkerLinkError):
+            await client.call("add", 1, 1, timeout_s=5)  # nobody listens any more
+        await client.close()
+
+    asyncio.run(scenario())
