@@ -16,7 +16,6 @@ import time
 
 import torch
 
-from disagg.cpu_wakeup import CpuWakeupLatency
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
@@ -32,9 +31,8 @@ logger = logging.getLogger(__name__)
 class WorkerActorBase:
     role = ""
 
-    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str = "127.0.0.1", cpu_wakeup_latency_us: int | None = None):
+    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str = "127.0.0.1"):
         torch.set_num_threads(num_threads)
-        self._cpu_wakeup = CpuWakeupLatency(cpu_wakeup_latency_us)  # for this node, while we live
         self.instance_id = instance_id
         self.host = host
         self.rpc: RpcServer | None = None
@@ -148,7 +146,6 @@ class WorkerActorBase:
         self._deregister()
         self.rpc.close()
         self.loop.stop()
-        self._cpu_wakeup.release()
         if self.shards is not None:
             self.shards.shutdown()
 

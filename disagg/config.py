@@ -156,7 +156,6 @@ class ServingConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     threads_per_worker: int = 1
-    cpu_wakeup_latency_us: int | None = None  # bound idle CPUs' wake-up latency while serving (disagg.cpu_wakeup); None: off
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -165,7 +164,6 @@ class ServingConfig:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
         _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
-        _require(self.cpu_wakeup_latency_us is None or self.cpu_wakeup_latency_us >= 0, "cpu_wakeup_latency_us", "must be >= 0 (or null: off)")
         for name in ("admission_timeout_s", "request_timeout_s", "kv_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s")

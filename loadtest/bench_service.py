@@ -6,11 +6,7 @@ actors and the KV transfer, served by a `disagg serve` process (the default depl
 prefill + 1 decode worker, one thread each); this process is only the gRPC client. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
-With --cpu-wakeup-latency-us N both sides run with idle CPUs' wake-up latency bounded (the
-serving config's `cpu_wakeup_latency_us`, disagg.cpu_wakeup; needs root): then the prefill
-worker, idle while the decode worker works, does not start each prefill on a sleeping CPU.
-
-    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--cpu-wakeup-latency-us 0] [--out results.json]
+    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--out results.json]
 """
 
 from __future__ import annotations
@@ -64,7 +60,7 @@ def offline(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]]) 
     return results
 
 
-def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path, phases: list | None = None, cpu_wakeup_latency_us: int | None = None) -> list[tuple[float, float]]:
+def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path, phases: list | None = None) -> list[tuple[float, float]]:
     """Through a real `disagg serve` process (as users run it), so that this client and the
     server's frontend do not share a Python process (and its GIL)."""
     import yaml
@@ -73,7 +69,7 @@ def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], 
     from disagg.client import DisaggClient, generate_request
 
     config = workdir / "serving-config.yaml"
-    config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None, "cpu_wakeup_latency_us": cpu_wakeup_latency_us}))
+    config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None}))
     results = []
     with ServeProcess(str(config), str(workdir / "serve.log")) as server, DisaggClient(server.address) as client:
         for ids in warmup:
@@ -105,28 +101,21 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
-    parser.add_argument("--cpu-wakeup-latency-us", type=int, default=None, help="bound idle CPUs' wake-up latency on both sides (root)")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from disagg.config import EngineConfig
-    from disagg.cpu_wakeup import CpuWakeupLatency
     from disagg.engine.loader import load_model_source
     from disagg.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
     warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
-    wakeup = CpuWakeupLatency(args.cpu_wakeup_latency_us)  # the service's workers hold their own
-    wakeup_held = wakeup.held
     a = summarize("offline engine", offline(prompts, args.max_tokens, warmup))
-    wakeup.release()
     with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
         phases = []
-        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir), phases, args.cpu_wakeup_latency_us))
-    bound = f"CPU wake-up latency bounded to {args.cpu_wakeup_latency_us} us" if wakeup_held else "idle CPUs sleep as the OS decides"
-    print(f"\n{bound}")
-    print(f"{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
+        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir), phases))
+    print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
         print(f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}")
@@ -139,7 +128,7 @@ def main() -> None:
           f"of which prefill compute on the worker {p50['prefill_s']:.1f} ms (offline TTFT {a['ttft_p50_ms']:.1f}) and the rest {p50['queue_s']:.1f} ms (router, request links, hand-offs to the engine thread)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "tpot_p50_ratio": ratio_tpot, "cpu_wakeup_latency_us": args.cpu_wakeup_latency_us if wakeup_held else None}, f, indent=2)
+            json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "tpot_p50_ratio": ratio_tpot}, f, indent=2)
 
 
 if __name__ == "__main__":

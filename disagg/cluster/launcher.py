@@ -73,7 +73,6 @@ class PoolLauncher:
             registry_url=self.registry_url,
             kv_timeout_s=self.config.kv_timeout_s,
             num_threads=self.config.threads_per_worker,
-            cpu_wakeup_latency_us=self.config.cpu_wakeup_latency_us,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             actor_name=actor_name,

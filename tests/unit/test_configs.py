@@ -32,7 +32,6 @@ def test_examples_exist():
         ({"engine": {"scheduling_policy": "fifo"}}, "scheduling_policy"),
         ({"heartbeat_ttl_s": 0.5, "heartbeat_interval_s": 1}, "heartbeat_ttl_s"),
         ({"port": 70000}, "port"),
-        ({"cpu_wakeup_latency_us": -1}, "cpu_wakeup_latency_us"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(data, field):
