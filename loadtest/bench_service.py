@@ -3,7 +3,8 @@
 The same 32 requests, one at a time: (a) offline through the engine in this process, with one
 torch thread as each worker has; (b) through gRPC, the router, the Ray prefill and decode
 actors and the KV transfer, served by a `disagg serve` process (the default deployment: 1
-prefill + 1 decode worker, one thread each); this process is only the gRPC client. Prints mean and p50 TTFT and TPOT for both and their differences.
+prefill + 1 decode worker, one thread each), this process being its gRPC client. The two
+take turns request by request, so that the machine's drift falls on both. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
     .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--out results.json]
@@ -37,53 +38,71 @@ def make_prompts(n: int, seed: int) -> list[str]:
     return prompts
 
 
-def offline(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]]) -> list[tuple[float, float]]:
-    from disagg.config import EngineConfig
-    from disagg.engine.engine import LLMEngine
-    from disagg.request import SamplingParams
+class Offline:
+    """The engine in this process, one request at a time."""
 
-    engine = LLMEngine(EngineConfig(num_threads=1))
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for i, ids in enumerate(warmup):
-        engine.add_request(f"warmup-{i}", prompt_token_ids=ids, sampling_params=params)
-        while engine.has_unfinished_requests():
-            engine.step()
-    results = []
-    for i, ids in enumerate(prompts):
-        start = time.perf_counter()
-        engine.add_request(str(i), prompt_token_ids=ids, sampling_params=params)
-        first = None
-        while engine.has_unfinished_requests():
-            for out in engine.step():
+    def __init__(self, max_tokens: int):
+        from disagg.config import EngineConfig
+        from disagg.engine.engine import LLMEngine
+        from disagg.request import SamplingParams
+
+        self.engine = LLMEngine(EngineConfig(num_threads=1))
+        self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.count = 0
+
+    def run(self, ids: list[int]) -> tuple[float, float]:
+        self.count += 1
+        start, first = time.perf_counter(), None
+        self.engine.add_request(str(self.count), prompt_token_ids=ids, sampling_params=self.params)
+        while self.engine.has_unfinished_requests():
+            for _ in self.engine.step():
                 first = first or time.perf_counter()
-        results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
-    return results
+        return _ttft_tpot(start, first, time.perf_counter(), self.params.max_tokens)
 
 
-def service(prompts: list[list[int]], max_tokens: int, warmup: list[list[int]], workdir: Path, phases: list | None = None) -> list[tuple[float, float]]:
-    """Through a real `disagg serve` process (as users run it), so that this client and the
-    server's frontend do not share a Python process (and its GIL)."""
+class Service:
+    """A real `disagg serve` process (as users run it), so that this client and the server's
+    frontend do not share a Python process (and its GIL); keeps each stream's server timings."""
+
+    def __init__(self, client, max_tokens: int):
+        self.client = client
+        self.max_tokens = max_tokens
+        self.timings = []
+
+    def run(self, ids: list[int]) -> tuple[float, float]:
+        from disagg.client import generate_request
+
+        start, first = time.perf_counter(), None
+        for msg in self.client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True), timeout=300):
+            if msg.token_ids and first is None:
+                first = time.perf_counter()
+            if msg.finished:
+                self.timings.append(msg.timings)
+        return _ttft_tpot(start, first, time.perf_counter(), self.max_tokens)
+
+
+def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path):
+    """Both sides take turns request by request (in alternating order), so that the machine's
+    drift and background load fall on both alike."""
     import yaml
 
     from disagg.bench.experiment import ServeProcess
-    from disagg.client import DisaggClient, generate_request
+    from disagg.client import DisaggClient
 
     config = workdir / "serving-config.yaml"
     config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None}))
-    results = []
+    results = {"offline": [], "service": []}
     with ServeProcess(str(config), str(workdir / "serve.log")) as server, DisaggClient(server.address) as client:
+        sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
         for ids in warmup:
-            client.generate(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300)
+            for side in sides.values():
+                side.run(ids)
+        sides["service"].timings.clear()
         time.sleep(WARMUP_SETTLE_S)
-        for ids in prompts:
-            start, first = time.perf_counter(), None
-            for msg in client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
-                if msg.token_ids and first is None:
-                    first = time.perf_counter()
-                if msg.finished and phases is not None:
-                    phases.append(msg.timings)
-            results.append(_ttft_tpot(start, first, time.perf_counter(), max_tokens))
-    return results
+        for i, ids in enumerate(prompts):
+            for name in (("offline", "service") if i % 2 == 0 else ("service", "offline")):
+                results[name].append(sides[name].run(ids))
+    return results["offline"], results["service"], sides["service"].timings
 
 
 def _ttft_tpot(start: float, first: float, end: float, num_tokens: int) -> tuple[float, float]:
@@ -111,10 +130,10 @@ def main() -> None:
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
     warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
-    a = summarize("offline engine", offline(prompts, args.max_tokens, warmup))
     with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-        phases = []
-        b = summarize("service (gRPC + Ray + KV transfer)", service(prompts, args.max_tokens, warmup, Path(workdir), phases))
+        offline, service, phases = measure(prompts, warmup, args.max_tokens, Path(workdir))
+    a = summarize("offline engine", offline)
+    b = summarize("service (gRPC + Ray + KV transfer)", service)
     print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
