@@ -10,12 +10,9 @@ nothing here grows without bound.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from disagg.router.directory import Instance
 from disagg.worker_api import TokenDelta
-
-logger = logging.getLogger(__name__)
 
 
 class Mailbox:
@@ -41,12 +38,15 @@ class Mailbox:
 class DecodeStreams:
     def __init__(self):
         self._mailboxes: dict[str, dict[str, Mailbox]] = {}  # instance id -> request id -> mailbox
+        self._hooked: dict[str, object] = {}  # instance id -> the link client that delivers into its mailboxes
 
     def open(self, instance: Instance, request_id: str) -> Mailbox:
         boxes = self._mailboxes.setdefault(instance.instance_id, {})
+        if self._hooked.get(instance.instance_id) is not instance.rpc:  # a new instance, or one back at a new address
+            self._hooked[instance.instance_id] = instance.rpc
+            instance.rpc.on_event = lambda topic, deltas: self._deliver(boxes, deltas)
+            instance.rpc.on_disconnect = lambda: self._fail_all(instance.instance_id, boxes)
         box = boxes[request_id] = Mailbox(request_id)
-        instance.rpc.on_event = lambda topic, deltas: self._deliver(boxes, deltas)
-        instance.rpc.on_disconnect = lambda: self._fail_all(instance.instance_id, boxes)
         return box
 
     def close(self, instance_id: str, request_id: str) -> None:
@@ -56,6 +56,7 @@ class DecodeStreams:
 
     async def stop(self) -> None:
         self._mailboxes.clear()
+        self._hooked.clear()
 
     @staticmethod
     def _deliver(boxes: dict[str, Mailbox], deltas: list[TokenDelta]) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from disagg.errors import grpc_code_name
-from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, FrameError, encode, recv_exactly, recv_frame
+from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, encode, recv_exactly, recv_frame
 
 logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
@@ -156,7 +156,7 @@ class RpcServer:
                 self._dispatch(link, call_id, method, args)
         except (ConnectionError, OSError):
             pass  # the router went away (or we closed): its requests are aborted by on_close
-        except (FrameError, Exception) as exc:  # noqa: BLE001 - garbage from a peer that knew the token
+        except Exception as exc:  # noqa: BLE001 - garbage (FrameError, unpickling) from a peer that knew the token
             logger.warning("request link from %s: bad frame (%s); closing it", peer, exc)
         link.close()
 
