@@ -103,6 +103,15 @@ def test_locust_headless_reports_agree_with_the_exact_rows(locust_run):
     assert len({r.request_id for r in rows}) == len(rows)
 
 
+def test_locust_users_stream_at_the_same_time(locust_run):
+    """Two closed-loop users overlap: a user waiting on its stream lets the other greenlet run.
+    (The client reads streams on the calling thread; a blocking read there would stall every
+    user of the process. Without Locust's monkey-patching, gRPC's threaded reader does that.)"""
+    spans = sorted((r.sent_at, r.sent_at + r.e2el) for r in read_rows(f"{locust_run}_rows.csv"))
+    overlapping = sum(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+    assert overlapping >= len(spans) // 3, spans
+
+
 def test_locust_step_load_shape_adds_users_and_stops_by_itself(server, out_dir):
     prefix = out_dir / "step"
     command = [
