@@ -183,14 +183,19 @@ class Registry:
 
     def record_request(self, record: dict, ttl_s: float = 3600) -> None:
         """Append a finished request's record; the newest `max_request_records` are kept for `ttl_s`."""
+        self.record_requests([record], ttl_s)
+
+    def record_requests(self, records: list[dict], ttl_s: float = 3600) -> None:
+        """Append several records (oldest first) in one round trip."""
         ttl_ms = int(ttl_s * 1000)
         if ttl_ms < 1:
             raise ValueError(f"ttl_s must be at least 0.001, got {ttl_s}")
-        value = json.dumps(record)
+        if not records:
+            return
         key = self._requests_key()
-        with self._redis_errors("record_request"):
+        with self._redis_errors("record_requests"):
             pipe = self._client.pipeline(transaction=True)
-            pipe.lpush(key, value)
+            pipe.lpush(key, *(json.dumps(r) for r in records))
             pipe.ltrim(key, 0, self.max_request_records - 1)
             pipe.pexpire(key, ttl_ms)
             pipe.execute()

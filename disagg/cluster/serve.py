@@ -33,6 +33,7 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.frontend import ServingServicer
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.policy import LeastOutstandingWork
+from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.v1 import serving_pb2, serving_pb2_grpc
@@ -112,7 +113,8 @@ class Server:
         streams = DecodeStreams()
         orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size)
         metrics = ServingMetrics()
-        self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, registry, config.engine.model)
+        records = RequestRecords(registry)
+        self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model)
         server, port = await _start_grpc(config, self.servicer)
         metrics_server = metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
         self.metrics_url = metrics_server.url if metrics_server else None
@@ -125,6 +127,7 @@ class Server:
         await server.stop(grace=1.0)
         await streams.stop()
         await directory.stop()
+        records.close()
         if metrics_server:
             metrics_server.stop()
         registry.close()

@@ -19,6 +19,7 @@ import pytest
 from disagg.cluster.redis_server import LocalRedis, wait_for_redis
 from disagg.errors import RegistryUnavailable
 from disagg.registry import InstanceInfo, LoadReport, Registry
+from disagg.router.records import RequestRecords
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,6 +134,38 @@ def test_request_records_expire(registry):
     assert len(registry.recent_requests()) == 1
     time.sleep(0.5)
     assert registry.recent_requests() == []
+
+
+def test_request_records_are_written_in_batches_newest_first(registry):
+    records = RequestRecords(registry, interval_s=0.2)
+    for i in range(3):
+        records.add({"request_id": f"r{i}"})
+    assert registry.recent_requests() == [], "nothing is written on the caller's thread"
+    deadline = time.monotonic() + 5
+    while len(registry.recent_requests()) < 3:
+        assert time.monotonic() < deadline, "the writer did not flush"
+        time.sleep(0.05)
+    assert [r["request_id"] for r in registry.recent_requests()] == ["r2", "r1", "r0"]
+    records.add({"request_id": "r3"})
+    records.close()  # writes what is pending
+    assert registry.recent_requests()[0] == {"request_id": "r3"}
+
+
+def test_request_records_keep_the_newest_when_too_many_wait(registry):
+    records = RequestRecords(registry, interval_s=60, max_pending=2)
+    for i in range(5):
+        records.add({"request_id": f"r{i}"})
+    assert records.flush() == 2
+    assert [r["request_id"] for r in registry.recent_requests()] == ["r4", "r3"]
+    records.close()
+
+
+def test_request_records_are_dropped_not_raised_without_redis():
+    records = RequestRecords(Registry(f"redis://127.0.0.1:{_free_port()}/0", timeout_s=0.2), interval_s=60)
+    records.add({"request_id": "r0"})
+    assert records.flush() == 0
+    assert records.flush() == 0, "the failed batch is gone, not retried forever"
+    records.close()
 
 
 def test_dead_port_raises_registry_unavailable_quickly():

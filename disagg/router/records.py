@@ -1,0 +1,56 @@
+"""Finished requests' records, written to Redis in batches by a background thread.
+
+A request's end then costs the frontend's event loop an append, not a Redis round trip and a
+thread hand-off while the next request may be arriving. Records are soft state: when Redis is
+away, or more than `max_pending` wait, the oldest are dropped, never the requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from disagg.errors import RegistryUnavailable
+from disagg.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+
+class RequestRecords:
+    def __init__(self, registry: Registry, interval_s: float = 1.0, ttl_s: float = 3600, max_pending: int = 10_000):
+        self.registry = registry
+        self.interval_s = interval_s
+        self.ttl_s = ttl_s
+        self._pending: deque[dict] = deque(maxlen=max_pending)  # full: the oldest go first
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="request-records", daemon=True)
+        self._thread.start()
+
+    def add(self, record: dict) -> None:
+        """Safe from any thread; never blocks."""
+        self._pending.append(record)
+
+    def flush(self) -> int:
+        """Write what is pending now; the number written (0 when Redis is away: those are dropped)."""
+        batch = []
+        while self._pending:
+            batch.append(self._pending.popleft())
+        if not batch:
+            return 0
+        try:
+            self.registry.record_requests(batch, self.ttl_s)
+        except RegistryUnavailable as exc:
+            logger.debug("dropped %d request records: %s", len(batch), exc)
+            return 0
+        return len(batch)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the writer after one last flush."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+        self.flush()
