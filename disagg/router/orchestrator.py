@@ -5,8 +5,10 @@ prompt (the handshake) and starts listening to P; P computes the prompt, streams
 by layer into those blocks and returns the first token; D then decodes and its tokens reach the
 client through the instance's stream. Colocated: one instance does both.
 
-Whatever ends the request (finish, client cancel, deadline, error), both instances are told to
-drop it, so no block stays allocated.
+Whatever else ends the request (client cancel, deadline, error), both instances are told to
+drop it, so no block stays allocated. A request that finished has nothing left on either side
+(the decode side freed its blocks, the prefill side frees its own on the decode side's ack), so
+its end costs no calls.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ RESERVE_RETRY_S = 0.02  # first back-off while no decode instance has room; doub
 class Placement:
     prefill: Instance | None
     decode: Instance | None  # None until the handshake found one
+    finished: bool = False  # the decode side sent the last delta: nothing is left to abort
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
@@ -66,6 +69,7 @@ class Orchestrator:
             else:
                 placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params)
             async for delta in self._drain(mailbox):
+                placement.finished = delta.finished
                 yield placement.label(delta)
         finally:
             if placement is not None:
@@ -176,11 +180,14 @@ class Orchestrator:
                 return
 
     async def _cleanup(self, request_id: str, placement: Placement, num_prompt_tokens: int) -> None:
-        """Tell both instances to drop the request (a no-op where it already finished)."""
+        """Forget the request here; unless it finished, tell both instances to drop it."""
         decode, aborts = placement.decode, []
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
             decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
+        if placement.finished:
+            return
+        if decode is not None:
             aborts.append(decode.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))
         if placement.prefill is not None:
             aborts.append(placement.prefill.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))

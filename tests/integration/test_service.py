@@ -22,6 +22,7 @@ from disagg.cluster.launcher import NAMESPACE
 from disagg.cluster.redis_server import LocalRedis
 from disagg.cluster.serve import Server
 from disagg.config import ServingConfig
+from disagg.registry import Registry
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "What is 2 + 2?", "Write a haiku about rain.",
@@ -256,6 +257,19 @@ def test_prometheus_metrics_from_frontend_and_workers(server, client):
     assert roles == {"prefill", "decode"}
     assert any(name.startswith("disagg:num_requests_running{") for name in values)
     assert values['disagg:request_failure_total{code="INVALID_ARGUMENT"}'] >= 1  # from the bad-input tests
+
+
+def test_finished_request_is_recorded_and_leaves_no_block_held(server, client):
+    """A request that finished gets no abort calls: its end alone must free every block."""
+    client.generate(generate_request(chat=[{"role": "user", "content": "Name a color."}], request_id="recorded-1", temperature=0.0, max_tokens=6, ignore_eos=True), timeout=60)
+    wait_all_blocks_free(server, timeout_s=2.0)
+    with Registry(server.redis.url) as registry:
+        deadline = time.monotonic() + 5
+        while not (found := [r for r in registry.recent_requests() if r["request_id"] == "recorded-1"]):
+            assert time.monotonic() < deadline, "no record of the finished request in Redis"
+            time.sleep(0.1)
+    assert found[0]["completion_tokens"] == 6 and found[0]["finish_reason"] == "length"
+    assert 0 < found[0]["ttft_s"] < found[0]["e2e_s"]
 
 
 def test_losing_redis_does_not_fail_requests_in_flight(server, client):
