@@ -144,10 +144,15 @@ def main() -> None:
     paired = statistics.median((s[0] - o[0]) * 1e3 for s, o in zip(service, offline))
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
     print(f"service adds {added:+.1f} ms to p50 TTFT, {paired:+.1f} ms per request at p50 (target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
-    # Where the service's TTFT goes (p50 of each part; the server's parts from the last message's timings).
-    p50 = {name: statistics.median(getattr(t, name) for t in phases) * 1e3 for name in ("queue_s", "prefill_s", "ttft_s")}
-    print(f"service TTFT p50 parts: at the frontend {p50['ttft_s']:.1f} ms (the client's {b['ttft_p50_ms'] - p50['ttft_s']:+.1f} ms more: gRPC), "
-          f"of which prefill compute on the worker {p50['prefill_s']:.1f} ms (offline TTFT {a['ttft_p50_ms']:.1f}) and the rest {p50['queue_s']:.1f} ms (router, request links, hand-offs to the engine thread)")
+    # Where the added TTFT goes, request by request (p50 of each part; the server's parts from
+    # each stream's last message): the prefill itself (the worker's compute against the offline
+    # engine's TTFT for the same prompt), the router and request links, and gRPC.
+    parts = {
+        "prefill in the worker - offline": [t.prefill_s - o[0] for t, o in zip(phases, offline)],
+        "router, links, hand-offs": [t.ttft_s - t.prefill_s for t in phases],
+        "gRPC (client - frontend)": [s[0] - t.ttft_s for s, t in zip(service, phases)],
+    }
+    print("added TTFT per request, p50 of each part: " + ", ".join(f"{name} {statistics.median(v) * 1e3:+.1f} ms" for name, v in parts.items()))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "tpot_p50_ratio": ratio_tpot}, f, indent=2)
