@@ -68,10 +68,10 @@ class PrefillActor(WorkerActorBase):
 
     def set_kv_targets(self, link: Link, request_id: str, reservation: Reservation) -> Future:
         """Where the KV of a request started without a reservation goes; False if it is gone.
-        This rank's sender learns it at once (its prefill step may be running); the rest waits
-        for the engine thread."""
+        This rank's sender learns it before the next layer (its prefill step may be running); the
+        rest waits for the step's end."""
         layout = self.kv_layout()
-        self.worker.add_targets_now(request_id, reservation, layout)
+        self.worker.queue_targets(request_id, reservation, layout)
         return self.loop.call(self.worker.set_targets, request_id, reservation, layout)
 
     def abort(self, link: Link, request_id: str) -> Future:

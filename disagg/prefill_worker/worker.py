@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from disagg.config import EngineConfig, Role
@@ -42,10 +43,11 @@ class PrefillWorker:
         self.followers = followers
         self.transport = transport
         self.sender = KVSender(transport, self.engine.kv_cache, timeout=kv_timeout)  # rank 0: layer 0, head 0 on
-        self.engine.runner.on_layer = self.sender.on_layer
+        self.engine.runner.on_layer = self._on_layer
         self.engine.runner.on_forward_done = self.sender.on_step_end
         self.tally = TransferTally()  # a request's KV is delivered when every rank's slice is
         self._awaiting_targets: dict[str, _AwaitingTargets] = {}  # started early, handshake pending
+        self._queued_targets: deque = deque()  # (request_id, reservation, layout) from link threads
         self.transfer_results: list[TransferResult] = []  # the latest step's, for metrics
 
     def address(self) -> str:
@@ -72,10 +74,23 @@ class PrefillWorker:
         self._add(request_id, prompt_token_ids, sampling_params)
         self._awaiting_targets[request_id] = _AwaitingTargets(time.monotonic() + targets_timeout)
 
+    def queue_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
+        """The part of `set_targets` that may be called from any thread, also while the request's
+        step runs: the engine thread registers this rank's targets before the next layer's KV goes
+        out (the layers computed before go first), instead of after the step. The caller only
+        queues them: work on its thread would take the GIL from the computing engine thread."""
+        self._queued_targets.append((request_id, reservation, layout))
+
+    def _on_layer(self, local_layer: int, chunks) -> None:
+        self._register_queued_targets()
+        self.sender.on_layer(local_layer, chunks)
+
+    def _register_queued_targets(self) -> None:
+        while self._queued_targets:
+            self.add_targets_now(*self._queued_targets.popleft())
+
     def add_targets_now(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
-        """The part of `set_targets` that may run on any thread, also while the request's step
-        runs: this rank's sender learns its targets, so that the KV streams from the next layer
-        on (the layers computed before go first) instead of after the step."""
+        """This rank's sender learns the targets of a request started early (safe from any thread)."""
         if request_id not in self._awaiting_targets:
             return
         cfg = self.engine.model_config
@@ -84,6 +99,7 @@ class PrefillWorker:
 
     def set_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> bool:
         """The handshake's answer for a request started early; False if it is gone (aborted)."""
+        self._register_queued_targets()  # (engine thread: none may be left behind for later)
         waiting = self._awaiting_targets.pop(request_id, None)
         request = self.engine.scheduler.requests.get(request_id)
         if waiting is None or request is None:

@@ -136,8 +136,9 @@ def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, p
 
 @pytest.mark.parametrize("chunk", [0, 2])  # during the first chunk, or a later one
 def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pair, colocated_tokens, chunk):
-    """As the actor does: add_targets_now while the step runs (here: from the layer hook, after
-    layer 0), set_targets after it. The layers computed before go first, the rest as computed."""
+    """As the actor does: queue_targets while the step runs (here: from the layer hook, after
+    layer 0), set_targets after it. The engine thread registers them at the next layer: the
+    layers computed before go first, the rest as computed."""
     _, prefill, decode = pair
     index = len(PROMPT_LENGTHS) - 1
     prompt = prompts()[index]
@@ -150,7 +151,7 @@ def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pa
     def on_layer(local_layer, chunks):
         hook(local_layer, chunks)
         if local_layer == 0:
-            prefill.add_targets_now("mid", *answer)
+            prefill.queue_targets("mid", *answer)
 
     prefill.engine.runner.on_layer = on_layer
     prefill.step()
