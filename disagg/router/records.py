@@ -34,8 +34,11 @@ class RequestRecords:
     def flush(self) -> int:
         """Write what is pending now; the number written (0 when Redis is away: those are dropped)."""
         batch = []
-        while self._pending:
-            batch.append(self._pending.popleft())
+        try:
+            while True:
+                batch.append(self._pending.popleft())
+        except IndexError:  # empty (also when the writer thread and a caller flush at once)
+            pass
         if not batch:
             return 0
         try:
