@@ -131,7 +131,7 @@ class PeerChannel:
         self.owner.on_message(self.peer_id, header, payload)
 
     def _connect(self, deadline: float) -> None:
-        # Every time (0.1 ms on a healthy pair): the transport rebuilds a pair it found broken.
+        # Every time (free on a live pair): the transport rebuilds a pair it found broken.
         self.transport.connect(self.peer_id, self.peer_address, _remaining(deadline))
 
     def close(self) -> None:

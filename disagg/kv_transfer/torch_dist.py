@@ -3,9 +3,11 @@
 Each worker hosts its own TCPStore. The pair (a, b), a < b, meets on a's store (a is rank 0) under
 a prefix that names both workers, both addresses and a generation number kept in that store. A
 side that discards a broken pair bumps the generation (compare-and-set, so two sides that both saw
-the failure bump it once), and the next `connect` of either side meets under the new prefix: a
-rebuilt pair never reuses the keys of a broken one. The addresses in the prefix do the same for a
-worker that restarted under its old id.
+the failure bump it once), and closes its connection, so the other side's pair breaks at once
+(torch_dist_pair); the next `connect` of either side meets under the new prefix: a rebuilt pair
+never reuses the keys of a broken one. The addresses in the prefix do the same for a worker that
+restarted under its old id. `connect` on a live pair returns at once, with no store round trip: it
+is called before every message.
 
 Every message is a fixed-size header (dtype and shape), then the payload as raw bytes: in the
 same gloo message when it is small, else in a second one. The receiver checks the header against
@@ -95,24 +97,19 @@ class TorchDistTransport(Transport):
         deadline = time.monotonic() + timeout
         with self._connect_lock(peer_id):
             pair = self._pairs.get(peer_id)
-            if pair is not None and (pair.broken.done() or pair.peer_address != peer_address):
+            if pair is not None and not pair.broken.done() and pair.peer_address == peer_address:
+                return  # live: a peer that retires a pair closes its connection, which breaks ours at once
+            if pair is not None:
                 self._discard(pair, bump=pair.broken.done())  # a new address is a new pair name
-                pair = None
             try:
-                store = pair.store if pair is not None else self._owner_store(peer_id, peer_address, deadline)
+                store = self._owner_store(peer_id, peer_address, deadline)
                 generation_key = f"kv/gen/{self._pair_name(peer_id, peer_address)}"
                 generation = int(store.add(generation_key, 0))
                 peer_closed = store.check([_CLOSED_KEY])
             except _TRANSPORT_ERRORS as exc:
-                if pair is not None:
-                    self._discard(pair, bump=False)
                 raise self._error(peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc) from exc
             if peer_closed:
                 raise self._error(peer_id, "the peer has closed its transport")
-            if pair is not None:
-                if pair.generation == generation:
-                    return
-                self._discard(pair, bump=False)  # the peer already retired this generation
             pair = self._build_pair(peer_id, peer_address, store, generation_key, generation, deadline)
             with self._lock:
                 self._pairs[peer_id] = pair

@@ -57,6 +57,19 @@ class TransportPeer:
             results.append((torch.equal(out, kv_blocks(num_blocks, dtype, seed)), digest(out)))
         return results
 
+    def pair_is_live(self, peer_id: str) -> bool:
+        # Both peers of these tests run on this host, so this is True exactly while the pair is live.
+        return self.transport.shares_memory_with(peer_id)
+
+    def wait_until_broken(self, peer_id: str, timeout: float) -> float:
+        """Seconds until this side sees its pair with the peer broken (inf: not within `timeout`)."""
+        start = time.monotonic()
+        while self.pair_is_live(peer_id):
+            if time.monotonic() - start > timeout:
+                return float("inf")
+            time.sleep(0.001)
+        return time.monotonic() - start
+
     def timed(self, method: str, *args) -> tuple[str, float]:
         """Call a transport method that should fail: (its KVTransferError, or "", seconds taken)."""
         start = time.monotonic()
@@ -136,11 +149,14 @@ def test_both_directions_at_once(peers):
 def test_recv_without_sender_times_out_then_the_pair_is_rebuilt(peers):
     prefill, decode = peers
     timeout = 1.5
+    assert ray.get(prefill.pair_is_live.remote("d0"))
     message, elapsed = ray.get(decode.timed.remote("recv", "p0", torch.empty(2, 1, 16, 8, 128), timeout), timeout=30)
     assert "p0" in message and "d0" in message, message
     assert timeout - 0.05 <= elapsed <= timeout + SLACK
-    # The decode side dropped the pair and bumped its generation; the prefill side still holds
-    # the old one. Both connect again and meet under a fresh prefix.
+    # The decode side dropped the pair, bumped its generation and closed the connection: the
+    # prefill side sees its pair break at once (its connect trusts a live pair without asking the
+    # store). Both connect again and meet under a fresh prefix.
+    assert ray.get(prefill.wait_until_broken.remote("d0", 1.0)) < 1.0
     connect(prefill, "p0", decode, "d0")
     specs = [(4, torch.float32, 31)]
     sent = prefill.send_blocks.remote("d0", specs)
