@@ -59,3 +59,19 @@ def test_layers_keep_the_parallel_layers_contract():
     torch.testing.assert_close(column(x), F.linear(x, column.weight, column.bias), rtol=1e-5, atol=1e-4)
     h = torch.randn(5, 10)
     torch.testing.assert_close(row(h), F.linear(h, row.weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("kind", ["llama", "untied"])
+def test_a_loaded_model_has_every_gemm_packed_before_its_first_step(request, kind):
+    """Packing on first use made a server's first request 4x slower than the next ones."""
+    from disagg.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=request.getfixturevalue(f"tiny_{kind}_dir"), device="cpu", dtype="float32", num_kv_blocks=8))
+    gemms = engine.model.packed_gemms()
+    assert len(gemms) == 4 * engine.model_config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the vocabulary
+    assert all(holder.is_packed for holder, _ in gemms)
+    x = torch.randn(3, engine.model_config.hidden_size)
+    holder, weight = gemms[-1]
+    torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)

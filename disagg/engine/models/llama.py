@@ -123,8 +123,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return self.logits_weight.linear(hidden, weight).float()
+        return self.logits_weight.linear(hidden, self._vocab_weight()).float()
+
+    def _vocab_weight(self) -> torch.Tensor:
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     # ---- weights ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -135,9 +137,16 @@ class LlamaForCausalLM(nn.Module):
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ModelLoadError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        # Loads write through .data, which moves no version counter: repack on next use.
-        for holder in [self.logits_weight] + [m.packed for m in self.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]:
-            holder.reset()
+        # Loads write through .data, which moves no version counter: pack again, now.
+        for holder, weight in self.packed_gemms():
+            holder.pack(weight)
+
+    def packed_gemms(self) -> list[tuple[PackedWeight, torch.Tensor]]:
+        """Each GEMM that keeps a prepacked weight (layers/cpu_gemm.py), with that weight."""
+        gemms = [(m.packed, m.weight) for m in self.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]
+        if self.is_last_stage:
+            gemms.append((self.logits_weight, self._vocab_weight()))
+        return gemms
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
     _SHARDS = {
