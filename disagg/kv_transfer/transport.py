@@ -2,8 +2,9 @@
 
 A pair of workers is connected by both sides calling `connect` (a rendezvous). After any failure
 (timeout, dead peer, broken connection, mismatched message) the pair is discarded on the side that
-saw it, and the other side's next operation on it fails too; both sides then call `connect` again,
-which builds a fresh pair. Completion of `send` means the data left this worker, not that the peer
+saw it, which closes its connection: the other side's pair breaks too, within a moment, and its next
+operation on it fails. Both sides then call `connect` again, which builds a fresh pair (a `connect`
+on a pair that has not broken yet keeps it). Completion of `send` means the data left this worker, not that the peer
 used it: a protocol that must know acknowledges explicitly.
 
 `send` is a rendezvous: it may block until the peer posts the matching `recv` (gloo and NCCL both

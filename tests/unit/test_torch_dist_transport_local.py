@@ -45,6 +45,15 @@ def transfer(pool, sender, receiver, tensor: torch.Tensor, out: torch.Tensor, ti
     sending.result(timeout=timeout)
 
 
+def wait_until_broken(transport, peer_id: str, timeout: float = SLACK) -> None:
+    """The side that did not see a failure sees its pair break when the other side drops it.
+    (Both peers are in this process, so `shares_memory_with` is True exactly while it is live.)"""
+    end = time.monotonic() + timeout
+    while transport.shares_memory_with(peer_id):
+        assert time.monotonic() < end, f"{transport.worker_id}'s pair with {peer_id} is still live {timeout}s after the peer dropped it"
+        time.sleep(0.001)
+
+
 def expect_error(fn, *args) -> tuple[str, float]:
     start = time.monotonic()
     with pytest.raises(KVTransferError) as info:
@@ -112,6 +121,7 @@ def test_mismatch_fails_without_crashing_and_the_pair_is_rebuilt(pool, pair, siz
         sending.result(timeout=5)  # a separate payload fails; an inline one was already delivered
     except KVTransferError:
         pass
+    wait_until_broken(a, "b")
     connect(pool, a, b)
     out = torch.empty(size)
     transfer(pool, a, b, torch.full((size,), 3.0), out)
