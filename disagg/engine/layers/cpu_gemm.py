@@ -6,10 +6,10 @@ decode step take 50 ms at batch 32 instead of 90 ms, 32 ms instead of 69 ms at b
 less at prefill sizes (512 rows). MKL repacks the weight on every call, which at decode batch
 sizes costs more than the multiplication.
 
-The packed copy is made when the model loads (made on first use, it took a server's first
-request from 130 to 520 ms: the copy's pages fault in then), is rebuilt when the weight changes
-(its version counter moves), costs one more copy of the weights in memory, and is only used where it pays: CPU, float32,
-2-D inputs. DISAGG_CPU_GEMM=torch switches it off.
+The packed copy is made when the model loads: made on first use, it made a server's first
+request take 530 ms instead of about 140, its pages faulting in then. It is rebuilt when the
+weight changes (its version counter moves), costs one more copy of the weights in memory, and is
+only used where it pays: CPU, float32, 2-D inputs. DISAGG_CPU_GEMM=torch switches it off.
 """
 
 from __future__ import annotations
