@@ -120,6 +120,19 @@ def distribution_ms(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> d
     return {"mean": float(x.mean()), "median": float(np.median(x)), "std": float(x.std()), **{f"p{p:g}": float(np.percentile(x, p)) for p in percentiles}}
 
 
+def median_ci(values: list[float], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of the median: how far a median of this many
+    samples may move by chance alone, which on a noisy machine can be as large as the effect."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        raise ValueError("median_ci: no values")
+    if not 0 < confidence < 1:
+        raise ValueError(f"median_ci: confidence must be in (0, 1), got {confidence}")
+    medians = np.median(np.random.default_rng(seed).choice(x, size=(resamples, x.size)), axis=1)
+    tail = (1 - confidence) / 2 * 100
+    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+
+
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:
     ok = [r for r in records if r.success]
     good = [r for r in records if meets_slo(r, slo or {})]

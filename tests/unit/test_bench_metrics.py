@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from disagg.bench.metrics import (
+    median_ci,
     RequestRecord,
     TokenTimer,
     distribution_ms,
@@ -149,3 +150,16 @@ def test_duration_and_infinite_rate_schedules():
     for bad in (dict(num_requests=None), dict(num_requests=5, duration_s=3.0, request_rate=1.0), dict(request_rate=0.0), dict(max_concurrency=0), dict(num_requests=None, duration_s=3.0, request_rate=math.inf)):
         with pytest.raises(ValueError):
             LoadConfig(**bad)
+
+
+def test_median_ci_covers_the_true_median_and_narrows_with_more_samples():
+    rng = np.random.default_rng(3)
+    small, large = rng.normal(4.0, 10.0, 32), rng.normal(4.0, 10.0, 512)
+    lo_small, hi_small = median_ci(small.tolist())
+    lo_large, hi_large = median_ci(large.tolist())
+    assert lo_small <= np.median(small) <= hi_small and lo_large < 4.0 < hi_large
+    assert (hi_large - lo_large) < (hi_small - lo_small) / 2  # about 1/sqrt(16) as wide
+    assert median_ci([2.0] * 10) == (2.0, 2.0)
+    for bad in (dict(values=[]), dict(values=[1.0], confidence=1.0)):
+        with pytest.raises(ValueError):
+            median_ci(**bad)
