@@ -7,11 +7,12 @@ prefill + 1 decode worker, one thread each), this process being its gRPC client.
 take turns request by request, so that the machine's drift falls on both. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
-    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--out results.json]
+    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--out results.json]
 
-On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next
-(also between two identical processes), so 32 requests locate the per-request p50 only within
-about +-4 ms: the 95% CI it prints says so. `--requests 160` narrows it to about +-2 ms.
+On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next,
+and two fresh processes compute a few percent apart (also two identical offline ones), so one
+run of 32 requests can land several ms either side. `--runs 4` repeats it with fresh processes;
+the 95% CI it prints resamples runs and requests, so it includes what differs between runs.
 """
 
 from __future__ import annotations
@@ -122,12 +123,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=1, help="repeat with a fresh server and a fresh offline engine each time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from disagg.bench.metrics import median_ci
     from disagg.config import EngineConfig
     from disagg.engine.loader import load_model_source
     from disagg.engine.tokenizer import Tokenizer
@@ -135,21 +136,36 @@ def main() -> None:
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
     warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
-    with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-        offline, service, phases = measure(prompts, warmup, args.max_tokens, Path(workdir))
+    runs = []
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
+            runs.append(measure(prompts, warmup, args.max_tokens, Path(workdir)))
+    print(f"\n{args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
+    figures = report(runs)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+def report(runs: list[tuple[list, list, list]]) -> dict:
+    """Prints the figures of all runs pooled, and what the added TTFT is in each run."""
+    from disagg.bench.metrics import median_ci
+
+    offline, service, phases = ([x for run in runs for x in run[k]] for k in range(3))
     a = summarize("offline engine", offline)
     b = summarize("service (gRPC + Ray + KV transfer)", service)
-    print(f"\n{args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
         print(f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}")
     added = b["ttft_p50_ms"] - a["ttft_p50_ms"]
     # The same prompt's TTFT on both sides, request by request: prompts of 40-80 tokens spread
     # TTFT over 50-180 ms, so the difference of two p50s moves with which requests sit mid-pack.
-    per_request = [(s[0] - o[0]) * 1e3 for s, o in zip(service, offline)]
-    paired, (low, high) = statistics.median(per_request), median_ci(per_request)
+    per_request = [[(s[0] - o[0]) * 1e3 for s, o in zip(run[1], run[0])] for run in runs]
+    paired, (low, high) = statistics.median(sum(per_request, [])), median_ci(per_request)
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
     print(f"service adds {added:+.1f} ms to p50 TTFT, {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}; target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
+    if len(runs) > 1:
+        print("added per request at p50, run by run: " + ", ".join(f"{statistics.median(r):+.1f}" for r in per_request) + " ms")
     # Where the added TTFT goes, request by request (p50 of each part; the server's parts from
     # each stream's last message): the prefill itself (the worker's compute against the offline
     # engine's TTFT for the same prompt), the router and request links, and gRPC.
@@ -159,15 +175,13 @@ def main() -> None:
         "gRPC (client - frontend)": [s[0] - t.ttft_s for s, t in zip(service, phases)],
     }
     print("added TTFT per request, p50 of each part: " + ", ".join(f"{name} {statistics.median(v) * 1e3:+.1f} ms" for name, v in parts.items()))
-    # The same prompt computes +-5-15 ms apart from one request to the next on a shared machine,
-    # also between two identical processes: the CI above says whether this many requests resolve
-    # 5 ms. The service's own hops, measured inside each request, do not carry that noise.
-    hops = [(s[0] - t.prefill_s) * 1e3 for s, t in zip(service, phases)]
-    low, high = median_ci(hops)
-    print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {statistics.median(hops):.1f} ms (95% CI {low:.1f} to {high:.1f})")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"offline": a, "service": b, "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": median_ci(per_request), "tpot_p50_ratio": ratio_tpot}, f, indent=2)
+    # On a shared machine the same prompt computes 5-15 ms apart from one request to the next,
+    # and two fresh processes a few percent apart, also two identical ones: that is what the CI
+    # above carries. The service's own hops, measured inside each request, do not.
+    hops = [[(s[0] - t.prefill_s) * 1e3 for s, t in zip(run[1], run[2])] for run in runs]
+    low_hops, high_hops = median_ci(hops)
+    print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {statistics.median(sum(hops, [])):.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})")
+    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot}
 
 
 if __name__ == "__main__":

@@ -120,15 +120,23 @@ def distribution_ms(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> d
     return {"mean": float(x.mean()), "median": float(np.median(x)), "std": float(x.std()), **{f"p{p:g}": float(np.percentile(x, p)) for p in percentiles}}
 
 
-def median_ci(values: list[float], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
-    """Percentile-bootstrap confidence interval of the median: how far a median of this many
-    samples may move by chance alone, which on a noisy machine can be as large as the effect."""
-    x = np.asarray(values, dtype=float)
-    if x.size == 0:
-        raise ValueError("median_ci: no values")
+def median_ci(runs: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Percentile-bootstrap confidence interval of the median of all values of all runs.
+
+    Two levels: the runs are resampled, then the values within each run, so that what differs
+    from one run to the next (fresh processes on a shared machine compute a few percent apart)
+    widens the interval as it should. With one run it is the plain bootstrap of its values,
+    which says nothing about the next run."""
+    runs = [np.asarray(r, dtype=float) for r in runs]
+    if not runs or any(r.size == 0 for r in runs):
+        raise ValueError("median_ci: every run needs values")
     if not 0 < confidence < 1:
         raise ValueError(f"median_ci: confidence must be in (0, 1), got {confidence}")
-    medians = np.median(np.random.default_rng(seed).choice(x, size=(resamples, x.size)), axis=1)
+    rng = np.random.default_rng(seed)
+    medians = np.empty(resamples)
+    for i in range(resamples):
+        chosen = rng.integers(len(runs), size=len(runs))
+        medians[i] = np.median(np.concatenate([rng.choice(runs[k], size=runs[k].size) for k in chosen]))
     tail = (1 - confidence) / 2 * 100
     return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
 

@@ -155,11 +155,21 @@ def test_duration_and_infinite_rate_schedules():
 def test_median_ci_covers_the_true_median_and_narrows_with_more_samples():
     rng = np.random.default_rng(3)
     small, large = rng.normal(4.0, 10.0, 32), rng.normal(4.0, 10.0, 512)
-    lo_small, hi_small = median_ci(small.tolist())
-    lo_large, hi_large = median_ci(large.tolist())
+    lo_small, hi_small = median_ci([small.tolist()])
+    lo_large, hi_large = median_ci([large.tolist()])
     assert lo_small <= np.median(small) <= hi_small and lo_large < 4.0 < hi_large
     assert (hi_large - lo_large) < (hi_small - lo_small) / 2  # about 1/sqrt(16) as wide
-    assert median_ci([2.0] * 10) == (2.0, 2.0)
-    for bad in (dict(values=[]), dict(values=[1.0], confidence=1.0)):
+    assert median_ci([[2.0] * 10]) == (2.0, 2.0)
+    for bad in (dict(runs=[]), dict(runs=[[1.0], []]), dict(runs=[[1.0]], confidence=1.0)):
         with pytest.raises(ValueError):
             median_ci(**bad)
+
+
+def test_median_ci_widens_with_what_differs_between_runs():
+    rng = np.random.default_rng(4)
+    same = [rng.normal(0.0, 5.0, 64).tolist() for _ in range(4)]
+    shifted = [(np.asarray(r) + offset).tolist() for r, offset in zip(same, (-6.0, -2.0, 2.0, 6.0))]
+    pooled = [sum(shifted, [])]  # the same values, as if from one run
+    lo_runs, hi_runs = median_ci(shifted, resamples=1000)
+    lo_pooled, hi_pooled = median_ci(pooled, resamples=1000)
+    assert hi_runs - lo_runs > 1.5 * (hi_pooled - lo_pooled)
