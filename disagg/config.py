@@ -156,6 +156,7 @@ class ServingConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     threads_per_worker: int = 1
+    warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None
     tls_key_file: str | None = None

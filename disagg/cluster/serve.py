@@ -36,6 +36,7 @@ from disagg.router.policy import LeastOutstandingWork
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
+from disagg.router.warm_up import warm_up
 from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class Server:
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
         self._failure: BaseException | None = None
+        self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
 
     def start(self, timeout_s: float = 600.0) -> "Server":
         try:
@@ -112,6 +114,8 @@ class Server:
         limits = await _model_limits(config, model, directory)
         streams = DecodeStreams()
         orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size)
+        if config.warm_up:  # before clients can connect: their first requests find every path ready
+            self.warmed_up = await warm_up(config, directory, streams, config.engine.block_size, limits.vocab_size)
         metrics = ServingMetrics()
         records = RequestRecords(registry)
         self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model)

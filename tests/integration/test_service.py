@@ -77,6 +77,12 @@ def wait_all_blocks_free(server, timeout_s: float) -> float:
         time.sleep(0.05)
 
 
+def test_start_sends_a_warm_up_request_through_every_instance(server):
+    # Before serving, so that no client's first request pays for dialling links, the KV pair and
+    # first kernels (disagg.router.warm_up).
+    assert {name for pair in server.warmed_up for name in pair} == {inst.instance_id for inst in server.launcher.instances}
+
+
 def test_greedy_over_grpc_equals_offline_with_16_concurrent_clients(server, client):
     llm = LLM(num_kv_blocks=400)
     prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])} for q in QUESTIONS]

@@ -34,6 +34,7 @@ def test_colocated_greedy_equals_offline(server):
     assert [tokens for tokens, _, _ in got] == expected
     assert all(final.timings.prefill_instance == "" and final.timings.decode_instance for _, _, final in got)
     assert status.mode == "colocated" and [p.role for p in status.pools] == ["colocated"]
+    assert server.warmed_up == [("", server.launcher.instances[0].instance_id)]  # no prefill instance in this mode
 
 
 def test_colocated_cancel_frees_blocks(server):
