@@ -123,3 +123,35 @@ def test_queued_references_to_consecutive_layers_merge_into_one_message():
     ]
     assert BlockRef.from_tensor(merged[0][1]).valid_until_ns == 90, "the earliest guarantee of the merged ones"
     sender.close()
+
+
+@pytest.mark.parametrize("layers_per_copy", [1, 3, 64])  # one at a time, groups that do not divide 4, all at once
+def test_a_reference_is_imported_a_group_of_layers_at_a_time(layers_per_copy, monkeypatch):
+    import disagg.kv_transfer.receiver as receiver_module
+
+    layers, blocks, block_size, heads, dim = 4, 8, 4, 3, 5
+    layer_bytes = 2 * 2 * heads * block_size * dim * 4  # K and V of the 2 blocks sent, float32
+    monkeypatch.setattr(receiver_module, "IMPORT_GROUP_BYTES", layers_per_copy * layer_bytes)
+    hub = InProcessHub()
+    src_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"), shared=True)
+    dst_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"))
+    src_cache.tensor.copy_(torch.randn(src_cache.tensor.shape))
+    sender = KVSender(InProcessTransport("p", hub), src_cache, timeout=30)
+    receiver = KVReceiver(InProcessTransport("d", hub), dst_cache, timeout=30)
+    transfer_id = receiver.expect("r", [6, 3], {"p": sender.address()})
+    sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [6, 3], (0, layers), (0, heads))])
+    chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size)
+    for layer in range(layers):
+        sender.on_layer(layer, [chunk])
+    sender.on_step_end([chunk])
+    sender.finish("r", first_token=1)
+    results, deadline = [], time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        results = receiver.poll()
+        time.sleep(0.005)
+    assert [r.ok for r in results] == [True]
+    for src_block, dst_block in ((1, 6), (5, 3)):
+        assert torch.equal(dst_cache.tensor[:, :, :, dst_block], src_cache.tensor[:, :, :, src_block])
+    assert not dst_cache.tensor[:, :, :, [0, 1, 2, 4, 5, 7]].any(), "nothing else written"
+    sender.close()
+    receiver.close()
