@@ -115,7 +115,7 @@ class Server:
         streams = DecodeStreams()
         orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size)
         if config.warm_up:  # before clients can connect: their first requests find every path ready
-            self.warmed_up = await warm_up(config, directory, streams, config.engine.block_size, limits.vocab_size)
+            self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
         metrics = ServingMetrics()
         records = RequestRecords(registry)
         self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model)
