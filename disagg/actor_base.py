@@ -14,8 +14,10 @@ import os
 import threading
 import time
 
+import ray
 import torch
 
+from disagg.cluster.addressing import node_ip
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
@@ -31,10 +33,12 @@ logger = logging.getLogger(__name__)
 class WorkerActorBase:
     role = ""
 
-    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str = "127.0.0.1"):
+    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1"):
+        """`host`: what the request link, the KV transport and the rank rendezvous listen on (and
+        advertise); None: this node's IP, for a cluster of several nodes (disagg.cluster.addressing)."""
         torch.set_num_threads(num_threads)
         self.instance_id = instance_id
-        self.host = host
+        self.host = host if host is not None else node_ip()
         self.rpc: RpcServer | None = None
         self._registry_url = registry_url
         self._heartbeat_interval_s = heartbeat_interval_s
@@ -115,7 +119,7 @@ class WorkerActorBase:
         return KVLayout(p.tensor_parallel_size, p.pipeline_parallel_size, tuple(ranks))
 
     # ---- several workers per instance ------------------------------------------------------------
-    def _start_ranks(self, followers, device: str, host: str):
+    def _start_ranks(self, followers, device: str):
         """Rank 0 of a TP x PP instance: serve the rendezvous store, have the other ranks join
         and join too. Returns this rank's groups and a function that waits for the others to
         have loaded their shards; (None, None) for an instance of one worker."""
@@ -123,7 +127,7 @@ class WorkerActorBase:
             return None, None
         self.shards = ShardGroup(followers)
         self.shards.on_broken = self._leave_service
-        store, address = serve_store(host)
+        store, address = serve_store(self.host)
         joining = self.shards.start_join(address)
         p = self.engine_config.parallel
         groups = join_instance(RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, resolve_device(device), store=store)
@@ -139,7 +143,7 @@ class WorkerActorBase:
 
     async def ready(self) -> dict:
         """Awaited by the launcher: the engine is loaded and the loop runs."""
-        return {"instance_id": self.instance_id, "role": self.role, "pid": os.getpid()}
+        return {"instance_id": self.instance_id, "role": self.role, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "host": self.host}
 
     async def shutdown(self) -> None:
         self._stopping.set()

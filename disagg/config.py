@@ -143,8 +143,9 @@ class ServingConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
     colocated: PoolConfig = field(default_factory=PoolConfig)
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # where the gRPC frontend listens
     port: int = 50051
+    worker_host: str | None = None  # where workers listen (request link, KV); None: loopback on one node, each node's IP on several
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     redis_url: str | None = None  # None: start a local redis-server
     ray_address: str | None = None  # None: start a local Ray
@@ -164,6 +165,7 @@ class ServingConfig:
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
+        _require(self.worker_host is None or self.worker_host not in ("0.0.0.0", "::", ""), "worker_host", "must be an address peers can connect to, not a wildcard")
         _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
         for name in ("admission_timeout_s", "request_timeout_s", "kv_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s"):
             _require(getattr(self, name) > 0, name, "must be > 0")

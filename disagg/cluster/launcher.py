@@ -16,6 +16,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from disagg.cluster.addressing import LOOPBACK
 from disagg.config import ParallelConfig, PoolConfig, ServingConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import UnavailableError
@@ -36,9 +37,11 @@ class LaunchedInstance:
 
 
 class PoolLauncher:
-    def __init__(self, config: ServingConfig, registry_url: str | None):
+    def __init__(self, config: ServingConfig, registry_url: str | None, worker_host: str | None = LOOPBACK):
+        """`worker_host`: what every worker listens on; None: each its own node's IP (addressing)."""
         self.config = config
         self.registry_url = registry_url
+        self.worker_host = worker_host
         self.instances: list[LaunchedInstance] = []
 
     def pools(self) -> list[tuple[str, PoolConfig]]:
@@ -71,6 +74,7 @@ class PoolLauncher:
         options["name"], options["namespace"] = actor_name, NAMESPACE
         common = dict(
             registry_url=self.registry_url,
+            host=self.worker_host,
             kv_timeout_s=self.config.kv_timeout_s,
             num_threads=self.config.threads_per_worker,
             heartbeat_interval_s=self.config.heartbeat_interval_s,
@@ -101,7 +105,7 @@ class PoolLauncher:
             place = RankPlace.of_rank(rank, pool.tensor_parallel_size, pool.pipeline_parallel_size)
             parallel = ParallelConfig(place.tp_size, place.pp_size, place.tp_rank, place.pp_rank)
             actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(
-                instance_id, engine_config.replace(parallel=parallel), role, kv_timeout_s=self.config.kv_timeout_s, num_threads=self.config.threads_per_worker
+                instance_id, engine_config.replace(parallel=parallel), role, host=self.worker_host, kv_timeout_s=self.config.kv_timeout_s, num_threads=self.config.threads_per_worker
             )
             shards.append((place, actor))
         return shards

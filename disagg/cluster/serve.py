@@ -1,5 +1,8 @@
-"""`disagg serve`: Redis (local unless given), Ray (local unless given), the worker pools and the
+"""`disagg serve`: Ray (local unless given), Redis (local unless given), the worker pools and the
 gRPC frontend, started in that order and stopped in reverse on Ctrl-C or SIGTERM.
+
+On a Ray cluster of several nodes the workers listen on their nodes' IPs and a local Redis on
+this node's, so that every node reaches them (disagg.cluster.addressing).
 
 Shutdown is graceful: new requests get UNAVAILABLE, those in flight get a grace period to
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
@@ -11,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -21,6 +25,7 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from disagg.cluster.addressing import check_redis_reachable, node_ip, num_alive_nodes, worker_host
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import ServingConfig
@@ -77,15 +82,14 @@ class Server:
 
     def _start(self, timeout_s: float) -> None:
         config = self.config
-        if config.redis_url is None:
-            self.redis = self._stack.enter_context(LocalRedis())
-        redis_url = config.redis_url or self.redis.url
         owns_ray = not ray.is_initialized()
         if owns_ray:
             _start_ray(config)
             self._stack.callback(ray.shutdown)
+        num_nodes = num_alive_nodes()
+        redis_url = self._redis_url(num_nodes)
         model = load_model_source(config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer)
-        self.launcher = PoolLauncher(config, redis_url)
+        self.launcher = PoolLauncher(config, redis_url, worker_host(config.worker_host, num_nodes))
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
@@ -93,6 +97,16 @@ class Server:
         self._thread.start()
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
+
+    def _redis_url(self, num_nodes: int) -> str:
+        """The configured Redis, or a local redis-server: on loopback for a one-node cluster, else on
+        this node's IP behind a password, since workers on the other nodes heartbeat to it."""
+        if self.config.redis_url is not None:
+            check_redis_reachable(self.config.redis_url, num_nodes)
+            return self.config.redis_url
+        redis = LocalRedis() if num_nodes <= 1 else LocalRedis(host=node_ip(), password=secrets.token_hex(16))
+        self.redis = self._stack.enter_context(redis)
+        return self.redis.url
 
     def _run_frontend(self, redis_url: str, model) -> None:
         try:

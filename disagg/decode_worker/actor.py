@@ -25,14 +25,14 @@ TOKENS_TOPIC = "tokens"
 
 
 class DecodeActor(WorkerActorBase):
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
         super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host)
         self.role = "colocated" if colocated else "decode"
         self.actor_name = actor_name
         self.engine_config = engine_config
-        transport = None if colocated else TorchDistTransport(instance_id, host)
-        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device, host)
+        transport = None if colocated else TorchDistTransport(instance_id, self.host)
+        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device)
         self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
             wait_for_ranks()

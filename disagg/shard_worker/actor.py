@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg.cluster.addressing import node_ip
 from disagg.config import EngineConfig, Role
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine, resolve_device
@@ -31,14 +32,14 @@ class ShardReply:
 
 
 class ShardActor:
-    def __init__(self, instance_id: str, engine_config: EngineConfig, role: str, *, host: str = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, role: str, *, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1):
         torch.set_num_threads(num_threads)
         p = engine_config.parallel
         self.place = RankPlace(p.tp_rank, p.tensor_parallel_size, p.pp_rank, p.pipeline_parallel_size)
         self.peer_id = f"{instance_id}/rank{self.place.rank}"
         self.config = engine_config
         self.role = role
-        self.host = host
+        self.host = host if host is not None else node_ip()  # None: this node's IP (multi-node)
         self.kv_timeout_s = kv_timeout_s
         self.engine: LLMEngine | None = None
         self.endpoint: KVSender | KVReceiver | None = None

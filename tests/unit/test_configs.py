@@ -32,6 +32,7 @@ def test_examples_exist():
         ({"engine": {"scheduling_policy": "fifo"}}, "scheduling_policy"),
         ({"heartbeat_ttl_s": 0.5, "heartbeat_interval_s": 1}, "heartbeat_ttl_s"),
         ({"port": 70000}, "port"),
+        ({"worker_host": "0.0.0.0"}, "worker_host"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(data, field):
