@@ -17,7 +17,7 @@ import time
 import ray
 import torch
 
-from disagg.cluster.addressing import node_ip
+from disagg.cluster.addressing import resolve_host
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
@@ -38,7 +38,7 @@ class WorkerActorBase:
         advertise); None: this node's IP, for a cluster of several nodes (disagg.cluster.addressing)."""
         torch.set_num_threads(num_threads)
         self.instance_id = instance_id
-        self.host = host if host is not None else node_ip()
+        self.host = resolve_host(host)
         self.rpc: RpcServer | None = None
         self._registry_url = registry_url
         self._heartbeat_interval_s = heartbeat_interval_s

@@ -50,8 +50,11 @@ def num_alive_nodes() -> int:
     return sum(1 for node in ray.nodes() if node.get("Alive"))
 
 
-def node_ip() -> str:
-    """This process's node IP as Ray sees it (the address its peers on other nodes reach)."""
+def resolve_host(host: str | None) -> str:
+    """A worker's bind address: `host`, or (None) this process's node IP as Ray sees it, the
+    address its peers on other nodes reach."""
+    if host is not None:
+        return host
     import ray.util
 
     return ray.util.get_node_ip_address()

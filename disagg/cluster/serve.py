@@ -25,7 +25,7 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from disagg.cluster.addressing import check_redis_reachable, node_ip, num_alive_nodes, worker_host
+from disagg.cluster.addressing import check_redis_reachable, num_alive_nodes, resolve_host, worker_host
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import ServingConfig
@@ -104,7 +104,7 @@ class Server:
         if self.config.redis_url is not None:
             check_redis_reachable(self.config.redis_url, num_nodes)
             return self.config.redis_url
-        redis = LocalRedis() if num_nodes <= 1 else LocalRedis(host=node_ip(), password=secrets.token_hex(16))
+        redis = LocalRedis() if num_nodes <= 1 else LocalRedis(host=resolve_host(None), password=secrets.token_hex(16))
         self.redis = self._stack.enter_context(redis)
         return self.redis.url
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disagg.cluster.addressing import node_ip
+from disagg.cluster.addressing import resolve_host
 from disagg.config import EngineConfig, Role
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine, resolve_device
@@ -39,7 +39,7 @@ class ShardActor:
         self.peer_id = f"{instance_id}/rank{self.place.rank}"
         self.config = engine_config
         self.role = role
-        self.host = host if host is not None else node_ip()  # None: this node's IP (multi-node)
+        self.host = resolve_host(host)  # None: this node's IP (multi-node)
         self.kv_timeout_s = kv_timeout_s
         self.engine: LLMEngine | None = None
         self.endpoint: KVSender | KVReceiver | None = None
