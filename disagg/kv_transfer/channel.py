@@ -3,7 +3,9 @@ that runs only while its owner expects messages from that peer.
 
 The loop must not idle in `recv`: with gloo a recv that times out breaks the pair, so the loop
 receives only while the owner expects something from this peer, each recv waiting at most the
-owner's timeout, and exits when nothing is expected. A single transfer's deadline is enforced
+owner's timeout, and parks on a condition when nothing is expected. It is started on the first
+transfer and kept: starting a thread per transfer cost the engine thread that asked 1-2 ms
+(the clone, and `Thread.start` waiting for the new thread to run). A single transfer's deadline is enforced
 by its owner's poll(), never by timing out a recv, which would fail every transfer on the pair. Sending happens off the caller's thread, so the model's compute never waits on the
 network, only on the bounded queue (back-pressure instead of unbounded memory).
 """
@@ -23,6 +25,7 @@ from disagg.kv_transfer.messages import Header
 from disagg.kv_transfer.transport import Transport
 
 logger = logging.getLogger(__name__)
+PARKED_WAIT_S = 1.0  # a parked receive loop re-checks this often (it is woken when needed)
 
 
 class ChannelOwner(Protocol):
@@ -53,8 +56,9 @@ class PeerChannel:
         self.peer_address = peer_address
         self.owner = owner
         self._outbox: queue.Queue = queue.Queue(maxsize=max_queued)
-        self._lock = threading.Lock()
+        self._receiving = threading.Condition()
         self._receiver: threading.Thread | None = None
+        self._closed = False
         self._sender = threading.Thread(target=self._send_loop, name=f"kv-send-{peer_id}", daemon=True)
         self._sender.start()
 
@@ -98,27 +102,36 @@ class PeerChannel:
     # ---- receiving ---------------------------------------------------------------------------
     def wake_receiver(self) -> None:
         """Make sure the receive loop runs (call after registering what you expect)."""
-        with self._lock:
-            if self._receiver is None:
+        with self._receiving:
+            if self._receiver is None and not self._closed:
                 self._receiver = threading.Thread(target=self._recv_loop, name=f"kv-recv-{self.peer_id}", daemon=True)
                 self._receiver.start()
+            self._receiving.notify()
 
     def _recv_loop(self) -> None:
-        while True:
-            deadline = self.owner.recv_deadline(self.peer_id)
-            if deadline is None:
-                with self._lock:  # re-check under the lock so a concurrent wake_receiver is not lost
-                    if self.owner.recv_deadline(self.peer_id) is None:
-                        self._receiver = None
-                        return
-                continue
-            # Each recv may wait a full timeout, whatever a transfer has left: a pair breaks only
-            # when the peer stays silent that long while we expect it (transfers expire on their own).
-            deadline = max(deadline, time.monotonic() + self.owner.timeout)
-            try:
-                self._receive_one(deadline)
-            except KVTransferError as exc:
-                self.owner.on_error(self.peer_id, exc)
+        try:
+            while not self._closed:
+                deadline = self.owner.recv_deadline(self.peer_id)
+                if deadline is None:
+                    self._park()
+                    continue
+                # Each recv may wait a full timeout, whatever a transfer has left: a pair breaks only
+                # when the peer stays silent that long while we expect it (transfers expire on their own).
+                deadline = max(deadline, time.monotonic() + self.owner.timeout)
+                try:
+                    self._receive_one(deadline)
+                except KVTransferError as exc:
+                    self.owner.on_error(self.peer_id, exc)
+        finally:
+            with self._receiving:  # a later wake_receiver starts a fresh loop, should this one die
+                self._receiver = None
+
+    def _park(self) -> None:
+        """Wait until something is expected again; re-checked under the lock, so a wake_receiver
+        between the owner's answer and the wait is not lost."""
+        with self._receiving:
+            if not self._closed and self.owner.recv_deadline(self.peer_id) is None:
+                self._receiving.wait(PARKED_WAIT_S)
 
     def _receive_one(self, deadline: float) -> None:
         self._connect(deadline)
@@ -135,6 +148,9 @@ class PeerChannel:
         self.transport.connect(self.peer_id, self.peer_address, _remaining(deadline))
 
     def close(self) -> None:
+        with self._receiving:
+            self._closed = True
+            self._receiving.notify()
         try:
             self._outbox.put_nowait(None)
         except queue.Full:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from types import SimpleNamespace
 
@@ -187,6 +188,23 @@ def test_prefix_cached_prompt_still_sends_every_block(pair, colocated_tokens):
     finished = run(prefill, decode)
     assert finished["again"] == colocated_tokens[-1]
     assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
+
+
+def test_receive_loops_are_kept_across_transfers(pair, colocated_tokens):
+    """One receive thread per peer on each side (KV on decode, ACKs on prefill), parked between
+    transfers, not one started per transfer (that cost the engine thread 1-2 ms each time)."""
+    _, prefill, decode = pair
+
+    def receive_threads() -> set:
+        return {t for t in threading.enumerate() if t.name.startswith("kv-recv-")}
+
+    for i, prompt in enumerate(prompts()[:3]):
+        submit(prefill, decode, f"r{i}", prompt, greedy())
+        assert run(prefill, decode)[f"r{i}"] == colocated_tokens[i]
+        if i == 0:
+            first = receive_threads()
+    assert {t.name for t in first} == {"kv-recv-prefill-0", "kv-recv-decode-0"}
+    assert receive_threads() == first and all(t.is_alive() for t in first)
 
 
 def test_dead_receiver_fails_the_transfer_and_frees_prefill_blocks(pair):
