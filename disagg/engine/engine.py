@@ -19,6 +19,7 @@ from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import LlamaForCausalLM
@@ -57,6 +58,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            bound_onednn_caches()
         source = load_model_source(config.model, cache_dir=config.cache_dir, tokenizer=config.tokenizer, random_dtype=self.dtype)
         self.model_config = source.config
         self.tokenizer = Tokenizer(source.tokenizer) if source.tokenizer is not None else None

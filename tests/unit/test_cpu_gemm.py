@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -75,3 +77,20 @@ def test_a_loaded_model_has_every_gemm_packed_before_its_first_step(request, kin
     x = torch.randn(3, engine.model_config.hidden_size)
     holder, weight = gemms[-1]
     torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset", [None, "64"])
+def test_a_cpu_engine_bounds_onednn_caches_unless_the_environment_sets_them(request, monkeypatch, preset):
+    """With oneDNN's 1024-entry caches a worker that met many prompt lengths grew by ~1 GB
+    (loadtest/bench_onednn_cache.py)."""
+    from disagg.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+
+    for name in cpu_gemm.CACHE_CAPACITY_ENV:
+        if preset is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, preset)
+    LLMEngine(EngineConfig(model=request.getfixturevalue("tiny_llama_dir"), device="cpu", dtype="float32", num_kv_blocks=8))
+    expected = preset or str(cpu_gemm.CACHE_CAPACITY)
+    assert [os.environ.get(name) for name in cpu_gemm.CACHE_CAPACITY_ENV] == [expected, expected]

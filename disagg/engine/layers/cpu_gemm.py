@@ -23,6 +23,12 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 GEMM_ENV = "DISAGG_CPU_GEMM"
+# oneDNN builds kernels for each input shape (a step's row count is its token count) and keeps
+# them in two caches of 1024 entries each, up to a megabyte an entry. Bounded here unless the
+# environment sets them: over 300 prefills of 231 lengths a worker grew by 324 MB instead of
+# 602, at the same speed (loadtest/bench_onednn_cache.py).
+CACHE_CAPACITY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+CACHE_CAPACITY = 256
 # oneDNN picks the packed layout for this many rows; 32 measured best for both decode batches
 # and 512-row prefill steps.
 PACK_BATCH_HINT = 32
@@ -32,6 +38,12 @@ def onednn_enabled() -> bool:
     if os.environ.get(GEMM_ENV, "onednn").strip().lower() == "torch":
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def bound_onednn_caches(capacity: int = CACHE_CAPACITY) -> None:
+    """Call before this process's first oneDNN operation: both caches read their size once."""
+    for name in CACHE_CAPACITY_ENV:
+        os.environ.setdefault(name, str(capacity))
 
 
 class PackedWeight:
