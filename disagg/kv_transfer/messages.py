@@ -76,8 +76,8 @@ class BlockRef:
     FIXED = 9  # int64 fields before the block ids
 
     def to_tensor(self) -> torch.Tensor:
-        fixed = astuple(self)[: self.FIXED]
-        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)
+        fixed = (self.pid, self.fd, self.token, self.num_layers, self.num_heads, self.num_blocks, self.layer_offset, self.head_offset, self.valid_until_ns)
+        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)  # (astuple deep-copies the ids)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "BlockRef":

@@ -82,7 +82,8 @@ class PrefillWorker:
         self._queued_targets.append((request_id, reservation, layout))
 
     def _on_layer(self, local_layer: int, chunks) -> None:
-        self._register_queued_targets()
+        if self._queued_targets:  # (checked here: a call per layer costs, see KVSender.on_layer)
+            self._register_queued_targets()
         self.sender.on_layer(local_layer, chunks)
 
     def _register_queued_targets(self) -> None:

@@ -179,6 +179,32 @@ def test_targets_that_never_arrive_free_the_blocks(pair):
     assert not prefill.set_targets("orphan", None, None)
 
 
+@pytest.mark.parametrize("by_reference", [True, False], ids=["by-reference", "packed"])
+def test_the_layer_hook_does_work_only_at_layers_where_some_is_due(tiny_untied_dir, monkeypatch, by_reference):
+    """Between layers the CPU caches are cold: each layer's bookkeeping cost ~20 us, 0.6 ms a
+    prefill. By reference, one message's layers need work only at its first and last layer;
+    packed, every layer is copied."""
+    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if by_reference else "0")
+    monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1 << 30)  # one message
+    hub = InProcessHub()
+    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    decode = DecodeWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    visited = []
+    due_layer = KVSender._due_layer
+    monkeypatch.setattr(KVSender, "_due_layer", staticmethod(lambda tr, layer: visited.append(layer) or due_layer(tr, layer)))
+    try:
+        submit(prefill, decode, "r", prompts()[3], greedy(2))
+        prefill.step()
+        num_layers = prefill.engine.model_config.num_hidden_layers
+        assert num_layers >= 3
+        assert visited == ([0, num_layers - 1] if by_reference else list(range(num_layers)))
+        assert len(run(prefill, decode)["r"]) == 2
+        assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def test_prefix_cached_prompt_still_sends_every_block(pair, colocated_tokens):
     _, prefill, decode = pair
     long_prompt = prompts()[-1]
