@@ -12,7 +12,7 @@ itself, straight from the sender's cache into its own blocks.
 from __future__ import annotations
 
 import enum
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass, field, fields
 
 import torch
 
@@ -76,8 +76,8 @@ class BlockRef:
     FIXED = 9  # int64 fields before the block ids
 
     def to_tensor(self) -> torch.Tensor:
-        fixed = (self.pid, self.fd, self.token, self.num_layers, self.num_heads, self.num_blocks, self.layer_offset, self.head_offset, self.valid_until_ns)
-        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)  # (astuple deep-copies the ids)
+        fixed = [getattr(self, name) for name in _BLOCK_REF_FIXED]  # (astuple would deep-copy the ids)
+        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "BlockRef":
@@ -87,3 +87,6 @@ class BlockRef:
     @classmethod
     def empty(cls, num_blocks: int) -> torch.Tensor:
         return torch.empty(cls.FIXED + num_blocks, dtype=torch.int64)
+
+
+_BLOCK_REF_FIXED = tuple(f.name for f in fields(BlockRef))[: BlockRef.FIXED]
