@@ -18,6 +18,7 @@ import ray
 import torch
 
 from disagg.cluster.addressing import resolve_host
+from disagg.cluster.cpu_binding import keep_off_engine_cpus
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
@@ -33,9 +34,11 @@ logger = logging.getLogger(__name__)
 class WorkerActorBase:
     role = ""
 
-    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1"):
+    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1", engine_cpus: list[int] | None = None):
         """`host`: what the request link, the KV transport and the rank rendezvous listen on (and
-        advertise); None: this node's IP, for a cluster of several nodes (disagg.cluster.addressing)."""
+        advertise); None: this node's IP, for a cluster of several nodes (disagg.cluster.addressing).
+        `engine_cpus`: where the engine thread runs (disagg.cluster.cpu_binding); None: where the
+        process may."""
         torch.set_num_threads(num_threads)
         self.instance_id = instance_id
         self.host = resolve_host(host)
@@ -47,7 +50,9 @@ class WorkerActorBase:
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
-        self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}")
+        self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}", cpus=engine_cpus)
+        # What Ray started the process on; the engine's helper threads belong there too.
+        self._framework_cpus = os.sched_getaffinity(0) if engine_cpus is not None else None
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
 
     # ---- to be provided by the actor ---------------------------------------------------------
@@ -161,6 +166,8 @@ class WorkerActorBase:
     def _heartbeat_loop(self) -> None:
         registry = Registry(self._registry_url)
         while not self._stopping.wait(self._heartbeat_interval_s):
+            if self._framework_cpus is not None:
+                keep_off_engine_cpus(self.loop.thread_id, self._framework_cpus)
             with self._heartbeat_lock:
                 if not self._heartbeat_enabled.is_set():
                     continue

@@ -134,6 +134,7 @@ class SLOConfig:
 
 
 MODES = ("disaggregated", "colocated")
+CPU_BINDINGS = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class ServingConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     threads_per_worker: int = 1
+    cpu_binding: str = "auto"  # auto: on a machine whose Ray we start, engine threads get CPUs of their own (disagg.cluster.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None
@@ -164,6 +166,7 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(self.cpu_binding in CPU_BINDINGS, "cpu_binding", f"must be one of {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}")
         _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
         _require(self.worker_host is None or self.worker_host not in ("0.0.0.0", "::", ""), "worker_host", "must be an address peers can connect to, not a wildcard")
         _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
@@ -173,6 +176,12 @@ class ServingConfig:
         _require((self.tls_cert_file is None) == (self.tls_key_file is None), "tls_cert_file", "give both tls_cert_file and tls_key_file, or neither")
         pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
         _require(all(p.num_instances >= 1 for p in pools), "num_instances", f"{self.mode} mode needs at least one instance per pool")
+
+    def pools(self) -> list[tuple[str, PoolConfig]]:
+        """(role, pool) of every pool this mode runs."""
+        if self.mode == "colocated":
+            return [("colocated", self.colocated)]
+        return [("prefill", self.prefill), ("decode", self.decode)]
 
     def pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine settings of the pool's rank-0 workers (the others differ only in their ranks)."""

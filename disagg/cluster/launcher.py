@@ -17,6 +17,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.cluster.addressing import LOOPBACK
+from disagg.cluster.cpu_binding import CpuPlan
 from disagg.config import ParallelConfig, PoolConfig, ServingConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import UnavailableError
@@ -37,23 +38,20 @@ class LaunchedInstance:
 
 
 class PoolLauncher:
-    def __init__(self, config: ServingConfig, registry_url: str | None, worker_host: str | None = LOOPBACK):
-        """`worker_host`: what every worker listens on; None: each its own node's IP (addressing)."""
+    def __init__(self, config: ServingConfig, registry_url: str | None, worker_host: str | None = LOOPBACK, cpu_plan: CpuPlan | None = None):
+        """`worker_host`: what every worker listens on; None: each its own node's IP (addressing).
+        `cpu_plan`: the CPUs of each engine thread, on a one-node cluster we started (cpu_binding)."""
         self.config = config
+        self.cpu_plan = cpu_plan
         self.registry_url = registry_url
         self.worker_host = worker_host
         self.instances: list[LaunchedInstance] = []
 
-    def pools(self) -> list[tuple[str, PoolConfig]]:
-        if self.config.mode == "colocated":
-            return [("colocated", self.config.colocated)]
-        return [("prefill", self.config.prefill), ("decode", self.config.decode)]
-
     def launch(self, ready_timeout_s: float = 600.0) -> list[LaunchedInstance]:
         run_id = uuid.uuid4().hex[:6]
-        for role, pool in self.pools():
+        for role, pool in self.config.pools():
             for index in range(pool.num_instances):
-                self.instances.append(self._launch_one(role, pool, f"{role}-{index}-{run_id}"))
+                self.instances.append(self._launch_one(role, pool, index, f"{role}-{index}-{run_id}"))
         try:
             ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=ready_timeout_s)
         except Exception:
@@ -61,7 +59,7 @@ class PoolLauncher:
             raise
         return self.instances
 
-    def _launch_one(self, role: str, pool: PoolConfig, instance_id: str) -> LaunchedInstance:
+    def _launch_one(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance:
         bundle = {"CPU": pool.num_cpus_per_worker, **({"GPU": pool.num_gpus_per_worker} if pool.num_gpus_per_worker else {}), **pool.resources, **self._pin(role)}
         group = placement_group([bundle] * pool.workers_per_instance, strategy="PACK", name=f"{NAMESPACE}-{instance_id}")
         try:
@@ -80,6 +78,7 @@ class PoolLauncher:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             actor_name=actor_name,
+            engine_cpus=sorted(self.cpu_plan.engine_cpus(role, index)) if self.cpu_plan else None,
         )
         engine_config = self.config.pool_engine_config(pool)
         shards = self._launch_shards(role, pool, group, instance_id, engine_config)

@@ -26,6 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from disagg.cluster.addressing import check_redis_reachable, num_alive_nodes, resolve_host, worker_host
+from disagg.cluster.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import ServingConfig
@@ -83,13 +84,16 @@ class Server:
     def _start(self, timeout_s: float) -> None:
         config = self.config
         owns_ray = not ray.is_initialized()
+        cpu_plan = None
         if owns_ray:
+            if not config.ray_address:  # a machine of our own: its Ray and Redis start from this thread
+                cpu_plan = self._bind_framework_cpus()
             _start_ray(config)
             self._stack.callback(ray.shutdown)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
         model = load_model_source(config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer)
-        self.launcher = PoolLauncher(config, redis_url, worker_host(config.worker_host, num_nodes))
+        self.launcher = PoolLauncher(config, redis_url, worker_host(config.worker_host, num_nodes), cpu_plan)
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
@@ -97,6 +101,18 @@ class Server:
         self._thread.start()
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
+
+    def _bind_framework_cpus(self) -> CpuPlan | None:
+        """Before Ray and Redis start from this thread, so that they, and the workers Ray starts,
+        inherit the framework's CPUs; each engine thread then moves to its own (cpu_binding).
+        This thread gets its CPUs back on stop."""
+        thread, cpus = threading.get_native_id(), os.sched_getaffinity(0)
+        plan = plan_cpus(self.config, cpus)
+        if plan is not None:
+            logger.info("CPU binding: %s", plan.describe())
+            self._stack.callback(os.sched_setaffinity, thread, cpus)
+            bind_this_thread(plan.framework)
+        return plan
 
     def _redis_url(self, num_nodes: int) -> str:
         """The configured Redis, or a local redis-server: on loopback for a one-node cluster, else on

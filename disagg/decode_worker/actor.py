@@ -25,9 +25,9 @@ TOKENS_TOPIC = "tokens"
 
 
 class DecodeActor(WorkerActorBase):
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None):
+    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host)
+        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
         self.role = "colocated" if colocated else "decode"
         self.actor_name = actor_name
         self.engine_config = engine_config

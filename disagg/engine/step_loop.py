@@ -9,9 +9,10 @@ finished), so an idle worker costs nothing and a busy one never polls.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from disagg.errors import OverloadedError
@@ -20,12 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], name: str, max_pending_calls: int = 4096, idle_timeout: float = 1.0):
+    def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], name: str, max_pending_calls: int = 4096, idle_timeout: float = 1.0, cpus: Iterable[int] | None = None):
+        """`cpus`: the CPUs the loop's thread (and the torch threads it starts) runs on; None: the
+        process's (disagg.cluster.cpu_binding says why an engine may want its own)."""
         self._step = step
         self._has_work = has_work
         self._calls: deque[tuple[Callable, tuple, Future]] = deque()
         self._max_pending = max_pending_calls
         self._idle_timeout = idle_timeout  # bounds each idle wait (so stop() is always noticed)
+        self._cpus = set(cpus) if cpus is not None else None
         self._cond = threading.Condition()
         self._woken = False
         self._stopped = False
@@ -34,6 +38,11 @@ class StepLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The loop thread's OS id, once started."""
+        return self._thread.native_id
 
     def call(self, fn: Callable, *args) -> Future:
         """Run fn(*args) on the loop thread before its next step."""
@@ -61,6 +70,8 @@ class StepLoop:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        if self._cpus is not None:
+            os.sched_setaffinity(0, self._cpus)
         while True:
             with self._cond:
                 while not (self._stopped or self._calls or self._woken or self._has_work()):

@@ -45,6 +45,31 @@ def test_generate_against_the_default_server_answers_sensibly(default_server):
     assert "Paris" in result.stdout
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to give one to the prefill engine")
+def test_the_prefill_engine_thread_has_a_cpu_that_no_other_thread_of_the_deployment_uses(default_server):
+    """cpu_binding's default on a machine of two CPUs: the prefill engine on the last, Ray, Redis,
+    the frontend and the workers' other threads on the rest, the decode engine anywhere."""
+    proc, _, _ = default_server
+    cpus = os.sched_getaffinity(0)
+    engine_cpu = max(cpus)
+    on_it = {}
+    for p in psutil.process_iter(["pid", "name", "cmdline"]):
+        if _session_of(p) != os.getsid(proc.pid):
+            continue
+        for thread in p.threads():
+            try:
+                allowed = os.sched_getaffinity(thread.id)
+            except OSError:
+                continue  # ended meanwhile
+            if engine_cpu in allowed:
+                on_it.setdefault(" ".join(p.info["cmdline"] or [p.info["name"]]), []).append(allowed)
+    prefill = [allowed for name, threads in on_it.items() if "PrefillActor" in name for allowed in threads]
+    decode = [allowed for name, threads in on_it.items() if "DecodeActor" in name for allowed in threads]
+    assert prefill == [{engine_cpu}], f"one thread of the prefill worker, and only on its CPU: {on_it}"
+    assert decode == [cpus], f"the decode engine thread, anywhere: {on_it}"
+    assert sum(len(threads) for threads in on_it.values()) == 2, f"nothing else may run there: {on_it}"
+
+
 def test_sigterm_stops_cleanly_and_leaves_no_process(default_server):
     proc, _, log = default_server
     session = os.getsid(proc.pid)

@@ -1,0 +1,81 @@
+"""Which CPUs the engine threads get, on the machine whose Ray `disagg serve` starts.
+
+Ray, Redis, gRPC, gloo and the workers' own link, KV and heartbeat threads wake up hundreds of
+times a second, for a few microseconds each. Linux wakes such a thread on the CPU where its
+timer fired, which is often the CPU a busy engine thread computes on, and the wake-up preempts
+the engine: on 2 vCPUs a 110 ms prefill was preempted 15-25 times and took about 5 ms longer
+than the same prefill in a process of its own (loadtest/RESULTS.md, session 12). So, as vLLM's
+CPU backend binds its compute threads and reserves CPUs for the rest, engine threads get CPUs of
+their own and every other thread of the deployment is kept off them.
+
+Prefill engines come first (a prefill step is long, and what delays it delays the request's
+first token), then colocated, then decode engines, `threads_per_worker` CPUs each, as long as
+one CPU is left for everything else. An engine that gets none runs on any CPU. Engines take the
+highest-numbered CPUs, since interrupts and kernel housekeeping favour CPU 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from disagg.config import ServingConfig
+
+logger = logging.getLogger(__name__)
+DEDICATION_ORDER = ("prefill", "colocated", "decode")
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    framework: frozenset[int]  # Ray, Redis, the frontend, and each worker's threads but its engine's
+    engines: dict[tuple[str, int], frozenset[int]]  # (pool, instance index) -> its engine thread's own CPUs
+    all_cpus: frozenset[int]
+
+    def engine_cpus(self, role: str, index: int) -> frozenset[int]:
+        return self.engines.get((role, index), self.all_cpus)
+
+    def describe(self) -> str:
+        engines = ", ".join(f"{role}-{index} on {sorted(cpus)}" for (role, index), cpus in self.engines.items())
+        return f"engine threads: {engines}; other engines on any CPU; everything else on {sorted(self.framework)}"
+
+
+def plan_cpus(config: ServingConfig, cpus: Iterable[int]) -> CpuPlan | None:
+    """None when binding is off or no engine can have a CPU of its own."""
+    if config.cpu_binding == "off":
+        return None
+    all_cpus = frozenset(cpus)
+    free = sorted(all_cpus)
+    per_engine = config.threads_per_worker
+    engines = {}
+    for role, pool in sorted(config.pools(), key=lambda rp: DEDICATION_ORDER.index(rp[0])):
+        if pool.workers_per_instance != 1:
+            continue  # the other ranks of a TP x PP instance compute on Ray's threads, which we do not bind
+        for index in range(pool.num_instances):
+            if len(free) - per_engine < 1:
+                break
+            engines[(role, index)] = frozenset(free[-per_engine:])
+            del free[-per_engine:]
+    return CpuPlan(frozenset(free), engines, all_cpus) if engines else None
+
+
+def bind_this_thread(cpus: Iterable[int]) -> None:
+    """Threads and processes this thread starts afterwards inherit the set."""
+    os.sched_setaffinity(0, set(cpus))
+
+
+def keep_off_engine_cpus(engine_thread_id: int, framework: set[int]) -> int:
+    """Moves this process's threads but the engine's back to the framework's CPUs: those the
+    engine thread started (a KV channel's, gloo's for a new peer) inherited its CPUs, and we do
+    not create all of them ourselves. Returns how many moved."""
+    moved = 0
+    for name in os.listdir("/proc/self/task"):
+        thread_id = int(name)
+        try:
+            if thread_id != engine_thread_id and os.sched_getaffinity(thread_id) != framework:
+                os.sched_setaffinity(thread_id, framework)
+                moved += 1
+        except OSError:
+            pass  # it ended meanwhile
+    return moved
