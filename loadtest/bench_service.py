@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -27,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+from disagg.cluster.cpu_binding import bind_this_thread, plan_cpus
+
+SERVER_SETTINGS = {"threads_per_worker": 1, "metrics_port": None}  # the default deployment, one thread per worker as offline
 # A fresh Ray cluster keeps the CPU busy for a few seconds after start (worker prestart, its own
 # services), and each worker packs its weights on first use: the measurement starts after that.
 WARMUP_SETTLE_S = 3.0
@@ -54,14 +58,17 @@ class Offline:
         self.engine = LLMEngine(EngineConfig(num_threads=1))
         self.params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         self.count = 0
+        self.prefills = []  # each request's scheduled-to-first-token, as the worker reports its own
 
     def run(self, ids: list[int]) -> tuple[float, float]:
         self.count += 1
         start, first = time.perf_counter(), None
         self.engine.add_request(str(self.count), prompt_token_ids=ids, sampling_params=self.params)
+        timings = self.engine.scheduler.waiting[-1].timings
         while self.engine.has_unfinished_requests():
             for _ in self.engine.step():
                 first = first or time.perf_counter()
+        self.prefills.append(timings.first_token - timings.first_scheduled)
         return _ttft_tpot(start, first, time.perf_counter(), self.params.max_tokens)
 
 
@@ -95,19 +102,41 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
     from disagg.client import DisaggClient
 
     config = workdir / "serving-config.yaml"
-    config.write_text(yaml.safe_dump({"threads_per_worker": 1, "metrics_port": None}))
+    config.write_text(yaml.safe_dump(SERVER_SETTINGS))
     results = {"offline": [], "service": []}
-    with ServeProcess(str(config), str(workdir / "serve.log")) as server, DisaggClient(server.address) as client:
-        sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
-        for ids in warmup:
-            for side in sides.values():
-                side.run(ids)
-        sides["service"].timings.clear()
-        time.sleep(WARMUP_SETTLE_S)
-        for i, ids in enumerate(prompts):
-            for name in (("offline", "service") if i % 2 == 0 else ("service", "offline")):
-                results[name].append(sides[name].run(ids))
-    return results["offline"], results["service"], sides["service"].timings
+    own_cpus = os.sched_getaffinity(0)
+    with ServeProcess(str(config), str(workdir / "serve.log")) as server:
+        plan = _server_cpu_plan(own_cpus)
+        try:
+            with DisaggClient(server.address) as client:
+                sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
+                for ids in warmup:
+                    for side in sides.values():
+                        side.run(ids)
+                if plan is not None:  # the client's threads have started, with the server's other threads
+                    bind_this_thread(plan.engine_cpus("prefill", 0))
+                sides["service"].timings.clear()
+                sides["offline"].prefills.clear()
+                time.sleep(WARMUP_SETTLE_S)
+                for i, ids in enumerate(prompts):
+                    for name in (("offline", "service") if i % 2 == 0 else ("service", "offline")):
+                        results[name].append(sides[name].run(ids))
+        finally:
+            bind_this_thread(own_cpus)
+    return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills
+
+
+def _server_cpu_plan(own_cpus: set[int]):
+    """The server gives its prefill engine thread a CPU of its own and keeps every other thread
+    off it (disagg.cluster.cpu_binding). The offline engine, this thread, computes on that CPU too,
+    and this process's other threads (the gRPC client's) join the server's others, so that both
+    sides compute under the same conditions. Returns the plan, with this thread on the others'."""
+    from disagg.config import ServingConfig
+
+    plan = plan_cpus(ServingConfig.from_dict(SERVER_SETTINGS), own_cpus)
+    if plan is not None:
+        bind_this_thread(plan.framework)
+    return plan
 
 
 def _ttft_tpot(start: float, first: float, end: float, num_tokens: int) -> tuple[float, float]:
@@ -147,11 +176,11 @@ def main() -> None:
             json.dump(figures, f, indent=2)
 
 
-def report(runs: list[tuple[list, list, list]]) -> dict:
+def report(runs: list[tuple[list, list, list, list]]) -> dict:
     """Prints the figures of all runs pooled, and what the added TTFT is in each run."""
     from disagg.bench.metrics import median_ci
 
-    offline, service, phases = ([x for run in runs for x in run[k]] for k in range(3))
+    offline, service, phases, offline_prefills = ([x for run in runs for x in run[k]] for k in range(4))
     a = summarize("offline engine", offline)
     b = summarize("service (gRPC + Ray + KV transfer)", service)
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
@@ -170,7 +199,8 @@ def report(runs: list[tuple[list, list, list]]) -> dict:
     # each stream's last message): the prefill itself (the worker's compute against the offline
     # engine's TTFT for the same prompt), the router and request links, and gRPC.
     parts = {
-        "prefill in the worker - offline": [t.prefill_s - o[0] for t, o in zip(phases, offline)],
+        "prefill in the worker - offline TTFT": [t.prefill_s - o[0] for t, o in zip(phases, offline)],
+        "prefill in the worker - offline's (both scheduled to first token)": [t.prefill_s - p for t, p in zip(phases, offline_prefills)],
         "router, links, hand-offs": [t.ttft_s - t.prefill_s for t in phases],
         "gRPC (client - frontend)": [s[0] - t.ttft_s for s, t in zip(service, phases)],
     }
