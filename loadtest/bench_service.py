@@ -7,7 +7,11 @@ prefill + 1 decode worker, one thread each), this process being its gRPC client.
 take turns request by request, so that the machine's drift falls on both. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
-    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--out results.json]
+    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|off] [--out results.json]
+
+The server binds its prefill engine thread to a CPU of its own and keeps its other threads off
+it (disagg.cluster.cpu_binding); the offline engine computes on that CPU too, so that both sides
+compute under the same conditions. With `--cpu-binding off` neither is bound.
 
 On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next,
 and two fresh processes compute a few percent apart (also two identical offline ones), so one
@@ -93,7 +97,7 @@ class Service:
         return _ttft_tpot(start, first, time.perf_counter(), self.max_tokens)
 
 
-def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path):
+def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS):
     """Both sides take turns request by request (in alternating order), so that the machine's
     drift and background load fall on both alike."""
     import yaml
@@ -102,11 +106,11 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
     from disagg.client import DisaggClient
 
     config = workdir / "serving-config.yaml"
-    config.write_text(yaml.safe_dump(SERVER_SETTINGS))
+    config.write_text(yaml.safe_dump(settings))
     results = {"offline": [], "service": []}
     own_cpus = os.sched_getaffinity(0)
     with ServeProcess(str(config), str(workdir / "serve.log")) as server:
-        plan = _server_cpu_plan(own_cpus)
+        plan = _server_cpu_plan(settings, own_cpus)
         try:
             with DisaggClient(server.address) as client:
                 sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
@@ -126,14 +130,14 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
     return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills
 
 
-def _server_cpu_plan(own_cpus: set[int]):
+def _server_cpu_plan(settings: dict, own_cpus: set[int]):
     """The server gives its prefill engine thread a CPU of its own and keeps every other thread
     off it (disagg.cluster.cpu_binding). The offline engine, this thread, computes on that CPU too,
     and this process's other threads (the gRPC client's) join the server's others, so that both
     sides compute under the same conditions. Returns the plan, with this thread on the others'."""
     from disagg.config import ServingConfig
 
-    plan = plan_cpus(ServingConfig.from_dict(SERVER_SETTINGS), own_cpus)
+    plan = plan_cpus(ServingConfig.from_dict(settings), own_cpus)
     if plan is not None:
         bind_this_thread(plan.framework)
     return plan
@@ -155,6 +159,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="repeat with a fresh server and a fresh offline engine each time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
+    parser.add_argument("--cpu-binding", choices=("auto", "off"), default="auto", help="the server's cpu_binding (off: the kernel places every thread, the offline engine too)")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -168,7 +173,7 @@ def main() -> None:
     runs = []
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-            runs.append(measure(prompts, warmup, args.max_tokens, Path(workdir)))
+            runs.append(measure(prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": args.cpu_binding}))
     print(f"\n{args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
     figures = report(runs)
     if args.out:
