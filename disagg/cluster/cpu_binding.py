@@ -3,7 +3,7 @@
 Ray, Redis, gRPC, gloo and the workers' own link, KV and heartbeat threads wake up hundreds of
 times a second, for a few microseconds each. Linux wakes such a thread on the CPU where its
 timer fired, which is often the CPU a busy engine thread computes on, and the wake-up preempts
-the engine: on 2 vCPUs a 110 ms prefill was preempted 15-25 times and took about 5 ms longer
+the engine: on 2 vCPUs a 110 ms prefill was preempted 11-15 times and took about 5 ms longer
 than the same prefill in a process of its own (loadtest/RESULTS.md, session 12). So, as vLLM's
 CPU backend binds its compute threads and reserves CPUs for the rest, engine threads get CPUs of
 their own and every other thread of the deployment is kept off them.
@@ -16,14 +16,12 @@ highest-numbered CPUs, since interrupts and kernel housekeeping favour CPU 0.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from disagg.config import ServingConfig
 
-logger = logging.getLogger(__name__)
 DEDICATION_ORDER = ("prefill", "colocated", "decode")
 
 
