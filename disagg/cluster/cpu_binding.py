@@ -5,8 +5,9 @@ times a second, for a few microseconds each. Linux wakes such a thread on the CP
 timer fired, which is often the CPU a busy engine thread computes on, and the wake-up preempts
 the engine: on 2 vCPUs a 110 ms prefill was preempted 11-15 times and took about 5 ms longer
 than the same prefill in a process of its own (loadtest/RESULTS.md, session 12). So, as vLLM's
-CPU backend binds its compute threads and reserves CPUs for the rest, engine threads get CPUs of
-their own and every other thread of the deployment is kept off them.
+CPU backend binds its compute threads (VLLM_CPU_OMP_THREADS_BIND) and vllm-ascend pins its
+workers' key threads by default (enable_cpu_binding), engine threads get CPUs of their own and
+every other thread of the deployment is kept off them.
 
 Prefill engines come first (a prefill step is long, and what delays it delays the request's
 first token), then colocated, then decode engines, `threads_per_worker` CPUs each, as long as
