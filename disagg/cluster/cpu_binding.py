@@ -30,7 +30,10 @@ DEDICATION_ORDER = ("prefill", "colocated", "decode")
 class CpuPlan:
     framework: frozenset[int]  # Ray, Redis, the frontend, and each worker's threads but its engine's
     engines: dict[tuple[str, int], frozenset[int]]  # (pool, instance index) -> its engine thread's own CPUs
-    all_cpus: frozenset[int]
+
+    @property
+    def all_cpus(self) -> frozenset[int]:
+        return self.framework.union(*self.engines.values())
 
     def engine_cpus(self, role: str, index: int) -> frozenset[int]:
         return self.engines.get((role, index), self.all_cpus)
@@ -44,8 +47,7 @@ def plan_cpus(config: ServingConfig, cpus: Iterable[int]) -> CpuPlan | None:
     """None when binding is off or no engine can have a CPU of its own."""
     if config.cpu_binding == "off":
         return None
-    all_cpus = frozenset(cpus)
-    free = sorted(all_cpus)
+    free = sorted(set(cpus))
     per_engine = config.threads_per_worker
     engines = {}
     for role, pool in sorted(config.pools(), key=lambda rp: DEDICATION_ORDER.index(rp[0])):
@@ -56,7 +58,7 @@ def plan_cpus(config: ServingConfig, cpus: Iterable[int]) -> CpuPlan | None:
                 break
             engines[(role, index)] = frozenset(free[-per_engine:])
             del free[-per_engine:]
-    return CpuPlan(frozenset(free), engines, all_cpus) if engines else None
+    return CpuPlan(frozenset(free), engines) if engines else None
 
 
 def bind_this_thread(cpus: Iterable[int]) -> None:
