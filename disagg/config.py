@@ -134,7 +134,7 @@ class SLOConfig:
 
 
 MODES = ("disaggregated", "colocated")
-CPU_BINDINGS = ("auto", "off")
+CPU_BINDINGS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class ServingConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     threads_per_worker: int = 1
-    cpu_binding: str = "auto"  # auto: on a machine whose Ray we start, engine threads get CPUs of their own (disagg.cluster.cpu_binding)
+    cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.cluster.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None
@@ -197,6 +197,8 @@ class ServingConfig:
             engine["model"] = data.pop("model")
         _no_unknown(EngineConfig, engine, "engine")
         kwargs = {k: v for k, v in data.items() if k not in ("prefill", "decode", "colocated", "slo")}
+        if isinstance(kwargs.get("cpu_binding"), bool):  # YAML reads a bare on/off as a boolean
+            kwargs["cpu_binding"] = "on" if kwargs["cpu_binding"] else "off"
         for pool in ("prefill", "decode", "colocated"):
             if pool in data:
                 _no_unknown(PoolConfig, data[pool] or {}, pool)

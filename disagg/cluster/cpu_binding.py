@@ -11,8 +11,13 @@ every other thread of the deployment is kept off them.
 
 Prefill engines come first (a prefill step is long, and what delays it delays the request's
 first token), then colocated, then decode engines, `threads_per_worker` CPUs each, as long as
-one CPU is left for everything else. An engine that gets none runs on any CPU. Engines take the
-highest-numbered CPUs, since interrupts and kernel housekeeping favour CPU 0.
+enough CPUs are left for everything else: two with `cpu_binding: auto`, one with `on`. One is
+too few for a default: the first token's way out (the frontend, gRPC, a local client) and the
+decode side's start of the request (its handshake, its first step) then meet on that CPU. On 2
+vCPUs that made the service's own hops 0.7-2.5 ms longer, while the TTFT it gained stayed
+within the noise, and under load the decode engine would share that CPU with everything else
+(RESULTS.md, session 13). An engine that gets no CPU of its own runs on any CPU. Engines take
+the highest-numbered CPUs, since interrupts and kernel housekeeping favour CPU 0.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 from disagg.config import ServingConfig
 
 DEDICATION_ORDER = ("prefill", "colocated", "decode")
+CPUS_LEFT_FOR_THE_REST = {"auto": 2, "on": 1}  # by cpu_binding
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,13 @@ def plan_cpus(config: ServingConfig, cpus: Iterable[int]) -> CpuPlan | None:
     if config.cpu_binding == "off":
         return None
     free = sorted(set(cpus))
-    per_engine = config.threads_per_worker
+    per_engine, left = config.threads_per_worker, CPUS_LEFT_FOR_THE_REST[config.cpu_binding]
     engines = {}
     for role, pool in sorted(config.pools(), key=lambda rp: DEDICATION_ORDER.index(rp[0])):
         if pool.workers_per_instance != 1:
             continue  # the other ranks of a TP x PP instance compute on Ray's threads, which we do not bind
         for index in range(pool.num_instances):
-            if len(free) - per_engine < 1:
+            if len(free) - per_engine < left:
                 break
             engines[(role, index)] = frozenset(free[-per_engine:])
             del free[-per_engine:]

@@ -47,3 +47,10 @@ def test_unreadable_or_invalid_yaml(tmp_path):
     bad.write_text("mode: [unclosed")
     with pytest.raises(ValueError, match="YAML"):
         ServingConfig.from_yaml(str(bad))
+
+
+def test_a_bare_on_or_off_in_yaml_is_a_cpu_binding_not_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    for written, meant in (("on", "on"), ("off", "off"), ("auto", "auto"), ('"off"', "off")):
+        path.write_text(f"cpu_binding: {written}\n")
+        assert ServingConfig.from_yaml(str(path)).cpu_binding == meant

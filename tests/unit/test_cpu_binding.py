@@ -12,11 +12,19 @@ from disagg.config import PoolConfig, ServingConfig
 from disagg.engine.step_loop import StepLoop
 
 
-def test_on_two_cpus_the_prefill_engine_gets_one_and_everything_else_the_other():
-    plan = plan_cpus(ServingConfig(), [0, 1])
+def test_by_default_two_cpus_stay_with_the_rest_so_a_machine_of_two_binds_nothing():
+    assert plan_cpus(ServingConfig(), [0, 1]) is None
+    plan = plan_cpus(ServingConfig(), [0, 1, 2])
+    assert plan.engine_cpus("prefill", 0) == {2}
+    assert plan.framework == {0, 1}
+    assert plan.engine_cpus("decode", 0) == {0, 1, 2}, "an engine without a CPU of its own runs anywhere"
+
+
+def test_binding_on_leaves_the_rest_one_cpu():
+    plan = plan_cpus(ServingConfig(cpu_binding="on"), [0, 1])
     assert plan.engine_cpus("prefill", 0) == {1}
     assert plan.framework == {0}
-    assert plan.engine_cpus("decode", 0) == {0, 1}, "an engine without a CPU of its own runs anywhere"
+    assert plan.engine_cpus("decode", 0) == {0, 1}
 
 
 def test_every_engine_gets_its_own_cpus_when_the_machine_has_enough():
@@ -28,21 +36,24 @@ def test_every_engine_gets_its_own_cpus_when_the_machine_has_enough():
     assert plan.framework == set(range(8)), "the rest, CPU 0 among them, for everything else"
 
 
-def test_prefill_engines_come_first_and_one_cpu_is_always_left_for_the_rest():
+def test_prefill_engines_come_first_and_the_rest_keeps_its_cpus():
     config = ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=1))
-    plan = plan_cpus(config, [0, 1, 2])
+    plan = plan_cpus(config, [0, 1, 2, 3])
     assert set(plan.engines) == {("prefill", 0), ("prefill", 1)}
+    assert plan.framework == {0, 1}
+    plan = plan_cpus(ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=1), cpu_binding="on"), [0, 1, 2, 3])
+    assert set(plan.engines) == {("prefill", 0), ("prefill", 1), ("decode", 0)}
     assert plan.framework == {0}
 
 
 def test_colocated_engines_are_bound_too():
-    plan = plan_cpus(ServingConfig(mode="colocated"), [0, 1])
-    assert plan.engine_cpus("colocated", 0) == {1}
+    plan = plan_cpus(ServingConfig(mode="colocated"), [0, 1, 2])
+    assert plan.engine_cpus("colocated", 0) == {2}
 
 
 def test_no_plan_when_binding_is_off_one_cpu_is_all_there_is_or_instances_span_several_workers():
     assert plan_cpus(ServingConfig(cpu_binding="off"), [0, 1]) is None
-    assert plan_cpus(ServingConfig(), [3]) is None
+    assert plan_cpus(ServingConfig(cpu_binding="on"), [3]) is None
     tp2 = PoolConfig(tensor_parallel_size=2)
     assert plan_cpus(ServingConfig(prefill=tp2, decode=tp2), range(8)) is None
 
