@@ -7,11 +7,12 @@ prefill + 1 decode worker, one thread each), this process being its gRPC client.
 take turns request by request, so that the machine's drift falls on both. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
-    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|off] [--out results.json]
+    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|on|off|on,off] [--out results.json]
 
-The server binds its prefill engine thread to a CPU of its own and keeps its other threads off
-it (disagg.cluster.cpu_binding); the offline engine computes on that CPU too, so that both sides
-compute under the same conditions. With `--cpu-binding off` neither is bound.
+Where the server binds its prefill engine thread to CPUs of its own (disagg.cluster.cpu_binding;
+by default only with 3 CPUs or more), the offline engine computes on those CPUs too and the
+client runs beside the server's other threads, so that both sides compute under the same
+conditions.
 
 On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next,
 and two fresh processes compute a few percent apart (also two identical offline ones), so one
@@ -28,11 +29,14 @@ import random
 import statistics
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
 from disagg.cluster.cpu_binding import bind_this_thread, plan_cpus
+from disagg.config import CPU_BINDINGS
 
 SERVER_SETTINGS = {"threads_per_worker": 1, "metrics_port": None}  # the default deployment, one thread per worker as offline
 # A fresh Ray cluster keeps the CPU busy for a few seconds after start (worker prestart, its own
@@ -112,29 +116,38 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
     with ServeProcess(str(config), str(workdir / "serve.log")) as server:
         plan = _server_cpu_plan(settings, own_cpus)
         try:
-            with DisaggClient(server.address) as client:
+            with ExitStack() as stack:
+                client = stack.enter_context(DisaggClient(server.address))
                 sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
-                for ids in warmup:
-                    for side in sides.values():
-                        side.run(ids)
-                if plan is not None:  # the client's threads have started, with the server's other threads
+                run = {"offline": sides["offline"].run, "service": sides["service"].run}
+                if plan is not None:
+                    # The client gets a thread where the server's other threads run; this one,
+                    # the offline engine's, moves to the prefill engine's CPUs for good (moved
+                    # back and forth per request, its prefills came out 10% slower than unbound).
+                    client_thread = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="client"))
+                    client_thread.submit(int).result()  # started now, so that it inherits this thread's CPUs
+                    run["service"] = lambda ids: client_thread.submit(sides["service"].run, ids).result()
                     bind_this_thread(plan.engine_cpus("prefill", 0))
+                for ids in warmup:
+                    for name in sides:
+                        run[name](ids)
                 sides["service"].timings.clear()
                 sides["offline"].prefills.clear()
                 time.sleep(WARMUP_SETTLE_S)
                 for i, ids in enumerate(prompts):
                     for name in (("offline", "service") if i % 2 == 0 else ("service", "offline")):
-                        results[name].append(sides[name].run(ids))
+                        results[name].append(run[name](ids))
         finally:
             bind_this_thread(own_cpus)
     return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills
 
 
 def _server_cpu_plan(settings: dict, own_cpus: set[int]):
-    """The server gives its prefill engine thread a CPU of its own and keeps every other thread
-    off it (disagg.cluster.cpu_binding). The offline engine, this thread, computes on that CPU too,
-    and this process's other threads (the gRPC client's) join the server's others, so that both
-    sides compute under the same conditions. Returns the plan, with this thread on the others'."""
+    """Where the server binds its threads (disagg.cluster.cpu_binding): its prefill engine
+    thread on CPUs of its own, every other thread off them. This process's threads (the gRPC
+    client's) join the server's others; the offline engine computes on the prefill engine's CPUs
+    (`measure`), so that both sides compute under the same conditions. Returns the plan, with
+    this thread on the others' CPUs."""
     from disagg.config import ServingConfig
 
     plan = plan_cpus(ServingConfig.from_dict(settings), own_cpus)
@@ -159,7 +172,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="repeat with a fresh server and a fresh offline engine each time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
-    parser.add_argument("--cpu-binding", choices=("auto", "off"), default="auto", help="the server's cpu_binding (off: the kernel places every thread, the offline engine too)")
+    parser.add_argument("--cpu-binding", type=_bindings, default=["auto"], help="the server's cpu_binding (auto, on, off), or several comma-separated (on,off) to compare them, taking turns run by run")
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -170,15 +183,26 @@ def main() -> None:
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
     warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
-    runs = []
-    for _ in range(args.runs):
-        with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-            runs.append(measure(prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": args.cpu_binding}))
-    print(f"\n{args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
-    figures = report(runs)
+    runs = {binding: [] for binding in args.cpu_binding}
+    for i in range(args.runs):
+        # Settings compared take turns, in alternating order, so that the machine's drift falls on each alike.
+        for binding in args.cpu_binding[:: 1 if i % 2 == 0 else -1]:
+            with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
+                runs[binding].append(measure(prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": binding}))
+    figures = {}
+    for binding, its_runs in runs.items():
+        print(f"\ncpu_binding {binding}: {args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
+        figures[binding] = report(its_runs)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(figures, f, indent=2)
+
+
+def _bindings(text: str) -> list[str]:
+    bindings = text.split(",")
+    if any(b not in CPU_BINDINGS for b in bindings) or len(set(bindings)) < len(bindings):
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CPU_BINDINGS)} or several, comma-separated; got {text!r}")
+    return bindings
 
 
 def report(runs: list[tuple[list, list, list, list]]) -> dict:
