@@ -30,9 +30,9 @@ def default_server(tmp_path_factory):
 
 def _serve(workdir: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
     ready, log_path = workdir / "ready", workdir / "serve.log"
-    log = open(log_path, "w")
     # Its own session, like a service: the test's signals don't reach it, and we can find its tree.
-    proc = subprocess.Popen([str(BIN), "serve", "--ready-file", str(ready), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(log_path, "w") as log:  # the server has its own copy of the file
+        proc = subprocess.Popen([str(BIN), "serve", "--ready-file", str(ready), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists() or not ready.read_text().strip():
         if proc.poll() is not None or time.monotonic() > deadline:
