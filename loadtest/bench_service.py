@@ -3,19 +3,26 @@
 The same 32 requests, one at a time: (a) offline through the engine in this process, with one
 torch thread as each worker has; (b) through gRPC, the router, the Ray prefill and decode
 actors and the KV transfer, served by a `disagg serve` process (the default deployment: 1
-prefill + 1 decode worker, one thread each), this process being its gRPC client. The two
-take turns request by request, so that the machine's drift falls on both. Prints mean and p50 TTFT and TPOT for both and their differences.
+prefill + 1 decode worker, one thread each), this process being its gRPC client. The sides
+take turns request by request, in every order in turn, so that the machine's drift falls on
+each alike. Prints mean and p50 TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
+
+A third side is the control for the worker's prefill: the same offline engine in a plain process
+of its own (no Ray, no service), given the same requests in the same turns. The worker's prefill
+minus the offline one is what the service makes the compute cost, only insofar as it exceeds this
+twin's minus the offline one (what computing in another process alone makes).
 
     .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|on|off|on,off] [--out results.json]
 
 Where the server binds its prefill engine thread to CPUs of its own (disagg.cluster.cpu_binding;
-by default only with 3 CPUs or more), the offline engine computes on those CPUs too and the
+by default only with 3 CPUs or more), the offline engine and its twin compute on those CPUs too and the
 client runs beside the server's other threads, so that both sides compute under the same
 conditions.
 
-On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next,
-and two fresh processes compute a few percent apart (also two identical offline ones), so one
+On a shared 2-core machine the same prompt computes 5-15 ms apart from one request to the next
+(one idle process's median prefill, taken every 3 s, moved between 56 and 80 ms over 90 s), and
+two fresh processes compute a few percent apart (also two identical offline ones), so one
 run of 32 requests can land several ms either side. `--runs 4` repeats it with fresh processes;
 the 95% CI it prints resamples runs and requests, so it includes what differs between runs.
 """
@@ -23,7 +30,9 @@ the 95% CI it prints resamples runs and requests, so it includes what differs be
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import multiprocessing
 import os
 import random
 import statistics
@@ -42,6 +51,7 @@ SERVER_SETTINGS = {"threads_per_worker": 1, "metrics_port": None}  # the default
 # A fresh Ray cluster keeps the CPU busy for a few seconds after start (worker prestart, its own
 # services), and each worker packs its weights on first use: the measurement starts after that.
 WARMUP_SETTLE_S = 3.0
+TWIN_TIMEOUT_S = 300.0  # for the twin process to load its model, or to answer one request
 TOPICS = ["the ocean", "a mountain village", "how bread is made", "the history of clocks", "a friendly robot", "winter in the city", "the planets", "a chess game"]
 
 
@@ -80,6 +90,48 @@ class Offline:
         return _ttft_tpot(start, first, time.perf_counter(), self.params.max_tokens)
 
 
+class OfflineTwin:
+    """The offline engine in a plain process of its own, run request by request over a pipe;
+    keeps each request's scheduled-to-first-token time as the twin measured it."""
+
+    def __init__(self, max_tokens: int, cpus: set[int] | None):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(target=_twin_main, args=(child_conn, max_tokens, cpus), name="offline-twin", daemon=True)
+        self._process.start()
+        self._receive()  # loaded
+        self.prefills = []
+
+    def run(self, ids: list[int]) -> None:
+        self._conn.send(ids)
+        self.prefills.append(self._receive())
+
+    def _receive(self):
+        if not self._conn.poll(TWIN_TIMEOUT_S):
+            raise TimeoutError(f"the offline twin did not answer within {TWIN_TIMEOUT_S:.0f} s")
+        return self._conn.recv()
+
+    def close(self) -> None:
+        try:
+            self._conn.send(None)
+        except OSError:
+            pass  # it is gone already
+        self._process.join(10)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _twin_main(conn, max_tokens: int, cpus: set[int] | None) -> None:
+    torch.set_num_threads(1)
+    if cpus is not None:
+        bind_this_thread(cpus)
+    offline = Offline(max_tokens)
+    conn.send("loaded")
+    while (ids := conn.recv()) is not None:
+        offline.run(ids)
+        conn.send(offline.prefills[-1])
+
+
 class Service:
     """A real `disagg serve` process (as users run it), so that this client and the server's
     frontend do not share a Python process (and its GIL); keeps each stream's server timings."""
@@ -102,8 +154,8 @@ class Service:
 
 
 def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS):
-    """Both sides take turns request by request (in alternating order), so that the machine's
-    drift and background load fall on both alike."""
+    """The sides take turns request by request (in every order in turn), so that the machine's
+    drift and background load fall on each alike."""
     import yaml
 
     from disagg.bench.experiment import ServeProcess
@@ -111,7 +163,7 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
 
     config = workdir / "serving-config.yaml"
     config.write_text(yaml.safe_dump(settings))
-    results = {"offline": [], "service": []}
+    results = {"offline": [], "service": [], "twin": []}
     own_cpus = os.sched_getaffinity(0)
     with ServeProcess(str(config), str(workdir / "serve.log")) as server:
         plan = _server_cpu_plan(settings, own_cpus)
@@ -119,7 +171,9 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
             with ExitStack() as stack:
                 client = stack.enter_context(DisaggClient(server.address))
                 sides = {"offline": Offline(max_tokens), "service": Service(client, max_tokens)}
-                run = {"offline": sides["offline"].run, "service": sides["service"].run}
+                sides["twin"] = OfflineTwin(max_tokens, plan.engine_cpus("prefill", 0) if plan is not None else None)
+                stack.callback(sides["twin"].close)
+                run = {name: side.run for name, side in sides.items()}
                 if plan is not None:
                     # The client gets a thread where the server's other threads run; this one,
                     # the offline engine's, moves to the prefill engine's CPUs for good (moved
@@ -133,13 +187,15 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
                         run[name](ids)
                 sides["service"].timings.clear()
                 sides["offline"].prefills.clear()
+                sides["twin"].prefills.clear()
                 time.sleep(WARMUP_SETTLE_S)
+                orders = list(itertools.permutations(sides))
                 for i, ids in enumerate(prompts):
-                    for name in (("offline", "service") if i % 2 == 0 else ("service", "offline")):
+                    for name in orders[i % len(orders)]:
                         results[name].append(run[name](ids))
         finally:
             bind_this_thread(own_cpus)
-    return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills
+    return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills, sides["twin"].prefills
 
 
 def _server_cpu_plan(settings: dict, own_cpus: set[int]):
@@ -205,11 +261,11 @@ def _bindings(text: str) -> list[str]:
     return bindings
 
 
-def report(runs: list[tuple[list, list, list, list]]) -> dict:
+def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     """Prints the figures of all runs pooled, and what the added TTFT is in each run."""
     from disagg.bench.metrics import median_ci
 
-    offline, service, phases, offline_prefills = ([x for run in runs for x in run[k]] for k in range(4))
+    offline, service, phases = ([x for run in runs for x in run[k]] for k in range(3))
     a = summarize("offline engine", offline)
     b = summarize("service (gRPC + Ray + KV transfer)", service)
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
@@ -229,7 +285,6 @@ def report(runs: list[tuple[list, list, list, list]]) -> dict:
     # engine's TTFT for the same prompt), the router and request links, and gRPC.
     parts = {
         "prefill in the worker - offline TTFT": [t.prefill_s - o[0] for t, o in zip(phases, offline)],
-        "prefill in the worker - offline's (both scheduled to first token)": [t.prefill_s - p for t, p in zip(phases, offline_prefills)],
         "router, links, hand-offs": [t.ttft_s - t.prefill_s for t in phases],
         "gRPC (client - frontend)": [s[0] - t.ttft_s for s, t in zip(service, phases)],
     }
@@ -240,7 +295,20 @@ def report(runs: list[tuple[list, list, list, list]]) -> dict:
     hops = [[(s[0] - t.prefill_s) * 1e3 for s, t in zip(run[1], run[2])] for run in runs]
     low_hops, high_hops = median_ci(hops)
     print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {statistics.median(sum(hops, [])):.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})")
-    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot}
+    # The control: a second process computing the same prompts with nothing of the service in it.
+    worker_gap = [[(t.prefill_s - p) * 1e3 for t, p in zip(run[2], run[3])] for run in runs]
+    twin_gap = [[(q - p) * 1e3 for q, p in zip(run[4], run[3])] for run in runs]
+    figures = {"worker": _median_with_ci(worker_gap), "twin": _median_with_ci(twin_gap)}
+    print("prefill (scheduled to first token) minus the offline engine's, per request: " + ", ".join(f"{name} p50 {m:+.1f} ms (95% CI {lo:+.1f} to {hi:+.1f})" for name, (m, lo, hi) in (("the worker's", figures["worker"]), ("a twin offline process's (the control)", figures["twin"]))))
+    if len(runs) > 1:
+        print("the same, run by run: worker " + ", ".join(f"{statistics.median(r):+.1f}" for r in worker_gap) + "; twin " + ", ".join(f"{statistics.median(r):+.1f}" for r in twin_gap) + " ms")
+    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": statistics.median(sum(hops, [])), "prefill_minus_offline_ms": figures}
+
+
+def _median_with_ci(runs: list[list[float]]) -> tuple[float, float, float]:
+    from disagg.bench.metrics import median_ci
+
+    return (statistics.median(sum(runs, [])), *median_ci(runs))
 
 
 if __name__ == "__main__":
