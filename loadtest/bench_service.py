@@ -263,8 +263,6 @@ def _bindings(text: str) -> list[str]:
 
 def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     """Prints the figures of all runs pooled, and what the added TTFT is in each run."""
-    from disagg.bench.metrics import median_ci
-
     offline, service, phases = ([x for run in runs for x in run[k]] for k in range(3))
     a = summarize("offline engine", offline)
     b = summarize("service (gRPC + Ray + KV transfer)", service)
@@ -275,7 +273,7 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     # The same prompt's TTFT on both sides, request by request: prompts of 40-80 tokens spread
     # TTFT over 50-180 ms, so the difference of two p50s moves with which requests sit mid-pack.
     per_request = [[(s[0] - o[0]) * 1e3 for s, o in zip(run[1], run[0])] for run in runs]
-    paired, (low, high) = statistics.median(sum(per_request, [])), median_ci(per_request)
+    paired, low, high = _median_with_ci(per_request)
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
     print(f"service adds {added:+.1f} ms to p50 TTFT, {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}; target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
     if len(runs) > 1:
@@ -293,8 +291,8 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     # and two fresh processes a few percent apart, also two identical ones: that is what the CI
     # above carries. The service's own hops, measured inside each request, do not.
     hops = [[(s[0] - t.prefill_s) * 1e3 for s, t in zip(run[1], run[2])] for run in runs]
-    low_hops, high_hops = median_ci(hops)
-    print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {statistics.median(sum(hops, [])):.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})")
+    own_hops, low_hops, high_hops = _median_with_ci(hops)
+    print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {own_hops:.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})")
     # The control: a second process computing the same prompts with nothing of the service in it.
     worker_gap = [[(t.prefill_s - p) * 1e3 for t, p in zip(run[2], run[3])] for run in runs]
     twin_gap = [[(q - p) * 1e3 for q, p in zip(run[4], run[3])] for run in runs]
@@ -302,10 +300,11 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     print("prefill (scheduled to first token) minus the offline engine's, per request: " + ", ".join(f"{name} p50 {m:+.1f} ms (95% CI {lo:+.1f} to {hi:+.1f})" for name, (m, lo, hi) in (("the worker's", figures["worker"]), ("a twin offline process's (the control)", figures["twin"]))))
     if len(runs) > 1:
         print("the same, run by run: worker " + ", ".join(f"{statistics.median(r):+.1f}" for r in worker_gap) + "; twin " + ", ".join(f"{statistics.median(r):+.1f}" for r in twin_gap) + " ms")
-    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": statistics.median(sum(hops, [])), "prefill_minus_offline_ms": figures}
+    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": own_hops, "prefill_minus_offline_ms": figures}
 
 
 def _median_with_ci(runs: list[list[float]]) -> tuple[float, float, float]:
+    """The median of all runs' values pooled, and its 95% CI (runs, then values, resampled)."""
     from disagg.bench.metrics import median_ci
 
     return (statistics.median(sum(runs, [])), *median_ci(runs))
