@@ -5,7 +5,9 @@ torch thread as each worker has; (b) through gRPC, the router, the Ray prefill a
 actors and the KV transfer, served by a `disagg serve` process (the default deployment: 1
 prefill + 1 decode worker, one thread each), this process being its gRPC client. The sides
 take turns request by request, in every order in turn, so that the machine's drift falls on
-each alike. Prints mean and p50 TTFT and TPOT for both and their differences.
+each alike. Before they are measured, each side meets every prompt length once (oneDNN's
+kernels are built per length and kept by the process; `kernel_warmup`). Prints mean and p50
+TTFT and TPOT for both and their differences.
 Target: the service adds at most 5 ms to p50 TTFT and keeps TPOT within 5%.
 
 A third side is the control for the worker's prefill: the same offline engine in a plain process
@@ -30,6 +32,7 @@ the 95% CI it prints resamples runs and requests, so it includes what differs be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -78,16 +81,17 @@ class Offline:
         self.count = 0
         self.prefills = []  # each request's scheduled-to-first-token, as the worker reports its own
 
-    def run(self, ids: list[int]) -> tuple[float, float]:
+    def run(self, ids: list[int], max_tokens: int | None = None) -> tuple[float, float]:
         self.count += 1
+        params = self.params if max_tokens is None else dataclasses.replace(self.params, max_tokens=max_tokens)
         start, first = time.perf_counter(), None
-        self.engine.add_request(str(self.count), prompt_token_ids=ids, sampling_params=self.params)
+        self.engine.add_request(str(self.count), prompt_token_ids=ids, sampling_params=params)
         timings = self.engine.scheduler.waiting[-1].timings
         while self.engine.has_unfinished_requests():
             for _ in self.engine.step():
                 first = first or time.perf_counter()
         self.prefills.append(timings.first_token - timings.first_scheduled)
-        return _ttft_tpot(start, first, time.perf_counter(), self.params.max_tokens)
+        return _ttft_tpot(start, first, time.perf_counter(), params.max_tokens)
 
 
 class OfflineTwin:
@@ -102,8 +106,8 @@ class OfflineTwin:
         self._receive()  # loaded
         self.prefills = []
 
-    def run(self, ids: list[int]) -> None:
-        self._conn.send(ids)
+    def run(self, ids: list[int], max_tokens: int | None = None) -> None:
+        self._conn.send((ids, max_tokens))
         self.prefills.append(self._receive())
 
     def _receive(self):
@@ -127,8 +131,8 @@ def _twin_main(conn, max_tokens: int, cpus: set[int] | None) -> None:
         bind_this_thread(cpus)
     offline = Offline(max_tokens)
     conn.send("loaded")
-    while (ids := conn.recv()) is not None:
-        offline.run(ids)
+    while (request := conn.recv()) is not None:
+        offline.run(*request)
         conn.send(offline.prefills[-1])
 
 
@@ -141,16 +145,17 @@ class Service:
         self.max_tokens = max_tokens
         self.timings = []
 
-    def run(self, ids: list[int]) -> tuple[float, float]:
+    def run(self, ids: list[int], max_tokens: int | None = None) -> tuple[float, float]:
         from disagg.client import generate_request
 
+        max_tokens = max_tokens or self.max_tokens
         start, first = time.perf_counter(), None
-        for msg in self.client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True), timeout=300):
+        for msg in self.client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
             if msg.token_ids and first is None:
                 first = time.perf_counter()
             if msg.finished:
                 self.timings.append(msg.timings)
-        return _ttft_tpot(start, first, time.perf_counter(), self.max_tokens)
+        return _ttft_tpot(start, first, time.perf_counter(), max_tokens)
 
 
 def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS):
@@ -180,11 +185,14 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
                     # back and forth per request, its prefills came out 10% slower than unbound).
                     client_thread = stack.enter_context(ThreadPoolExecutor(1, thread_name_prefix="client"))
                     client_thread.submit(int).result()  # started now, so that it inherits this thread's CPUs
-                    run["service"] = lambda ids: client_thread.submit(sides["service"].run, ids).result()
+                    run["service"] = lambda *request: client_thread.submit(sides["service"].run, *request).result()
                     bind_this_thread(plan.engine_cpus("prefill", 0))
                 for ids in warmup:
                     for name in sides:
                         run[name](ids)
+                for ids in kernel_warmup(prompts):
+                    for name in sides:
+                        run[name](ids, 2)
                 sides["service"].timings.clear()
                 sides["offline"].prefills.clear()
                 sides["twin"].prefills.clear()
@@ -196,6 +204,20 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
         finally:
             bind_this_thread(own_cpus)
     return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills, sides["twin"].prefills
+
+
+def kernel_warmup(prompts: list[list[int]]) -> list[list[int]]:
+    """One prompt of each length measured, its tokens shuffled (so that no prefix of it is cached).
+
+    oneDNN builds GEMM kernels for each row count it meets and keeps them for the process
+    (disagg/engine/layers/cpu_gemm.py), so a fresh process prefills a length it has not seen
+    1-13 ms slower at p50 than an engine in a process that has (session 15). This process
+    keeps its kernels from run to run while the server and the twin start afresh: without
+    these, from the second run on the offline side computed ahead of both.
+    """
+    rng = random.Random(len(prompts))
+    by_length = {len(ids): ids for ids in prompts}
+    return [rng.sample(ids, len(ids)) for _, ids in sorted(by_length.items())]
 
 
 def _server_cpu_plan(settings: dict, own_cpus: set[int]):
