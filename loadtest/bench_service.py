@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from disagg.bench.metrics import median_ci, median_difference_ci
 from disagg.cluster.cpu_binding import bind_this_thread, plan_cpus
 from disagg.config import CPU_BINDINGS
 
@@ -292,12 +293,14 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     for r in (a, b):
         print(f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}")
     added = b["ttft_p50_ms"] - a["ttft_p50_ms"]
+    added_ci = median_difference_ci(*([[r[0] * 1e3 for r in run[side]] for run in runs] for side in (0, 1)))
     # The same prompt's TTFT on both sides, request by request: prompts of 40-80 tokens spread
     # TTFT over 50-180 ms, so the difference of two p50s moves with which requests sit mid-pack.
     per_request = [[(s[0] - o[0]) * 1e3 for s, o in zip(run[1], run[0])] for run in runs]
     paired, low, high = _median_with_ci(per_request)
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
-    print(f"service adds {added:+.1f} ms to p50 TTFT, {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}; target <= 5 ms); TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
+    print(f"service adds {added:+.1f} ms to p50 TTFT (95% CI {added_ci[0]:+.1f} to {added_ci[1]:+.1f}), {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}); target <= 5 ms")
+    print(f"TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
     if len(runs) > 1:
         print("added per request at p50, run by run: " + ", ".join(f"{statistics.median(r):+.1f}" for r in per_request) + " ms")
     # Where the added TTFT goes, request by request (p50 of each part; the server's parts from
@@ -322,13 +325,13 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     print("prefill (scheduled to first token) minus the offline engine's, per request: " + ", ".join(f"{name} p50 {m:+.1f} ms (95% CI {lo:+.1f} to {hi:+.1f})" for name, (m, lo, hi) in (("the worker's", figures["worker"]), ("a twin offline process's (the control)", figures["twin"]))))
     if len(runs) > 1:
         print("the same, run by run: worker " + ", ".join(f"{statistics.median(r):+.1f}" for r in worker_gap) + "; twin " + ", ".join(f"{statistics.median(r):+.1f}" for r in twin_gap) + " ms")
-    return {"offline": a, "service": b, "runs": len(runs), "ttft_p50_added_ms": added, "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": own_hops, "prefill_minus_offline_ms": figures}
+    # Each request's figures too, run by run, so that a saved run can be analysed again.
+    per_run = [{"offline_ttft_ms": [o[0] * 1e3 for o in run[0]], "service_ttft_ms": [x[0] * 1e3 for x in run[1]], "worker_prefill_ms": [t.prefill_s * 1e3 for t in run[2]], "offline_prefill_ms": [p * 1e3 for p in run[3]], "twin_prefill_ms": [q * 1e3 for q in run[4]]} for run in runs]
+    return {"offline": a, "service": b, "runs": len(runs), "per_run": per_run, "ttft_p50_added_ms": added, "ttft_p50_added_ci95_ms": list(added_ci), "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": own_hops, "prefill_minus_offline_ms": figures}
 
 
 def _median_with_ci(runs: list[list[float]]) -> tuple[float, float, float]:
     """The median of all runs' values pooled, and its 95% CI (runs, then values, resampled)."""
-    from disagg.bench.metrics import median_ci
-
     return (statistics.median(sum(runs, [])), *median_ci(runs))
 
 

@@ -127,18 +127,31 @@ def median_ci(runs: list[list[float]], confidence: float = 0.95, resamples: int 
     from one run to the next (fresh processes on a shared machine compute a few percent apart)
     widens the interval as it should. With one run it is the plain bootstrap of its values,
     which says nothing about the next run."""
-    runs = [np.asarray(r, dtype=float) for r in runs]
-    if not runs or any(r.size == 0 for r in runs):
-        raise ValueError("median_ci: every run needs values")
+    return bootstrap_ci([np.asarray(r, dtype=float) for r in runs], np.median, confidence, resamples, seed)
+
+
+def median_difference_ci(runs_a: list[list[float]], runs_b: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """The same for median(b) - median(a), where a run's i-th values of a and b belong together
+    (one request on two sides): pairs are resampled, never split."""
+    if len(runs_a) != len(runs_b) or any(len(a) != len(b) for a, b in zip(runs_a, runs_b)):
+        raise ValueError("median_difference_ci: a and b need the same runs of the same lengths")
+    pairs = [np.column_stack([np.asarray(a, dtype=float), np.asarray(b, dtype=float)]) for a, b in zip(runs_a, runs_b)]
+    return bootstrap_ci(pairs, lambda rows: np.median(rows[:, 1]) - np.median(rows[:, 0]), confidence, resamples, seed)
+
+
+def bootstrap_ci(runs: list[np.ndarray], statistic, confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Two-level percentile bootstrap of `statistic` (rows -> float) over all runs' rows pooled."""
+    if not runs or any(len(r) == 0 for r in runs):
+        raise ValueError("bootstrap: every run needs values")
     if not 0 < confidence < 1:
-        raise ValueError(f"median_ci: confidence must be in (0, 1), got {confidence}")
+        raise ValueError(f"bootstrap: confidence must be in (0, 1), got {confidence}")
     rng = np.random.default_rng(seed)
-    medians = np.empty(resamples)
+    estimates = np.empty(resamples)
     for i in range(resamples):
         chosen = rng.integers(len(runs), size=len(runs))
-        medians[i] = np.median(np.concatenate([rng.choice(runs[k], size=runs[k].size) for k in chosen]))
+        estimates[i] = statistic(np.concatenate([runs[k][rng.integers(len(runs[k]), size=len(runs[k]))] for k in chosen]))
     tail = (1 - confidence) / 2 * 100
-    return float(np.percentile(medians, tail)), float(np.percentile(medians, 100 - tail))
+    return float(np.percentile(estimates, tail)), float(np.percentile(estimates, 100 - tail))
 
 
 def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:

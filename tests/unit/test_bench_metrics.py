@@ -9,6 +9,7 @@ import pytest
 
 from disagg.bench.metrics import (
     median_ci,
+    median_difference_ci,
     RequestRecord,
     TokenTimer,
     distribution_ms,
@@ -173,3 +174,17 @@ def test_median_ci_widens_with_what_differs_between_runs():
     lo_runs, hi_runs = median_ci(shifted, resamples=1000)
     lo_pooled, hi_pooled = median_ci(pooled, resamples=1000)
     assert hi_runs - lo_runs > 1.5 * (hi_pooled - lo_pooled)
+
+
+def test_median_difference_ci_keeps_each_request_with_its_pair():
+    rng = np.random.default_rng(5)
+    # Half the requests short, half long, the same on both sides but for a 3.0 shift. Each
+    # resample's median falls among the short or the long ones; kept in pairs, both sides' do
+    # alike, and the interval is about the shift. Split, it would span the gap between them.
+    runs_a = [rng.permutation(np.repeat([50.0, 180.0], 32)) + rng.normal(0.0, 1.0, 64) for _ in range(3)]
+    runs_b = [a + 3.0 + rng.normal(0.0, 1.0, a.size) for a in runs_a]
+    lo, hi = median_difference_ci([a.tolist() for a in runs_a], [b.tolist() for b in runs_b], resamples=1000)
+    assert lo < 3.0 < hi and hi - lo < 4.0
+    for bad in (dict(runs_a=[[1.0]], runs_b=[]), dict(runs_a=[[1.0, 2.0]], runs_b=[[1.0]])):
+        with pytest.raises(ValueError):
+            median_difference_ci(**bad)
