@@ -46,7 +46,7 @@ def _add_serve(sub) -> None:
 
 
 def _serve(args) -> int:
-    from disagg.cluster.serve import main_serve
+    from disagg.server import main_serve
 
     logging.getLogger("disagg").setLevel(logging.INFO)
     overrides = {k: v for k, v in {"model": args.model, "port": args.port, "mode": args.mode}.items() if v is not None}

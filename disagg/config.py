@@ -158,7 +158,7 @@ class ServingConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_ttl_s: float = 3.0
     threads_per_worker: int = 1
-    cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.cluster.cpu_binding)
+    cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None

@@ -33,7 +33,8 @@ from kv_bench_actors import measure_raw_bandwidth  # noqa: E402
 
 from disagg.engine.kv_cache import KVCache  # noqa: E402
 from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
-from disagg.kv_transfer.sender import KVSender, KVTarget  # noqa: E402
+from disagg.kv_transfer.layout import KVTarget  # noqa: E402
+from disagg.kv_transfer.sender import KVSender  # noqa: E402
 from disagg.kv_transfer.torch_dist import TorchDistTransport  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -17,7 +17,7 @@ twin's minus the offline one (what computing in another process alone makes).
 
     .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|on|off|on,off] [--out results.json]
 
-Where the server binds its prefill engine thread to CPUs of its own (disagg.cluster.cpu_binding;
+Where the server binds its prefill engine thread to CPUs of its own (disagg.hosts.cpu_binding;
 by default only with 3 CPUs or more), the offline engine and its twin compute on those CPUs too and the
 client runs beside the server's other threads, so that both sides compute under the same
 conditions.
@@ -48,7 +48,7 @@ from pathlib import Path
 import torch
 
 from disagg.bench.metrics import median_ci, median_difference_ci
-from disagg.cluster.cpu_binding import bind_this_thread, plan_cpus
+from disagg.hosts.cpu_binding import bind_this_thread, plan_cpus
 from disagg.config import CPU_BINDINGS
 
 SERVER_SETTINGS = {"threads_per_worker": 1, "metrics_port": None}  # the default deployment, one thread per worker as offline
@@ -222,7 +222,7 @@ def kernel_warmup(prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _server_cpu_plan(settings: dict, own_cpus: set[int]):
-    """Where the server binds its threads (disagg.cluster.cpu_binding): its prefill engine
+    """Where the server binds its threads (disagg.hosts.cpu_binding): its prefill engine
     thread on CPUs of its own, every other thread off them. This process's threads (the gRPC
     client's) join the server's others; the offline engine computes on the prefill engine's CPUs
     (`measure`), so that both sides compute under the same conditions. Returns the plan, with

@@ -16,8 +16,8 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from disagg.cluster.addressing import LOOPBACK
-from disagg.cluster.cpu_binding import CpuPlan
+from disagg.hosts.addressing import LOOPBACK
+from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import ParallelConfig, PoolConfig, ServingConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import UnavailableError

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-from disagg.actor_base import WorkerActorBase, engine_load
+from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.kv_transfer.layout import KVLayout
@@ -19,7 +19,7 @@ from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
 from disagg.rpc.server import Link
-from disagg.worker_api import Reservation, TokenDelta
+from disagg.rpc.messages import Reservation, TokenDelta
 
 TOKENS_TOPIC = "tokens"
 

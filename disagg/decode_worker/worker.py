@@ -22,7 +22,7 @@ from disagg.engine.distributed import InstanceGroups
 from disagg.kv_transfer.layout import KVLayout, sources_for
 from disagg.kv_transfer.tally import TransferTally
 from disagg.request import SamplingParams
-from disagg.worker_api import Reservation
+from disagg.rpc.messages import Reservation
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class FailedRequest:
 
 class DecodeWorker:
     def __init__(self, config: EngineConfig, transport: Transport | None, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
-        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.shard_worker.group.ShardGroup)."""
+        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.worker.shard_group.ShardGroup)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
         self.engine = LLMEngine(config.replace(role=role), groups=groups)
         self.engine.runner.followers = followers

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from disagg.engine.model_config import ModelConfig
-from disagg.kv_transfer.shared_memory import SharedHandle, shared_zeros
+from disagg.engine.shared_memory import SharedHandle, shared_zeros
 
 
 class KVCache:

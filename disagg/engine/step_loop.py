@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 class StepLoop:
     def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], name: str, max_pending_calls: int = 4096, idle_timeout: float = 1.0, cpus: Iterable[int] | None = None):
         """`cpus`: the CPUs the loop's thread (and the torch threads it starts) runs on; None: the
-        process's (disagg.cluster.cpu_binding says why an engine may want its own)."""
+        process's (disagg.hosts.cpu_binding says why an engine may want its own)."""
         self._step = step
         self._has_work = has_work
         self._calls: deque[tuple[Callable, tuple, Future]] = deque()

@@ -11,7 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.kv_transfer.resharding import ParallelPlan, plan_kv_routes
-from disagg.kv_transfer.sender import KVTarget
+
+
+@dataclass(frozen=True)
+class KVTarget:
+    """One decode rank that receives (part of) one request's KV."""
+
+    peer_id: str
+    peer_address: str
+    transfer_id: int  # the receiver's id for this transfer
+    block_ids: list[int]  # the receiver's pre-allocated blocks, in order
+    layers: tuple[int, int]  # global layer range this target takes from us
+    heads: tuple[int, int]  # global KV head range this target takes from us
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 different parallel plans.
 
 Tensor parallelism splits KV heads evenly across TP ranks; pipeline parallelism splits layers
-across stages (the same split as the model's `layer_range`). A route is the intersection of
+across stages (disagg.engine.partition, the model's own split). A route is the intersection of
 what one prefill rank holds with what one decode rank needs. Pure: no torch, no I/O.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.engine.models.llama import layer_range
+from disagg.engine.partition import head_range, layer_range
 
 
 @dataclass(frozen=True)
@@ -40,13 +40,6 @@ class KVRoute:
 
     def dst_local(self) -> tuple[slice, slice]:
         return _local(self.layers, self.dst_layer_offset), _local(self.heads, self.dst_head_offset)
-
-
-def head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
-    if num_kv_heads % tp_size:
-        raise ValueError(f"tensor_parallel_size={tp_size} must divide num_key_value_heads={num_kv_heads}")
-    per_rank = num_kv_heads // tp_size
-    return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
 def plan_kv_routes(num_layers: int, num_kv_heads: int, src: ParallelPlan, dst: ParallelPlan) -> list[KVRoute]:

@@ -20,6 +20,7 @@ import torch
 from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
+from disagg.kv_transfer.layout import KVTarget
 from disagg.kv_transfer.messages import BlockRef, Header, MsgType
 from disagg.kv_transfer.transport import Transport
 
@@ -30,18 +31,6 @@ from disagg.kv_transfer.transport import Transport
 # it is computed (Llama-3-8B: 1,024 tokens are 4 MiB per layer).
 MIN_MESSAGE_BYTES = 4 << 20
 NOT_DUE = 1 << 30  # a layer index past any model's last
-
-
-@dataclass(frozen=True)
-class KVTarget:
-    """One decode rank that receives (part of) one request's KV."""
-
-    peer_id: str
-    peer_address: str
-    transfer_id: int  # the receiver's id for this transfer
-    block_ids: list[int]  # the receiver's pre-allocated blocks, in order
-    layers: tuple[int, int]  # global layer range this target takes from us
-    heads: tuple[int, int]  # global KV head range this target takes from us
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.errors import KVTransferError
-from disagg.kv_transfer.shared_memory import host_key
+from disagg.engine.shared_memory import host_key
 from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, InvalidStateError
 
-from disagg.actor_base import WorkerActorBase, engine_load
+from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
@@ -18,7 +18,7 @@ from disagg.prefill_worker.worker import PrefillWorker
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
 from disagg.rpc.server import Link
-from disagg.worker_api import PrefillResult, Reservation
+from disagg.rpc.messages import PrefillResult, Reservation
 
 
 class PrefillActor(WorkerActorBase):

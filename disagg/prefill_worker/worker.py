@@ -17,13 +17,14 @@ from disagg.config import EngineConfig, Role
 from disagg.engine.engine import LLMEngine
 from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.endpoint import TransferResult
-from disagg.kv_transfer.sender import KVSender, KVTarget
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.transport import Transport
 from disagg.engine.distributed import InstanceGroups
 from disagg.kv_transfer.layout import KVLayout, targets_for
 from disagg.kv_transfer.tally import TransferTally
 from disagg.request import SamplingParams
-from disagg.worker_api import Reservation
+from disagg.rpc.messages import Reservation
 
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class _AwaitingTargets:
 
 class PrefillWorker:
     def __init__(self, config: EngineConfig, transport: Transport, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
-        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.shard_worker.group.ShardGroup)."""
+        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.worker.shard_group.ShardGroup)."""
         self.engine = LLMEngine(config.replace(role=Role.PREFILL), groups=groups)
         self.engine.runner.followers = followers
         self.followers = followers

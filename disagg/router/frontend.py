@@ -22,7 +22,7 @@ from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
 from disagg.router.validation import ModelLimits, check_fits, prompt_token_ids, sampling_params
 from disagg.v1 import serving_pb2, serving_pb2_grpc
-from disagg.worker_api import TokenDelta
+from disagg.rpc.messages import TokenDelta
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.policy import PlacementPolicy
 from disagg.router.streams import DecodeStreams, Mailbox
-from disagg.worker_api import TokenDelta
+from disagg.rpc.messages import TokenDelta
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0

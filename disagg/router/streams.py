@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 
 from disagg.router.directory import Instance
-from disagg.worker_api import TokenDelta
+from disagg.rpc.messages import TokenDelta
 
 
 class Mailbox:

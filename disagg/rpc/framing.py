@@ -1,7 +1,7 @@
 """Frames on a request link: a 4-byte big-endian length, then a pickled tuple.
 
 Pickle because the payloads are the same plain dataclasses that crossed Ray before
-(disagg.worker_api); it is safe only because a peer must present the instance's secret
+(disagg.rpc.messages); it is safe only because a peer must present the instance's secret
 (`hello`) before any frame of theirs is unpickled.
 
     router -> worker   (call_id, method, args)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from disagg.cluster.addressing import resolve_host
+from disagg.hosts.addressing import resolve_host
 from disagg.config import EngineConfig, Role
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine, resolve_device

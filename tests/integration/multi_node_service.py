@@ -17,7 +17,7 @@ from ray.cluster_utils import Cluster
 from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
-from disagg.cluster.serve import Server
+from disagg.server import Server
 from disagg.config import ServingConfig
 from disagg.registry import Registry
 

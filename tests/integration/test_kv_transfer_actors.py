@@ -16,7 +16,8 @@ from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.kv_transfer.receiver import KVReceiver
-from disagg.kv_transfer.sender import KVSender, KVTarget
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 
 KV_TIMEOUT = 10.0

@@ -16,7 +16,7 @@ import pytest
 
 from disagg.bench.metrics import read_rows
 from disagg.cli import main as disagg_main
-from disagg.cluster.serve import Server
+from disagg.server import Server
 from disagg.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
 from disagg.cluster.redis_server import LocalRedis
-from disagg.cluster.serve import Server
+from disagg.server import Server
 from disagg.config import ServingConfig
 from disagg.registry import Registry
 

@@ -10,7 +10,7 @@ import ray
 from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
-from disagg.cluster.serve import Server
+from disagg.server import Server
 from disagg.config import ServingConfig
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about rain.", "Who wrote Hamlet?"]

@@ -14,7 +14,7 @@ import ray
 from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
-from disagg.cluster.serve import Server
+from disagg.server import Server
 from disagg.config import ServingConfig
 
 PROMPTS = [[5, 9, 14, 3, 7], list(range(3, 60)), [11], [8, 2, 30, 41] * 9, list(range(100, 140))]

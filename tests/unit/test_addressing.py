@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from disagg.cluster.addressing import LOOPBACK, check_redis_reachable, is_loopback, worker_host
+from disagg.hosts.addressing import LOOPBACK, check_redis_reachable, is_loopback, worker_host
 
 
 def test_one_node_stays_on_loopback_several_use_each_node_ip():

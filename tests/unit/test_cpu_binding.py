@@ -1,4 +1,4 @@
-"""Which CPUs engine threads get (disagg.cluster.cpu_binding), and the step loop's thread taking them."""
+"""Which CPUs engine threads get (disagg.hosts.cpu_binding), and the step loop's thread taking them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from disagg.cluster.cpu_binding import keep_off_engine_cpus, plan_cpus
+from disagg.hosts.cpu_binding import keep_off_engine_cpus, plan_cpus
 from disagg.config import PoolConfig, ServingConfig
 from disagg.engine.step_loop import StepLoop
 

@@ -14,13 +14,14 @@ from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.engine.kv_cache import KVCache
-from disagg.engine.models.llama import layer_range
+from disagg.engine.partition import head_range, layer_range
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.messages import HEADER_LEN, MsgType
 from disagg.kv_transfer.receiver import KVReceiver
-from disagg.kv_transfer.resharding import ParallelPlan, head_range, plan_kv_routes
-from disagg.kv_transfer.sender import KVSender, KVTarget
+from disagg.kv_transfer.resharding import ParallelPlan, plan_kv_routes
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.sender import KVSender
 from disagg.prefill_worker.worker import PrefillWorker
 
 MODEL = "random:tiny"

@@ -16,8 +16,10 @@ from disagg.errors import KVTransferError
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.messages import BlockRef, Header, MsgType
 from disagg.kv_transfer.receiver import KVReceiver, copy_blocks
-from disagg.kv_transfer.sender import KVSender, KVTarget
-from disagg.kv_transfer.shared_memory import SharedHandle, attach, host_key, shared_zeros
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.sender import KVSender
+from disagg.engine.shared_memory import SharedHandle, host_key, shared_zeros
+from disagg.kv_transfer.shared_memory import attach
 
 SHAPE = (2, 2, 3, 8, 4, 5)  # layers, K/V, heads, blocks, block size, head dim
 

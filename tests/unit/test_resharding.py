@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from disagg.engine.models.llama import layer_range
-from disagg.kv_transfer.resharding import KVRoute, ParallelPlan, head_range, plan_kv_routes
+from disagg.engine.partition import head_range, layer_range
+from disagg.kv_transfer.resharding import KVRoute, ParallelPlan, plan_kv_routes
 
 LAYERS, HEADS = 6, 4
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from disagg.engine.partition import shard_size
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -22,9 +24,7 @@ class TPGroup:
         return x
 
     def shard(self, n: int, what: str) -> int:
-        if n % self.size:
-            raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={self.size}")
-        return n // self.size
+        return shard_size(n, self.size, what)
 
 
 SINGLE = TPGroup()

@@ -22,14 +22,8 @@ from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.engine.layers.rotary import RotaryEmbedding
 from disagg.engine.model_config import ModelConfig
+from disagg.engine.partition import layer_range
 from disagg.errors import ModelLoadError
-
-
-def layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
-    """[start, end) of the layers that pipeline stage `pp_rank` runs (earlier stages get the remainder)."""
-    base, extra = divmod(num_layers, pp_size)
-    start = pp_rank * base + min(pp_rank, extra)
-    return start, start + base + (1 if pp_rank < extra else 0)
 
 
 class LlamaAttention(nn.Module):

@@ -17,8 +17,8 @@ import time
 import ray
 import torch
 
-from disagg.cluster.addressing import resolve_host
-from disagg.cluster.cpu_binding import keep_off_engine_cpus
+from disagg.hosts.addressing import resolve_host
+from disagg.hosts.cpu_binding import keep_off_engine_cpus
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
@@ -26,7 +26,7 @@ from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout, KVRank
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.rpc.server import Link, RpcServer
-from disagg.shard_worker.group import ShardGroup
+from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ class WorkerActorBase:
 
     def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1", engine_cpus: list[int] | None = None):
         """`host`: what the request link, the KV transport and the rank rendezvous listen on (and
-        advertise); None: this node's IP, for a cluster of several nodes (disagg.cluster.addressing).
-        `engine_cpus`: where the engine thread runs (disagg.cluster.cpu_binding); None: where the
+        advertise); None: this node's IP, for a cluster of several nodes (disagg.hosts.addressing).
+        `engine_cpus`: where the engine thread runs (disagg.hosts.cpu_binding); None: where the
         process may."""
         torch.set_num_threads(num_threads)
         self.instance_id = instance_id

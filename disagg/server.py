@@ -2,7 +2,7 @@
 gRPC frontend, started in that order and stopped in reverse on Ctrl-C or SIGTERM.
 
 On a Ray cluster of several nodes the workers listen on their nodes' IPs and a local Redis on
-this node's, so that every node reaches them (disagg.cluster.addressing).
+this node's, so that every node reaches them (disagg.hosts.addressing).
 
 Shutdown is graceful: new requests get UNAVAILABLE, those in flight get a grace period to
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
@@ -25,8 +25,8 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from disagg.cluster.addressing import check_redis_reachable, num_alive_nodes, resolve_host, worker_host
-from disagg.cluster.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
+from disagg.hosts.addressing import check_redis_reachable, num_alive_nodes, resolve_host, worker_host
+from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import ServingConfig
