@@ -119,6 +119,18 @@ class RequestTimings:
     def e2e(self) -> float | None:
         return None if self.finished is None else self.finished - self.arrival
 
+    # The per-phase durations a worker reports (it measures on its own clock; `now` ends a phase
+    # still under way).
+    def queue_seconds(self) -> float:
+        return (self.first_scheduled or self.arrival) - self.arrival
+
+    def prefill_seconds(self, now: float) -> float:
+        return (self.first_token or now) - (self.first_scheduled or self.arrival)
+
+    def decode_seconds(self, now: float) -> float:
+        """From the first token (or the KV's arrival, on a decode instance) to the end."""
+        return (self.finished or now) - (self.kv_ready or self.first_token or self.arrival)
+
 
 @dataclass(eq=False)
 class Request:

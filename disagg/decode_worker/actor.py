@@ -1,4 +1,4 @@
-"""The decode (or colocated) instance as a Ray actor.
+"""The decode (or colocated) instance as a Ray actor, serving DecodeService (disagg.rpc.services).
 
 Tokens leave in batches: after each engine step, the engine thread sends each router one
 frame over its request link (disagg.rpc) with the new tokens of all that router's requests.
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
@@ -20,11 +21,40 @@ from disagg.registry import LoadReport
 from disagg.request import SamplingParams
 from disagg.rpc.server import Link
 from disagg.rpc.messages import Reservation, TokenDelta
+from disagg.rpc.services import TOKENS_TOPIC, DecodeService
 
-TOKENS_TOPIC = "tokens"
+@dataclass(frozen=True)
+class Reserve:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill: KVLayout
+    stream_to: Link
 
 
-class DecodeActor(WorkerActorBase):
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    stream_to: Link
+
+
+@dataclass(frozen=True)
+class AbortDecode:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class DropStreamsOf:
+    """A router went away: abort every request whose tokens went to it."""
+
+    link: Link
+
+
+class DecodeActor(WorkerActorBase, DecodeService):
+    service = DecodeService
+
     def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
         super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
@@ -53,36 +83,33 @@ class DecodeActor(WorkerActorBase):
         receiver = self.worker.receiver
         return {"load": self.load(), "kv_bytes_received": receiver.num_bytes_total if receiver else 0}
 
-    # ---- the request link ----------------------------------------------------------------------
-    def _rpc_handlers(self) -> dict:
-        return {"reserve": self.reserve, "submit": self.submit, "abort": self.abort}
+    # ---- DecodeService (on the link's thread) --------------------------------------------------
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Future:
+        return self.loop.submit(Reserve(request_id, prompt_token_ids, params, prefill, self.rpc.caller()))
 
-    def reserve(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Future:
-        """The handshake with the prefill instance whose ranks are `prefill`: pre-allocate the
-        prompt's blocks on every rank; None when there is no room now."""
-        return self.loop.call(self._reserve, link, request_id, prompt_token_ids, params, prefill)
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
+        return self.loop.submit(Submit(request_id, prompt_token_ids, params, self.rpc.caller()))
 
-    def submit(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
-        """COLOCATED: run the whole request here; its tokens stream back over `link`."""
-        return self.loop.call(self._submit, link, request_id, prompt_token_ids, params)
-
-    def abort(self, link: Link, request_id: str) -> Future:
-        return self.loop.call(self._abort, request_id)
+    def abort(self, request_id: str) -> Future:
+        return self.loop.submit(AbortDecode(request_id))
 
     def _link_closed(self, link: Link) -> None:
-        self.loop.call(self._abort_streams_of, link)
+        self.loop.submit(DropStreamsOf(link))
 
     # ---- engine thread -------------------------------------------------------------------------
-    def _reserve(self, link: Link, request_id, prompt_token_ids, params, prefill: KVLayout) -> Reservation | None:
-        reservation = self.worker.reserve_from(request_id, prompt_token_ids, params, prefill, self.kv_layout())
+    def _engine_commands(self) -> dict:
+        return {Reserve: self._reserve, Submit: self._submit, AbortDecode: lambda c: self._abort(c.request_id), DropStreamsOf: self._drop_streams_of}
+
+    def _reserve(self, command: Reserve) -> Reservation | None:
+        reservation = self.worker.reserve_from(command.request_id, command.prompt_token_ids, command.params, command.prefill, self.kv_layout())
         if reservation is not None:
-            self._first_token_pending.add(request_id)
-            self._streams[request_id] = link
+            self._first_token_pending.add(command.request_id)
+            self._streams[command.request_id] = command.stream_to
         return reservation
 
-    def _submit(self, link: Link, request_id, prompt_token_ids, params) -> None:
-        self.worker.add_request(request_id, prompt_token_ids, params)
-        self._streams[request_id] = link
+    def _submit(self, command: Submit) -> None:
+        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
+        self._streams[command.request_id] = command.stream_to
 
     def _abort(self, request_id: str) -> bool:
         self._transfers.pop(request_id, None)
@@ -90,8 +117,8 @@ class DecodeActor(WorkerActorBase):
         self._first_token_pending.discard(request_id)
         return self.worker.abort(request_id)
 
-    def _abort_streams_of(self, link: Link) -> None:
-        for request_id in [r for r, to in self._streams.items() if to is link]:
+    def _drop_streams_of(self, command: DropStreamsOf) -> None:
+        for request_id in [r for r, to in self._streams.items() if to is command.link]:
             self._abort(request_id)
 
     def _kv_endpoint(self):
@@ -100,7 +127,7 @@ class DecodeActor(WorkerActorBase):
     def _handle_outputs(self, outputs) -> None:
         self._transfers.update((r.request_id, (r.seconds, r.num_bytes)) for r in self.worker.transfer_results if r.ok)
         deltas = [self._delta(out) for out in outputs]
-        deltas += [TokenDelta(f.request_id, [], finished=True, finish_reason="abort", error=f.error) for f in self.worker.failed]
+        deltas += [TokenDelta.failed(f.request_id, f.error) for f in self.worker.failed]
         self._first_token_pending.difference_update(f.request_id for f in self.worker.failed)
         self._publish(deltas)
 
@@ -113,8 +140,7 @@ class DecodeActor(WorkerActorBase):
         logprobs = []
         if completion.logprobs:
             logprobs = [lp.get(t, float("nan")) for lp, t in zip(completion.logprobs[-len(token_ids) :], token_ids)] if token_ids else []
-        m = out.metrics
-        start = m.kv_ready or m.first_token or m.arrival
+        m, now, colocated = out.metrics, time.perf_counter(), self.role == "colocated"
         transfer_s, transfer_bytes = (self._transfers.pop if out.finished else self._transfers.get)(out.request_id, (0.0, 0))
         return TokenDelta(
             request_id=out.request_id,
@@ -126,11 +152,11 @@ class DecodeActor(WorkerActorBase):
             num_prompt_tokens=len(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
             num_output_tokens=len(completion.token_ids),
-            queue_s=(m.first_scheduled or m.arrival) - m.arrival if self.role == "colocated" else 0.0,
-            prefill_s=(m.first_token or m.arrival) - (m.first_scheduled or m.arrival) if self.role == "colocated" else 0.0,
+            queue_s=m.queue_seconds() if colocated else 0.0,
+            prefill_s=m.prefill_seconds(now) if colocated else 0.0,
             transfer_s=transfer_s,
             transfer_bytes=transfer_bytes,
-            decode_s=((m.finished or time.perf_counter()) - start) if out.finished else 0.0,
+            decode_s=m.decode_seconds(now) if out.finished else 0.0,
         )
 
     def _publish(self, deltas: list[TokenDelta]) -> None:
@@ -148,4 +174,4 @@ class DecodeActor(WorkerActorBase):
         ids = list(engine.scheduler.requests)
         for request_id in ids:
             self.worker.abort(request_id)
-        self._publish([TokenDelta(r, [], finished=True, finish_reason="abort", error=f"decode step failed: {exc}") for r in ids])
+        self._publish([TokenDelta.failed(r, f"decode step failed: {exc}") for r in ids])

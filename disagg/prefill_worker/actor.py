@@ -1,14 +1,15 @@
-"""The prefill instance as a Ray actor.
+"""The prefill instance as a Ray actor, serving PrefillService (disagg.rpc.services).
 
-Its request link (disagg.rpc) serves `prefill`, whose reply is the first token (that is the
-request's TTFT) and is sent by the engine thread as soon as the token exists; the KV keeps
-streaming to the decode worker in the background and the blocks are freed on its ack.
+`prefill`'s reply is the first token (that is the request's TTFT) and is sent by the engine
+thread as soon as the token exists; the KV keeps streaming to the decode worker in the
+background and the blocks are freed on its ack.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import EngineConfig
@@ -19,10 +20,30 @@ from disagg.registry import LoadReport
 from disagg.request import SamplingParams
 from disagg.rpc.server import Link
 from disagg.rpc.messages import PrefillResult, Reservation
+from disagg.rpc.services import PrefillService
 
 
-class PrefillActor(WorkerActorBase):
+@dataclass(frozen=True)
+class StartPrefill:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class SetKVTargets:
+    request_id: str
+    reservation: Reservation
+
+
+@dataclass(frozen=True)
+class AbortPrefill:
+    request_id: str
+
+
+class PrefillActor(WorkerActorBase, PrefillService):
     role = "prefill"
+    service = PrefillService
 
     def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
@@ -45,47 +66,48 @@ class PrefillActor(WorkerActorBase):
     async def status(self) -> dict:
         return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
 
-    # ---- the request link ----------------------------------------------------------------------
-    def _rpc_handlers(self) -> dict:
-        return {"prefill": self.prefill, "set_kv_targets": self.set_kv_targets, "abort": self.abort}
-
-    def prefill(self, link: Link, request_id: str, prompt_token_ids: list[int], params: SamplingParams, reservation: Reservation | None = None) -> Future:
-        """Compute the prompt; the Future is its first token. Its KV goes into the decode
-        instance's reserved blocks: given here, or (None) sent later with `set_kv_targets`, so
-        that the prefill can start while the decode side is still answering the handshake."""
+    # ---- PrefillService (on the link's thread) -------------------------------------------------
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
         first_token: Future = Future()
-        self._first_tokens[request_id] = (first_token, link)
+        self._first_tokens[request_id] = (first_token, self.rpc.caller())
         try:
-            if reservation is None:
-                added = self.loop.call(self.worker.add_request_early, request_id, prompt_token_ids, params, self.kv_timeout_s)
-            else:
-                added = self.loop.call(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
+            added = self.loop.submit(StartPrefill(request_id, prompt_token_ids, params))
         except BaseException:
             self._first_tokens.pop(request_id, None)
             raise
         added.add_done_callback(lambda f: f.exception() is not None and self._reject(request_id, f.exception()))
         return first_token
 
-    def set_kv_targets(self, link: Link, request_id: str, reservation: Reservation) -> Future:
-        """Where the KV of a request started without a reservation goes; False if it is gone.
-        This rank's sender learns it before the next layer (its prefill step may be running); the
-        rest waits for the step's end."""
-        layout = self.kv_layout()
-        self.worker.queue_targets(request_id, reservation, layout)
-        return self.loop.call(self.worker.set_targets, request_id, reservation, layout)
+    def set_kv_targets(self, request_id: str, reservation: Reservation) -> Future:
+        """This rank's sender learns the targets before the next layer (the request's step may be
+        running); the rest waits for the step's end."""
+        self.worker.queue_targets(request_id, reservation, self.kv_layout())
+        return self.loop.submit(SetKVTargets(request_id, reservation))
 
-    def abort(self, link: Link, request_id: str) -> Future:
+    def abort(self, request_id: str) -> Future:
         waiting = self._first_tokens.pop(request_id, None)
         if waiting is not None:
             waiting[0].cancel()
-        return self.loop.call(self.worker.abort, request_id)
+        return self.loop.submit(AbortPrefill(request_id))
 
     def _link_closed(self, link: Link) -> None:
         for request_id, (_, asked_by) in list(self._first_tokens.items()):
             if asked_by is link:
-                self.abort(link, request_id)
+                self.abort(request_id)
 
     # ---- engine thread -------------------------------------------------------------------------
+    def _engine_commands(self) -> dict:
+        return {StartPrefill: self._start_prefill, SetKVTargets: self._set_kv_targets, AbortPrefill: self._abort}
+
+    def _start_prefill(self, command: StartPrefill) -> None:
+        self.worker.add_request_early(command.request_id, command.prompt_token_ids, command.params, self.kv_timeout_s)
+
+    def _set_kv_targets(self, command: SetKVTargets) -> bool:
+        return self.worker.set_targets(command.request_id, command.reservation, self.kv_layout())
+
+    def _abort(self, command: AbortPrefill) -> bool:
+        return self.worker.abort(command.request_id)
+
     def _kv_endpoint(self):
         return self.worker.sender
 
@@ -135,6 +157,6 @@ def _first_token_result(out) -> PrefillResult:
         finish_reason=completion.finish_reason,
         num_prompt_tokens=len(out.prompt_token_ids),
         num_cached_tokens=out.num_cached_tokens,
-        queue_s=(m.first_scheduled or m.arrival) - m.arrival,
-        prefill_s=(m.first_token or time.perf_counter()) - (m.first_scheduled or m.arrival),
+        queue_s=m.queue_seconds(),
+        prefill_s=m.prefill_seconds(time.perf_counter()),
     )

@@ -20,6 +20,7 @@ from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
 from disagg.registry import InstanceView, Registry
 from disagg.rpc.client import RpcClient
+from disagg.rpc.stubs import DecodeStub, PrefillStub
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,16 @@ class Instance:
     outstanding_requests: int = 0
     reserved_blocks: int = 0  # blocks reserved by the router since the last load report
     extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_service(self) -> PrefillStub:
+        """This instance as a prefill instance (its role is "prefill")."""
+        return PrefillStub(self.rpc)
+
+    @property
+    def decode_service(self) -> DecodeStub:
+        """This instance as a decode or colocated instance."""
+        return DecodeStub(self.rpc)
 
     @property
     def kv_address(self) -> str:

@@ -86,7 +86,7 @@ class Orchestrator:
         placement = Placement(prefill, None)
         prefill_call = None
         try:
-            prefill_call = await prefill.rpc.submit("prefill", request_id, prompt_token_ids, params, None)
+            prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
             decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
@@ -101,30 +101,18 @@ class Orchestrator:
             raise
         finally:
             prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
-        first = TokenDelta(
-            request_id,
-            [result.token_id],
-            text=result.text,
-            logprobs=[result.logprob] if result.logprob is not None else [],
-            finished=result.finished,
-            finish_reason=result.finish_reason,
-            num_prompt_tokens=result.num_prompt_tokens,
-            num_cached_tokens=result.num_cached_tokens,
-            num_output_tokens=1,
-            queue_s=result.queue_s,
-            prefill_s=result.prefill_s,
-        )
+        first = TokenDelta.first(result)
         return placement, mailbox, first
 
     async def _send_targets(self, prefill: Instance, request_id: str, reservation, mailbox: Mailbox) -> None:
         """Tell the prefill where the KV goes; if it cannot, the request's stream ends in an error."""
         try:
-            if await prefill.rpc.call("set_kv_targets", request_id, reservation, timeout_s=self.config.request_timeout_s):
+            if await prefill.prefill_service.set_kv_targets(request_id, reservation, timeout_s=self.config.request_timeout_s):
                 return
             error = f"prefill instance {prefill.instance_id} dropped the request"
         except Exception as exc:  # the prefill worker died or failed
             error = f"prefill instance {prefill.instance_id}: {exc}"
-        mailbox.put(TokenDelta(request_id, [], finished=True, finish_reason="abort", error=error))
+        mailbox.put(TokenDelta.failed(request_id, error))
 
     def _background(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -140,7 +128,7 @@ class Orchestrator:
             decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
-            reservation = await decode.rpc.call("reserve", request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s)
+            reservation = await decode.decode_service.reserve(request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s)
             if reservation is not None:
                 decode.outstanding_requests += 1
                 decode.reserved_blocks += len(reservation.block_ids)
@@ -159,7 +147,7 @@ class Orchestrator:
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
         try:
-            await instance.rpc.call("submit", request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s)
+            await instance.decode_service.submit(request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s)
         except BaseException:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
@@ -188,9 +176,9 @@ class Orchestrator:
         if placement.finished:
             return
         if decode is not None:
-            aborts.append(decode.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))
+            aborts.append(decode.decode_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
         if placement.prefill is not None:
-            aborts.append(placement.prefill.rpc.call("abort", request_id, timeout_s=ABORT_TIMEOUT_S))
+            aborts.append(placement.prefill.prefill_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
         try:
             await asyncio.shield(asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S))
         except (asyncio.TimeoutError, asyncio.CancelledError):

@@ -69,4 +69,4 @@ class DecodeStreams:
     def _fail_all(instance_id: str, boxes: dict[str, Mailbox]) -> None:
         """The link broke (the worker died): every request streaming from it has failed."""
         for request_id, box in list(boxes.items()):
-            box.put(TokenDelta(request_id, [], finished=True, finish_reason="abort", error=f"instance {instance_id} failed"))
+            box.put(TokenDelta.failed(request_id, f"instance {instance_id} failed"))

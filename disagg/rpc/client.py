@@ -1,6 +1,7 @@
 """The router's end of a request link to one instance (asyncio, on the frontend's event loop).
 
-`call()` sends a call and awaits its reply; events (token deltas) go to `on_event` as they
+Calls name a method of a service class (disagg.rpc.services), never a string; the typed stubs
+(disagg.rpc.stubs) are how the router makes them. `call()` sends a call and awaits its reply; events (token deltas) go to `on_event` as they
 arrive, on the loop itself, so a token is in the gRPC stream's hands without a thread hop.
 The link is dialled on first use and again after it broke; when it breaks, every call waiting
 on it fails with WorkerLinkError and `on_disconnect` runs (the streams end their requests).
@@ -33,7 +34,7 @@ class RpcClient:
         self.on_event: Callable[[str, object], None] = lambda topic, payload: None
         self.on_disconnect: Callable[[], None] = lambda: None
 
-    async def submit(self, method: str, *args) -> asyncio.Future:
+    async def submit(self, method: Callable, *args) -> asyncio.Future:
         """Send a call now; the returned Future is its reply (the handler's return value, its
         exception as RemoteError, WorkerLinkError if the link breaks first). Cancelling it only
         stops waiting."""
@@ -43,7 +44,7 @@ class RpcClient:
         self._pending[call_id] = reply
         reply.add_done_callback(lambda _: self._pending.pop(call_id, None))
         try:
-            writer.write(encode((call_id, method, args)))
+            writer.write(encode((call_id, method.__name__, list(args))))
             await writer.drain()  # returns at once unless the worker stopped reading
         except (ConnectionError, OSError) as exc:
             reply.cancel()
@@ -53,7 +54,7 @@ class RpcClient:
             raise
         return reply
 
-    async def call(self, method: str, *args, timeout_s: float):
+    async def call(self, method: Callable, *args, timeout_s: float):
         """Send a call and wait for its reply; TimeoutError after timeout_s."""
         return await asyncio.wait_for(await self.submit(method, *args), timeout_s)
 

@@ -1,8 +1,6 @@
-"""Frames on a request link: a 4-byte big-endian length, then a pickled tuple.
-
-Pickle because the payloads are the same plain dataclasses that crossed Ray before
-(disagg.rpc.messages); it is safe only because a peer must present the instance's secret
-(`hello`) before any frame of theirs is unpickled.
+"""Frames on a request link: a 4-byte big-endian length, then a 3-element array in the link's
+fixed-schema encoding (disagg.rpc.codec; the message classes are disagg.rpc.messages'). A peer
+must also present the instance's secret (`hello`) before any frame of theirs is read.
 
     router -> worker   (call_id, method, args)
     worker -> router   (REPLY, call_id, value) | (ERROR, call_id, exception) | (EVENT, topic, payload)
@@ -10,22 +8,21 @@ Pickle because the payloads are the same plain dataclasses that crossed Ray befo
 
 from __future__ import annotations
 
-import pickle
 import socket
 import struct
+
+from disagg.rpc.codec import Codec, FrameError
+from disagg.rpc.messages import MESSAGE_TYPES
 
 REPLY, ERROR, EVENT = 0, 1, 2
 MAX_FRAME_BYTES = 64 << 20  # a step's token deltas or a long prompt are far below this
 TOKEN_BYTES = 32
 _HEADER = struct.Struct(">I")
-
-
-class FrameError(ValueError):
-    """The peer sent something that is not a frame of this protocol."""
+CODEC = Codec(MESSAGE_TYPES)
 
 
 def encode(message: tuple) -> bytes:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    body = CODEC.encode(message)
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
     return _HEADER.pack(len(body)) + body
@@ -39,10 +36,10 @@ def body_length(header: bytes) -> int:
 
 
 def decode(body: bytes) -> tuple:
-    message = pickle.loads(body)
-    if not isinstance(message, tuple) or len(message) != 3:
-        raise FrameError("a frame must hold a 3-tuple")
-    return message
+    message = CODEC.decode(body)
+    if not isinstance(message, list) or len(message) != 3:
+        raise FrameError("a frame must hold 3 elements")
+    return tuple(message)
 
 
 def recv_exactly(sock: socket.socket, n: int, is_open=lambda: True) -> bytes:

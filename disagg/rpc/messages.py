@@ -1,10 +1,13 @@
-"""Plain data exchanged between the router and the workers (crosses Ray, so no live objects)."""
+"""Plain data exchanged between the router and the workers over the request link: dataclasses of
+primitive fields, encoded with a fixed schema (disagg.rpc.codec), never pickled."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from disagg.kv_transfer.layout import KVLayout
+from disagg.kv_transfer.layout import KVLayout, KVRank
+from disagg.request import SamplingParams
 
 
 @dataclass
@@ -30,12 +33,39 @@ class TokenDelta:
     decode_instance: str = ""
 
     def merge(self, later: "TokenDelta") -> None:
-        """Fold a later delta of the same request into this one (the consumer was slow)."""
-        self.token_ids += later.token_ids
-        self.text += later.text
-        self.logprobs += later.logprobs
-        for name in ("finished", "finish_reason", "error", "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "queue_s", "prefill_s", "transfer_s", "transfer_bytes", "decode_s"):
-            setattr(self, name, getattr(later, name))
+        """Fold a later delta of the same request into this one (the consumer was slow): tokens
+        add up, every other field is the later one's."""
+        for f in dataclasses.fields(self):
+            if f.name in _ADDED_UP:
+                setattr(self, f.name, getattr(self, f.name) + getattr(later, f.name))
+            elif f.name not in _ROUTER_SET:
+                setattr(self, f.name, getattr(later, f.name))
+
+    @classmethod
+    def failed(cls, request_id: str, error: str) -> "TokenDelta":
+        """The last delta of a request that failed."""
+        return cls(request_id, [], finished=True, finish_reason="abort", error=error)
+
+    @classmethod
+    def first(cls, result: "PrefillResult") -> "TokenDelta":
+        """The first token, as a prefill worker answered it."""
+        return cls(
+            result.request_id,
+            [result.token_id],
+            text=result.text,
+            logprobs=[result.logprob] if result.logprob is not None else [],
+            finished=result.finished,
+            finish_reason=result.finish_reason,
+            num_prompt_tokens=result.num_prompt_tokens,
+            num_cached_tokens=result.num_cached_tokens,
+            num_output_tokens=1,
+            queue_s=result.queue_s,
+            prefill_s=result.prefill_s,
+        )
+
+
+_ADDED_UP = {"token_ids", "text", "logprobs"}
+_ROUTER_SET = {"request_id", "prefill_instance", "decode_instance"}
 
 
 @dataclass
@@ -63,3 +93,7 @@ class Reservation:
     block_ids: list[int]
     transfer_ids: dict[str, int] = field(default_factory=dict)  # KV peer id -> transfer id, every rank
     layout: KVLayout | None = None  # the decode instance's KV endpoints
+
+
+# Every class a request link's frame may hold (disagg.rpc.framing).
+MESSAGE_TYPES = (TokenDelta, PrefillResult, Reservation, KVLayout, KVRank, SamplingParams)

@@ -1,7 +1,9 @@
-"""The worker's end of request links: a listening socket on rank 0 of an instance.
+"""The worker's end of request links: a listening socket on rank 0 of an instance, serving the
+methods its service declares (disagg.rpc.services).
 
-Each router that connects gets a `Link` and a reader thread. A call runs its handler on that
-thread; handlers only hand work to the engine thread (`StepLoop.call`) and return a Future,
+Each router that connects gets a `Link` and a reader thread. A call runs its method on that
+thread (`caller()` is then the link that called); methods only hand work to the engine thread
+(`StepLoop.submit`) and return a Future,
 whose reply is sent by whichever thread completes it: the engine thread itself, so a first
 token leaves the process without waking any other thread. Token streams go the same way
 (`Link.send_event` after each step), one frame per step per router.
@@ -21,7 +23,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from disagg.errors import grpc_code_name
-from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, encode, recv_exactly, recv_frame
+from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, FrameError, encode, recv_exactly, recv_frame
+from disagg.rpc.services import method_names
 
 logger = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 5.0
@@ -41,7 +44,7 @@ class Link:
         """False if the link is gone (or broke now)."""
         try:
             frame = encode(message)
-        except Exception as exc:  # noqa: BLE001 - an unpicklable value must not kill the link
+        except Exception as exc:  # noqa: BLE001 - a value the codec cannot encode must not kill the link
             if message[0] != REPLY:
                 raise
             frame = encode((ERROR, message[1], ("INTERNAL", f"reply not serializable: {exc}")))
@@ -94,10 +97,12 @@ class Link:
 
 
 class RpcServer:
-    """`handlers`: method name -> fn(link, *args) returning a value or a concurrent Future."""
+    """Serves `service`, an implementation of the service class `interface`: each method declared
+    there returns its reply, or a concurrent Future of it."""
 
-    def __init__(self, handlers: dict[str, Callable], host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0):
-        self.handlers = handlers
+    def __init__(self, service: object, interface: type, host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0):
+        self.handlers: dict[str, Callable] = {method: getattr(service, method) for method in method_names(interface)}
+        self._calling = threading.local()  # the link whose call runs on this thread
         self.token = secrets.token_bytes(TOKEN_BYTES)
         self.name = name
         self.send_timeout_s = send_timeout_s
@@ -112,6 +117,10 @@ class RpcServer:
     @property
     def token_hex(self) -> str:
         return self.token.hex()
+
+    def caller(self) -> Link:
+        """Inside a method: the link of the router that called it (its tokens and replies go there)."""
+        return self._calling.link
 
     def close(self) -> None:
         self._stopped = True
@@ -153,22 +162,27 @@ class RpcServer:
         try:
             while True:
                 call_id, method, args = recv_frame(sock, is_open=lambda: not link.closed)
+                if not (isinstance(call_id, int) and isinstance(method, str) and isinstance(args, list)):
+                    raise FrameError("a call is (call id, method name, arguments)")
                 self._dispatch(link, call_id, method, args)
         except (ConnectionError, OSError):
             pass  # the router went away (or we closed): its requests are aborted by on_close
-        except Exception as exc:  # noqa: BLE001 - garbage (FrameError, unpickling) from a peer that knew the token
+        except Exception as exc:  # noqa: BLE001 - garbage (FrameError) from a peer that knew the token
             logger.warning("request link from %s: bad frame (%s); closing it", peer, exc)
         link.close()
 
-    def _dispatch(self, link: Link, call_id: int, method: str, args: tuple) -> None:
+    def _dispatch(self, link: Link, call_id: int, method: str, args: list) -> None:
         handler = self.handlers.get(method)
+        self._calling.link = link
         try:
             if handler is None:
                 raise ValueError(f"unknown method {method!r}")
-            result = handler(link, *args)
+            result = handler(*args)
         except Exception as exc:  # noqa: BLE001 - the caller gets it; the link serves on
             link.reply_error(call_id, exc)
             return
+        finally:
+            self._calling.link = None
         if isinstance(result, Future):
             link.reply_when_done(call_id, result)
         else:

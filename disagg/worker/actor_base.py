@@ -2,9 +2,10 @@
 that routers call it on, and a heartbeat to the registry.
 
 The request path does not go through Ray: routers call rank 0 over its request link
-(disagg.rpc), whose handlers hand work to the engine thread (`StepLoop.call`) and return
-futures that the engine thread completes, replies and token streams leaving from there. Ray
-places the actors and runs their lifecycle (`ready`, `status`, `shutdown`).
+(disagg.rpc), serving the methods of the actor's service (disagg.rpc.services). They hand
+commands to the engine thread (`StepLoop.submit`) and return futures that the engine thread
+completes, replies and token streams leaving from there. Ray places the actors and runs their
+lifecycle (`ready`, `status`, `shutdown`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 class WorkerActorBase:
     role = ""
+    service: type = object  # the disagg.rpc.services class the actor implements
 
     def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1", engine_cpus: list[int] | None = None):
         """`host`: what the request link, the KV transport and the rank rendezvous listen on (and
@@ -50,7 +52,7 @@ class WorkerActorBase:
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
-        self.loop = StepLoop(self._step, self._has_work, name=f"engine-{instance_id}", cpus=engine_cpus)
+        self.loop = StepLoop(self._step, self._has_work, self._engine_commands(), name=f"engine-{instance_id}", cpus=engine_cpus)
         # What Ray started the process on; the engine's helper threads belong there too.
         self._framework_cpus = os.sched_getaffinity(0) if engine_cpus is not None else None
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
@@ -68,8 +70,8 @@ class WorkerActorBase:
         """A step raised: end every request of the engine with an error."""
         raise NotImplementedError
 
-    def _rpc_handlers(self) -> dict:
-        """The request link's methods: name -> fn(link, *args) returning a value or a Future."""
+    def _engine_commands(self) -> dict:
+        """What other threads may ask of the engine thread: command type -> handler (StepLoop)."""
         raise NotImplementedError
 
     def _link_closed(self, link: Link) -> None:
@@ -141,7 +143,7 @@ class WorkerActorBase:
     # ---- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
         self.loop.start()
-        self.rpc = RpcServer(self._rpc_handlers(), self.host, name=self.instance_id)
+        self.rpc = RpcServer(self, self.service, self.host, name=self.instance_id)
         self.rpc.on_link_closed = self._link_closed
         if self._registry_url:
             threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.instance_id}", daemon=True).start()

@@ -14,6 +14,7 @@ from disagg.decode_worker.actor import DecodeActor
 from disagg.prefill_worker.actor import PrefillActor
 from disagg.request import SamplingParams
 from disagg.rpc.client import RpcClient
+from disagg.rpc.stubs import DecodeStub, PrefillStub
 
 MODEL = dict(model="random:tiny", num_kv_blocks=64, num_threads=1)
 
@@ -61,8 +62,8 @@ def test_a_router_that_goes_away_mid_stream_leaves_no_block_behind(colocated):
 
         stays.on_event, leaves.on_event = counter("stays"), counter("leaves")
         params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)  # far longer than the test
-        await leaves.call("submit", "gone", list(range(1, 40)), params, timeout_s=10)
-        await stays.call("submit", "kept", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), timeout_s=10)
+        await DecodeStub(leaves).submit("gone", list(range(1, 40)), params, timeout_s=10)
+        await DecodeStub(stays).submit("kept", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), timeout_s=10)
         while tokens["leaves"] < 3:
             await asyncio.sleep(0.01)
         await leaves.close()  # the router process died, say
@@ -81,7 +82,7 @@ def test_a_prefill_whose_router_went_away_is_aborted(prefill):
     async def scenario():
         client = RpcClient(prefill.rpc.address, prefill.rpc.token_hex)
         params = SamplingParams(temperature=0.0, max_tokens=8)
-        first = await client.submit("prefill", "p1", list(range(1, 200)), params, None)  # 13 steps of 16 tokens
+        first = await PrefillStub(client).prefill("p1", list(range(1, 200)), params)  # 13 steps of 16 tokens
         while not engine.scheduler.requests:
             await asyncio.sleep(0.001)
         await client.close()

@@ -18,26 +18,46 @@ from disagg.rpc.framing import MAX_FRAME_BYTES
 from disagg.rpc.server import RpcServer
 
 
-@pytest.fixture
-def server():
-    pending: dict[str, Future] = {}
-    closed_links = []
+class Arithmetic:
+    """A service as the tests declare it (disagg.rpc.services declares the real ones)."""
 
-    def later(link, key):
-        pending[key] = Future()
-        return pending[key]
+    def add(self, a: int, b: int) -> int: ...
+    def later(self, key: str) -> str: ...
+    def fail(self, kind: str) -> None: ...
+    def stream(self, n: int) -> int: ...
+    def drop(self) -> None: ...
 
-    def fail(link, kind):
+
+class ArithmeticWorker(Arithmetic):
+    def __init__(self):
+        self.pending: dict[str, Future] = {}
+        self.rpc: RpcServer | None = None
+
+    def add(self, a, b):
+        return a + b
+
+    def later(self, key):
+        self.pending[key] = Future()
+        return self.pending[key]
+
+    def fail(self, kind):
         raise {"value": ValueError("prompt: empty"), "runtime": RuntimeError("engine broke")}[kind]
 
-    def stream(link, n):
+    def stream(self, n):
         for i in range(n):
-            link.send_event("tokens", [i])
+            self.rpc.caller().send_event("tokens", [i])
         return n
 
-    handlers = {"add": lambda link, a, b: a + b, "later": later, "fail": fail, "stream": stream, "drop": lambda link: link.close()}
-    srv = RpcServer(handlers, "127.0.0.1", name="test")
-    srv.pending = pending
+    def drop(self):
+        self.rpc.caller().close()
+
+
+@pytest.fixture
+def server():
+    worker = ArithmeticWorker()
+    closed_links = []
+    srv = worker.rpc = RpcServer(worker, Arithmetic, "127.0.0.1", name="test")
+    srv.pending = worker.pending
     srv.on_link_closed = closed_links.append
     srv.closed_links = closed_links
     yield srv
@@ -60,9 +80,9 @@ def client_of(srv: RpcServer, token: str | None = None) -> RpcClient:
 def test_calls_are_answered_and_replies_do_not_wait_for_each_other(server):
     async def scenario():
         client = client_of(server)
-        assert await client.call("add", 2, 3, timeout_s=5) == 5
-        slow = await client.submit("later", "a")
-        assert await client.call("add", 1, 1, timeout_s=5) == 2  # answered while "a" is pending
+        assert await client.call(Arithmetic.add, 2, 3, timeout_s=5) == 5
+        slow = await client.submit(Arithmetic.later, "a")
+        assert await client.call(Arithmetic.add, 1, 1, timeout_s=5) == 2  # answered while "a" is pending
         # Completed from another thread, as the engine thread completes a first token.
         threading.Thread(target=lambda: server.pending["a"].set_result("first token")).start()
         assert await asyncio.wait_for(slow, 5) == "first token"
@@ -75,20 +95,22 @@ def test_errors_keep_their_status_code_and_the_link_keeps_serving(server):
     async def scenario():
         client = client_of(server)
         with pytest.raises(RemoteError, match="prompt: empty") as bad:
-            await client.call("fail", "value", timeout_s=5)
+            await client.call(Arithmetic.fail, "value", timeout_s=5)
         assert bad.value.grpc_code_name == "INVALID_ARGUMENT"
         with pytest.raises(RemoteError, match="engine broke") as broken:
-            await client.call("fail", "runtime", timeout_s=5)
+            await client.call(Arithmetic.fail, "runtime", timeout_s=5)
         assert broken.value.grpc_code_name == "UNAVAILABLE"  # the worker failed, not the request
+        def no_such_method(): ...
+
         with pytest.raises(RemoteError, match="unknown method"):
-            await client.call("no_such_method", timeout_s=5)
-        cancelled = await client.submit("later", "c")
-        await client.call("add", 0, 0, timeout_s=5)  # one reader thread per link: "c" is registered by now
+            await client.call(no_such_method, timeout_s=5)
+        cancelled = await client.submit(Arithmetic.later, "c")
+        await client.call(Arithmetic.add, 0, 0, timeout_s=5)  # one reader thread per link: "c" is registered by now
         server.pending["c"].cancel()  # the worker aborted the request
         with pytest.raises(RemoteError, match="aborted") as aborted:
             await asyncio.wait_for(cancelled, 5)
         assert aborted.value.grpc_code_name == "CANCELLED"
-        assert await client.call("add", 20, 22, timeout_s=5) == 42
+        assert await client.call(Arithmetic.add, 20, 22, timeout_s=5) == 42
         await client.close()
 
     asyncio.run(scenario())
@@ -99,7 +121,7 @@ def test_events_arrive_in_order_before_the_reply(server):
         client = client_of(server)
         seen = []
         client.on_event = lambda topic, payload: seen.append((topic, payload))
-        assert await client.call("stream", 50, timeout_s=5) == 50
+        assert await client.call(Arithmetic.stream, 50, timeout_s=5) == 50
         assert seen == [("tokens", [i]) for i in range(50)]
         await client.close()
 
@@ -110,9 +132,9 @@ def test_a_wait_times_out_and_leaves_nothing_pending(server):
     async def scenario():
         client = client_of(server)
         with pytest.raises(asyncio.TimeoutError):
-            await client.call("later", "never", timeout_s=0.2)
+            await client.call(Arithmetic.later, "never", timeout_s=0.2)
         assert client._pending == {}
-        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        assert await client.call(Arithmetic.add, 1, 2, timeout_s=5) == 3
         await client.close()
 
     asyncio.run(scenario())
@@ -122,9 +144,9 @@ def test_a_wrong_token_is_refused_and_others_are_unaffected(server):
     async def scenario():
         intruder = client_of(server, token="00" * 32)
         with pytest.raises(WorkerLinkError):
-            await intruder.call("add", 1, 2, timeout_s=5)
+            await intruder.call(Arithmetic.add, 1, 2, timeout_s=5)
         client = client_of(server)
-        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        assert await client.call(Arithmetic.add, 1, 2, timeout_s=5) == 3
         await client.close()
 
     asyncio.run(scenario())
@@ -139,7 +161,7 @@ def test_garbage_after_the_token_closes_that_link_only(server):
 
     async def scenario():
         client = client_of(server)
-        assert await client.call("add", 1, 2, timeout_s=5) == 3
+        assert await client.call(Arithmetic.add, 1, 2, timeout_s=5) == 3
         await client.close()
 
     asyncio.run(scenario())
@@ -150,14 +172,14 @@ def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
         client = client_of(server)
         disconnects = []
         client.on_disconnect = lambda: disconnects.append(True)
-        waiting = await client.submit("later", "w")
+        waiting = await client.submit(Arithmetic.later, "w")
         with pytest.raises(WorkerLinkError):
-            await client.call("drop", timeout_s=5)  # the worker closes the link mid-call
+            await client.call(Arithmetic.drop, timeout_s=5)  # the worker closes the link mid-call
         with pytest.raises(WorkerLinkError):
             await asyncio.wait_for(waiting, 5)
         assert disconnects == [True]
         assert await settled(lambda: len(server.closed_links) == 1)  # the worker learns it too (it aborts that router's requests)
-        assert await client.call("add", 3, 4, timeout_s=5) == 7  # a new link
+        assert await client.call(Arithmetic.add, 3, 4, timeout_s=5) == 7  # a new link
         await client.close()
 
     asyncio.run(scenario())
@@ -166,13 +188,13 @@ def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
 def test_a_dead_worker_is_a_link_error(server):
     async def scenario():
         client = client_of(server)
-        assert await client.call("add", 1, 1, timeout_s=5) == 2
-        waiting = await client.submit("later", "x")
+        assert await client.call(Arithmetic.add, 1, 1, timeout_s=5) == 2
+        waiting = await client.submit(Arithmetic.later, "x")
         server.close()
         with pytest.raises(WorkerLinkError):
             await asyncio.wait_for(waiting, 5)
         with pytest.raises(WorkerLinkError):
-            await client.call("add", 1, 1, timeout_s=5)  # nobody listens any more
+            await client.call(Arithmetic.add, 1, 1, timeout_s=5)  # nobody listens any more
         await client.close()
 
     asyncio.run(scenario())

@@ -1,0 +1,60 @@
+"""The request path's remote services, declared once: what the router may call on rank 0 of an
+instance, with what, and what comes back.
+
+The worker's actor derives from its service and implements each method (it may return a
+concurrent Future of the reply, completed by the engine thread); the router's stub
+(disagg.rpc.stubs) derives from it too and sends the call over the instance's request link. So
+go-to-definition leads from the orchestrator to the declaration here, and "go to
+implementations" to the worker. On the wire a call names its method; the server dispatches only
+to the methods its service declares (`method_names`).
+"""
+
+from __future__ import annotations
+
+from disagg.kv_transfer.layout import KVLayout
+from disagg.request import SamplingParams
+from disagg.rpc.messages import PrefillResult, Reservation
+
+TOKENS_TOPIC = "tokens"  # decode and colocated instances stream list[TokenDelta] events under it
+
+
+class PrefillService:
+    """Rank 0 of a prefill instance."""
+
+    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+        """Compute the prompt and answer its first token (this sets the request's TTFT). The
+        prefill starts at once; its KV stays in this instance's blocks until `set_kv_targets`
+        says where it goes (or the KV timeout drops the request)."""
+        raise NotImplementedError
+
+    def set_kv_targets(self, request_id: str, reservation: Reservation) -> bool:
+        """Where the request's KV goes: the decode instance's answer to the handshake. False if
+        the request is gone (aborted, timed out)."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request and free its blocks; False if it was not here."""
+        raise NotImplementedError
+
+
+class DecodeService:
+    """Rank 0 of a decode (or colocated) instance. Its tokens stream back on the link that asked,
+    one TOKENS_TOPIC event per engine step with the new tokens of all that link's requests."""
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Reservation | None:
+        """The handshake: allocate the prompt's blocks on every rank and listen to the prefill
+        ranks that hold each slice of its KV. None when there is no room now."""
+        raise NotImplementedError
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Colocated: run the whole request here."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> bool:
+        """Drop the request and free its blocks; False if it was not here."""
+        raise NotImplementedError
+
+
+def method_names(service: type) -> frozenset[str]:
+    """The remote methods a service declares (its public functions)."""
+    return frozenset(name for name, value in vars(service).items() if callable(value) and not name.startswith("_"))

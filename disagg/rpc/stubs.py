@@ -1,0 +1,44 @@
+"""The router's stubs of the remote services: each method sends the call over the instance's
+request link (disagg.rpc.client) and awaits its reply. They derive from the service they call,
+so reading the orchestrator leads here, then to the declaration and the worker's implementation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from disagg.kv_transfer.layout import KVLayout
+from disagg.request import SamplingParams
+from disagg.rpc.client import RpcClient
+from disagg.rpc.messages import PrefillResult, Reservation
+from disagg.rpc.services import DecodeService, PrefillService
+
+
+class PrefillStub(PrefillService):
+    def __init__(self, link: RpcClient):
+        self.link = link
+
+    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "asyncio.Future[PrefillResult]":
+        """Sends the call now and returns at once: awaiting the returned future gives the first
+        token, so the handshake with the decode side can run while the prompt computes."""
+        return await self.link.submit(PrefillService.prefill, request_id, prompt_token_ids, params)
+
+    async def set_kv_targets(self, request_id: str, reservation: Reservation, *, timeout_s: float) -> bool:
+        return await self.link.call(PrefillService.set_kv_targets, request_id, reservation, timeout_s=timeout_s)
+
+    async def abort(self, request_id: str, *, timeout_s: float) -> bool:
+        return await self.link.call(PrefillService.abort, request_id, timeout_s=timeout_s)
+
+
+class DecodeStub(DecodeService):
+    def __init__(self, link: RpcClient):
+        self.link = link
+
+    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout, *, timeout_s: float) -> Reservation | None:
+        return await self.link.call(DecodeService.reserve, request_id, prompt_token_ids, params, prefill, timeout_s=timeout_s)
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, timeout_s: float) -> None:
+        return await self.link.call(DecodeService.submit, request_id, prompt_token_ids, params, timeout_s=timeout_s)
+
+    async def abort(self, request_id: str, *, timeout_s: float) -> bool:
+        return await self.link.call(DecodeService.abort, request_id, timeout_s=timeout_s)

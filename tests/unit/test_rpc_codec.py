@@ -1,0 +1,123 @@
+"""The request link's fixed-schema frames (disagg.rpc.codec, disagg.rpc.framing): every message
+type survives the trip as it was, and nothing else is decoded, a pickle least of all."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import struct
+
+import msgpack
+import pytest
+
+from disagg.kv_transfer.layout import KVLayout, KVRank
+from disagg.request import SamplingParams
+from disagg.rpc.codec import Codec, FrameError
+from disagg.rpc.framing import CODEC, decode, encode
+from disagg.rpc.messages import PrefillResult, Reservation, TokenDelta
+from disagg.rpc.server import RpcServer
+from disagg.rpc.services import PrefillService
+
+
+def roundtrip(value):
+    return CODEC.decode(CODEC.encode(value))
+
+
+def test_every_message_type_comes_back_equal():
+    layout = KVLayout(1, 2, (KVRank("p/rank0", "127.0.0.1:1", 0, 0), KVRank("p/rank1", "127.0.0.1:2", 0, 1)))
+    values = [
+        TokenDelta("r1", [5, 6], text="hi", logprobs=[-0.5, -1.0], finished=True, finish_reason="stop", num_output_tokens=2, decode_s=0.25),
+        PrefillResult("r2", 7, "x", None, False, None, 12, 0, 0.001, 0.05),
+        Reservation(3, [4, 5], {"d/rank0": 3}, layout),
+        SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"], seed=3, logprobs=1),
+    ]
+    for value in values:
+        assert roundtrip(value) == value
+    back = roundtrip(layout)
+    assert isinstance(back.ranks, tuple) and hash(back) == hash(layout)  # frozen, hashable as sent
+
+
+def test_frames_carry_calls_with_messages_inside():
+    call = (7, "prefill", ["r1", [1, 2, 3], SamplingParams(max_tokens=2)])
+    assert decode(encode(call)[4:]) == (7, "prefill", ["r1", [1, 2, 3], SamplingParams(max_tokens=2)])
+
+
+def test_a_class_outside_the_schema_is_refused_both_ways():
+    class Stranger:
+        pass
+
+    with pytest.raises(TypeError, match="not a message type"):
+        CODEC.encode([Stranger()])
+    forged = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["Popen", [["sh", "-c", "true"]]])))
+    with pytest.raises(FrameError, match="unknown message type"):
+        CODEC.decode(forged)
+
+
+def test_a_message_with_other_fields_or_bad_values_is_refused():
+    three_fields = msgpack.packb(msgpack.ExtType(1, msgpack.packb(["TokenDelta", ["r", [1], "x"]])))
+    with pytest.raises(FrameError, match="expected"):
+        CODEC.decode(three_fields)
+    bad_params = CODEC.encode(SamplingParams()).replace(msgpack.packb(1.0), msgpack.packb(-2.0), 1)  # temperature -2
+    with pytest.raises(FrameError, match="temperature"):
+        CODEC.decode(bad_params)
+    with pytest.raises(FrameError):
+        CODEC.decode(msgpack.packb({1: "an int key"}))
+    with pytest.raises(FrameError):
+        Codec((TokenDelta,)).decode(CODEC.encode(SamplingParams()))  # each codec knows only its own types
+
+
+def test_a_pickle_sent_on_a_link_is_never_unpickled(tmp_path):
+    flag = tmp_path / "executed"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.mkdir, (str(flag),))
+
+    class Prefill(PrefillService):
+        pass
+
+    server = RpcServer(Prefill(), PrefillService, "127.0.0.1", name="pickle")
+    body = pickle.dumps((1, "prefill", (Exploit(),)))
+    try:
+        with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as raw:
+            raw.sendall(server.token + struct.pack(">I", len(body)) + body)
+            raw.settimeout(5)
+            assert raw.recv(1) == b""  # the worker hung up on a frame it could not read
+    finally:
+        server.close()
+    assert not flag.exists()
+    with pytest.raises(FrameError):
+        decode(body)
+
+
+def test_the_server_dispatches_only_what_its_service_declares():
+    class Prefill(PrefillService):
+        def abort(self, request_id: str) -> bool:
+            return request_id == "known"
+
+        def debug_dump(self):  # public, but not part of the service
+            return "secret"
+
+    server = RpcServer(Prefill(), PrefillService, "127.0.0.1", name="dispatch")
+    assert set(server.handlers) == {"prefill", "set_kv_targets", "abort"}
+
+    async def scenario():
+        from disagg.errors import RemoteError
+        from disagg.rpc.client import RpcClient
+        from disagg.rpc.stubs import PrefillStub
+
+        link = RpcClient(server.address, server.token_hex)
+        assert await PrefillStub(link).abort("known", timeout_s=5) is True
+
+        def debug_dump(): ...
+
+        with pytest.raises(RemoteError, match="unknown method"):
+            await link.call(debug_dump, timeout_s=5)
+        await link.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.close()
