@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.setup-done
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := torch==2.13.0
 
-.PHONY: setup test test-fast serve bench loadtest clean proto
+.PHONY: setup lint test test-fast serve bench loadtest clean proto
 
 setup: $(STAMP)
 
@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m disagg.engine.layers.cpu_kernels --build || echo "CPU kernels not built: attention, norm and rotary will use torch"
 	touch $(STAMP)
 
-test: setup
+test: setup lint
 	$(PY) -m pytest -q -x --durations=15 tests
+
+# The import rule (pyproject.toml [tool.importlinter]) and the code style, before any test runs.
+lint: setup
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" tests/unit

@@ -221,7 +221,7 @@ def _start_ray(config: ServingConfig) -> None:
     else:
         # Ray starts its workers at nice 15 (so that they cannot starve its own daemons); ours
         # are the request path: at 15 every other process on the machine preempts a prefill
-        # (measured: 10% slower prefills in the service than offline on 2 cores).
+        # (loadtest/RESULTS.md).
         ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING, num_cpus=max(2, os.cpu_count() or 2), _system_config={"worker_niceness": 0})
 
 

@@ -1,22 +1,16 @@
 """Which CPUs the engine threads get, on the machine whose Ray `disagg serve` starts.
 
-Ray, Redis, gRPC, gloo and the workers' own link, KV and heartbeat threads wake up hundreds of
-times a second, for a few microseconds each. Linux wakes such a thread on the CPU where its
-timer fired, which is often the CPU a busy engine thread computes on, and the wake-up preempts
-the engine: on 2 vCPUs a 110 ms prefill was preempted 11-15 times and took about 5 ms longer
-than the same prefill in a process of its own (loadtest/RESULTS.md, session 12). So, as vLLM's
-CPU backend binds its compute threads (VLLM_CPU_OMP_THREADS_BIND) and vllm-ascend pins its
-workers' key threads by default (enable_cpu_binding), engine threads get CPUs of their own and
-every other thread of the deployment is kept off them.
+Ray, Redis, gRPC, gloo and the workers' link, KV and heartbeat threads wake up hundreds of times
+a second; Linux wakes such a thread on the CPU where its timer fired, often the one a busy engine
+thread computes on, and the wake-up preempts the engine. So, as vLLM's CPU backend binds its
+compute threads, engine threads get CPUs of their own and every other thread of the deployment
+is kept off them.
 
-Prefill engines come first (a prefill step is long, and what delays it delays the request's
-first token), then colocated, then decode engines, `threads_per_worker` CPUs each, as long as
-enough CPUs are left for everything else: two with `cpu_binding: auto`, one with `on`. One is
-too few for a default: the first token's way out (the frontend, gRPC, a local client) and the
-decode side's start of the request (its handshake, its first step) then meet on that CPU. On 2
-vCPUs that made the service's own hops 0.7-2.5 ms longer, while the TTFT it gained stayed
-within the noise, and under load the decode engine would share that CPU with everything else
-(RESULTS.md, session 13). An engine that gets no CPU of its own runs on any CPU. Engines take
+Prefill engines come first (what delays a prefill delays the first token), then colocated, then
+decode engines, `threads_per_worker` CPUs each, while enough CPUs are left for everything else:
+two with `cpu_binding: auto`, one with `on`. With one left, the first token's way out and the
+decode side's start of the request meet on that CPU, which cost more than binding gained on 2
+CPUs (loadtest/RESULTS.md). An engine that gets no CPU of its own runs on any CPU. Engines take
 the highest-numbered CPUs, since interrupts and kernel housekeeping favour CPU 0.
 """
 

@@ -2,10 +2,8 @@
 
 An instance's first request pays for what happens only once: the router dialling its request
 link, the KV channel's pair being set up, the decode worker mapping the prefill worker's cache,
-the workers' allocators growing and oneDNN building its kernels for new shapes. Measured on the
-development machine (`disagg serve`, a 38-token chat prompt as the first request): 178 and
-195 ms to the first token, against 120-150 ms for later prompts of that length; with this
-warm-up, 134 and 148 ms. SGLang sends a warm-up request at start for the same reason.
+the workers' allocators growing and oneDNN building its kernels for new shapes. So no client's
+first request pays it, one request goes through each path first (SGLang warms up likewise).
 
 The warm-up goes through the orchestrator, not gRPC: it is not a client's request, so it shows
 in no metric and no request record.

@@ -1,1 +1,0 @@
-"""Latency profiles, discrete-event simulator and the TP/PP placement search (pure)."""
