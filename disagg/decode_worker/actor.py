@@ -12,7 +12,7 @@ import time
 from concurrent.futures import Future
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
-from disagg.config import EngineConfig
+from disagg.config import Role, WorkerConfig
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.torch_dist import TorchDistTransport
@@ -25,15 +25,13 @@ TOKENS_TOPIC = "tokens"
 
 
 class DecodeActor(WorkerActorBase):
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
-        """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
-        self.role = "colocated" if colocated else "decode"
-        self.actor_name = actor_name
-        self.engine_config = engine_config
-        transport = None if colocated else TorchDistTransport(instance_id, self.host)
-        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device)
-        self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+    def __init__(self, config: WorkerConfig, followers=None):
+        """`config.role`: DECODE, or COLOCATED (whole requests here). `followers`: [(RankPlace,
+        ShardActor handle)] of the other ranks of a TP x PP instance."""
+        super().__init__(config)
+        transport = TorchDistTransport(self.instance_id, self.host) if config.role is Role.DECODE else None
+        groups, wait_for_ranks = self._start_ranks(followers)
+        self.worker = DecodeWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
             wait_for_ranks()
         if self.worker.receiver is not None:
@@ -74,7 +72,7 @@ class DecodeActor(WorkerActorBase):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _reserve(self, link: Link, request_id, prompt_token_ids, params, prefill: KVLayout) -> Reservation | None:
-        reservation = self.worker.reserve_from(request_id, prompt_token_ids, params, prefill, self.kv_layout())
+        reservation = self.worker.reserve(request_id, prompt_token_ids, params, prefill)
         if reservation is not None:
             self._first_token_pending.add(request_id)
             self._streams[request_id] = link

@@ -53,11 +53,9 @@ class _Incoming:
 
 
 class KVReceiver(KVEndpoint):
-    def __init__(self, transport: Transport, kv_cache, *, layer_offset: int = 0, head_offset: int = 0, timeout: float = 30.0, max_queued_messages: int = 32):
+    def __init__(self, transport: Transport, *, timeout: float, max_queued_messages: int = 32):
+        """The engine hands it its cache (`register_kv_cache`) when it has allocated it."""
         super().__init__(transport, timeout, max_queued_messages)
-        self.kv_cache = kv_cache
-        self.layer_offset = layer_offset
-        self.head_offset = head_offset
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
@@ -80,7 +78,7 @@ class KVReceiver(KVEndpoint):
             self._channel(peer_id, address).wake_receiver()
         return transfer_id
 
-    def cancel(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         """Stop writing into the request's blocks (call before freeing them)."""
         with self._lock:
             transfer_id = self._by_request.pop(request_id, None)
@@ -104,7 +102,7 @@ class KVReceiver(KVEndpoint):
         if header.type is not MsgType.KV:
             return None
         cache = self.kv_cache
-        return torch.empty(header.payload_shape(cache.block_size, cache.tensor.shape[-1]), dtype=cache.tensor.dtype, device=cache.tensor.device)
+        return torch.empty(header.payload_shape(cache.block_size, cache.head_dim), dtype=cache.tensor.dtype, device=cache.tensor.device)
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
         self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
@@ -149,9 +147,7 @@ class KVReceiver(KVEndpoint):
             pass  # best effort: with its queue full the pair is in trouble anyway (the sender times out)
 
     def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
-        first_layer = header.layer - self.layer_offset
-        layers = self.kv_cache.tensor[first_layer : first_layer + header.num_layers]  # [n, 2, KVH, NB, bs, D]
-        heads = layers[:, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        heads = self.kv_cache.blocks_view(header.layer, header.num_layers, (header.head_start, header.head_end))
         heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         self._count(tr, payload.numel() * payload.element_size())
 
@@ -168,18 +164,18 @@ class KVReceiver(KVEndpoint):
             except KVTransferError as exc:
                 self._fail(tr, str(exc))
                 return
-        src_layer, dst_layer = header.layer - ref.layer_offset, header.layer - self.layer_offset
+        src_layer = header.layer - ref.layer_offset
         src_heads = slice(header.head_start - ref.head_offset, header.head_end - ref.head_offset)
-        dst_heads = slice(header.head_start - self.head_offset, header.head_end - self.head_offset)
+        heads = (header.head_start, header.head_end)
         dst_ids = tr.block_ids[header.first_block : header.first_block + header.num_blocks].tolist()
-        block_bytes = 2 * (dst_heads.stop - dst_heads.start) * self.kv_cache.block_size * self.kv_cache.tensor.shape[-1] * self.kv_cache.tensor.element_size()
+        block_bytes = self.kv_cache.slice_bytes(1, heads, 1)
         group = max(1, IMPORT_GROUP_BYTES // max(1, len(dst_ids) * block_bytes))
         for i in range(0, header.num_layers, group):
             n = min(group, header.num_layers - i)
             with self._lock:
                 if self._transfers.get(header.transfer_id) is not tr:
                     return  # cancelled or failed meanwhile: its blocks are no longer ours to write
-                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.tensor[dst_layer + i : dst_layer + i + n, :, dst_heads], dst_ids)
+                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.blocks_view(header.layer + i, n, heads), dst_ids)
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -194,8 +190,7 @@ class KVReceiver(KVEndpoint):
         handle = SharedHandle(ref.pid, ref.fd, ref.token)
         mapped = self._peer_caches.get(peer_id)
         if mapped is None or mapped[0] != handle:
-            _, _, _, _, block_size, head_dim = self.kv_cache.tensor.shape
-            shape = (ref.num_layers, 2, ref.num_heads, ref.num_blocks, block_size, head_dim)
+            shape = (ref.num_layers, 2, ref.num_heads, ref.num_blocks, self.kv_cache.block_size, self.kv_cache.head_dim)
             mapped = self._peer_caches[peer_id] = (handle, attach(handle, shape, self.kv_cache.tensor.dtype))
         return mapped[1]
 

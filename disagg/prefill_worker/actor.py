@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
-from disagg.config import EngineConfig
+from disagg.config import WorkerConfig
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
@@ -24,14 +24,12 @@ from disagg.rpc.messages import PrefillResult, Reservation
 class PrefillActor(WorkerActorBase):
     role = "prefill"
 
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
+    def __init__(self, config: WorkerConfig, followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
-        self.actor_name = actor_name
-        self.engine_config = engine_config
-        self.kv_timeout_s = kv_timeout_s
-        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device)
-        self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, self.host), kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+        super().__init__(config)
+        groups, wait_for_ranks = self._start_ranks(followers)
+        transport = TorchDistTransport(self.instance_id, self.host)
+        self.worker = PrefillWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
             wait_for_ranks()
         self.worker.sender.on_finished = self.loop.wake
@@ -56,10 +54,9 @@ class PrefillActor(WorkerActorBase):
         first_token: Future = Future()
         self._first_tokens[request_id] = (first_token, link)
         try:
-            if reservation is None:
-                added = self.loop.call(self.worker.add_request_early, request_id, prompt_token_ids, params, self.kv_timeout_s)
-            else:
-                added = self.loop.call(self.worker.add_request_for, request_id, prompt_token_ids, params, reservation, self.kv_layout())
+            added = self.loop.call(self.worker.add_request, request_id, prompt_token_ids, params)
+            if reservation is not None:  # once the request exists (the callback runs on the engine thread)
+                added.add_done_callback(lambda f: f.exception() is None and self.worker.set_kv_targets(request_id, reservation))
         except BaseException:
             self._first_tokens.pop(request_id, None)
             raise
@@ -70,9 +67,9 @@ class PrefillActor(WorkerActorBase):
         """Where the KV of a request started without a reservation goes; False if it is gone.
         This rank's sender learns it before the next layer (its prefill step may be running); the
         rest waits for the step's end."""
-        layout = self.kv_layout()
-        self.worker.queue_targets(request_id, reservation, layout)
-        return self.loop.call(self.worker.set_targets, request_id, reservation, layout)
+        done = self.worker.set_kv_targets(request_id, reservation)
+        self.loop.wake()
+        return done
 
     def abort(self, link: Link, request_id: str) -> Future:
         waiting = self._first_tokens.pop(request_id, None)

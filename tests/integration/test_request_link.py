@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, Role, WorkerConfig
 from disagg.decode_worker.actor import DecodeActor
 from disagg.prefill_worker.actor import PrefillActor
 from disagg.request import SamplingParams
@@ -29,14 +29,14 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
 
 @pytest.fixture
 def colocated():
-    actor = DecodeActor("colo-link", EngineConfig(**{**MODEL, "num_kv_blocks": 128}), colocated=True)
+    actor = DecodeActor(WorkerConfig("colo-link", Role.COLOCATED, EngineConfig(**{**MODEL, "num_kv_blocks": 128})))
     yield actor
     asyncio.run(actor.shutdown())
 
 
 @pytest.fixture
 def prefill():
-    actor = PrefillActor("prefill-link", EngineConfig(max_num_batched_tokens=16, **MODEL))
+    actor = PrefillActor(WorkerConfig("prefill-link", Role.PREFILL, EngineConfig(max_num_batched_tokens=16, **MODEL)))
     yield actor
     asyncio.run(actor.shutdown())
 

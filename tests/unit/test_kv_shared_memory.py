@@ -33,6 +33,12 @@ t[0, 0, 0, 0, 0, 0] = -1.0  # visible to the owner: the same memory
 """
 
 
+def connected(endpoint, cache: KVCache):
+    """A sender or receiver given its cache, as the engine gives it."""
+    endpoint.register_kv_cache(cache)
+    return endpoint
+
+
 def test_another_process_maps_the_shared_cache_and_writes_through():
     cache = KVCache(*SHAPE[:1], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True)
     assert cache.shared_handle is not None and not cache.tensor.any()
@@ -86,15 +92,15 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
     hub = InProcessHub()
     src_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True)
     dst_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"))
-    sender = KVSender(InProcessTransport("p", hub), src_cache, timeout=0.5)
-    receiver = KVReceiver(InProcessTransport("d", hub), dst_cache, timeout=5)
+    sender = connected(KVSender(InProcessTransport("p", hub), timeout=0.5), src_cache)
+    receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=5), dst_cache)
     transfer_id = receiver.expect("r", [3, 4], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [3, 4], (0, SHAPE[0]), (0, SHAPE[2]))])
     time.sleep(0.6)  # past the sender's deadline before anything is sent
     chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4])
     for layer in range(SHAPE[0]):
-        sender.on_layer(layer, [chunk])
-    sender.on_step_end([chunk])
+        sender.save_kv_layer(layer, [chunk])
+    sender.forward_done([chunk])
     sender.finish("r", first_token=1)
     results = []
     deadline = time.monotonic() + 10
@@ -107,7 +113,7 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
 
 
 def test_queued_references_to_consecutive_layers_merge_into_one_message():
-    sender = KVSender(InProcessTransport("p", InProcessHub()), KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True))
+    sender = connected(KVSender(InProcessTransport("p", InProcessHub()), timeout=5), KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True))
 
     def ref(layer, blocks=(1, 2), valid_until=100, transfer=1):
         header = Header(MsgType.KV_REF, transfer, layer, 0, len(blocks), 0, 2, num_layers=1)
@@ -138,14 +144,14 @@ def test_a_reference_is_imported_a_group_of_layers_at_a_time(layers_per_copy, mo
     src_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"), shared=True)
     dst_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"))
     src_cache.tensor.copy_(torch.randn(src_cache.tensor.shape))
-    sender = KVSender(InProcessTransport("p", hub), src_cache, timeout=30)
-    receiver = KVReceiver(InProcessTransport("d", hub), dst_cache, timeout=30)
+    sender = connected(KVSender(InProcessTransport("p", hub), timeout=30), src_cache)
+    receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=30), dst_cache)
     transfer_id = receiver.expect("r", [6, 3], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [6, 3], (0, layers), (0, heads))])
     chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size)
     for layer in range(layers):
-        sender.on_layer(layer, [chunk])
-    sender.on_step_end([chunk])
+        sender.save_kv_layer(layer, [chunk])
+    sender.forward_done([chunk])
     sender.finish("r", first_token=1)
     results, deadline = [], time.monotonic() + 10
     while not results and time.monotonic() < deadline:
