@@ -19,6 +19,8 @@ GiB = 1 << 30
 DEFAULT_KV_TIMEOUT_S = 30.0  # how long a KV transfer (or a prefill's wait for its targets) may take
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 3.0
+ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
+CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
 
 
 class Role(str, enum.Enum):
@@ -73,6 +75,11 @@ class EngineConfig:
     # A prefill cache in shared memory, so that a decode worker on this host copies the KV
     # straight out of it; off: KV always goes over the transport. (README: DISAGG_KV_SHARED_MEMORY)
     kv_shared_memory: bool = field(default_factory=lambda: os.environ.get("DISAGG_KV_SHARED_MEMORY", "1") != "0")
+    # The C++ CPU kernels (decode attention, norm, rotary, the transfer's block copy): auto (where
+    # they build), torch (never), kernel (always, or an error). (README: DISAGG_ATTENTION_BACKEND)
+    attention_backend: str = field(default_factory=lambda: _env_choice("DISAGG_ATTENTION_BACKEND", "auto"))
+    # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear). (README: DISAGG_CPU_GEMM)
+    cpu_gemm: str = field(default_factory=lambda: _env_choice("DISAGG_CPU_GEMM", "onednn"))
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
@@ -89,9 +96,16 @@ class EngineConfig:
         _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} (DISAGG_ATTENTION_BACKEND)")
+        _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", f"must be one of {', '.join(CPU_GEMMS)} (DISAGG_CPU_GEMM)")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _env_choice(name: str, default: str) -> str:
+    """A setting's default from the environment (the only place that reads it)."""
+    return os.environ.get(name, default).strip().lower() or default
 
 
 def _parse_enum(enum_cls, value: str, field_name: str):

@@ -23,7 +23,7 @@ from disagg.engine.layers.cpu_kernels import decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.models.llama import Backends, LlamaForCausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, make_generator
 from disagg.engine.scheduler import Scheduler
@@ -84,7 +84,7 @@ class LLMEngine:
             kv_connector.register_kv_cache(self.kv_cache)
         self.runner = ModelRunner(
             self.model, self.kv_cache, Sampler(config.seed), self.device,
-            decode_kernel=decode_kernel(self.device), kv_connector=kv_connector, followers=followers,
+            decode_kernel=decode_kernel(self.device, config.attention_backend), kv_connector=kv_connector, followers=followers,
             pipe=groups.pipe if groups is not None else None, returns_logits=groups is None or groups.place.tp_rank == 0,
         )
         self._generators: dict[str, torch.Generator] = {}
@@ -100,10 +100,11 @@ class LLMEngine:
         try:
             with torch.device(self.device):
                 place = self.groups.place if self.groups is not None else None
+                backends = Backends(self.config.attention_backend, self.config.cpu_gemm)
                 if place is None:
-                    model = LlamaForCausalLM(source.config, self.max_model_len)
+                    model = LlamaForCausalLM(source.config, self.max_model_len, backends=backends)
                 else:
-                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size)
+                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size, backends=backends)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(source.iter_weights())

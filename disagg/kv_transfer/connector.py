@@ -35,7 +35,10 @@ def assemble(config: EngineConfig, role: Role, *, kv_timeout: float, transport: 
     endpoint = None
     if role is not Role.COLOCATED:
         transport = transport if transport is not None else TorchDistTransport(peer_id, host)
-        endpoint = KVSender(transport, timeout=kv_timeout) if role is Role.PREFILL else KVReceiver(transport, timeout=kv_timeout)
+        if role is Role.PREFILL:
+            endpoint = KVSender(transport, timeout=kv_timeout)
+        else:
+            endpoint = KVReceiver(transport, timeout=kv_timeout, attention_backend=config.attention_backend)
     engine = LLMEngine(config.replace(role=role), groups=groups, kv_connector=endpoint, followers=followers)
     return EngineWithKV(engine, endpoint)
 

@@ -53,9 +53,12 @@ class _Incoming:
 
 
 class KVReceiver(KVEndpoint):
-    def __init__(self, transport: Transport, *, timeout: float, max_queued_messages: int = 32):
-        """The engine hands it its cache (`register_kv_cache`) when it has allocated it."""
+    def __init__(self, transport: Transport, *, timeout: float, attention_backend: str = "auto", max_queued_messages: int = 32):
+        """The engine hands it its cache (`register_kv_cache`) when it has allocated it.
+        `attention_backend` (EngineConfig's): whether the block copy may use the C++ kernel."""
         super().__init__(transport, timeout, max_queued_messages)
+        self.attention_backend = attention_backend
+        self._copy_ops = None  # the C++ block copy for the cache's device, or None: torch
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
@@ -63,6 +66,10 @@ class KVReceiver(KVEndpoint):
         self._imports: queue.Queue = queue.Queue(maxsize=IMPORT_QUEUE_DEPTH)
         self._importer = threading.Thread(target=self._import_loop, name="kv-import", daemon=True)
         self._importer.start()
+
+    def register_kv_cache(self, kv_cache) -> None:
+        super().register_kv_cache(kv_cache)
+        self._copy_ops = cpu_ops(kv_cache.tensor.device, self.attention_backend)
 
     # ---- called by the worker ----------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None) -> int:
@@ -175,7 +182,7 @@ class KVReceiver(KVEndpoint):
             with self._lock:
                 if self._transfers.get(header.transfer_id) is not tr:
                     return  # cancelled or failed meanwhile: its blocks are no longer ours to write
-                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.blocks_view(header.layer + i, n, heads), dst_ids)
+                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.blocks_view(header.layer + i, n, heads), dst_ids, self._copy_ops)
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -232,13 +239,13 @@ class KVReceiver(KVEndpoint):
         self._report(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - (tr.first_byte_at or tr.started), tr.num_bytes))
 
 
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:
     """dst's blocks dst_ids[i] = src's blocks src_ids[i] (dim 3 of [n, 2, heads, blocks, bs, D])
-    in one pass over the bytes: the C++ kernel, else one strided copy per run of blocks that are
-    consecutive on both sides (an index_select then index_copy_ would copy everything twice)."""
+    in one pass over the bytes: the C++ kernel (`ops`: cpu_kernels.cpu_ops), else one strided
+    copy per run of blocks that are consecutive on both sides (an index_select then index_copy_
+    would copy everything twice)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"block ids: {len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    ops = cpu_ops(src.device)
     if ops is not None:
         ops.copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
         return

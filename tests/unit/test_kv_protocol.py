@@ -43,12 +43,12 @@ def colocated_tokens() -> list[list[int]]:
 
 
 @pytest.fixture
-def pair(request, monkeypatch):
+def pair(request):
     """By default the prefill cache is in shared memory, so KV goes by reference (KV_REF);
     parametrize indirectly with False for packed KV messages."""
-    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if getattr(request, "param", True) else "0")
+    shared = getattr(request, "param", True)
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128, kv_shared_memory=shared), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     yield hub, prefill, decode
     prefill.close()
@@ -221,10 +221,9 @@ def test_the_layer_hook_does_work_only_at_layers_where_some_is_due(tiny_untied_d
     """Between layers the CPU caches are cold: each layer's bookkeeping cost ~20 us, 0.6 ms a
     prefill. By reference, one message's layers need work only at its first and last layer;
     packed, every layer is copied."""
-    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if by_reference else "0")
     monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1 << 30)  # one message
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32, kv_shared_memory=by_reference), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     visited = []
     due_layer = KVSender._due_layer

@@ -15,6 +15,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.messages import BlockRef, Header, MsgType
+from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.kv_transfer.receiver import KVReceiver, copy_blocks
 from disagg.kv_transfer.layout import KVTarget
 from disagg.kv_transfer.sender import KVSender
@@ -69,8 +70,8 @@ def test_cache_on_an_accelerator_or_unshared_has_no_handle():
 
 @pytest.mark.parametrize("backend", ["kernel", "torch"])
 @pytest.mark.parametrize("src_ids,dst_ids", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 3, 4, 0], [1, 5, 6, 0, 2]), ([5], [5]), ([], [])])
-def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend, monkeypatch):
-    monkeypatch.setenv("DISAGG_ATTENTION_BACKEND", backend)
+def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend):
+    ops = cpu_ops(torch.device("cpu"), backend)
     g = torch.Generator().manual_seed(0)
     # Slices as the receiver copies them: a layer range and a head range of whole caches.
     src = torch.randn(4, *SHAPE[1:], generator=g)[1:3, :, 1:3]
@@ -78,12 +79,12 @@ def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend, monk
     expected = dst.clone()
     if src_ids:
         expected.index_copy_(3, torch.tensor(dst_ids), src.index_select(3, torch.tensor(src_ids)))
-    copy_blocks(src, src_ids, dst, dst_ids)
+    copy_blocks(src, src_ids, dst, dst_ids, ops)
     assert torch.equal(dst, expected)
     with pytest.raises(ValueError, match="block ids"):
-        copy_blocks(src, [0, 1], dst, [0])
+        copy_blocks(src, [0, 1], dst, [0], ops)
     with pytest.raises((RuntimeError, IndexError)):
-        copy_blocks(src, [SHAPE[3]], dst, [0])  # out of range: refused, nothing written past the cache
+        copy_blocks(src, [SHAPE[3]], dst, [0], ops)  # out of range: refused, nothing written past the cache
 
 
 def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():

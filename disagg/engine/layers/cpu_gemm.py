@@ -9,7 +9,8 @@ sizes costs more than the multiplication.
 The packed copy is made when the model loads: made on first use, it made a server's first
 request take 530 ms instead of about 140, its pages faulting in then. It is rebuilt when the
 weight changes (its version counter moves), costs one more copy of the weights in memory, and is
-only used where it pays: CPU, float32, 2-D inputs. DISAGG_CPU_GEMM=torch switches it off.
+only used where it pays: CPU, float32, 2-D inputs. EngineConfig.cpu_gemm = "torch" (default:
+DISAGG_CPU_GEMM) switches it off.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from disagg.config import CPU_GEMMS
+
 logger = logging.getLogger(__name__)
 
-GEMM_ENV = "DISAGG_CPU_GEMM"
+GEMMS = CPU_GEMMS  # onednn, torch
 # oneDNN builds kernels for each input shape (a step's row count is its token count) and keeps
 # them in two caches of 1024 entries each, up to a megabyte an entry. Bounded here unless the
 # environment sets them: over 300 prefills of 231 lengths a worker grew by 324 MB instead of
@@ -34,8 +37,11 @@ CACHE_CAPACITY = 256
 PACK_BATCH_HINT = 32
 
 
-def onednn_enabled() -> bool:
-    if os.environ.get(GEMM_ENV, "onednn").strip().lower() == "torch":
+def onednn_enabled(gemm: str = "onednn") -> bool:
+    """Whether GEMMs go through oneDNN: chosen (`gemm`, one of GEMMS) and available here."""
+    if gemm not in GEMMS:
+        raise ValueError(f"cpu gemm {gemm!r}: expected one of {', '.join(GEMMS)}")
+    if gemm == "torch":
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -49,8 +55,9 @@ def bound_onednn_caches(capacity: int = CACHE_CAPACITY) -> None:
 class PackedWeight:
     """One weight's oneDNN-packed copy, made on first use and remade when the weight changes."""
 
-    def __init__(self) -> None:
-        self.enabled = onednn_enabled()
+    def __init__(self, gemm: str = "onednn") -> None:
+        """`gemm`: one of GEMMS (EngineConfig.cpu_gemm)."""
+        self.enabled = onednn_enabled(gemm)
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
 
