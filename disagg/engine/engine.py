@@ -1,10 +1,10 @@
 """One engine instance: add_request / step / abort, in any role.
 
 The engine owns the model, the KV cache, the block manager and the scheduler of one instance.
-It imports no Ray, gRPC or Redis: the workers wrap it. In the PREFILL role a request ends after
-its first token with its KV held for `export_kv`; in the DECODE role a request's blocks are
-reserved up front (`reserve_for_remote_prefill`), filled by `import_kv`, and it decodes after
-`finish_kv_import`.
+It imports no Ray, gRPC or Redis: the workers wrap it, and its KV connector (kv_connector.py)
+moves the KV. In the PREFILL role a request ends after its first token with its blocks held
+until `release_kv`; in the DECODE role a request's blocks are reserved up front
+(`reserve_for_remote_prefill`), filled by the connector, and it decodes after `finish_kv_import`.
 """
 
 from __future__ import annotations
@@ -243,22 +243,9 @@ class LLMEngine:
         return None
 
     # ---- disaggregation: KV export (PREFILL) and import (DECODE) -----------------------------
-    def export_kv(self, request_id: str, layer: int | None = None) -> torch.Tensor:
-        request = self._held_request(request_id)
-        return self.kv_cache.export_blocks(request.block_ids, layer)
-
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release(request_id)
         self._forget(request_id)
-
-    def kv_block_ids(self, request_id: str) -> list[int]:
-        return list(self._held_request(request_id).block_ids)
-
-    def _held_request(self, request_id: str) -> Request:
-        request = self.scheduler.held_for_export.get(request_id) or self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id!r} holds no KV for transfer")
-        return request
 
     def reserve_for_remote_prefill(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> list[int] | None:
         """DECODE role: pre-allocate the prompt's blocks; None when there is no room now."""
@@ -267,12 +254,6 @@ class LLMEngine:
             return None
         self._track(request, None)
         return list(request.block_ids)
-
-    def import_kv(self, request_id: str, kv: torch.Tensor, layer: int | None = None) -> None:
-        request = self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id!r} is not waiting for KV")
-        self.kv_cache.import_blocks(request.block_ids, kv, layer)
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The prompt's KV is in place: decode from the first token on. Returns the first token's output."""

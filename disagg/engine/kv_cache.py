@@ -4,7 +4,7 @@ One tensor for all layers, head-major:
     [num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
 Head-major means a gather of blocks along the block dimension yields, for every (request,
 head), one contiguous [tokens, head_dim] matrix, which attention reads at full speed without a
-permuting copy (measured 3x faster than token-major on CPU). It also makes a tensor-parallel
+permuting copy (token-major was several times slower on CPU). It also makes a tensor-parallel
 split of KV heads a plain slice, which the transfer's resharding uses.
 
 A prefill worker's cache on CPU lives in shared memory (`shared=True`): a decode worker on the

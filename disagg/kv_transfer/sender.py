@@ -63,8 +63,8 @@ class KVSender(KVEndpoint):
         self._by_request: dict[str, list[_Outgoing]] = {}
         self._by_key: dict[tuple[str, int], _Outgoing] = {}
         # The first layer of this step at which `save_kv_layer` has something to do. Between layers
-        # the CPU caches are cold after the layer's GEMMs: even bookkeeping cost ~20 us a layer
-        # (0.6 ms a prefill), though a batch by reference only has work at its last layer.
+        # the CPU caches are cold after the layer's GEMMs, so even bookkeeping costs; a batch by
+        # reference only has work at its last layer.
         self._next_due_layer = 0
         self._registrations = 0  # bumped by add(): a due layer computed meanwhile is stale
         # Targets handed in from other threads, resolved on the engine thread before the next

@@ -45,7 +45,7 @@ class ShardGroup:
 
     # ---- per step ------------------------------------------------------------------------------
     def submit(self, chunks) -> "_PendingStep":
-        """Start the step on every other rank (the model runner's `followers` hook)."""
+        """Start the step on every other rank (disagg.engine.kv_connector.Followers)."""
         self._check()
         plain = portable(chunks)
         return _PendingStep(self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)])
