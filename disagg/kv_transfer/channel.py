@@ -64,7 +64,7 @@ class PeerChannel:
         self._sender.start()
 
     # ---- sending -----------------------------------------------------------------------------
-    def post(self, header: Header, payload: torch.Tensor | None = None, timeout: float = 30.0) -> None:
+    def post(self, header: Header, payload: torch.Tensor | None, timeout: float) -> None:
         """Queue a message; blocks while the queue is full, up to `timeout` seconds."""
         try:
             self._outbox.put((header, payload), timeout=timeout)

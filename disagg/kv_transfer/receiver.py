@@ -142,14 +142,14 @@ class KVReceiver(KVEndpoint):
                 self._fail(tr, f"{peer_id} aborted the transfer")
         if ack is not None:  # outside the lock: posting may wait on a full queue
             address, header = ack
-            self._channel(peer_id, address).post(header, timeout=self.timeout)
+            self._channel(peer_id, address).post(header, None, timeout=self.timeout)
 
     def _reply_to(self, peer_id: str, header: Header) -> None:
         with self._channels_lock:
             channel = self._channels.get(peer_id)  # the one the message came through
         try:
             if channel is not None:
-                channel.post(header, timeout=0.0)
+                channel.post(header, None, timeout=0.0)
         except KVTransferError:
             pass  # best effort: with its queue full the pair is in trouble anyway (the sender times out)
 

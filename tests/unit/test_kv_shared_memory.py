@@ -31,6 +31,10 @@ pid, fd, token = map(int, sys.argv[1:4])
 t = attach(SharedHandle(pid, fd, token), {shape}, torch.float32)
 print(float(t.sum()))
 t[0, 0, 0, 0, 0, 0] = -1.0  # visible to the owner: the same memory
+import threading  # exit only once attach's page-touching thread is done (a busy host: it may still run)
+for thread in threading.enumerate():
+    if thread.name == "kv-map-pages":
+        thread.join(60)
 """
 
 
