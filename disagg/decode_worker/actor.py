@@ -28,6 +28,8 @@ class DecodeActor(WorkerActorBase):
     def __init__(self, config: WorkerConfig, followers=None):
         """`config.role`: DECODE, or COLOCATED (whole requests here). `followers`: [(RankPlace,
         ShardActor handle)] of the other ranks of a TP x PP instance."""
+        if config.role not in (Role.DECODE, Role.COLOCATED):
+            raise ValueError(f"role: a decode actor runs the decode or colocated role, not {config.role}")
         super().__init__(config)
         transport = TorchDistTransport(self.instance_id, self.host) if config.role is Role.DECODE else None
         groups, wait_for_ranks = self._start_ranks(followers)

@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
-from disagg.config import WorkerConfig
+from disagg.config import Role, WorkerConfig
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
@@ -26,6 +26,8 @@ class PrefillActor(WorkerActorBase):
 
     def __init__(self, config: WorkerConfig, followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
+        if config.role is not Role.PREFILL:
+            raise ValueError(f"role: a prefill actor runs the prefill role, not {config.role}")
         super().__init__(config)
         groups, wait_for_ranks = self._start_ranks(followers)
         transport = TorchDistTransport(self.instance_id, self.host)

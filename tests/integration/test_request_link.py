@@ -90,3 +90,10 @@ def test_a_prefill_whose_router_went_away_is_aborted(prefill):
 
     asyncio.run(scenario())
     assert wait_until(lambda: not engine.scheduler.requests and engine.num_free_blocks == total, 2.0)
+
+
+def test_an_actor_refuses_a_worker_config_of_another_role():
+    with pytest.raises(ValueError, match="role"):
+        PrefillActor(WorkerConfig("p-wrong", Role.DECODE, EngineConfig(**MODEL)))
+    with pytest.raises(ValueError, match="role"):
+        DecodeActor(WorkerConfig("d-wrong", Role.PREFILL, EngineConfig(**MODEL)))
