@@ -57,8 +57,8 @@ class PrefillActor(WorkerActorBase):
         self._first_tokens[request_id] = (first_token, link)
         try:
             added = self.loop.call(self.worker.add_request, request_id, prompt_token_ids, params)
-            if reservation is not None:  # once the request exists (the callback runs on the engine thread)
-                added.add_done_callback(lambda f: f.exception() is None and self.worker.set_kv_targets(request_id, reservation))
+            if reservation is not None:  # (targets that overtake their request wait for it)
+                self.worker.set_kv_targets(request_id, reservation)
         except BaseException:
             self._first_tokens.pop(request_id, None)
             raise
