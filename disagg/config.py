@@ -16,6 +16,11 @@ from disagg.errors import InvalidRequestError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GiB = 1 << 30
+DEFAULT_KV_TIMEOUT_S = 30.0  # how long a KV transfer (or a prefill's wait for its targets) may take
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+DEFAULT_HEARTBEAT_TTL_S = 3.0
+ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
+CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
 
 
 class Role(str, enum.Enum):
@@ -67,6 +72,14 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str = field(default_factory=lambda: os.environ.get("DISAGG_CACHE_DIR", str(Path.home() / ".cache" / "disagg")))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # A prefill cache in shared memory, so that a decode worker on this host copies the KV
+    # straight out of it; off: KV always goes over the transport. (README: DISAGG_KV_SHARED_MEMORY)
+    kv_shared_memory: bool = field(default_factory=lambda: os.environ.get("DISAGG_KV_SHARED_MEMORY", "1") != "0")
+    # The C++ CPU kernels (decode attention, norm, rotary, the transfer's block copy): auto (where
+    # they build), torch (never), kernel (always, or an error). (README: DISAGG_ATTENTION_BACKEND)
+    attention_backend: str = field(default_factory=lambda: _env_choice("DISAGG_ATTENTION_BACKEND", "auto"))
+    # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear). (README: DISAGG_CPU_GEMM)
+    cpu_gemm: str = field(default_factory=lambda: _env_choice("DISAGG_CPU_GEMM", "onednn"))
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
@@ -83,9 +96,16 @@ class EngineConfig:
         _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} (DISAGG_ATTENTION_BACKEND)")
+        _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", f"must be one of {', '.join(CPU_GEMMS)} (DISAGG_CPU_GEMM)")
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+
+def _env_choice(name: str, default: str) -> str:
+    """A setting's default from the environment (the only place that reads it)."""
+    return os.environ.get(name, default).strip().lower() or default
 
 
 def _parse_enum(enum_cls, value: str, field_name: str):
@@ -99,6 +119,34 @@ def _parse_enum(enum_cls, value: str, field_name: str):
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(field_name, message)
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one worker process (any rank of an instance, any role) is started with."""
+
+    instance_id: str
+    role: Role  # COLOCATED, PREFILL or DECODE
+    engine: EngineConfig  # this rank's (its `parallel` says which rank it is)
+    registry_url: str | None = None  # None: no heartbeats (tests)
+    host: str | None = "127.0.0.1"  # what it listens on and advertises; None: this node's IP (disagg.hosts.addressing)
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    num_threads: int = 1  # torch intra-op threads
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+    actor_name: str = ""
+    engine_cpus: tuple[int, ...] | None = None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
+
+    def __post_init__(self) -> None:
+        if isinstance(self.role, str) and not isinstance(self.role, Role):
+            object.__setattr__(self, "role", _parse_enum(Role, self.role, "role"))
+        _require(isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string")
+        _require(self.kv_timeout_s > 0, "kv_timeout_s", "must be > 0")
+        _require(self.num_threads >= 1, "num_threads", "must be >= 1")
+        _require(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0, "heartbeat_ttl_s", "must exceed heartbeat_interval_s (> 0)")
+
+    def replace(self, **changes) -> "WorkerConfig":
+        return dataclasses.replace(self, **changes)
 
 
 # ---- the service ---------------------------------------------------------------------------------
@@ -154,9 +202,9 @@ class ServingConfig:
     max_inflight_requests: int = 256  # admission bound: more are refused with RESOURCE_EXHAUSTED
     admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
     request_timeout_s: float = 600.0
-    kv_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_s: float = 3.0
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
     threads_per_worker: int = 1
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)

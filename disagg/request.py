@@ -184,3 +184,16 @@ class Request:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int, field_prefix: str = "") -> None:
+    """Refuse a request that could never run: its prompt, or prompt + max_tokens, exceeds the
+    model's context or the KV cache (`num_blocks` of `block_size` tokens). The engine and the
+    router's validation both ask this (the router names the field `sampling.max_tokens`)."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({max_model_len} tokens)")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise InvalidRequestError(f"{field_prefix}max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({max_model_len} tokens)")
+    needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if needed > num_blocks:
+        raise InvalidRequestError(f"{field_prefix}max_tokens", f"prompt + max_tokens needs {needed} KV blocks; an instance's cache holds {num_blocks}")

@@ -51,8 +51,10 @@ class KVEndpointActor:
         self.cache = KVCache(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device(device), shared=shared)
         self.cache.tensor.normal_()
         transport = TorchDistTransport(worker_id)
-        self.sender = KVSender(transport, self.cache, timeout=120)
-        self.receiver = KVReceiver(transport, self.cache, timeout=120)
+        self.sender = KVSender(transport, timeout=120)
+        self.receiver = KVReceiver(transport, timeout=120)
+        for endpoint in (self.sender, self.receiver):
+            endpoint.register_kv_cache(self.cache)
 
     def address(self) -> str:
         return self.sender.address()
@@ -66,8 +68,8 @@ class KVEndpointActor:
         chunk = SimpleNamespace(request=SimpleNamespace(request_id=request_id, block_ids=block_ids), start=0, num_new_tokens=len(block_ids) * BLOCK)
         self.sender.add(request_id, [target])
         for layer in range(LAYERS):
-            self.sender.on_layer(layer, [chunk])
-        self.sender.on_step_end([chunk])
+            self.sender.save_kv_layer(layer, [chunk])
+        self.sender.forward_done([chunk])
         self.sender.finish(request_id, first_token=1)
         return _wait(self.sender).seconds
 
@@ -119,8 +121,8 @@ class DecodeSide:
     def address(self) -> str:
         return self.worker.address()
 
-    def reserve(self, request_id, prompt, params, sources):
-        return self.worker.reserve(request_id, prompt, params, sources)
+    def reserve(self, request_id, prompt, params, prefill):
+        return self.worker.reserve(request_id, prompt, params, prefill)
 
     def drain(self, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -145,16 +147,19 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
     for r in range(repeats + 1):
         for streaming in (False, True):
             prompt[0] = r * 2 + streaming  # a new prompt each time: no prefix-cache hits
-            targets = []
+            request_id = f"{'s' if streaming else 'a'}{r}"
             if streaming:
-                reservation = ray.get(decode.reserve.remote(f"s{r}", prompt, params, {"p-stream": prefill.address()}))
-                targets = [KVTarget("d-stream", ray.get(decode.address.remote()), reservation.transfer_id, reservation.block_ids, (0, cfg.num_hidden_layers), (0, cfg.num_key_value_heads))]
+                reservation = ray.get(decode.reserve.remote(request_id, prompt, params, prefill.kv_layout()))
                 draining = decode.drain.remote()
             start = time.perf_counter()
-            prefill.add_request(f"{'s' if streaming else 'a'}{r}", prompt, params, targets)
+            prefill.add_request(request_id, prompt, params)
+            if streaming:
+                prefill.set_kv_targets(request_id, reservation)  # in force from the first layer on
             while prefill.engine.has_unfinished_requests():
                 prefill.step()
             elapsed = time.perf_counter() - start
+            if not streaming:
+                prefill.abort(request_id)  # no targets will come: free its blocks now
             while not prefill.is_idle():  # acknowledgements, outside the timed part
                 prefill.step()
                 time.sleep(0.001)

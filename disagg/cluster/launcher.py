@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
-from disagg.config import ParallelConfig, PoolConfig, ServingConfig
+from disagg.config import ParallelConfig, PoolConfig, Role, ServingConfig, WorkerConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import UnavailableError
 
@@ -70,7 +70,11 @@ class PoolLauncher:
         actor_name = f"{NAMESPACE}-{instance_id}"
         options = self._worker_options(pool, group, 0)
         options["name"], options["namespace"] = actor_name, NAMESPACE
-        common = dict(
+        engine_cpus = self.cpu_plan.engine_cpus(role, index) if self.cpu_plan else None
+        config = WorkerConfig(
+            instance_id=instance_id,
+            role=Role(role),
+            engine=self.config.pool_engine_config(pool),
             registry_url=self.registry_url,
             host=self.worker_host,
             kv_timeout_s=self.config.kv_timeout_s,
@@ -78,23 +82,21 @@ class PoolLauncher:
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             actor_name=actor_name,
-            engine_cpus=sorted(self.cpu_plan.engine_cpus(role, index)) if self.cpu_plan else None,
+            engine_cpus=tuple(sorted(engine_cpus)) if engine_cpus is not None else None,
         )
-        engine_config = self.config.pool_engine_config(pool)
-        shards = self._launch_shards(role, pool, group, instance_id, engine_config)
-        common["followers"] = shards or None
+        shards = self._launch_shards(pool, group, config)
         if role == "prefill":
             from disagg.prefill_worker.actor import PrefillActor
 
-            actor = ray.remote(PrefillActor).options(**options).remote(instance_id, engine_config, **common)
+            actor = ray.remote(PrefillActor).options(**options).remote(config, followers=shards or None)
         else:
             from disagg.decode_worker.actor import DecodeActor
 
-            actor = ray.remote(DecodeActor).options(**options).remote(instance_id, engine_config, colocated=role == "colocated", **common)
+            actor = ray.remote(DecodeActor).options(**options).remote(config, followers=shards or None)
         logger.info("launched %s (%d workers)", instance_id, pool.workers_per_instance)
         return LaunchedInstance(instance_id, role, actor_name, actor, group, [handle for _, handle in shards])
 
-    def _launch_shards(self, role: str, pool: PoolConfig, group: PlacementGroup, instance_id: str, engine_config) -> list:
+    def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig) -> list:
         """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
         prefill or decode actor) makes them all join its process groups."""
         from disagg.shard_worker.actor import ShardActor
@@ -103,9 +105,8 @@ class PoolLauncher:
         for rank in range(1, pool.workers_per_instance):
             place = RankPlace.of_rank(rank, pool.tensor_parallel_size, pool.pipeline_parallel_size)
             parallel = ParallelConfig(place.tp_size, place.pp_size, place.tp_rank, place.pp_rank)
-            actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(
-                instance_id, engine_config.replace(parallel=parallel), role, host=self.worker_host, kv_timeout_s=self.config.kv_timeout_s, num_threads=self.config.threads_per_worker
-            )
+            config = rank0.replace(engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None)
+            actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(config)
             shards.append((place, actor))
         return shards
 

@@ -13,7 +13,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
-from disagg.config import EngineConfig
+from disagg.config import Role, WorkerConfig
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.torch_dist import TorchDistTransport
@@ -55,15 +55,15 @@ class DropStreamsOf:
 class DecodeActor(WorkerActorBase, DecodeService):
     service = DecodeService
 
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, colocated: bool = False, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
-        """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
-        self.role = "colocated" if colocated else "decode"
-        self.actor_name = actor_name
-        self.engine_config = engine_config
-        transport = None if colocated else TorchDistTransport(instance_id, self.host)
-        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device)
-        self.worker = DecodeWorker(engine_config, transport, kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+    def __init__(self, config: WorkerConfig, followers=None):
+        """`config.role`: DECODE, or COLOCATED (whole requests here). `followers`: [(RankPlace,
+        ShardActor handle)] of the other ranks of a TP x PP instance."""
+        if config.role not in (Role.DECODE, Role.COLOCATED):
+            raise ValueError(f"role: a decode actor runs the decode or colocated role, not {config.role}")
+        super().__init__(config)
+        transport = TorchDistTransport(self.instance_id, self.host) if config.role is Role.DECODE else None
+        groups, wait_for_ranks = self._start_ranks(followers)
+        self.worker = DecodeWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
             wait_for_ranks()
         if self.worker.receiver is not None:
@@ -101,7 +101,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
         return {Reserve: self._reserve, Submit: self._submit, AbortDecode: lambda c: self._abort(c.request_id), DropStreamsOf: self._drop_streams_of}
 
     def _reserve(self, command: Reserve) -> Reservation | None:
-        reservation = self.worker.reserve_from(command.request_id, command.prompt_token_ids, command.params, command.prefill, self.kv_layout())
+        reservation = self.worker.reserve(command.request_id, command.prompt_token_ids, command.params, command.prefill)
         if reservation is not None:
             self._first_token_pending.add(command.request_id)
             self._streams[command.request_id] = command.stream_to

@@ -1,7 +1,8 @@
 """A decode instance: an engine in the DECODE role that takes KV from prefill workers.
 
 Plain Python; the Ray actor wraps it. `reserve` is the handshake: blocks for the prompt are
-allocated now and their ids returned, and the receiver starts listening to the prefill ranks.
+allocated now and their ids returned, and every rank's receiver starts listening to the
+prefill ranks that hold its slice.
 When the KV and the first token are in, the request joins the decode batch.
 
 The same worker without a transport (COLOCATED role) runs whole requests itself with chunked
@@ -13,16 +14,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.config import EngineConfig, Role
-from disagg.engine.engine import LLMEngine
-from disagg.engine.outputs import RequestOutput
-from disagg.kv_transfer.endpoint import TransferResult
-from disagg.kv_transfer.receiver import KVReceiver
-from disagg.kv_transfer.transport import Transport
 from disagg.engine.distributed import InstanceGroups
+from disagg.engine.outputs import RequestOutput
+from disagg.kv_transfer.connector import assemble, instance_kv_layout
+from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVLayout, sources_for
 from disagg.kv_transfer.tally import TransferTally
+from disagg.kv_transfer.transport import Transport
 from disagg.request import SamplingParams
 from disagg.rpc.messages import Reservation
+from disagg.worker.shard_group import ShardGroup
 
 
 @dataclass(frozen=True)
@@ -32,58 +33,55 @@ class FailedRequest:
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, transport: Transport | None, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
-        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.worker.shard_group.ShardGroup)."""
+    def __init__(self, config: EngineConfig, transport: Transport | None, *, kv_timeout: float, groups: InstanceGroups | None = None, followers: ShardGroup | None = None):
+        """Without a transport: the COLOCATED role. `groups`, `followers`: rank 0 of a TP x PP
+        instance (its process groups, the other ranks)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
-        self.engine = LLMEngine(config.replace(role=role), groups=groups)
-        self.engine.runner.followers = followers
+        built = assemble(config, role, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers)
+        self.engine, self.receiver = built.engine, built.endpoint
         self.followers = followers
-        self.transport = transport
-        self.receiver = KVReceiver(transport, self.engine.kv_cache, timeout=kv_timeout) if role is Role.DECODE else None
         self.tally = TransferTally()  # a request's KV is in when every rank's slice is
         self.failed: list[FailedRequest] = []  # the latest step's transfer failures
         self.transfer_results: list[TransferResult] = []
+        self._layout: KVLayout | None = None
 
     def address(self) -> str:
-        return self.transport.address() if self.transport is not None else ""
+        return self.receiver.address() if self.receiver is not None else ""
+
+    def kv_layout(self) -> KVLayout | None:
+        """Every rank's KV endpoint (None: colocated); fixed once the other ranks joined."""
+        if self._layout is None:
+            self._layout = instance_kv_layout(self.engine.config, self.receiver, self.followers.kv_ranks if self.followers is not None else [])
+        return self._layout
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """COLOCATED role: run the whole request here."""
         self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, sources: dict[str, str], kv_timeout: float | None = None) -> Reservation | None:
-        """Pre-allocate the prompt's blocks and listen for them; None when there is no room now.
-        The KV must be in within `kv_timeout` seconds (default: the worker's), else the request fails."""
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout) -> Reservation | None:
+        """The handshake with the prefill instance whose ranks are `prefill` (any parallel plan):
+        pre-allocate the prompt's blocks and have every rank of this instance listen to the
+        prefill ranks that hold its slice of the KV; None when there is no room now. The KV
+        must be in within the kv timeout, else the request fails."""
         block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
         if block_ids is None:
             return None
-        transfer_id = self.receiver.expect(request_id, block_ids, sources, kv_timeout)
-        self.tally.expect(request_id, 1)
-        return Reservation(transfer_id, block_ids, {self.receiver.worker_id: transfer_id})
-
-    def reserve_from(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout, layout: KVLayout, kv_timeout: float | None = None) -> Reservation | None:
-        """The handshake with a prefill instance of any parallel plan: every rank of this
-        instance (`layout`) listens to the prefill ranks that hold its slice of the KV."""
-        block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
-        if block_ids is None:
-            return None
-        cfg = self.engine.model_config
+        cfg, layout = self.engine.model_config, self.kv_layout()
         transfer_ids = {}
-        for rank in layout.ranks:
+        for index, rank in enumerate(layout.ranks):
             sources = sources_for(rank.place, prefill, layout.plan, cfg.num_hidden_layers, cfg.num_key_value_heads)
-            if rank.peer_id == self.receiver.worker_id:
-                transfer_ids[rank.peer_id] = self.receiver.expect(request_id, block_ids, sources, kv_timeout)
+            if index == 0:
+                transfer_ids[rank.peer_id] = self.receiver.expect(request_id, block_ids, sources)
             else:
-                index = [r.peer_id for r in self.followers.kv_ranks].index(rank.peer_id)
-                transfer_ids[rank.peer_id] = self.followers.call(index, "expect", request_id, block_ids, sources, kv_timeout)
+                transfer_ids[rank.peer_id] = self.followers.expect(index - 1, request_id, block_ids, sources, None)
         self.tally.expect(request_id, len(layout.ranks))
-        return Reservation(transfer_ids[self.receiver.worker_id], block_ids, transfer_ids, layout)
+        return Reservation(transfer_ids[layout.ranks[0].peer_id], block_ids, transfer_ids, layout)
 
     def abort(self, request_id: str) -> bool:
         if self.receiver is not None:  # before the blocks are freed: no late write lands in them
-            self.receiver.cancel(request_id)
+            self.receiver.abort(request_id)
             if self.followers is not None:
-                self.followers.call_all("cancel", request_id)
+                self.followers.abort_transfers(request_id)
             self.tally.forget(request_id)
         return self.engine.abort_request(request_id)
 

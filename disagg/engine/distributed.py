@@ -80,17 +80,19 @@ class InstanceGroups:
     store: "dist.Store"  # kept alive: rank 0 serves it
 
 
-def serve_store(host: str = "127.0.0.1") -> tuple["dist.TCPStore", str]:
-    """Rank 0's rendezvous store on a free port of `host`; returns it and its address."""
-    sock = socket.create_server((host, 0), backlog=128)
+def serve_store(host: str = "127.0.0.1", timeout: timedelta = GROUP_TIMEOUT) -> tuple["dist.TCPStore", int]:
+    """A TCPStore server on a free port of `host` (TCPStore itself would listen on every
+    interface); returns it and its port. Rank 0's rendezvous, and each KV transport's own."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family, backlog=128)
     port = sock.getsockname()[1]
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=GROUP_TIMEOUT, master_listen_fd=sock.fileno())
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.fileno())
     except BaseException:
         sock.close()
         raise
-    sock.detach()  # the store owns the descriptor now
-    return store, f"{host}:{port}"
+    sock.detach()  # the store owns the descriptor now and closes it
+    return store, port
 
 
 def join_instance(place: RankPlace, store_address: str, device: torch.device, store: "dist.Store | None" = None) -> InstanceGroups:

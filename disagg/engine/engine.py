@@ -1,16 +1,15 @@
 """One engine instance: add_request / step / abort, in any role.
 
 The engine owns the model, the KV cache, the block manager and the scheduler of one instance.
-It imports no Ray, gRPC or Redis: the workers wrap it. In the PREFILL role a request ends after
-its first token with its KV held for `export_kv`; in the DECODE role a request's blocks are
-reserved up front (`reserve_for_remote_prefill`), filled by `import_kv`, and it decodes after
-`finish_kv_import`.
+It imports no Ray, gRPC or Redis: the workers wrap it, and its KV connector (kv_connector.py)
+moves the KV. In the PREFILL role a request ends after its first token with its blocks held
+until `release_kv`; in the DECODE role a request's blocks are reserved up front
+(`reserve_for_remote_prefill`), filled by the connector, and it decodes after `finish_kv_import`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import torch
@@ -19,16 +18,18 @@ from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.kv_connector import Followers, KVConnector
+from disagg.engine.layers.cpu_kernels import decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import LlamaForCausalLM
+from disagg.engine.models.llama import Backends, LlamaForCausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, make_generator
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.errors import InvalidRequestError
-from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.request import Request, RequestStatus, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, groups: InstanceGroups | None = None):
+    def __init__(self, config: EngineConfig, groups: InstanceGroups | None = None, kv_connector: KVConnector | None = None, followers: Followers | None = None):
         """`groups`: this rank's process groups when the instance has several workers (TP x PP);
-        every rank builds an engine for its shard, and only rank 0's scheduler is used."""
+        every rank builds an engine for its shard, and only rank 0's scheduler is used.
+        `kv_connector`: what moves this rank's KV (disagg.kv_transfer); `followers`: rank 0's
+        handle on the other ranks."""
         self.config = config
         self.groups = groups
         p = config.parallel
@@ -76,10 +79,14 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, Sampler(config.seed), self.device)
-        if groups is not None:
-            self.runner.pipe = groups.pipe
-            self.runner.returns_logits = groups.place.tp_rank == 0
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.register_kv_cache(self.kv_cache)
+        self.runner = ModelRunner(
+            self.model, self.kv_cache, Sampler(config.seed), self.device,
+            decode_kernel=decode_kernel(self.device, config.attention_backend), kv_connector=kv_connector, followers=followers,
+            pipe=groups.pipe if groups is not None else None, returns_logits=groups is None or groups.place.tp_rank == 0,
+        )
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
@@ -93,10 +100,11 @@ class LLMEngine:
         try:
             with torch.device(self.device):
                 place = self.groups.place if self.groups is not None else None
+                backends = Backends(self.config.attention_backend, self.config.cpu_gemm)
                 if place is None:
-                    model = LlamaForCausalLM(source.config, self.max_model_len)
+                    model = LlamaForCausalLM(source.config, self.max_model_len, backends=backends)
                 else:
-                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size)
+                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size, backends=backends)
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(source.iter_weights())
@@ -112,9 +120,11 @@ class LLMEngine:
         num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20)
         # A prefill cache is read by the transfer: in shared memory, a decode worker on this host
-        # copies from it directly (DISAGG_KV_SHARED_MEMORY=0: always send over the transport).
-        shared = c.role is Role.PREFILL and os.environ.get("DISAGG_KV_SHARED_MEMORY", "1") != "0"
-        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device, shared=shared)
+        # copies from it directly (kv_shared_memory off: always send over the transport).
+        shared = c.role is Role.PREFILL and c.kv_shared_memory
+        place = self.groups.place if self.groups is not None else None
+        head_offset = place.tp_rank * num_kv_heads if place is not None else 0
+        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device, shared=shared, layer_offset=self.model.start_layer, head_offset=head_offset)
 
     # ---- requests ----------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
@@ -131,7 +141,8 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
-        self._check_fits(len(token_ids), params)
+        bm = self.block_manager
+        check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
         return Request(str(request_id), token_ids, params, eos_token_ids=tuple(eos), arrival_time=arrival_time or time.perf_counter())
 
@@ -149,15 +160,6 @@ class LLMEngine:
         if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in ids):
             raise InvalidRequestError("prompt_token_ids", f"must be integers in [0, {vocab})")
         return ids
-
-    def _check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        if num_prompt_tokens >= self.max_model_len:
-            raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({self.max_model_len} tokens)")
-        if num_prompt_tokens + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError("max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context ({self.max_model_len} tokens)")
-        needed = self.block_manager.num_blocks_for(num_prompt_tokens + params.max_tokens)
-        if needed > self.block_manager.num_total_blocks:
-            raise InvalidRequestError("max_tokens", f"prompt + max_tokens needs {needed} KV blocks; the cache holds {self.block_manager.num_total_blocks}")
 
     def _track(self, request: Request, prompt: str | None) -> None:
         rid = request.request_id
@@ -241,22 +243,9 @@ class LLMEngine:
         return None
 
     # ---- disaggregation: KV export (PREFILL) and import (DECODE) -----------------------------
-    def export_kv(self, request_id: str, layer: int | None = None) -> torch.Tensor:
-        request = self._held_request(request_id)
-        return self.kv_cache.export_blocks(request.block_ids, layer)
-
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release(request_id)
         self._forget(request_id)
-
-    def kv_block_ids(self, request_id: str) -> list[int]:
-        return list(self._held_request(request_id).block_ids)
-
-    def _held_request(self, request_id: str) -> Request:
-        request = self.scheduler.held_for_export.get(request_id) or self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id!r} holds no KV for transfer")
-        return request
 
     def reserve_for_remote_prefill(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> list[int] | None:
         """DECODE role: pre-allocate the prompt's blocks; None when there is no room now."""
@@ -265,12 +254,6 @@ class LLMEngine:
             return None
         self._track(request, None)
         return list(request.block_ids)
-
-    def import_kv(self, request_id: str, kv: torch.Tensor, layer: int | None = None) -> None:
-        request = self.scheduler.waiting_for_kv.get(request_id)
-        if request is None:
-            raise KeyError(f"request {request_id!r} is not waiting for KV")
-        self.kv_cache.import_blocks(request.block_ids, kv, layer)
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The prompt's KV is in place: decode from the first token on. Returns the first token's output."""

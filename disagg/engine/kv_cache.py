@@ -4,7 +4,7 @@ One tensor for all layers, head-major:
     [num_layers, 2 (K, V), num_kv_heads, num_blocks, block_size, head_dim].
 Head-major means a gather of blocks along the block dimension yields, for every (request,
 head), one contiguous [tokens, head_dim] matrix, which attention reads at full speed without a
-permuting copy (measured 3x faster than token-major on CPU). It also makes a tensor-parallel
+permuting copy (token-major was several times slower on CPU). It also makes a tensor-parallel
 split of KV heads a plain slice, which the transfer's resharding uses.
 
 A prefill worker's cache on CPU lives in shared memory (`shared=True`): a decode worker on the
@@ -20,10 +20,16 @@ from disagg.engine.shared_memory import SharedHandle, shared_zeros
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, shared: bool = False):
-        """`shared`: in memory that peers on this host can map (CPU only; ignored on GPU)."""
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, shared: bool = False, layer_offset: int = 0, head_offset: int = 0):
+        """`shared`: in memory that peers on this host can map (CPU only; ignored on GPU).
+        `layer_offset`, `head_offset`: the global index of this rank's local layer 0 and KV
+        head 0 (a pipeline stage holds some layers, a tensor-parallel rank some heads)."""
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_offset = layer_offset
+        self.head_offset = head_offset
         shape = (num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim)
         self.shared_handle: SharedHandle | None = None
         if shared and torch.device(device).type == "cpu":
@@ -42,6 +48,25 @@ class KVCache:
     def layer(self, layer_idx: int) -> torch.Tensor:
         """[2, num_kv_heads, num_blocks, block_size, head_dim] view of one layer."""
         return self.tensor[layer_idx]
+
+    # ---- a block view for the KV transfer: slices addressed by global layer and head indices --------
+    def slice_bytes(self, num_layers: int, heads: tuple[int, int], num_blocks: int) -> int:
+        """Bytes of `num_layers` layers' K and V of heads [h0, h1) in `num_blocks` blocks."""
+        return num_layers * 2 * (heads[1] - heads[0]) * num_blocks * self.block_size * self.head_dim * self.tensor.element_size()
+
+    def packing_buffer(self, num_layers: int, heads: tuple[int, int], num_blocks: int) -> torch.Tensor:
+        """Room for that slice, packed: [num_layers, 2, h1 - h0, num_blocks, block_size, head_dim]."""
+        return torch.empty(num_layers, 2, heads[1] - heads[0], num_blocks, self.block_size, self.head_dim, dtype=self.tensor.dtype, device=self.tensor.device)
+
+    def pack_layer(self, layer: int, heads: tuple[int, int], block_ids: list[int], out: torch.Tensor) -> None:
+        """Copy (global) layer `layer`'s heads [h0, h1) of scattered blocks into `out` [2, h, n, bs, D]."""
+        src = torch.as_tensor(block_ids, dtype=torch.long, device=self.tensor.device)
+        torch.index_select(self.layer(layer - self.layer_offset)[:, heads[0] - self.head_offset : heads[1] - self.head_offset], 2, src, out=out)
+
+    def blocks_view(self, first_layer: int, num_layers: int, heads: tuple[int, int]) -> torch.Tensor:
+        """A view of (global) layers [first, first + n) and heads [h0, h1): [n, 2, h, num_blocks, bs, D]."""
+        local = first_layer - self.layer_offset
+        return self.tensor[local : local + num_layers, :, heads[0] - self.head_offset : heads[1] - self.head_offset]
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V ([T, kv_heads, head_dim]) at flat slots block*block_size+offset."""

@@ -12,29 +12,31 @@ from collections.abc import Callable
 
 import torch
 
+from disagg.engine.distributed import PipelineLink
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillSpan
-from disagg.engine.layers.cpu_kernels import decode_kernel
+from disagg.engine.layers.cpu_kernels import DecodeKernel
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device, *, decode_kernel: DecodeKernel | None = None, kv_connector: KVConnector | None = None, pipe: PipelineLink | None = None, returns_logits: bool = True, followers: Followers | None = None):
+        """`decode_kernel`: the C++ decode attention (None: the torch path). `kv_connector`: told
+        of each layer's KV as it is computed. A rank of a multi-worker instance also has `pipe`
+        (the stage-to-stage link), `returns_logits` (whether it hands the logits to rank 0)
+        and, on rank 0, `followers` (the other ranks)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
         self.device = device
         self.block_size = kv_cache.block_size
-        self.decode_kernel = decode_kernel(device)  # None: decode attention takes the torch path
-        # KV-streaming hooks (a prefill worker's sender): after each layer, and after the forward pass.
-        self.on_layer: Callable[[int, list[ScheduledChunk]], None] | None = None
-        self.on_forward_done: Callable[[list[ScheduledChunk]], None] | None = None
-        # Multi-worker instances (disagg.engine.distributed): the stage-to-stage link, whether this
-        # rank hands the logits to the driver, and (driver only) the other ranks.
-        self.pipe = None
-        self.returns_logits = True
-        self.followers = None
+        self.decode_kernel = decode_kernel
+        self.kv_connector = kv_connector if kv_connector is not None and kv_connector.saves_layers else None
+        self.pipe = pipe
+        self.returns_logits = returns_logits
+        self.followers = followers
         self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
@@ -61,13 +63,14 @@ class ModelRunner:
 
     def _forward_logits(self, chunks) -> torch.Tensor | None:
         input_ids, positions, meta = self._prepare(chunks)
-        after_layer = None if self.on_layer is None else (lambda index: self.on_layer(index, chunks))
+        connector = self.kv_connector
+        after_layer = None if connector is None else (lambda index: connector.save_kv_layer(index, chunks))
         hidden, residual = None, None
         if not self.model.is_first_stage:
             hidden, residual = self.pipe.recv_prev(len(positions), self.model.config.hidden_size, self.dtype, self.device)
         out = self.model(input_ids, positions, self.kv_cache, meta, hidden_states=hidden, residual=residual, after_layer=after_layer)
-        if self.on_forward_done is not None:
-            self.on_forward_done(chunks)
+        if connector is not None:
+            connector.forward_done(chunks)
         if not self.model.is_last_stage:
             self.pipe.send_next(*out)
             return None

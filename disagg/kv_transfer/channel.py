@@ -4,8 +4,8 @@ that runs only while its owner expects messages from that peer.
 The loop must not idle in `recv`: with gloo a recv that times out breaks the pair, so the loop
 receives only while the owner expects something from this peer, each recv waiting at most the
 owner's timeout, and parks on a condition when nothing is expected. It is started on the first
-transfer and kept: starting a thread per transfer cost the engine thread that asked 1-2 ms (the
-clone, and `Thread.start` waiting for the new thread to run). A single transfer's deadline is
+transfer and kept: starting a thread per transfer would cost the engine thread that asked a
+`Thread.start` (waiting for the new thread to run) every time. A single transfer's deadline is
 enforced by its owner's poll(), never by timing out a recv, which would fail every transfer on
 the pair. Sending happens off the caller's thread, so the model's compute never waits on the
 network, only on the bounded queue (back-pressure instead of unbounded memory).
@@ -64,7 +64,7 @@ class PeerChannel:
         self._sender.start()
 
     # ---- sending -----------------------------------------------------------------------------
-    def post(self, header: Header, payload: torch.Tensor | None = None, timeout: float = 30.0) -> None:
+    def post(self, header: Header, payload: torch.Tensor | None, timeout: float) -> None:
         """Queue a message; blocks while the queue is full, up to `timeout` seconds."""
         try:
             self._outbox.put((header, payload), timeout=timeout)

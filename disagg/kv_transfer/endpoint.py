@@ -11,8 +11,9 @@ import enum
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.kv_connector import KVConnector, TransferResult  # noqa: F401 (TransferResult: re-exported)
 from disagg.kv_transfer.channel import PeerChannel
 from disagg.kv_transfer.transport import Transport
 
@@ -25,18 +26,9 @@ class TransferState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
-class TransferResult:
-    request_id: str
-    ok: bool
-    first_token: int = -1
-    error: str | None = None
-    seconds: float = 0.0
-    num_bytes: int = 0
-
-
-class KVEndpoint:
+class KVEndpoint(KVConnector):
     def __init__(self, transport: Transport, timeout: float, max_queued_messages: int):
+        self.kv_cache: KVCache | None = None  # this rank's, once the engine registers it
         self.transport = transport
         self.timeout = timeout
         self.max_queued_messages = max_queued_messages
@@ -47,6 +39,9 @@ class KVEndpoint:
         self.num_bytes_total = 0  # KV payload bytes sent or received (a Prometheus counter's source)
         # Called (from a channel thread, lock held) when a transfer finishes: wakes the worker's loop.
         self.on_finished: Callable[[], None] | None = None
+
+    def register_kv_cache(self, kv_cache: KVCache) -> None:
+        self.kv_cache = kv_cache
 
     @property
     def worker_id(self) -> str:

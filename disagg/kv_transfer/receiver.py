@@ -34,7 +34,7 @@ from disagg.kv_transfer.transport import Transport
 IMPORT_QUEUE_DEPTH = 4  # received messages waiting to be copied into blocks
 # A KV_REF's layers are copied this many bytes at a time under the lock: a cancel waits for one
 # such copy at most, and a short prompt's 30 layers take one or a few passes instead of one
-# Python iteration each (measured: 3.1 ms of the import thread's CPU per request, all layers).
+# Python iteration each, which cost the import thread milliseconds per request.
 IMPORT_GROUP_BYTES = 4 << 20
 
 
@@ -53,11 +53,12 @@ class _Incoming:
 
 
 class KVReceiver(KVEndpoint):
-    def __init__(self, transport: Transport, kv_cache, *, layer_offset: int = 0, head_offset: int = 0, timeout: float = 30.0, max_queued_messages: int = 32):
+    def __init__(self, transport: Transport, *, timeout: float, attention_backend: str = "auto", max_queued_messages: int = 32):
+        """The engine hands it its cache (`register_kv_cache`) when it has allocated it.
+        `attention_backend` (EngineConfig's): whether the block copy may use the C++ kernel."""
         super().__init__(transport, timeout, max_queued_messages)
-        self.kv_cache = kv_cache
-        self.layer_offset = layer_offset
-        self.head_offset = head_offset
+        self.attention_backend = attention_backend
+        self._copy_ops = None  # the C++ block copy for the cache's device, or None: torch
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
@@ -65,6 +66,10 @@ class KVReceiver(KVEndpoint):
         self._imports: queue.Queue = queue.Queue(maxsize=IMPORT_QUEUE_DEPTH)
         self._importer = threading.Thread(target=self._import_loop, name="kv-import", daemon=True)
         self._importer.start()
+
+    def register_kv_cache(self, kv_cache) -> None:
+        super().register_kv_cache(kv_cache)
+        self._copy_ops = cpu_ops(kv_cache.tensor.device, self.attention_backend)
 
     # ---- called by the worker ----------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None) -> int:
@@ -80,7 +85,7 @@ class KVReceiver(KVEndpoint):
             self._channel(peer_id, address).wake_receiver()
         return transfer_id
 
-    def cancel(self, request_id: str) -> None:
+    def abort(self, request_id: str) -> None:
         """Stop writing into the request's blocks (call before freeing them)."""
         with self._lock:
             transfer_id = self._by_request.pop(request_id, None)
@@ -104,7 +109,7 @@ class KVReceiver(KVEndpoint):
         if header.type is not MsgType.KV:
             return None
         cache = self.kv_cache
-        return torch.empty(header.payload_shape(cache.block_size, cache.tensor.shape[-1]), dtype=cache.tensor.dtype, device=cache.tensor.device)
+        return torch.empty(header.payload_shape(cache.block_size, cache.head_dim), dtype=cache.tensor.dtype, device=cache.tensor.device)
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
         self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
@@ -137,21 +142,19 @@ class KVReceiver(KVEndpoint):
                 self._fail(tr, f"{peer_id} aborted the transfer")
         if ack is not None:  # outside the lock: posting may wait on a full queue
             address, header = ack
-            self._channel(peer_id, address).post(header, timeout=self.timeout)
+            self._channel(peer_id, address).post(header, None, timeout=self.timeout)
 
     def _reply_to(self, peer_id: str, header: Header) -> None:
         with self._channels_lock:
             channel = self._channels.get(peer_id)  # the one the message came through
         try:
             if channel is not None:
-                channel.post(header, timeout=0.0)
+                channel.post(header, None, timeout=0.0)
         except KVTransferError:
             pass  # best effort: with its queue full the pair is in trouble anyway (the sender times out)
 
     def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
-        first_layer = header.layer - self.layer_offset
-        layers = self.kv_cache.tensor[first_layer : first_layer + header.num_layers]  # [n, 2, KVH, NB, bs, D]
-        heads = layers[:, :, header.head_start - self.head_offset : header.head_end - self.head_offset]
+        heads = self.kv_cache.blocks_view(header.layer, header.num_layers, (header.head_start, header.head_end))
         heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         self._count(tr, payload.numel() * payload.element_size())
 
@@ -168,18 +171,18 @@ class KVReceiver(KVEndpoint):
             except KVTransferError as exc:
                 self._fail(tr, str(exc))
                 return
-        src_layer, dst_layer = header.layer - ref.layer_offset, header.layer - self.layer_offset
+        src_layer = header.layer - ref.layer_offset
         src_heads = slice(header.head_start - ref.head_offset, header.head_end - ref.head_offset)
-        dst_heads = slice(header.head_start - self.head_offset, header.head_end - self.head_offset)
+        heads = (header.head_start, header.head_end)
         dst_ids = tr.block_ids[header.first_block : header.first_block + header.num_blocks].tolist()
-        block_bytes = 2 * (dst_heads.stop - dst_heads.start) * self.kv_cache.block_size * self.kv_cache.tensor.shape[-1] * self.kv_cache.tensor.element_size()
+        block_bytes = self.kv_cache.slice_bytes(1, heads, 1)
         group = max(1, IMPORT_GROUP_BYTES // max(1, len(dst_ids) * block_bytes))
         for i in range(0, header.num_layers, group):
             n = min(group, header.num_layers - i)
             with self._lock:
                 if self._transfers.get(header.transfer_id) is not tr:
                     return  # cancelled or failed meanwhile: its blocks are no longer ours to write
-                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.tensor[dst_layer + i : dst_layer + i + n, :, dst_heads], dst_ids)
+                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.blocks_view(header.layer + i, n, heads), dst_ids, self._copy_ops)
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -194,8 +197,7 @@ class KVReceiver(KVEndpoint):
         handle = SharedHandle(ref.pid, ref.fd, ref.token)
         mapped = self._peer_caches.get(peer_id)
         if mapped is None or mapped[0] != handle:
-            _, _, _, _, block_size, head_dim = self.kv_cache.tensor.shape
-            shape = (ref.num_layers, 2, ref.num_heads, ref.num_blocks, block_size, head_dim)
+            shape = (ref.num_layers, 2, ref.num_heads, ref.num_blocks, self.kv_cache.block_size, self.kv_cache.head_dim)
             mapped = self._peer_caches[peer_id] = (handle, attach(handle, shape, self.kv_cache.tensor.dtype))
         return mapped[1]
 
@@ -237,13 +239,13 @@ class KVReceiver(KVEndpoint):
         self._report(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - (tr.first_byte_at or tr.started), tr.num_bytes))
 
 
-def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]) -> None:
+def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:
     """dst's blocks dst_ids[i] = src's blocks src_ids[i] (dim 3 of [n, 2, heads, blocks, bs, D])
-    in one pass over the bytes: the C++ kernel, else one strided copy per run of blocks that are
-    consecutive on both sides (an index_select then index_copy_ would copy everything twice)."""
+    in one pass over the bytes: the C++ kernel (`ops`: cpu_kernels.cpu_ops), else one strided
+    copy per run of blocks that are consecutive on both sides (an index_select then index_copy_
+    would copy everything twice)."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"block ids: {len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-    ops = cpu_ops(src.device)
     if ops is not None:
         ops.copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
         return

@@ -1,6 +1,6 @@
 """Prefill side: stream a request's KV, layer by layer and chunk by chunk, to decode workers.
 
-The model runner calls `on_layer` right after each layer of a step has written its KV, so the
+The model runner calls `save_kv_layer` right after each layer of a step has written its KV, so the
 packing copy happens while later layers compute and the network send runs on the channel's
 thread; small layers are grouped into fewer, larger messages (MIN_MESSAGE_BYTES). After the
 last chunk the first token goes out in a DONE message; the blocks may be freed when every target
@@ -13,6 +13,8 @@ names the blocks and the receiver copies them out of our cache itself (messages.
 from __future__ import annotations
 
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -55,18 +57,23 @@ class _LayerBatch:
 
 
 class KVSender(KVEndpoint):
-    def __init__(self, transport: Transport, kv_cache, *, layer_offset: int = 0, head_offset: int = 0, timeout: float = 30.0, max_queued_messages: int = 32):
+    def __init__(self, transport: Transport, *, timeout: float, max_queued_messages: int = 32):
+        """The engine hands it its cache (`register_kv_cache`) when it has allocated it."""
         super().__init__(transport, timeout, max_queued_messages)
-        self.kv_cache = kv_cache  # disagg.engine.kv_cache.KVCache of this rank
-        self.layer_offset = layer_offset  # global index of our local layer 0
-        self.head_offset = head_offset  # global index of our local KV head 0
         self._by_request: dict[str, list[_Outgoing]] = {}
         self._by_key: dict[tuple[str, int], _Outgoing] = {}
-        # The first layer of this step at which `on_layer` has something to do. Between layers
-        # the CPU caches are cold after the layer's GEMMs: even bookkeeping cost ~20 us a layer
-        # (0.6 ms a prefill), though a batch by reference only has work at its last layer.
+        # The first layer of this step at which `save_kv_layer` has something to do. Between layers
+        # the CPU caches are cold after the layer's GEMMs, so even bookkeeping costs; a batch by
+        # reference only has work at its last layer.
         self._next_due_layer = 0
         self._registrations = 0  # bumped by add(): a due layer computed meanwhile is stale
+        # Targets handed in from other threads, resolved on the engine thread before the next
+        # layer goes out (resolving them on the caller's thread would take the GIL from the step).
+        self._deferred: deque[tuple[str, Callable[[], list[KVTarget] | None]]] = deque()
+
+    @property
+    def saves_layers(self) -> bool:
+        return True
 
     # ---- called by the worker ----------------------------------------------------------------
     def add(self, request_id: str, targets: list[KVTarget]) -> None:
@@ -83,12 +90,27 @@ class KVSender(KVEndpoint):
             self._registrations += 1
             self._next_due_layer = 0  # the next layer catches up on what it computed before
 
+    def add_later(self, request_id: str, resolve: Callable[[], list[KVTarget] | None]) -> None:
+        """From any thread: `add(request_id, resolve())` on the engine thread, at the next layer of
+        a step or `add_deferred()`, whichever comes first (None from `resolve`: nothing to add)."""
+        self._deferred.append((request_id, resolve))
+
+    def add_deferred(self) -> None:
+        """Engine thread: add the targets handed in by `add_later` so far."""
+        while self._deferred:
+            request_id, resolve = self._deferred.popleft()
+            targets = resolve()
+            if targets is not None:
+                self.add(request_id, targets)
+
     def has_transfer(self, request_id: str) -> bool:
         return request_id in self._by_request
 
-    def on_layer(self, local_layer: int, chunks) -> None:
-        """Model-runner hook: layer `local_layer` of this step is computed; send its new blocks."""
-        layer = local_layer + self.layer_offset
+    def save_kv_layer(self, local_layer: int, chunks) -> None:
+        """Layer `local_layer` of this step is computed; send its new blocks."""
+        if self._deferred:  # (checked here: a call per layer costs, see _next_due_layer)
+            self.add_deferred()
+        layer = local_layer + self.kv_cache.layer_offset
         if layer < self._next_due_layer:
             return  # the layers skipped go out with the due one
         registrations, due = self._registrations, NOT_DUE
@@ -99,7 +121,7 @@ class KVSender(KVEndpoint):
                 if tr.target.layers[0] <= layer < tr.target.layers[1]:
                     # step_layer == layer unless layers were skipped or the targets came mid-step.
                     for missed in range(max(tr.step_layer, tr.target.layers[0]), layer + 1):
-                        self._send_layer(tr, chunk, missed - self.layer_offset, missed)
+                        self._send_layer(tr, chunk, missed)
                     tr.step_layer = layer + 1
                 due = min(due, self._due_layer(tr, layer))
         self._next_due_layer = due
@@ -118,7 +140,7 @@ class KVSender(KVEndpoint):
             return tr.batch.first_layer + tr.batch.num_layers - 1  # a reference: sent whole at its end
         return layer + 1  # packed: copied layer by layer
 
-    def _send_layer(self, tr: _Outgoing, chunk, local_layer: int, layer: int) -> None:
+    def _send_layer(self, tr: _Outgoing, chunk, layer: int) -> None:
         bs = self.kv_cache.block_size
         first, last = tr.sent_tokens // bs, -(-(chunk.start + chunk.num_new_tokens) // bs)
         if first >= last:
@@ -128,9 +150,7 @@ class KVSender(KVEndpoint):
             tr.batch = self._new_batch(tr, layer, last - first)
         batch = tr.batch
         if batch.payload is not None:
-            layer_kv = self.kv_cache.layer(local_layer)[:, heads[0] - self.head_offset : heads[1] - self.head_offset]
-            src = torch.as_tensor(chunk.request.block_ids[first:last], dtype=torch.long, device=layer_kv.device)
-            torch.index_select(layer_kv, 2, src, out=batch.payload[batch.filled])  # packs scattered blocks
+            self.kv_cache.pack_layer(layer, heads, chunk.request.block_ids[first:last], batch.payload[batch.filled])
         batch.filled += 1
         tr.state = TransferState.TRANSFERRING
         if batch.filled < batch.num_layers:
@@ -148,22 +168,17 @@ class KVSender(KVEndpoint):
         num_layers = max(1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks))))
         if self.kv_cache.shared_handle is not None and self.transport.shares_memory_with(tr.target.peer_id):
             return _LayerBatch(layer, num_layers, None)
-        _, _, _, _, bs, dim = self.kv_cache.tensor.shape
-        heads = tr.target.heads[1] - tr.target.heads[0]
-        payload = torch.empty(num_layers, 2, heads, num_blocks, bs, dim, dtype=self.kv_cache.tensor.dtype, device=self.kv_cache.tensor.device)
-        return _LayerBatch(layer, num_layers, payload)
+        return _LayerBatch(layer, num_layers, self.kv_cache.packing_buffer(num_layers, tr.target.heads, num_blocks))
 
     def _layer_bytes(self, tr: _Outgoing, num_blocks: int) -> int:
-        _, two, _, _, bs, dim = self.kv_cache.tensor.shape
-        heads = tr.target.heads[1] - tr.target.heads[0]
-        return two * heads * num_blocks * bs * dim * self.kv_cache.tensor.element_size()
+        return self.kv_cache.slice_bytes(1, tr.target.heads, num_blocks)
 
     def _block_ref(self, tr: _Outgoing, block_ids: list[int]) -> torch.Tensor:
-        handle, shape = self.kv_cache.shared_handle, self.kv_cache.tensor.shape
+        cache, handle = self.kv_cache, self.kv_cache.shared_handle
         # We hold the blocks at least until the transfer's deadline (it only ever moves later);
         # a millisecond off it covers the float seconds' rounding.
         valid_until_ns = int(tr.deadline * 1e9) - 1_000_000
-        return BlockRef(handle.pid, handle.fd, handle.token, shape[0], shape[2], shape[3], self.layer_offset, self.head_offset, valid_until_ns, list(block_ids)).to_tensor()
+        return BlockRef(handle.pid, handle.fd, handle.token, cache.num_layers, cache.num_kv_heads, cache.num_blocks, cache.layer_offset, cache.head_offset, valid_until_ns, list(block_ids)).to_tensor()
 
     def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """Targets added after `num_tokens` positions were computed: send those now, every layer
@@ -171,10 +186,10 @@ class KVSender(KVEndpoint):
         done = [PortableChunk(RequestRef(request_id, list(block_ids)), 0, num_tokens, [], False)]
         self._next_due_layer = 0
         for local_layer in range(self.kv_cache.num_layers):
-            self.on_layer(local_layer, done)
-        self.on_step_end(done)
+            self.save_kv_layer(local_layer, done)
+        self.forward_done(done)
 
-    def on_step_end(self, chunks) -> None:
+    def forward_done(self, chunks) -> None:
         """Every layer of this step went out: the chunk's positions are now sent."""
         self._next_due_layer = 0
         for chunk in chunks:

@@ -27,9 +27,8 @@ def attach(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtype) -> 
     except OSError as exc:
         raise KVTransferError(f"cannot map shared KV cache {handle.name()} of pid {handle.pid}: {exc}") from exc
     # Map every page, in the background: faulting them in one by one during copies doubles a
-    # copy's time (measured: 256 MiB of blocks in 85 ms instead of 43), once per page for the
-    # mapping's life; touching them all in one sweep costs about 70 ms per GiB, but a stall that
-    # long on the first transfer from a peer is worse than the first copies running slower.
+    # copy's time, once per page for the mapping's life; one sweep over them all in the
+    # foreground would stall the first transfer from a peer longer than slower first copies do.
     threading.Thread(target=_touch_pages, args=(tensor,), name="kv-map-pages", daemon=True).start()
     return tensor
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.errors import KVTransferError
+from disagg.engine.distributed import serve_store
 from disagg.engine.shared_memory import host_key
 from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
@@ -75,7 +76,7 @@ class TorchDistTransport(Transport):
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         self.worker_id = worker_id
         self.backend = backend
-        self._store, port = _serve_store(host)
+        self._store, port = serve_store(host, OWN_STORE_TIMEOUT)
         self._address = _format_address(host, port)
         self._gloo_device = _gloo_device(host)
         self._pairs: dict[str, Pair] = {}
@@ -271,20 +272,6 @@ class TorchDistTransport(Transport):
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _serve_store(host: str) -> tuple[dist.TCPStore, int]:
-    """A TCPStore server on a free port of `host` (TCPStore itself would listen on every interface)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, 0), family=family, backlog=128)
-    port = sock.getsockname()[1]
-    try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=OWN_STORE_TIMEOUT, master_listen_fd=sock.fileno())
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the descriptor now and closes it
-    return store, port
-
-
 def _format_address(host: str, port: int) -> str:
     if host in _WILDCARD_HOSTS:
         host = socket.gethostbyname(socket.gethostname())

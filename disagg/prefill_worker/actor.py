@@ -12,7 +12,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
-from disagg.config import EngineConfig
+from disagg.config import Role, WorkerConfig
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
@@ -31,12 +31,6 @@ class StartPrefill:
 
 
 @dataclass(frozen=True)
-class SetKVTargets:
-    request_id: str
-    reservation: Reservation
-
-
-@dataclass(frozen=True)
 class AbortPrefill:
     request_id: str
 
@@ -45,14 +39,14 @@ class PrefillActor(WorkerActorBase, PrefillService):
     role = "prefill"
     service = PrefillService
 
-    def __init__(self, instance_id: str, engine_config: EngineConfig, registry_url: str | None = None, *, host: str | None = "127.0.0.1", kv_timeout_s: float = 30.0, num_threads: int = 1, heartbeat_interval_s: float = 1.0, heartbeat_ttl_s: float = 3.0, actor_name: str = "", followers=None, engine_cpus: list[int] | None = None):
+    def __init__(self, config: WorkerConfig, followers=None):
         """`followers`: [(RankPlace, ShardActor handle)] of the other ranks of a TP x PP instance."""
-        super().__init__(instance_id, registry_url, num_threads, heartbeat_interval_s, heartbeat_ttl_s, host, engine_cpus)
-        self.actor_name = actor_name
-        self.engine_config = engine_config
-        self.kv_timeout_s = kv_timeout_s
-        groups, wait_for_ranks = self._start_ranks(followers, engine_config.device)
-        self.worker = PrefillWorker(engine_config, TorchDistTransport(instance_id, self.host), kv_timeout=kv_timeout_s, groups=groups, followers=self.shards)
+        if config.role is not Role.PREFILL:
+            raise ValueError(f"role: a prefill actor runs the prefill role, not {config.role}")
+        super().__init__(config)
+        groups, wait_for_ranks = self._start_ranks(followers)
+        transport = TorchDistTransport(self.instance_id, self.host)
+        self.worker = PrefillWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
         if wait_for_ranks is not None:
             wait_for_ranks()
         self.worker.sender.on_finished = self.loop.wake
@@ -80,9 +74,10 @@ class PrefillActor(WorkerActorBase, PrefillService):
 
     def set_kv_targets(self, request_id: str, reservation: Reservation) -> Future:
         """This rank's sender learns the targets before the next layer (the request's step may be
-        running); the rest waits for the step's end."""
-        self.worker.queue_targets(request_id, reservation, self.kv_layout())
-        return self.loop.submit(SetKVTargets(request_id, reservation))
+        running); the rest waits for the engine thread."""
+        done = self.worker.set_kv_targets(request_id, reservation)
+        self.loop.wake()
+        return done
 
     def abort(self, request_id: str) -> Future:
         waiting = self._first_tokens.pop(request_id, None)
@@ -97,13 +92,10 @@ class PrefillActor(WorkerActorBase, PrefillService):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _engine_commands(self) -> dict:
-        return {StartPrefill: self._start_prefill, SetKVTargets: self._set_kv_targets, AbortPrefill: self._abort}
+        return {StartPrefill: self._start_prefill, AbortPrefill: self._abort}
 
     def _start_prefill(self, command: StartPrefill) -> None:
-        self.worker.add_request_early(command.request_id, command.prompt_token_ids, command.params, self.kv_timeout_s)
-
-    def _set_kv_targets(self, command: SetKVTargets) -> bool:
-        return self.worker.set_targets(command.request_id, command.reservation, self.kv_layout())
+        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
 
     def _abort(self, command: AbortPrefill) -> bool:
         return self.worker.abort(command.request_id)

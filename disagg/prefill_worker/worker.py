@@ -1,194 +1,238 @@
 """A prefill instance: an engine in the PREFILL role whose KV streams to decode workers.
 
-Plain Python; the Ray actor wraps it. Each request arrives with its KV targets (the decode
-side's answer to the handshake). Layers stream out as the engine computes them; after the
-first token the DONE goes out, and the request's blocks are freed on the decode side's
-acknowledgement, or when the transfer fails or times out.
+Plain Python; the Ray actor wraps it. A request starts before the decode side has answered the
+handshake, so each request is a polled state machine:
+
+    AWAITING_TARGETS -> STREAMING -> AWAITING_ACK -> DONE | FAILED
+
+AWAITING_TARGETS: the prefill computes and its KV stays in this instance's blocks. When the
+targets come (`set_kv_targets`, from any thread) this rank's sender learns its own before the
+next layer's KV goes out (the layers computed before go first); the other ranks get theirs with
+the next step. If the prompt finished meanwhile, what was computed goes out at once and the DONE
+follows. Without targets within the kv timeout the request is dropped and its blocks freed.
+STREAMING: layers go out as computed. AWAITING_ACK: the first token went out with the DONE; the
+blocks are freed on every rank's acknowledgement (DONE), or when a transfer fails (FAILED).
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 from disagg.config import EngineConfig, Role
-from disagg.engine.engine import LLMEngine
-from disagg.engine.outputs import RequestOutput
-from disagg.kv_transfer.endpoint import TransferResult
-from disagg.kv_transfer.layout import KVTarget
-from disagg.kv_transfer.sender import KVSender
-from disagg.kv_transfer.transport import Transport
 from disagg.engine.distributed import InstanceGroups
-from disagg.kv_transfer.layout import KVLayout, targets_for
+from disagg.engine.outputs import RequestOutput
+from disagg.kv_transfer.connector import assemble, instance_kv_layout
+from disagg.kv_transfer.endpoint import TransferResult
+from disagg.kv_transfer.layout import KVLayout, KVTarget, targets_for
 from disagg.kv_transfer.tally import TransferTally
+from disagg.kv_transfer.transport import Transport
 from disagg.request import SamplingParams
 from disagg.rpc.messages import Reservation
-
+from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
 
 
+class PrefillState(enum.Enum):
+    AWAITING_TARGETS = "awaiting_targets"  # computing (or done), the handshake's answer pending
+    STREAMING = "streaming"  # targets in force: layers go out as computed
+    AWAITING_ACK = "awaiting_ack"  # first token sent with the DONE; waiting for every rank's ACK
+    DONE = "done"
+    FAILED = "failed"
+
+
 @dataclass
-class _AwaitingTargets:
-    deadline: float
+class _Prefill:
+    deadline: float  # for the targets to come
+    state: PrefillState = PrefillState.AWAITING_TARGETS
     first_token: int | None = None  # set when the prompt finished before the targets came
 
 
+@dataclass
+class _TargetsArrival:
+    request_id: str
+    reservation: Reservation
+    deadline: float  # for its request to be there (the targets may overtake its add_request)
+    done: Future = field(default_factory=Future)
+
+
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, transport: Transport, kv_timeout: float = 30.0, groups: InstanceGroups | None = None, followers=None):
-        """`groups`, `followers`: rank 0 of a TP x PP instance (disagg.worker.shard_group.ShardGroup)."""
-        self.engine = LLMEngine(config.replace(role=Role.PREFILL), groups=groups)
-        self.engine.runner.followers = followers
+    def __init__(self, config: EngineConfig, transport: Transport, *, kv_timeout: float, groups: InstanceGroups | None = None, followers: ShardGroup | None = None):
+        """`groups`, `followers`: rank 0 of a TP x PP instance (its process groups, the other ranks)."""
+        built = assemble(config, Role.PREFILL, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers)
+        self.engine, self.sender = built.engine, built.endpoint
         self.followers = followers
-        self.transport = transport
-        self.sender = KVSender(transport, self.engine.kv_cache, timeout=kv_timeout)  # rank 0: layer 0, head 0 on
-        self.engine.runner.on_layer = self._on_layer
-        self.engine.runner.on_forward_done = self.sender.on_step_end
+        self.kv_timeout = kv_timeout
         self.tally = TransferTally()  # a request's KV is delivered when every rank's slice is
-        self._awaiting_targets: dict[str, _AwaitingTargets] = {}  # started early, handshake pending
-        self._queued_targets: deque = deque()  # (request_id, reservation, layout) from link threads
+        self._prefills: dict[str, _Prefill] = {}
+        self._arrivals: deque[_TargetsArrival] = deque()  # from link threads, taken on the engine thread
+        self._unmatched: dict[str, _TargetsArrival] = {}  # came before their request: applied when it is added
         self.transfer_results: list[TransferResult] = []  # the latest step's, for metrics
+        self._layout: KVLayout | None = None
 
     def address(self) -> str:
-        return self.transport.address()
+        return self.sender.address()
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, targets: list[KVTarget]) -> None:
-        # Register the transfer first: the very first step may already stream layers.
-        if targets:
-            self.sender.add(request_id, targets)
-            self.tally.expect(request_id, 1)
-        self._add(request_id, prompt_token_ids, sampling_params)
+    def kv_layout(self) -> KVLayout:
+        """Every rank's KV endpoint; fixed once the other ranks joined (before serving)."""
+        if self._layout is None:
+            self._layout = instance_kv_layout(self.engine.config, self.sender, self.followers.kv_ranks if self.followers is not None else [])
+        return self._layout
 
-    def add_request_for(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, reservation: Reservation, layout: KVLayout) -> None:
-        """Prefill for a decode instance of any parallel plan: each rank of this instance
-        (`layout`) streams its slice to the decode ranks that need it (the resharding map)."""
-        self._register_targets(request_id, reservation, layout)
-        self._add(request_id, prompt_token_ids, sampling_params)
+    # ---- requests (engine thread, except set_kv_targets) ---------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+        """Start the prefill now; its KV waits here for `set_kv_targets` (at most the kv timeout)."""
+        self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+        self._prefills[request_id] = _Prefill(time.monotonic() + self.kv_timeout)
 
-    def add_request_early(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, targets_timeout: float) -> None:
-        """Start the prefill before the decode side has answered the handshake: the KV stays in
-        this instance's blocks until `set_targets` says where it goes (then what is computed by
-        then is sent at once, the rest as it is computed). Without targets within
-        `targets_timeout` seconds the request is dropped and its blocks freed."""
-        self._add(request_id, prompt_token_ids, sampling_params)
-        self._awaiting_targets[request_id] = _AwaitingTargets(time.monotonic() + targets_timeout)
+    def set_kv_targets(self, request_id: str, reservation: Reservation) -> Future:
+        """Where the request's KV goes (the decode instance's reservation). Callable from any
+        thread, also while the request's step runs; the Future resolves on the engine thread:
+        True once the targets are in force, False if the request is gone."""
+        arrival = _TargetsArrival(request_id, reservation, time.monotonic() + self.kv_timeout)
+        self.sender.add_later(request_id, lambda: self._own_targets(request_id, reservation))
+        self._arrivals.append(arrival)
+        return arrival.done
 
-    def queue_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
-        """The part of `set_targets` that may be called from any thread, also while the request's
-        step runs: the engine thread registers this rank's targets before the next layer's KV goes
-        out (the layers computed before go first), instead of after the step. The caller only
-        queues them: work on its thread would take the GIL from the computing engine thread."""
-        self._queued_targets.append((request_id, reservation, layout))
-
-    def _on_layer(self, local_layer: int, chunks) -> None:
-        if self._queued_targets:  # (checked here: a call per layer costs, see KVSender.on_layer)
-            self._register_queued_targets()
-        self.sender.on_layer(local_layer, chunks)
-
-    def _register_queued_targets(self) -> None:
-        while self._queued_targets:
-            self.add_targets_now(*self._queued_targets.popleft())
-
-    def add_targets_now(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
-        """This rank's sender learns the targets of a request started early (safe from any thread)."""
-        if request_id not in self._awaiting_targets:
-            return
-        cfg = self.engine.model_config
-        own = next(r for r in layout.ranks if r.peer_id == self.sender.worker_id)
-        self.sender.add(request_id, targets_for(own.place, layout.plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads))
-
-    def set_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> bool:
-        """The handshake's answer for a request started early; False if it is gone (aborted)."""
-        self._register_queued_targets()  # (engine thread: none may be left behind for later)
-        waiting = self._awaiting_targets.pop(request_id, None)
-        request = self.engine.scheduler.requests.get(request_id)
-        if waiting is None or request is None:
-            self.sender.abort(request_id)  # targets that add_targets_now may have registered
-            return False
-        self._register_targets(request_id, reservation, layout)  # (this rank's own: already there, or now)
-        if waiting.first_token is not None:  # the prompt is done: send what has not gone out, then DONE
-            self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
-            if self.followers is not None:
-                self.followers.command_all("catch_up", request_id, list(request.block_ids), request.num_computed_tokens)
-            self._finish_transfer(request_id, waiting.first_token)
-        # Otherwise the next steps stream it: every rank sends the layers it computed before first.
-        return True
-
-    def _register_targets(self, request_id: str, reservation: Reservation, layout: KVLayout) -> None:
-        cfg = self.engine.model_config
-        follower_ids = [r.peer_id for r in self.followers.kv_ranks] if self.followers is not None else []
-        for rank in layout.ranks:
-            targets = targets_for(rank.place, layout.plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads)
-            if rank.peer_id == self.sender.worker_id:
-                self.sender.add(request_id, targets)
-            else:  # delivered with the next step, before it computes anything
-                self.followers.command(follower_ids.index(rank.peer_id), "add", request_id, targets)
-        self.tally.expect(request_id, len(layout.ranks))
-
-    def _finish_transfer(self, request_id: str, first_token: int) -> None:
-        self.sender.finish(request_id, first_token)
-        if self.followers is not None:
-            self.followers.command_all("finish", request_id)
-
-    def _add(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        try:
-            self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
-        except Exception:
-            self._abort_transfers(request_id)
-            self.sender.poll()
-            raise
-
-    def _expire_awaiting_targets(self) -> None:
-        now = time.monotonic()
-        for request_id in [r for r, w in self._awaiting_targets.items() if now > w.deadline]:
-            logger.warning("request %s: no KV targets arrived in time; dropping it", request_id)
-            self.abort(request_id)
-
-    def abort(self, request_id: str) -> None:
-        self._awaiting_targets.pop(request_id, None)
+    def abort(self, request_id: str) -> bool:
+        self._prefills.pop(request_id, None)
+        unmatched = self._unmatched.pop(request_id, None)
+        if unmatched is not None:
+            unmatched.done.set_result(False)
         self._abort_transfers(request_id)
-        self.engine.abort_request(request_id)
+        found = self.engine.abort_request(request_id)
         self.engine.release_kv(request_id)
+        return found
 
-    def _abort_transfers(self, request_id: str) -> None:
-        self.sender.abort(request_id)
-        if self.followers is not None:
-            self.followers.call_all("abort", request_id)
-        self.tally.forget(request_id)
-
+    # ---- the loop ------------------------------------------------------------------------------------
     def needs_sync(self) -> bool:
-        """A step is due although nothing computes: the other ranks have commands to receive or
-        transfers under way, or a request waited too long for its targets."""
-        if any(time.monotonic() > w.deadline for w in self._awaiting_targets.values()):
+        """A step is due although nothing computes: targets to apply, the other ranks have commands
+        to receive or transfers under way, or a request waited too long for its targets."""
+        now = time.monotonic()
+        if self._arrivals or any(now > p.deadline for p in self._awaiting_targets()) or any(now > a.deadline for a in self._unmatched.values()):
             return True
         return self.followers is not None and (self.followers.has_commands() or self.tally.has_pending)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; first tokens go out with DONE; acknowledged blocks are freed."""
+        self._apply_arrivals()  # before the step: the other ranks get their targets with it
         scheduler = self.engine.scheduler
         computes = bool(scheduler.running or scheduler.waiting)
         outputs = self.engine.step()
         for out in outputs:
-            if not out.finished:
-                continue
-            if out.request_id in self._awaiting_targets:  # hold the KV until set_targets
-                self._awaiting_targets[out.request_id].first_token = out.outputs[0].token_ids[0]
-            elif self.sender.has_transfer(out.request_id):
-                self._finish_transfer(out.request_id, out.outputs[0].token_ids[0])
-            else:  # nobody to send the KV to: nothing to hold it for
-                self.engine.release_kv(out.request_id)
+            if out.finished:
+                self._prompt_done(out.request_id, out.outputs[0].token_ids[0])
+        self._apply_arrivals()
         self._expire_awaiting_targets()
         self.transfer_results = self._finished_transfers(computes)
         for result in self.transfer_results:
-            if result.ok:
-                self.engine.release_kv(result.request_id)
-            else:  # the prompt may still be computing: stop it too, wherever it is
-                if self.followers is not None:
-                    self.followers.call_all("abort", result.request_id)
-                self.engine.abort_request(result.request_id)
+            self._transfer_finished(result)
         return outputs
+
+    def is_idle(self) -> bool:
+        """No request left to compute and no blocks held for a transfer."""
+        return not self.engine.has_unfinished_requests() and not self.engine.scheduler.held_for_export
+
+    def close(self) -> None:
+        self.sender.close()
+
+    # ---- state transitions ---------------------------------------------------------------------------
+    def _prompt_done(self, request_id: str, first_token: int) -> None:
+        prefill = self._prefills.get(request_id)
+        if prefill is None:  # nobody to send the KV to: nothing to hold it for
+            self.engine.release_kv(request_id)
+            return
+        prefill.first_token = first_token
+        if prefill.state is PrefillState.STREAMING:  # else the KV waits here for its targets
+            self._finish_transfer(request_id, prefill)
+
+    def _apply_arrivals(self) -> None:
+        """Targets in force for the requests they came for; those that came before their request
+        wait for it (the request link may hand them over before the engine thread added it)."""
+        if not (self._arrivals or self._unmatched):
+            return
+        self.sender.add_deferred()
+        while self._arrivals:
+            arrival = self._arrivals.popleft()
+            self._unmatched[arrival.request_id] = arrival
+        now = time.monotonic()
+        for request_id, arrival in list(self._unmatched.items()):
+            if request_id in self._prefills:
+                del self._unmatched[request_id]
+                arrival.done.set_result(self._start_streaming(request_id, arrival.reservation))
+            elif now > arrival.deadline:  # its request is gone (or never came)
+                del self._unmatched[request_id]
+                arrival.done.set_result(False)
+
+    def _start_streaming(self, request_id: str, reservation: Reservation) -> bool:
+        prefill = self._prefills[request_id]
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None or prefill.state is not PrefillState.AWAITING_TARGETS:
+            return False
+        self.sender.add(request_id, self._targets(self.kv_layout().ranks[0], reservation))  # (a no-op if add_deferred did it)
+        self._register_follower_targets(request_id, reservation)
+        prefill.state = PrefillState.STREAMING
+        if prefill.first_token is not None:  # the prompt is done: send what has not gone out, then DONE
+            self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
+            if self.followers is not None:
+                self.followers.catch_up(request_id, request.block_ids, request.num_computed_tokens)
+            self._finish_transfer(request_id, prefill)
+        return True  # otherwise the next steps stream it, every rank the layers it computed before first
+
+    def _finish_transfer(self, request_id: str, prefill: _Prefill) -> None:
+        prefill.state = PrefillState.AWAITING_ACK
+        self.sender.finish(request_id, prefill.first_token)
+        if self.followers is not None:
+            self.followers.finish_transfer(request_id)
+
+    def _transfer_finished(self, result: TransferResult) -> None:
+        prefill = self._prefills.pop(result.request_id, None)
+        if prefill is not None:
+            prefill.state = PrefillState.DONE if result.ok else PrefillState.FAILED
+        if result.ok:
+            self.engine.release_kv(result.request_id)
+            return
+        if self.followers is not None:  # the prompt may still be computing: stop it too, wherever it is
+            self.followers.abort_transfers(result.request_id)
+        self.engine.abort_request(result.request_id)
+
+    def _expire_awaiting_targets(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, p in self._prefills.items() if p.state is PrefillState.AWAITING_TARGETS and now > p.deadline]:
+            logger.warning("request %s: no KV targets arrived in time; dropping it", request_id)
+            self.abort(request_id)
+
+    def _awaiting_targets(self) -> list[_Prefill]:
+        return [p for p in self._prefills.values() if p.state is PrefillState.AWAITING_TARGETS]
+
+    # ---- targets -------------------------------------------------------------------------------------
+    def _own_targets(self, request_id: str, reservation: Reservation) -> list[KVTarget] | None:
+        """This rank's targets, if the request still awaits them (engine thread, mid-step too)."""
+        prefill = self._prefills.get(request_id)
+        if prefill is None or prefill.state is not PrefillState.AWAITING_TARGETS:
+            return None
+        return self._targets(self.kv_layout().ranks[0], reservation)
+
+    def _register_follower_targets(self, request_id: str, reservation: Reservation) -> None:
+        layout = self.kv_layout()
+        for index, rank in enumerate(layout.ranks[1:]):  # delivered with the next step, before it computes
+            self.followers.add_targets(index, request_id, self._targets(rank, reservation))
+        self.tally.expect(request_id, len(layout.ranks))
+
+    def _targets(self, rank, reservation: Reservation) -> list[KVTarget]:
+        cfg = self.engine.model_config
+        return targets_for(rank.place, self.kv_layout().plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads)
+
+    def _abort_transfers(self, request_id: str) -> None:
+        self.sender.abort(request_id)
+        if self.followers is not None:
+            self.followers.abort_transfers(request_id)
+        self.tally.forget(request_id)
 
     def _finished_transfers(self, computed: bool) -> list[TransferResult]:
         results = self.sender.poll()
@@ -197,10 +241,3 @@ class PrefillWorker:
                 self.followers.sync()
             results += self.followers.take_results()
         return self.tally.add(results)
-
-    def is_idle(self) -> bool:
-        """No request left to compute and no blocks held for a transfer."""
-        return not self.engine.has_unfinished_requests() and not self.engine.scheduler.held_for_export
-
-    def close(self) -> None:
-        self.sender.close()

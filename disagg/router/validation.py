@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import InvalidRequestError
 from disagg.request import SamplingParams
+from disagg.request import check_fits as check_prompt_fits
 from disagg.v1 import serving_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -83,10 +84,4 @@ def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
 
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
-    if num_prompt_tokens >= limits.max_model_len:
-        raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({limits.max_model_len})")
-    if num_prompt_tokens + params.max_tokens > limits.max_model_len:
-        raise InvalidRequestError("sampling.max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context ({limits.max_model_len})")
-    needed = -(-(num_prompt_tokens + params.max_tokens) // limits.block_size)
-    if needed > limits.max_blocks_per_request:
-        raise InvalidRequestError("sampling.max_tokens", f"prompt + max_tokens needs {needed} KV blocks; an instance holds {limits.max_blocks_per_request}")
+    check_prompt_fits(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size, limits.max_blocks_per_request, field_prefix="sampling.")

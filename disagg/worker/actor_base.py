@@ -24,7 +24,8 @@ from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
-from disagg.kv_transfer.layout import KVLayout, KVRank
+from disagg.config import WorkerConfig
+from disagg.kv_transfer.layout import KVLayout
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.rpc.server import Link, RpcServer
 from disagg.worker.shard_group import ShardGroup
@@ -36,23 +37,28 @@ class WorkerActorBase:
     role = ""
     service: type = object  # the disagg.rpc.services class the actor implements
 
-    def __init__(self, instance_id: str, registry_url: str | None, num_threads: int, heartbeat_interval_s: float, heartbeat_ttl_s: float, host: str | None = "127.0.0.1", engine_cpus: list[int] | None = None):
-        """`host`: what the request link, the KV transport and the rank rendezvous listen on (and
-        advertise); None: this node's IP, for a cluster of several nodes (disagg.hosts.addressing).
-        `engine_cpus`: where the engine thread runs (disagg.hosts.cpu_binding); None: where the
-        process may."""
-        torch.set_num_threads(num_threads)
-        self.instance_id = instance_id
-        self.host = resolve_host(host)
+    def __init__(self, config: WorkerConfig):
+        """`config.host`: what the request link, the KV transport and the rank rendezvous listen
+        on (and advertise); None: this node's IP, for a cluster of several nodes
+        (disagg.hosts.addressing). `config.engine_cpus`: where the engine thread runs
+        (disagg.hosts.cpu_binding); None: where the process may."""
+        torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.instance_id = config.instance_id
+        self.role = str(config.role)
+        self.actor_name = config.actor_name
+        self.engine_config = config.engine
+        self.host = resolve_host(config.host)
         self.rpc: RpcServer | None = None
-        self._registry_url = registry_url
-        self._heartbeat_interval_s = heartbeat_interval_s
-        self._heartbeat_ttl_s = heartbeat_ttl_s
+        self._registry_url = config.registry_url
+        self._heartbeat_interval_s = config.heartbeat_interval_s
+        self._heartbeat_ttl_s = config.heartbeat_ttl_s
+        engine_cpus = list(config.engine_cpus) if config.engine_cpus is not None else None
         self._heartbeat_enabled = threading.Event()
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
-        self.loop = StepLoop(self._step, self._has_work, self._engine_commands(), name=f"engine-{instance_id}", cpus=engine_cpus)
+        self.loop = StepLoop(self._step, self._has_work, self._engine_commands(), name=f"engine-{self.instance_id}", cpus=engine_cpus)
         # What Ray started the process on; the engine's helper threads belong there too.
         self._framework_cpus = os.sched_getaffinity(0) if engine_cpus is not None else None
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
@@ -107,7 +113,7 @@ class WorkerActorBase:
         raise NotImplementedError
 
     def instance_info(self) -> InstanceInfo:
-        """What the registry shows about this instance (subclasses have worker, engine_config, actor_name)."""
+        """What the registry shows about this instance."""
         p = self.engine_config.parallel
         layout = self.kv_layout()
         return InstanceInfo(
@@ -117,16 +123,10 @@ class WorkerActorBase:
 
     def kv_layout(self) -> KVLayout | None:
         """Every rank's KV endpoint (None for a colocated instance, which moves no KV)."""
-        if not self.worker.address():
-            return None
-        p = self.engine_config.parallel
-        ranks = [KVRank(self.worker.transport.worker_id, self.worker.address())]
-        if self.shards is not None:
-            ranks += self.shards.kv_ranks
-        return KVLayout(p.tensor_parallel_size, p.pipeline_parallel_size, tuple(ranks))
+        return self.worker.kv_layout()
 
     # ---- several workers per instance ------------------------------------------------------------
-    def _start_ranks(self, followers, device: str):
+    def _start_ranks(self, followers):
         """Rank 0 of a TP x PP instance: serve the rendezvous store, have the other ranks join
         and join too. Returns this rank's groups and a function that waits for the others to
         have loaded their shards; (None, None) for an instance of one worker."""
@@ -134,10 +134,11 @@ class WorkerActorBase:
             return None, None
         self.shards = ShardGroup(followers)
         self.shards.on_broken = self._leave_service
-        store, address = serve_store(self.host)
+        store, port = serve_store(self.host)
+        address = f"{self.host}:{port}"  # join_instance splits at the last colon
         joining = self.shards.start_join(address)
         p = self.engine_config.parallel
-        groups = join_instance(RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, resolve_device(device), store=store)
+        groups = join_instance(RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, resolve_device(self.engine_config.device), store=store)
         return groups, lambda: self.shards.finish_join(joining)
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -14,7 +14,8 @@ import ray
 from disagg.engine.distributed import RankPlace
 from disagg.engine.step_chunks import portable
 from disagg.kv_transfer.endpoint import TransferResult
-from disagg.kv_transfer.layout import KVRank
+from disagg.kv_transfer.layout import KVRank, KVTarget
+from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardCommand
 
 STEP_TIMEOUT_S = 120.0  # one forward pass of a shard, with room for a slow first step
 IDLE_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
@@ -22,11 +23,12 @@ IDLE_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transf
 
 class ShardGroup:
     def __init__(self, actors: list[tuple[RankPlace, "ray.actor.ActorHandle"]], timeout_s: float = STEP_TIMEOUT_S):
+        """`actors`: (place, Ray handle of a ShardService) of every other rank."""
         self.places = [place for place, _ in actors]
-        self.actors = [actor for _, actor in actors]
+        self.actors = [actor for _, actor in actors]  # Ray handles of ShardService actors
         self.timeout_s = timeout_s
         self.kv_ranks: list[KVRank] = []
-        self._commands: list[list[tuple]] = [[] for _ in self.actors]
+        self._commands: list[list[ShardCommand]] = [[] for _ in self.actors]
         self._results: list[TransferResult] = []
         # Set when a call to a rank failed: the ranks may no longer be in lockstep (one may be
         # dead, or stuck in a collective), so nothing more is sent; rank 0 leaves service.
@@ -43,7 +45,7 @@ class ShardGroup:
 
     # ---- per step ------------------------------------------------------------------------------
     def submit(self, chunks) -> "_PendingStep":
-        """Start the step on every other rank (the model runner's `followers` hook)."""
+        """Start the step on every other rank (disagg.engine.kv_connector.Followers)."""
         self._check()
         plain = portable(chunks)
         return _PendingStep(self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)])
@@ -56,26 +58,34 @@ class ShardGroup:
         refs = [actor.step.remote(None, self._take_commands(i), wait_s) for i, actor in enumerate(self.actors)]
         self._collect(refs)
 
-    def command(self, rank_index: int, name: str, *args) -> None:
-        self._commands[rank_index].append((name, *args))
+    # ---- KV commands: queued, delivered with the next step (or sync) ---------------------------------
+    def add_targets(self, rank_index: int, request_id: str, targets: list[KVTarget]) -> None:
+        self._commands[rank_index].append(AddTargets(request_id, targets))
 
-    def command_all(self, name: str, *args) -> None:
-        for i in range(len(self.actors)):
-            self.command(i, name, *args)
+    def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
+        self._command_all(CatchUp(request_id, list(block_ids), num_tokens))
+
+    def finish_transfer(self, request_id: str) -> None:
+        self._command_all(FinishTransfer(request_id))
+
+    def _command_all(self, command: ShardCommand) -> None:
+        for commands in self._commands:
+            commands.append(command)
 
     def has_commands(self) -> bool:
         return any(self._commands)
 
-    def call_all(self, method: str, *args) -> list:
-        """Run one method on every other rank now and wait for all (cancel, abort). On a broken
-        group it does nothing: the instance is leaving service and its ranks are being stopped."""
-        if self.broken:
-            return []
-        return self._get([getattr(actor, method).remote(*args) for actor in self.actors])
-
-    def call(self, rank_index: int, method: str, *args):
+    # ---- calls that wait for the ranks -------------------------------------------------------------
+    def expect(self, rank_index: int, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:
+        """ShardService.expect on one rank now; its transfer id."""
         self._check()
-        return self._get(getattr(self.actors[rank_index], method).remote(*args))
+        return self._get(self.actors[rank_index].expect.remote(request_id, block_ids, sources, timeout))
+
+    def abort_transfers(self, request_id: str) -> None:
+        """ShardService.abort_transfers on every other rank now, waiting for all. On a broken
+        group it does nothing: the instance is leaving service and its ranks are being stopped."""
+        if not self.broken:
+            self._get([actor.abort_transfers.remote(request_id) for actor in self.actors])
 
     def take_results(self) -> list[TransferResult]:
         results, self._results = self._results, []
@@ -87,7 +97,7 @@ class ShardGroup:
         except Exception:  # dead ranks are killed by the launcher anyway
             pass
 
-    def _take_commands(self, index: int) -> list[tuple]:
+    def _take_commands(self, index: int) -> list[ShardCommand]:
         commands, self._commands[index] = self._commands[index], []
         return commands
 

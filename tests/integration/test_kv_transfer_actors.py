@@ -16,7 +16,7 @@ from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.engine.kv_cache import KVCache
 from disagg.kv_transfer.receiver import KVReceiver
-from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.layout import KVLayout, KVTarget
 from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 
@@ -35,12 +35,12 @@ class PrefillActor:
     def address(self) -> str:
         return self.worker.address()
 
-    def geometry(self) -> tuple[int, int]:
-        cfg = self.worker.engine.model_config
-        return cfg.num_hidden_layers, cfg.num_key_value_heads
+    def kv_layout(self) -> KVLayout:
+        return self.worker.kv_layout()
 
-    def add_request(self, request_id, prompt, params, targets) -> None:
-        self.worker.add_request(request_id, prompt, params, targets)
+    def add_request(self, request_id, prompt, params, reservation) -> None:
+        self.worker.add_request(request_id, prompt, params)
+        self.worker.set_kv_targets(request_id, reservation)  # in force from the first layer on
 
     def run_until_idle(self, timeout: float) -> list[str]:
         """Step until every request is computed and its transfer ended; returns failed request ids."""
@@ -68,8 +68,8 @@ class DecodeActor:
     def address(self) -> str:
         return self.worker.address()
 
-    def reserve(self, request_id, prompt, params, sources):
-        return self.worker.reserve(request_id, prompt, params, sources)
+    def reserve(self, request_id, prompt, params, prefill: KVLayout):
+        return self.worker.reserve(request_id, prompt, params, prefill)
 
     def received_bytes(self) -> int:
         return self.worker.receiver.num_bytes_total
@@ -90,12 +90,12 @@ class DecodeActor:
 
 
 def handshake(prefill, decode, prefill_id: str, decode_id: str, request_id: str, prompt, params) -> None:
-    """What the router does: reserve on decode, then hand the prefill its KV target."""
-    reservation = ray.get(decode.reserve.remote(request_id, prompt, params, {prefill_id: ray.get(prefill.address.remote())}))
-    assert reservation is not None
-    layers, heads = ray.get(prefill.geometry.remote())
-    target = KVTarget(decode_id, ray.get(decode.address.remote()), reservation.transfer_id, reservation.block_ids, (0, layers), (0, heads))
-    ray.get(prefill.add_request.remote(request_id, prompt, params, [target]))
+    """What the router does: reserve on decode, then hand the prefill the reservation."""
+    prefill_layout = ray.get(prefill.kv_layout.remote())
+    assert prefill_layout.ranks[0].peer_id == prefill_id
+    reservation = ray.get(decode.reserve.remote(request_id, prompt, params, prefill_layout))
+    assert reservation is not None and reservation.layout.ranks[0].peer_id == decode_id
+    ray.get(prefill.add_request.remote(request_id, prompt, params, reservation))
 
 
 def disaggregated(model: str, prompts, params, prefill_budget: int, tag: str, **engine_args) -> dict[str, list[int]]:
@@ -151,8 +151,10 @@ class CacheActor:
         if fill_seed is not None:
             self.cache.tensor.copy_(torch.randn(self.cache.tensor.shape, generator=torch.Generator().manual_seed(fill_seed)))
         transport = TorchDistTransport(worker_id)
-        self.sender = KVSender(transport, self.cache, timeout=KV_TIMEOUT)
-        self.receiver = KVReceiver(transport, self.cache, timeout=KV_TIMEOUT)
+        self.sender = KVSender(transport, timeout=KV_TIMEOUT)
+        self.receiver = KVReceiver(transport, timeout=KV_TIMEOUT)
+        for endpoint in (self.sender, self.receiver):
+            endpoint.register_kv_cache(self.cache)
 
     def address(self) -> str:
         return self.sender.address()
@@ -172,8 +174,8 @@ class CacheActor:
         Chunk.request.request_id, Chunk.request.block_ids = request_id, block_ids
         self.sender.add(request_id, [target])
         for layer in range(4):
-            self.sender.on_layer(layer, [Chunk])
-        self.sender.on_step_end([Chunk])
+            self.sender.save_kv_layer(layer, [Chunk])
+        self.sender.forward_done([Chunk])
         self.sender.finish(request_id, first_token=7)
         return self._wait(self.sender)
 

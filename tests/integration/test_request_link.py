@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, Role, WorkerConfig
 from disagg.decode_worker.actor import DecodeActor
 from disagg.prefill_worker.actor import PrefillActor
 from disagg.request import SamplingParams
@@ -30,14 +30,14 @@ def wait_until(predicate, timeout_s: float = 5.0) -> bool:
 
 @pytest.fixture
 def colocated():
-    actor = DecodeActor("colo-link", EngineConfig(**{**MODEL, "num_kv_blocks": 128}), colocated=True)
+    actor = DecodeActor(WorkerConfig("colo-link", Role.COLOCATED, EngineConfig(**{**MODEL, "num_kv_blocks": 128})))
     yield actor
     asyncio.run(actor.shutdown())
 
 
 @pytest.fixture
 def prefill():
-    actor = PrefillActor("prefill-link", EngineConfig(max_num_batched_tokens=16, **MODEL))
+    actor = PrefillActor(WorkerConfig("prefill-link", Role.PREFILL, EngineConfig(max_num_batched_tokens=16, **MODEL)))
     yield actor
     asyncio.run(actor.shutdown())
 
@@ -91,3 +91,10 @@ def test_a_prefill_whose_router_went_away_is_aborted(prefill):
 
     asyncio.run(scenario())
     assert wait_until(lambda: not engine.scheduler.requests and engine.num_free_blocks == total, 2.0)
+
+
+def test_an_actor_refuses_a_worker_config_of_another_role():
+    with pytest.raises(ValueError, match="role"):
+        PrefillActor(WorkerConfig("p-wrong", Role.DECODE, EngineConfig(**MODEL)))
+    with pytest.raises(ValueError, match="role"):
+        DecodeActor(WorkerConfig("d-wrong", Role.PREFILL, EngineConfig(**MODEL)))

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.config import ServingConfig
+from disagg.config import EngineConfig, Role, ServingConfig, WorkerConfig
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml"))
 
@@ -33,6 +33,8 @@ def test_examples_exist():
         ({"heartbeat_ttl_s": 0.5, "heartbeat_interval_s": 1}, "heartbeat_ttl_s"),
         ({"port": 70000}, "port"),
         ({"worker_host": "0.0.0.0"}, "worker_host"),
+        ({"engine": {"attention_backend": "fast"}}, "attention_backend"),
+        ({"engine": {"cpu_gemm": "mkl"}}, "cpu_gemm"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(data, field):
@@ -54,3 +56,23 @@ def test_a_bare_on_or_off_in_yaml_is_a_cpu_binding_not_an_error(tmp_path):
     for written, meant in (("on", "on"), ("off", "off"), ("auto", "auto"), ('"off"', "off")):
         path.write_text(f"cpu_binding: {written}\n")
         assert ServingConfig.from_yaml(str(path)).cpu_binding == meant
+
+
+@pytest.mark.parametrize("value,shared", [("0", False), ("1", True), (None, True)])
+def test_the_environment_gives_only_defaults(monkeypatch, value, shared):
+    """DISAGG_KV_SHARED_MEMORY (and the other switches) set EngineConfig's default; a config
+    that says otherwise wins."""
+    if value is None:
+        monkeypatch.delenv("DISAGG_KV_SHARED_MEMORY", raising=False)
+    else:
+        monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", value)
+    assert EngineConfig().kv_shared_memory is shared
+    assert EngineConfig(kv_shared_memory=not shared).kv_shared_memory is not shared
+
+
+def test_a_worker_config_takes_the_services_kv_timeout_default_and_validates():
+    config = WorkerConfig("p-0", "prefill", EngineConfig())
+    assert config.role is Role.PREFILL and config.kv_timeout_s == ServingConfig().kv_timeout_s
+    for bad, field in [(dict(kv_timeout_s=0), "kv_timeout_s"), (dict(role="router"), "role"), (dict(heartbeat_ttl_s=0.5), "heartbeat_ttl_s")]:
+        with pytest.raises(ValueError, match=field):
+            config.replace(**bad)

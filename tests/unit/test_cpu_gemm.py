@@ -39,13 +39,12 @@ def test_repacks_when_the_weight_changes():
     torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
 
-def test_falls_back_outside_cpu_float32(monkeypatch):
+def test_falls_back_outside_cpu_float32():
     holder = PackedWeight()
     x, weight = torch.randn(3, 8, dtype=torch.bfloat16), torch.randn(5, 8, dtype=torch.bfloat16)
     assert torch.equal(holder.linear(x, weight), F.linear(x, weight))
     assert holder._packed is None
-    monkeypatch.setenv(cpu_gemm.GEMM_ENV, "torch")
-    off = PackedWeight()
+    off = PackedWeight("torch")
     assert not off.enabled
     x32, w32 = torch.randn(3, 8), torch.randn(5, 8)
     assert torch.equal(off.linear(x32, w32), F.linear(x32, w32))
@@ -94,3 +93,21 @@ def test_a_cpu_engine_bounds_onednn_caches_unless_the_environment_sets_them(requ
     LLMEngine(EngineConfig(model=request.getfixturevalue("tiny_llama_dir"), device="cpu", dtype="float32", num_kv_blocks=8))
     expected = preset or str(cpu_gemm.CACHE_CAPACITY)
     assert [os.environ.get(name) for name in cpu_gemm.CACHE_CAPACITY_ENV] == [expected, expected]
+
+
+def test_the_choice_comes_from_the_config_whose_default_is_the_environment(monkeypatch):
+    from disagg.config import EngineConfig
+
+    monkeypatch.setenv("DISAGG_CPU_GEMM", "torch")
+    assert EngineConfig().cpu_gemm == "torch"
+    monkeypatch.delenv("DISAGG_CPU_GEMM")
+    assert EngineConfig().cpu_gemm == "onednn"
+
+
+def test_an_engine_takes_its_code_paths_from_its_config():
+    from disagg.config import EngineConfig
+    from disagg.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="random:tiny", num_kv_blocks=8, cpu_gemm="torch", attention_backend="torch"))
+    assert not any(holder.enabled for holder, _ in engine.model.packed_gemms())
+    assert engine.runner.decode_kernel is None

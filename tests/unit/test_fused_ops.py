@@ -1,11 +1,12 @@
 """The fused C++ RMSNorm and rotary ops equal the torch versions; the wrappers fall back where they
-do not apply (bfloat16, DISAGG_ATTENTION_BACKEND=torch)."""
+do not apply (bfloat16, the attention backend `torch`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from disagg.config import EngineConfig
 from disagg.engine.layers import cpu_kernels
 from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.norm import RMSNorm
@@ -14,9 +15,10 @@ from disagg.engine.layers.rotary import RotaryEmbedding, apply_rotary
 
 @pytest.fixture(scope="module")
 def ops():
-    if cpu_kernels.backend() == "torch":
-        pytest.skip(f"{cpu_kernels.BACKEND_ENV}=torch: the kernels are switched off")
-    ops = cpu_kernels.cpu_ops(torch.device("cpu"))
+    backend = EngineConfig().attention_backend  # as configured (DISAGG_ATTENTION_BACKEND)
+    if backend == "torch":
+        pytest.skip("attention backend torch: the kernels are switched off")
+    ops = cpu_kernels.cpu_ops(torch.device("cpu"), backend)
     if ops is None:
         pytest.skip("the CPU kernels could not be built on this machine (no compiler?)")
     return ops
@@ -58,7 +60,7 @@ def test_rotary_matches_torch_on_a_split_view(ops, rows):
     torch.testing.assert_close(ops.rotary(q, cos, sin), apply_rotary(q, cos, sin), rtol=1e-6, atol=1e-6)
 
 
-def test_wrappers_use_the_ops_and_fall_back(ops, monkeypatch):
+def test_wrappers_use_the_ops_and_fall_back(ops):
     fused, plain = FusedRMSNorm(32, 1e-6), RMSNorm(32, 1e-6)
     x, residual = torch.randn(4, 32), torch.randn(4, 32)
     torch.testing.assert_close(fused(x, residual), plain(x, residual), rtol=1e-5, atol=1e-5)
@@ -66,8 +68,7 @@ def test_wrappers_use_the_ops_and_fall_back(ops, monkeypatch):
     plain_half = RMSNorm(32, 1e-6).to(torch.bfloat16)
     xb = x.to(torch.bfloat16)
     assert torch.equal(half(xb)[0], plain_half(xb)[0])
-    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "torch")
-    rope = Rotary()
+    rope = Rotary("torch")
     q = torch.randn(3, 2, 8)
     cos, sin = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
     assert torch.equal(rope(q, cos, sin), apply_rotary(q, cos, sin))

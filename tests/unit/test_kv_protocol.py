@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -44,12 +43,12 @@ def colocated_tokens() -> list[list[int]]:
 
 
 @pytest.fixture
-def pair(request, monkeypatch):
+def pair(request):
     """By default the prefill cache is in shared memory, so KV goes by reference (KV_REF);
     parametrize indirectly with False for packed KV messages."""
-    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if getattr(request, "param", True) else "0")
+    shared = getattr(request, "param", True)
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128, kv_shared_memory=shared), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     yield hub, prefill, decode
     prefill.close()
@@ -57,12 +56,12 @@ def pair(request, monkeypatch):
 
 
 def submit(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-    """The router's handshake: reserve on decode, then hand the prefill its target."""
-    reservation = decode.reserve(request_id, prompt, params, {"prefill-0": prefill.address()})
+    """The router's handshake: reserve on decode, then start the prefill with its targets (they
+    are in force from the first layer of its first step on)."""
+    reservation = decode.reserve(request_id, prompt, params, prefill.kv_layout())
     assert reservation is not None
-    num_layers, num_heads = prefill.engine.model_config.num_hidden_layers, prefill.engine.model_config.num_key_value_heads
-    target = KVTarget("decode-0", decode.address(), reservation.transfer_id, reservation.block_ids, (0, num_layers), (0, num_heads))
-    prefill.add_request(request_id, prompt, params, [target])
+    prefill.add_request(request_id, prompt, params)
+    prefill.set_kv_targets(request_id, reservation)
 
 
 def run(prefill: PrefillWorker, decode: DecodeWorker, timeout: float = 60.0) -> dict[str, list[int]]:
@@ -111,13 +110,17 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
 
 
 def late_reservation(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]):
-    reservation = decode.reserve(request_id, prompt, greedy(), {"prefill-0": prefill.address()})
-    return dataclasses.replace(reservation, layout=KVLayout.single("decode-0", decode.address())), KVLayout.single("prefill-0", prefill.address())
+    reservation = decode.reserve(request_id, prompt, greedy(), prefill.kv_layout())
+    assert reservation is not None and reservation.layout == KVLayout.single("decode-0", decode.address())
+    return reservation
 
 
 def late_targets(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]) -> None:
-    """The router's handshake answer, arriving after the prefill started."""
-    assert prefill.set_targets(request_id, *late_reservation(prefill, decode, request_id, prompt))
+    """The router's handshake answer, arriving after the prefill started: in force after the next step."""
+    answered = prefill.set_kv_targets(request_id, late_reservation(prefill, decode, request_id, prompt))
+    assert not answered.done()  # resolved on the engine thread
+    prefill.step()
+    assert answered.result(timeout=0) is True
 
 
 @pytest.mark.parametrize("prefill_steps_first", [0, 2, 50])  # before it starts, mid-chunks, after the first token
@@ -125,7 +128,7 @@ def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, p
     _, prefill, decode = pair
     index = len(PROMPT_LENGTHS) - 1  # 250 tokens: four chunks at this budget
     prompt = prompts()[index]
-    prefill.add_request_early("late", prompt, greedy(), targets_timeout=30)
+    prefill.add_request("late", prompt, greedy())
     for _ in range(prefill_steps_first):
         prefill.step()
     if prefill_steps_first:  # blocks are allocated when scheduled, and held without targets
@@ -136,30 +139,53 @@ def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, p
         assert engine.num_free_blocks == engine.num_total_blocks
 
 
+def test_targets_that_overtake_their_request_wait_for_it(pair, colocated_tokens):
+    """The request link may hand over the targets before the engine thread added the request."""
+    _, prefill, decode = pair
+    prompt = prompts()[3]
+    answered = prefill.set_kv_targets("early", late_reservation(prefill, decode, "early", prompt))
+    prefill.step()
+    assert not answered.done()
+    prefill.add_request("early", prompt, greedy())
+    prefill.step()
+    assert answered.result(timeout=0) is True
+    assert run(prefill, decode)["early"] == colocated_tokens[3]
+
+
+def test_aborting_a_request_refuses_the_targets_that_wait_for_it(pair):
+    _, prefill, decode = pair
+    answered = prefill.set_kv_targets("gone", late_reservation(prefill, decode, "gone", prompts()[1]))
+    prefill.step()
+    assert not prefill.abort("gone")
+    assert answered.result(timeout=0) is False
+    decode.abort("gone")
+
+
 @pytest.mark.parametrize("chunk", [0, 2])  # during the first chunk, or a later one
-def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pair, colocated_tokens, chunk):
-    """As the actor does: queue_targets while the step runs (here: from the layer hook, after
-    layer 0), set_targets after it. The engine thread registers them at the next layer: the
-    layers computed before go first, the rest as computed."""
+def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pair, colocated_tokens, chunk, monkeypatch):
+    """As a link thread does: set_kv_targets while the step runs (here: from the layer hook,
+    after layer 0). The engine thread registers this rank's targets at the next layer: the
+    layers computed before go first, the rest as computed; the answer comes after the step."""
     _, prefill, decode = pair
     index = len(PROMPT_LENGTHS) - 1
     prompt = prompts()[index]
-    prefill.add_request_early("mid", prompt, greedy(), targets_timeout=30)
+    prefill.add_request("mid", prompt, greedy())
     for _ in range(chunk):
         prefill.step()
-    answer = late_reservation(prefill, decode, "mid", prompt)
-    hook = prefill.engine.runner.on_layer
+    reservation = late_reservation(prefill, decode, "mid", prompt)
+    hook = prefill.sender.save_kv_layer
+    answered = []
 
-    def on_layer(local_layer, chunks):
+    def save_kv_layer(local_layer, chunks):
         hook(local_layer, chunks)
-        if local_layer == 0:
-            prefill.queue_targets("mid", *answer)
+        if local_layer == 0 and not answered:
+            answered.append(prefill.set_kv_targets("mid", reservation))
 
-    prefill.engine.runner.on_layer = on_layer
+    monkeypatch.setattr(prefill.sender, "save_kv_layer", save_kv_layer)
     prefill.step()
-    prefill.engine.runner.on_layer = hook
+    monkeypatch.setattr(prefill.sender, "save_kv_layer", hook)
     assert prefill.sender.num_bytes_total > 0  # streamed during the step, not after it
-    assert prefill.set_targets("mid", *answer)
+    assert answered[0].result(timeout=0) is True
     assert run(prefill, decode)["mid"] == colocated_tokens[index]
     for engine in (prefill.engine, decode.engine):
         assert engine.num_free_blocks == engine.num_total_blocks
@@ -167,7 +193,8 @@ def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pa
 
 def test_targets_that_never_arrive_free_the_blocks(pair):
     _, prefill, _ = pair
-    prefill.add_request_early("orphan", prompts()[2], greedy(), targets_timeout=0.3)
+    prefill.kv_timeout = 0.3  # how long a request waits for its targets
+    prefill.add_request("orphan", prompts()[2], greedy())
     (first,) = prefill.step()
     assert first.finished and prefill.engine.num_free_blocks < prefill.engine.num_total_blocks
     assert not prefill.needs_sync()  # nothing to do until the deadline
@@ -177,7 +204,16 @@ def test_targets_that_never_arrive_free_the_blocks(pair):
         if prefill.needs_sync():
             prefill.step()
         time.sleep(0.01)
-    assert not prefill.set_targets("orphan", None, None)
+    # Targets for a request that is gone: refused, at the latest once they waited the kv timeout
+    # for it (targets may overtake their request's add_request on the way to the engine thread).
+    answered = prefill.set_kv_targets("orphan", None)
+    deadline = time.monotonic() + 5
+    while not answered.done():
+        assert time.monotonic() < deadline, "targets for a gone request never answered"
+        if prefill.needs_sync():
+            prefill.step()
+        time.sleep(0.01)
+    assert answered.result() is False
 
 
 @pytest.mark.parametrize("by_reference", [True, False], ids=["by-reference", "packed"])
@@ -185,10 +221,9 @@ def test_the_layer_hook_does_work_only_at_layers_where_some_is_due(tiny_untied_d
     """Between layers the CPU caches are cold: each layer's bookkeeping cost ~20 us, 0.6 ms a
     prefill. By reference, one message's layers need work only at its first and last layer;
     packed, every layer is copied."""
-    monkeypatch.setenv("DISAGG_KV_SHARED_MEMORY", "1" if by_reference else "0")
     monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1 << 30)  # one message
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32, kv_shared_memory=by_reference), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     visited = []
     due_layer = KVSender._due_layer
@@ -277,12 +312,12 @@ def test_decode_abort_drops_late_kv_without_writing(pair):
 LAYERS, HEADS, BLOCKS = 4, 4, 8
 
 
-def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None, shared: bool = False) -> tuple[KVCache, int, int]:
+def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None, shared: bool = False) -> KVCache:
     (l0, l1), (h0, h1) = layer_range(LAYERS, rank[1], plan.pp), head_range(HEADS, rank[0], plan.tp)
-    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"), shared=shared)
+    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"), shared=shared, layer_offset=l0, head_offset=h0)
     if full is not None:
         cache.tensor.copy_(full[l0:l1, :, h0:h1])
-    return cache, l0, h0
+    return cache
 
 
 def wait_for(endpoint, timeout: float = 10.0):
@@ -304,13 +339,14 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
     receivers, dst_caches = {}, {}
     routes = plan_kv_routes(LAYERS, HEADS, src_plan, dst_plan)
     for rank in dst_plan.ranks():
-        cache, l0, h0 = rank_cache(dst_plan, rank, None)
+        cache = rank_cache(dst_plan, rank, None)
         dst_caches[rank] = cache
-        receivers[rank] = KVReceiver(InProcessTransport(f"d{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
+        receivers[rank] = KVReceiver(InProcessTransport(f"d{rank}", hub), timeout=5)
+        receivers[rank].register_kv_cache(cache)
     senders = {}
     for rank in src_plan.ranks():
-        cache, l0, h0 = rank_cache(src_plan, rank, full, shared=by_reference)
-        senders[rank] = KVSender(InProcessTransport(f"p{rank}", hub), cache, layer_offset=l0, head_offset=h0, timeout=5)
+        senders[rank] = KVSender(InProcessTransport(f"p{rank}", hub), timeout=5)
+        senders[rank].register_kv_cache(rank_cache(src_plan, rank, full, shared=by_reference))
     transfer_ids = {
         rank: rx.expect("r", dst_block_ids, {f"p{r.src}": senders[r.src].address() for r in routes if r.dst == rank})
         for rank, rx in receivers.items()
@@ -320,13 +356,13 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
         targets = [KVTarget(f"d{r.dst}", receivers[r.dst].address(), transfer_ids[r.dst], dst_block_ids, r.layers, r.heads) for r in routes if r.src == rank]
         tx.add("r", targets)
         for local_layer in range(tx.kv_cache.num_layers):
-            tx.on_layer(local_layer, [chunk])
-        tx.on_step_end([chunk])
+            tx.save_kv_layer(local_layer, [chunk])
+        tx.forward_done([chunk])
         tx.finish("r", first_token=3)
     for rank, rx in receivers.items():
         [result] = wait_for(rx)
         assert result.ok and result.first_token == 3
-        expected, _, _ = rank_cache(dst_plan, rank, full)
+        expected = rank_cache(dst_plan, rank, full)
         assert torch.equal(dst_caches[rank].export_blocks(dst_block_ids), expected.export_blocks(src_block_ids)), f"decode rank {rank}"
     for tx in senders.values():
         assert all(r.ok for r in wait_for(tx))
@@ -336,12 +372,13 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
 
 def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
     _, prefill, _ = pair
-    prefill.add_request("alone", prompts()[3], greedy(), targets=[])
+    prefill.kv_timeout = 0.2
+    prefill.add_request("alone", prompts()[3], greedy())
     outputs = []
-    for _ in range(1000):
-        if prefill.is_idle():
-            break
+    deadline = time.monotonic() + 5
+    while not prefill.is_idle() and time.monotonic() < deadline:
         outputs += prefill.step()
+        time.sleep(0.01)
     assert prefill.is_idle(), "blocks held for a transfer that has no destination"
     assert [o.request_id for o in outputs if o.finished] == ["alone"]
     assert prefill.engine.num_free_blocks == prefill.engine.num_total_blocks
@@ -353,17 +390,18 @@ def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
     prefill = PrefillWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
     decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     try:
-        # "stale": reserved, but its prefill never comes; it must expire alone.
-        assert decode.reserve("stale", prompts()[1], greedy(), {"prefill-0": prefill.address()}, kv_timeout=1.0) is not None
-        reservation = decode.reserve("live", prompts()[4], greedy(), {"prefill-0": prefill.address()})
+        # "stale": reserved, but its prefill never comes; it must expire alone (after 1 s, here).
+        stale_blocks = decode.engine.reserve_for_remote_prefill("stale", prompts()[1], greedy())
+        decode.receiver.expect("stale", stale_blocks, {"prefill-0": prefill.address()}, timeout=1.0)
+        decode.tally.expect("stale", 1)
+        reservation = decode.reserve("live", prompts()[4], greedy(), prefill.kv_layout())
         failed = []
         while not failed:  # the stale one expires on its own
             failed += [f.request_id for f in decode.step() and [] or decode.failed]
             time.sleep(0.05)
         assert failed == ["stale"]
-        cfg = prefill.engine.model_config
-        target = KVTarget("decode-0", decode.address(), reservation.transfer_id, reservation.block_ids, (0, cfg.num_hidden_layers), (0, cfg.num_key_value_heads))
-        prefill.add_request("live", prompts()[4], greedy(), [target])  # only now does its KV flow
+        prefill.add_request("live", prompts()[4], greedy())  # only now does its KV flow
+        prefill.set_kv_targets("live", reservation)
         finished = run(prefill, decode, timeout=10)
         assert len(finished["live"]) == 12
         assert decode.engine.num_free_blocks == decode.engine.num_total_blocks

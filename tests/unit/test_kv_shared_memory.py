@@ -15,6 +15,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.messages import BlockRef, Header, MsgType
+from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.kv_transfer.receiver import KVReceiver, copy_blocks
 from disagg.kv_transfer.layout import KVTarget
 from disagg.kv_transfer.sender import KVSender
@@ -30,7 +31,17 @@ pid, fd, token = map(int, sys.argv[1:4])
 t = attach(SharedHandle(pid, fd, token), {shape}, torch.float32)
 print(float(t.sum()))
 t[0, 0, 0, 0, 0, 0] = -1.0  # visible to the owner: the same memory
+import threading  # exit only once attach's page-touching thread is done (a busy host: it may still run)
+for thread in threading.enumerate():
+    if thread.name == "kv-map-pages":
+        thread.join(60)
 """
+
+
+def connected(endpoint, cache: KVCache):
+    """A sender or receiver given its cache, as the engine gives it."""
+    endpoint.register_kv_cache(cache)
+    return endpoint
 
 
 def test_another_process_maps_the_shared_cache_and_writes_through():
@@ -63,8 +74,8 @@ def test_cache_on_an_accelerator_or_unshared_has_no_handle():
 
 @pytest.mark.parametrize("backend", ["kernel", "torch"])
 @pytest.mark.parametrize("src_ids,dst_ids", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 3, 4, 0], [1, 5, 6, 0, 2]), ([5], [5]), ([], [])])
-def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend, monkeypatch):
-    monkeypatch.setenv("DISAGG_ATTENTION_BACKEND", backend)
+def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend):
+    ops = cpu_ops(torch.device("cpu"), backend)
     g = torch.Generator().manual_seed(0)
     # Slices as the receiver copies them: a layer range and a head range of whole caches.
     src = torch.randn(4, *SHAPE[1:], generator=g)[1:3, :, 1:3]
@@ -72,12 +83,12 @@ def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend, monk
     expected = dst.clone()
     if src_ids:
         expected.index_copy_(3, torch.tensor(dst_ids), src.index_select(3, torch.tensor(src_ids)))
-    copy_blocks(src, src_ids, dst, dst_ids)
+    copy_blocks(src, src_ids, dst, dst_ids, ops)
     assert torch.equal(dst, expected)
     with pytest.raises(ValueError, match="block ids"):
-        copy_blocks(src, [0, 1], dst, [0])
+        copy_blocks(src, [0, 1], dst, [0], ops)
     with pytest.raises((RuntimeError, IndexError)):
-        copy_blocks(src, [SHAPE[3]], dst, [0])  # out of range: refused, nothing written past the cache
+        copy_blocks(src, [SHAPE[3]], dst, [0], ops)  # out of range: refused, nothing written past the cache
 
 
 def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
@@ -86,15 +97,15 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
     hub = InProcessHub()
     src_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True)
     dst_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"))
-    sender = KVSender(InProcessTransport("p", hub), src_cache, timeout=0.5)
-    receiver = KVReceiver(InProcessTransport("d", hub), dst_cache, timeout=5)
+    sender = connected(KVSender(InProcessTransport("p", hub), timeout=0.5), src_cache)
+    receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=5), dst_cache)
     transfer_id = receiver.expect("r", [3, 4], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [3, 4], (0, SHAPE[0]), (0, SHAPE[2]))])
     time.sleep(0.6)  # past the sender's deadline before anything is sent
     chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4])
     for layer in range(SHAPE[0]):
-        sender.on_layer(layer, [chunk])
-    sender.on_step_end([chunk])
+        sender.save_kv_layer(layer, [chunk])
+    sender.forward_done([chunk])
     sender.finish("r", first_token=1)
     results = []
     deadline = time.monotonic() + 10
@@ -107,7 +118,7 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
 
 
 def test_queued_references_to_consecutive_layers_merge_into_one_message():
-    sender = KVSender(InProcessTransport("p", InProcessHub()), KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True))
+    sender = connected(KVSender(InProcessTransport("p", InProcessHub()), timeout=5), KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True))
 
     def ref(layer, blocks=(1, 2), valid_until=100, transfer=1):
         header = Header(MsgType.KV_REF, transfer, layer, 0, len(blocks), 0, 2, num_layers=1)
@@ -138,14 +149,14 @@ def test_a_reference_is_imported_a_group_of_layers_at_a_time(layers_per_copy, mo
     src_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"), shared=True)
     dst_cache = KVCache(layers, blocks, block_size, heads, dim, torch.float32, torch.device("cpu"))
     src_cache.tensor.copy_(torch.randn(src_cache.tensor.shape))
-    sender = KVSender(InProcessTransport("p", hub), src_cache, timeout=30)
-    receiver = KVReceiver(InProcessTransport("d", hub), dst_cache, timeout=30)
+    sender = connected(KVSender(InProcessTransport("p", hub), timeout=30), src_cache)
+    receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=30), dst_cache)
     transfer_id = receiver.expect("r", [6, 3], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [6, 3], (0, layers), (0, heads))])
     chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size)
     for layer in range(layers):
-        sender.on_layer(layer, [chunk])
-    sender.on_step_end([chunk])
+        sender.save_kv_layer(layer, [chunk])
+    sender.forward_done([chunk])
     sender.finish("r", first_token=1)
     results, deadline = [], time.monotonic() + 10
     while not results and time.monotonic() < deadline:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagg.config import EngineConfig
 from disagg.engine.layers import cpu_kernels
+from disagg.errors import InvalidRequestError
 from disagg.engine.layers.attention import DecodeBatch, decode_attention
 
 BLOCK_SIZE = 16
@@ -16,9 +18,10 @@ NUM_BLOCKS = 200
 
 @pytest.fixture(scope="module")
 def kernel():
-    if cpu_kernels.backend() == "torch":
-        pytest.skip(f"{cpu_kernels.BACKEND_ENV}=torch: the kernel is switched off")
-    fn = cpu_kernels.decode_kernel(torch.device("cpu"))
+    backend = EngineConfig().attention_backend  # as configured (DISAGG_ATTENTION_BACKEND)
+    if backend == "torch":
+        pytest.skip("attention backend torch: the kernel is switched off")
+    fn = cpu_kernels.decode_kernel(torch.device("cpu"), backend)
     if fn is None:
         pytest.skip("the paged-attention kernel could not be built on this machine (no compiler?)")
     return fn
@@ -110,14 +113,21 @@ def test_decode_attention_kernel_and_torch_paths_agree(kernel, dtype):
     torch.testing.assert_close(with_kernel.float(), _reference(q, kv_layer, tables, context_lens, scale).to(dtype).float(), **tolerance)
 
 
-def test_backend_env_forces_torch(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "torch")
-    assert cpu_kernels.decode_kernel(torch.device("cpu")) is None
-    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "bogus")
-    with pytest.raises(ValueError, match=cpu_kernels.BACKEND_ENV):
-        cpu_kernels.decode_kernel(torch.device("cpu"))
+def test_backend_torch_forces_torch(monkeypatch):
+    assert cpu_kernels.decode_kernel(torch.device("cpu"), "torch") is None
+    with pytest.raises(ValueError, match="attention backend 'bogus'"):
+        cpu_kernels.decode_kernel(torch.device("cpu"), "bogus")
 
 
-def test_no_kernel_off_cpu(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.BACKEND_ENV, "auto")
-    assert cpu_kernels.decode_kernel(torch.device("meta")) is None
+def test_the_backend_comes_from_the_config_whose_default_is_the_environment(monkeypatch):
+    monkeypatch.setenv("DISAGG_ATTENTION_BACKEND", "torch")
+    assert EngineConfig().attention_backend == "torch"
+    monkeypatch.setenv("DISAGG_ATTENTION_BACKEND", "bogus")
+    with pytest.raises(InvalidRequestError, match="DISAGG_ATTENTION_BACKEND"):
+        EngineConfig()
+    monkeypatch.delenv("DISAGG_ATTENTION_BACKEND")
+    assert EngineConfig().attention_backend == "auto"
+
+
+def test_no_kernel_off_cpu():
+    assert cpu_kernels.decode_kernel(torch.device("meta"), "auto") is None

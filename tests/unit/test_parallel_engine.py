@@ -20,9 +20,9 @@ PROMPTS = [[5, 9, 14, 3, 7], list(range(3, 60)), [11], [8, 2, 30, 41] * 9]
 class ThreadRanks:
     """Rank 0's view of the other ranks: each runs its shard of a step on its own thread."""
 
-    def __init__(self, engines: list[LLMEngine]):
-        self.engines = engines
-        self.pool = futures.ThreadPoolExecutor(len(engines))
+    def __init__(self, num_ranks: int):
+        self.engines: list[LLMEngine] = []  # built at the same time as rank 0's
+        self.pool = futures.ThreadPoolExecutor(num_ranks)
 
     def submit(self, chunks):
         plain = portable(chunks)
@@ -40,17 +40,19 @@ class _Pending:
 
 
 def sharded_engines(config: EngineConfig, tp: int, pp: int) -> list[LLMEngine]:
-    store, address = serve_store()
+    store, port = serve_store()
+    address = f"127.0.0.1:{port}"
+    followers = ThreadRanks(tp * pp - 1)
 
     def build(rank: int) -> LLMEngine:
         place = RankPlace.of_rank(rank, tp, pp)
         parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank)
         groups = join_instance(place, address, device=__import__("torch").device("cpu"), store=store if rank == 0 else None)
-        return LLMEngine(config.replace(parallel=parallel), groups=groups)
+        return LLMEngine(config.replace(parallel=parallel), groups=groups, followers=followers if rank == 0 else None)
 
     with futures.ThreadPoolExecutor(tp * pp) as pool:
         engines = list(pool.map(build, range(tp * pp)))
-    engines[0].runner.followers = ThreadRanks(engines[1:])
+    followers.engines = engines[1:]
     return engines
 
 

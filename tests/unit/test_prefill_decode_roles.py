@@ -36,23 +36,26 @@ def _assert_kv_shape(kv, engine: LLMEngine, num_prompt_tokens: int, layer: int |
     cfg, bs = engine.model_config, engine.config.block_size
     got = tuple(kv.shape) if layer is not None else tuple(kv.shape[1:])
     if layer is None:
-        assert kv.shape[0] == cfg.num_hidden_layers, f"export_kv: {kv.shape[0]} layers, model has {cfg.num_hidden_layers}"
+        assert kv.shape[0] == cfg.num_hidden_layers, f"export_blocks: {kv.shape[0]} layers, model has {cfg.num_hidden_layers}"
     expected = (2, cfg.num_key_value_heads, got[2], bs, cfg.head_dim)
-    assert got == expected, f"export_kv shape {tuple(kv.shape)}, expected [L?, 2, {cfg.num_key_value_heads}, n, {bs}, {cfg.head_dim}]"
-    assert got[2] >= math.ceil(num_prompt_tokens / bs), f"export_kv holds {got[2]} blocks for a {num_prompt_tokens}-token prompt"
+    assert got == expected, f"export_blocks shape {tuple(kv.shape)}, expected [L?, 2, {cfg.num_key_value_heads}, n, {bs}, {cfg.head_dim}]"
+    assert got[2] >= math.ceil(num_prompt_tokens / bs), f"export_blocks holds {got[2]} blocks for a {num_prompt_tokens}-token prompt"
 
 
 def _transfer(prefill: LLMEngine, decode: LLMEngine, rid: str, num_prompt_tokens: int, per_layer: bool) -> None:
-    """Move one request's prompt KV from P to D, whole or layer by layer."""
+    """Move one request's prompt KV from P's held blocks into D's reserved ones, whole or layer
+    by layer (what the KV transfer does between processes)."""
+    source = prefill.scheduler.held_for_export[rid].block_ids
+    target = decode.scheduler.waiting_for_kv[rid].block_ids
     if per_layer:
         for layer in range(prefill.model_config.num_hidden_layers):
-            kv = prefill.export_kv(rid, layer=layer)
+            kv = prefill.kv_cache.export_blocks(source, layer)
             _assert_kv_shape(kv, prefill, num_prompt_tokens, layer)
-            decode.import_kv(rid, kv.clone(), layer=layer)
+            decode.kv_cache.import_blocks(target, kv.clone(), layer)
     else:
-        kv = prefill.export_kv(rid)
+        kv = prefill.kv_cache.export_blocks(source)
         _assert_kv_shape(kv, prefill, num_prompt_tokens, None)
-        decode.import_kv(rid, kv.clone())
+        decode.kv_cache.import_blocks(target, kv.clone())
 
 
 def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:

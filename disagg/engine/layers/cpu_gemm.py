@@ -1,15 +1,13 @@
 """Linear algebra on CPU through oneDNN with the weight prepacked once, instead of F.linear (MKL).
 
-Measured on the development machine (AMD EPYC, 2 threads, fp32, SmolLM2-135M shapes, weights
-cold in memory as in a real step): the 120 layer GEMMs plus the vocabulary projection of one
-decode step take 50 ms at batch 32 instead of 90 ms, 32 ms instead of 69 ms at batch 16, and 17%
-less at prefill sizes (512 rows). MKL repacks the weight on every call, which at decode batch
-sizes costs more than the multiplication.
+MKL repacks the weight on every call, which at decode batch sizes costs more than the
+multiplication itself; a copy packed once makes a decode step's GEMMs about twice as fast
+(figures in loadtest/RESULTS.md).
 
-The packed copy is made when the model loads: made on first use, it made a server's first
-request take 530 ms instead of about 140, its pages faulting in then. It is rebuilt when the
-weight changes (its version counter moves), costs one more copy of the weights in memory, and is
-only used where it pays: CPU, float32, 2-D inputs. DISAGG_CPU_GEMM=torch switches it off.
+The packed copy is made when the model loads, not on first use, so that a server's first
+request does not pay for its pages faulting in. It is rebuilt when the weight changes (its version counter moves), costs one more copy of the weights in memory, and is
+only used where it pays: CPU, float32, 2-D inputs. EngineConfig.cpu_gemm = "torch" (default:
+DISAGG_CPU_GEMM) switches it off.
 """
 
 from __future__ import annotations
@@ -20,13 +18,15 @@ import os
 import torch
 import torch.nn.functional as F
 
+from disagg.config import CPU_GEMMS
+
 logger = logging.getLogger(__name__)
 
-GEMM_ENV = "DISAGG_CPU_GEMM"
+GEMMS = CPU_GEMMS  # onednn, torch
 # oneDNN builds kernels for each input shape (a step's row count is its token count) and keeps
 # them in two caches of 1024 entries each, up to a megabyte an entry. Bounded here unless the
-# environment sets them: over 300 prefills of 231 lengths a worker grew by 324 MB instead of
-# 602, at the same speed (loadtest/bench_onednn_cache.py).
+# environment sets them: a worker then grows about half as much, at the same speed
+# (loadtest/bench_onednn_cache.py, RESULTS.md).
 CACHE_CAPACITY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 CACHE_CAPACITY = 256
 # oneDNN picks the packed layout for this many rows; 32 measured best for both decode batches
@@ -34,8 +34,11 @@ CACHE_CAPACITY = 256
 PACK_BATCH_HINT = 32
 
 
-def onednn_enabled() -> bool:
-    if os.environ.get(GEMM_ENV, "onednn").strip().lower() == "torch":
+def onednn_enabled(gemm: str = "onednn") -> bool:
+    """Whether GEMMs go through oneDNN: chosen (`gemm`, one of GEMMS) and available here."""
+    if gemm not in GEMMS:
+        raise ValueError(f"cpu gemm {gemm!r}: expected one of {', '.join(GEMMS)}")
+    if gemm == "torch":
         return False
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
@@ -49,8 +52,9 @@ def bound_onednn_caches(capacity: int = CACHE_CAPACITY) -> None:
 class PackedWeight:
     """One weight's oneDNN-packed copy, made on first use and remade when the weight changes."""
 
-    def __init__(self) -> None:
-        self.enabled = onednn_enabled()
+    def __init__(self, gemm: str = "onednn") -> None:
+        """`gemm`: one of GEMMS (EngineConfig.cpu_gemm)."""
+        self.enabled = onednn_enabled(gemm)
         self._packed: torch.Tensor | None = None
         self._key: tuple[int, int] | None = None
 

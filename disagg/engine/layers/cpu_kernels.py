@@ -7,8 +7,9 @@ sources, the flags, the torch version and the CPU's features (the code is built 
 runs on), so later processes only load it. Without a compiler, or when the build fails, the
 accessors return None after one warning and the model keeps its torch code.
 
-DISAGG_ATTENTION_BACKEND picks: `auto` (default: the kernels on CPU when they build), `torch`
-(none of them: attention, norm and rotary all in torch), `kernel` (the kernels or an error).
+EngineConfig.attention_backend (default: DISAGG_ATTENTION_BACKEND) picks: `auto` (the kernels on
+CPU when they build), `torch` (none of them: attention, norm and rotary all in torch, and the
+transfer's block copy too), `kernel` (the kernels or an error).
 
     python -m disagg.engine.layers.cpu_kernels --build    # pre-build it (`make setup` does)
 """
@@ -28,13 +29,14 @@ from pathlib import Path
 
 import torch
 
+from disagg.config import ATTENTION_BACKENDS
+
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
-BACKEND_ENV = "DISAGG_ATTENTION_BACKEND"
-BACKENDS = ("auto", "torch", "kernel")
+BACKENDS = ATTENTION_BACKENDS  # auto, torch, kernel
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
@@ -43,30 +45,30 @@ class KernelUnavailable(RuntimeError):
     pass
 
 
-def backend() -> str:
-    choice = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+def check_backend(choice: str) -> str:
     if choice not in BACKENDS:
-        raise ValueError(f"{BACKEND_ENV}={choice!r}: expected one of {', '.join(BACKENDS)}")
+        raise ValueError(f"attention backend {choice!r}: expected one of {', '.join(BACKENDS)}")
     return choice
 
 
-def decode_kernel(device: torch.device) -> DecodeKernel | None:
+def decode_kernel(device: torch.device, backend: str) -> DecodeKernel | None:
     """The kernel's entry point for this device, or None where attention should use torch.
 
     (q [B, H, D] float32, kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32,
     context_lens [B] int32, scale) -> [B, H, D] float32."""
-    ops = cpu_ops(device)
+    ops = cpu_ops(device, backend)
     return None if ops is None else ops.decode_attention
 
 
-def cpu_ops(device: torch.device):
-    """torch.ops.disagg_cpu (decode_attention, rms_norm, rotary, copy_blocks), or None where torch code should run."""
-    choice = backend()
+def cpu_ops(device: torch.device, backend: str):
+    """torch.ops.disagg_cpu (decode_attention, rms_norm, rotary, copy_blocks), or None where
+    torch code should run (`backend`: one of BACKENDS)."""
+    choice = check_backend(backend)
     if choice == "torch" or device.type != "cpu":
         return None
     loaded = _load()
     if not loaded and choice == "kernel":
-        raise KernelUnavailable(f"{BACKEND_ENV}=kernel but the CPU kernels did not build (see the warning above)")
+        raise KernelUnavailable("attention backend `kernel` but the CPU kernels did not build (see the warning above)")
     return torch.ops.disagg_cpu if loaded else None
 
 

@@ -17,7 +17,7 @@ class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; no communication. Shards are named parts of the
     output (e.g. q, k, v of a fused QKV projection), each split across ranks separately."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, tp: TPGroup = SINGLE):
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, tp: TPGroup = SINGLE, gemm: str = "onednn"):
         super().__init__()
         self.tp = tp
         self.local_sizes = {name: tp.shard(n, name) for name, n in shard_sizes.items()}
@@ -28,7 +28,7 @@ class ColumnParallelLinear(nn.Module):
             offset += n
         self.weight = nn.Parameter(torch.empty(offset, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(offset), requires_grad=False) if bias else None
-        self.packed = PackedWeight()  # the CPU fp32 fast path (layers/cpu_gemm.py)
+        self.packed = PackedWeight(gemm)  # the CPU fp32 fast path (layers/cpu_gemm.py)
 
     def load(self, shard: str, full: torch.Tensor, is_bias: bool = False) -> None:
         n = self.local_sizes[shard]
@@ -43,13 +43,13 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE, gemm: str = "onednn"):
         super().__init__()
         self.tp = tp
         self.local_in = tp.shard(in_features, "in_features")
         self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.packed = PackedWeight()
+        self.packed = PackedWeight(gemm)
 
     def load(self, full: torch.Tensor) -> None:
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,16 @@ from disagg.engine.partition import layer_range
 from disagg.errors import ModelLoadError
 
 
+@dataclass(frozen=True)
+class Backends:
+    """Which CPU code paths the layers take (EngineConfig.attention_backend, .cpu_gemm)."""
+
+    attention: str = "auto"  # cpu_kernels.BACKENDS: decode attention, norm and rotary
+    gemm: str = "onednn"  # cpu_gemm.GEMMS
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
         super().__init__()
         self.cache_index = cache_index  # this layer's slot in the stage-local KV cache
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
@@ -40,9 +49,10 @@ class LlamaAttention(nn.Module):
             {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d, "v": cfg.num_key_value_heads * d},
             bias=cfg.attention_bias,
             tp=tp,
+            gemm=backends.gemm,
         )
-        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp)
-        self.rope = Rotary()
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * d, cfg.hidden_size, tp=tp, gemm=backends.gemm)
+        self.rope = Rotary(backends.attention)
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -57,10 +67,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, backends: Backends):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp, gemm=backends.gemm)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -68,12 +78,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, cache_index, tp)
-        self.mlp = LlamaMLP(cfg, tp)
-        self.input_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, cache_index, tp, backends)
+        self.mlp = LlamaMLP(cfg, tp, backends)
+        self.input_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
+        self.post_attention_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         h, residual = self.input_layernorm(x, residual)
@@ -83,20 +93,20 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_model_len: int, tp: TPGroup = SINGLE, pp_rank: int = 0, pp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, max_model_len: int, tp: TPGroup = SINGLE, pp_rank: int = 0, pp_size: int = 1, backends: Backends = Backends()):
         super().__init__()
         self.config = cfg
         self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i - self.start_layer, tp) for i in range(self.start_layer, self.end_layer))
-        self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if self.is_last_stage else None
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i - self.start_layer, tp, backends) for i in range(self.start_layer, self.end_layer))
+        self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention) if self.is_last_stage else None
         self.lm_head = None
         if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
-        self.logits_weight = PackedWeight()  # the vocabulary projection: the biggest GEMM of a decode step
+        self.logits_weight = PackedWeight(backends.gemm)  # the vocabulary projection: the biggest GEMM of a decode step
 
     @property
     def num_local_layers(self) -> int:

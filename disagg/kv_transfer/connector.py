@@ -1,0 +1,51 @@
+"""Engine + KV endpoint, assembled in one place for every rank of every role.
+
+Rank 0 of an instance (disagg.prefill_worker, disagg.decode_worker) and the other ranks
+(disagg.shard_worker) build the same thing: a transport, the KV endpoint of the role (a sender
+for PREFILL, a receiver for DECODE, none for COLOCATED) and the engine with it as its KV
+connector. Each rank moves its own slice of the KV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.config import EngineConfig, Role
+from disagg.engine.distributed import InstanceGroups
+from disagg.engine.engine import LLMEngine
+from disagg.engine.kv_connector import Followers
+from disagg.kv_transfer.endpoint import KVEndpoint
+from disagg.kv_transfer.layout import KVLayout, KVRank
+from disagg.kv_transfer.receiver import KVReceiver
+from disagg.kv_transfer.sender import KVSender
+from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.kv_transfer.transport import Transport
+
+
+@dataclass
+class EngineWithKV:
+    engine: LLMEngine
+    endpoint: KVSender | KVReceiver | None  # None: a colocated instance moves no KV
+
+
+def assemble(config: EngineConfig, role: Role, *, kv_timeout: float, transport: Transport | None = None, peer_id: str = "", host: str = "127.0.0.1", groups: InstanceGroups | None = None, followers: Followers | None = None) -> EngineWithKV:
+    """The engine of `role` with its KV endpoint. The endpoint talks over `transport`, or (None)
+    a torch.distributed transport of `peer_id` listening on `host`. `groups`: this rank's
+    process groups in a TP x PP instance; `followers`: rank 0's handle on the other ranks."""
+    endpoint = None
+    if role is not Role.COLOCATED:
+        transport = transport if transport is not None else TorchDistTransport(peer_id, host)
+        if role is Role.PREFILL:
+            endpoint = KVSender(transport, timeout=kv_timeout)
+        else:
+            endpoint = KVReceiver(transport, timeout=kv_timeout, attention_backend=config.attention_backend)
+    engine = LLMEngine(config.replace(role=role), groups=groups, kv_connector=endpoint, followers=followers)
+    return EngineWithKV(engine, endpoint)
+
+
+def instance_kv_layout(config: EngineConfig, rank0: KVEndpoint | None, other_ranks: list[KVRank]) -> KVLayout | None:
+    """Every rank's KV endpoint, rank 0 first (None for a colocated instance, which moves no KV)."""
+    if rank0 is None:
+        return None
+    p = config.parallel
+    return KVLayout(p.tensor_parallel_size, p.pipeline_parallel_size, (KVRank(rank0.worker_id, rank0.address()), *other_ranks))
