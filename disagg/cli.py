@@ -36,7 +36,9 @@ def _add_bench_commands(sub) -> None:
 
 
 def _add_serve(sub) -> None:
-    p = sub.add_parser("serve", help="serve the model over gRPC (default: local Ray, local Redis, 1 prefill + 1 decode worker)")
+    p = sub.add_parser(
+        "serve", help="serve the model over gRPC (default: local Ray, local Redis, 1 prefill + 1 decode worker)"
+    )
     p.add_argument("--config", help="YAML serving config (see deploy/configs/)")
     p.add_argument("--model", help="override the config's model")
     p.add_argument("--port", type=int, help="override the config's gRPC port")
@@ -67,15 +69,21 @@ def _status(args) -> int:
     print(f"{status.model} ({status.mode})")
     for pool in status.pools:
         for i in pool.instances:
-            print(f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago")
+            print(
+                f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago"
+            )
     return 0
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="generate a completion: from a server with --server, else offline in this process")
+    p = sub.add_parser(
+        "generate", help="generate a completion: from a server with --server, else offline in this process"
+    )
     p.add_argument("prompt", help="the user message (sent through the model's chat template unless --raw)")
     p.add_argument("--server", help="HOST:PORT of a `disagg serve`; without it the engine runs in this process")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, Hugging Face directory, random:<shape> or the default model")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="GGUF file, Hugging Face directory, random:<shape> or the default model"
+    )
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -93,7 +101,9 @@ def _generate(args) -> int:
         return _generate_remote(args)
     from disagg import LLM, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens)
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens
+    )
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads)
     loaded = time.perf_counter()
@@ -101,7 +111,11 @@ def _generate(args) -> int:
     if args.raw or engine.tokenizer is None:
         engine.add_request("cli", prompt=args.prompt, sampling_params=params)
     else:
-        engine.add_request("cli", prompt_token_ids=engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]), sampling_params=params)
+        engine.add_request(
+            "cli",
+            prompt_token_ids=engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]),
+            sampling_params=params,
+        )
     final = None
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -111,7 +125,10 @@ def _generate(args) -> int:
     if args.stats and final is not None:
         m = final.metrics
         n = len(final.outputs[0].token_ids)
-        print(f"load {loaded - started:.2f}s  ttft {m.ttft * 1e3:.0f}ms  {n} tokens in {m.e2e:.2f}s  finish={final.outputs[0].finish_reason}", file=sys.stderr)
+        print(
+            f"load {loaded - started:.2f}s  ttft {m.ttft * 1e3:.0f}ms  {n} tokens in {m.e2e:.2f}s  finish={final.outputs[0].finish_reason}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -120,8 +137,14 @@ def _generate_remote(args) -> int:
 
     from disagg.client import DisaggClient, generate_request
 
-    sampling = dict(temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    request = generate_request(args.prompt, **sampling) if args.raw else generate_request(chat=[{"role": "user", "content": args.prompt}], **sampling)
+    sampling = dict(
+        temperature=args.temperature, max_tokens=args.max_tokens, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    request = (
+        generate_request(args.prompt, **sampling)
+        if args.raw
+        else generate_request(chat=[{"role": "user", "content": args.prompt}], **sampling)
+    )
     try:
         with DisaggClient(args.server) as client:
             for msg in client.stream(request, timeout=600):
@@ -133,7 +156,10 @@ def _generate_remote(args) -> int:
     print()
     if args.stats:
         t = final.timings
-        print(f"ttft {t.ttft_s * 1e3:.0f}ms (queue {t.queue_s * 1e3:.0f} prefill {t.prefill_s * 1e3:.0f} transfer {t.transfer_s * 1e3:.0f})  {final.usage.completion_tokens} tokens in {t.e2e_s:.2f}s  finish={final.finish_reason}", file=sys.stderr)
+        print(
+            f"ttft {t.ttft_s * 1e3:.0f}ms (queue {t.queue_s * 1e3:.0f} prefill {t.prefill_s * 1e3:.0f} transfer {t.transfer_s * 1e3:.0f})  {final.usage.completion_tokens} tokens in {t.e2e_s:.2f}s  finish={final.finish_reason}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -19,7 +19,14 @@ def sampling_proto(temperature: float | None = None, max_tokens: int | None = No
     return params
 
 
-def generate_request(prompt: str | None = None, *, chat: list[dict] | None = None, prompt_token_ids: list[int] | None = None, request_id: str = "", **sampling) -> serving_pb2.GenerateRequest:
+def generate_request(
+    prompt: str | None = None,
+    *,
+    chat: list[dict] | None = None,
+    prompt_token_ids: list[int] | None = None,
+    request_id: str = "",
+    **sampling,
+) -> serving_pb2.GenerateRequest:
     request = serving_pb2.GenerateRequest(request_id=request_id, sampling=sampling_proto(**sampling))
     if chat is not None:
         request.chat.CopyFrom(serving_pb2.Chat(messages=[serving_pb2.ChatMessage(**m) for m in chat]))
@@ -40,10 +47,14 @@ class DisaggClient:
         self.stub = serving_pb2_grpc.ServingStub(self.channel)
         self.metadata = (("x-api-key", api_key),) if api_key else ()
 
-    def stream(self, request: serving_pb2.GenerateRequest, timeout: float | None = None) -> Iterator[serving_pb2.GenerateResponse]:
+    def stream(
+        self, request: serving_pb2.GenerateRequest, timeout: float | None = None
+    ) -> Iterator[serving_pb2.GenerateResponse]:
         return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
-    def generate(self, request: serving_pb2.GenerateRequest, timeout: float | None = None) -> tuple[list[int], str, serving_pb2.GenerateResponse]:
+    def generate(
+        self, request: serving_pb2.GenerateRequest, timeout: float | None = None
+    ) -> tuple[list[int], str, serving_pb2.GenerateResponse]:
         """Run to the end: (all token ids, all text, the final message)."""
         token_ids, text, last = [], [], None
         for msg in self.stream(request, timeout):
@@ -56,7 +67,9 @@ class DisaggClient:
         return self.stub.ClusterStatus(serving_pb2.ClusterStatusRequest(), timeout=timeout, metadata=self.metadata)
 
     def abort(self, request_id: str, timeout: float = 10.0) -> bool:
-        return self.stub.Abort(serving_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata).found
+        return self.stub.Abort(
+            serving_pb2.AbortRequest(request_id=request_id), timeout=timeout, metadata=self.metadata
+        ).found
 
     def close(self) -> None:
         self.channel.close()

@@ -70,7 +70,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads; None: leave as is
     seed: int = 0
-    cache_dir: str = field(default_factory=lambda: os.environ.get("DISAGG_CACHE_DIR", str(Path.home() / ".cache" / "disagg")))
+    cache_dir: str = field(
+        default_factory=lambda: os.environ.get("DISAGG_CACHE_DIR", str(Path.home() / ".cache" / "disagg"))
+    )
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # A prefill cache in shared memory, so that a decode worker on this host copies the KV
     # straight out of it; off: KV always goes over the transport. (README: DISAGG_KV_SHARED_MEMORY)
@@ -85,18 +87,38 @@ class EngineConfig:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
             object.__setattr__(self, "role", _parse_enum(Role, self.role, "role"))
         _require(isinstance(self.model, str) and self.model.strip() != "", "model", "must be a non-empty string")
-        _require(self.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", "must be auto, float32, bfloat16 or float16")
-        _require(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"), "device", "must be auto, cpu or cuda[:N]")
-        _require(self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0, "block_size", "must be a power of two")
+        _require(
+            self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "dtype",
+            "must be auto, float32, bfloat16 or float16",
+        )
+        _require(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            "must be auto, cpu or cuda[:N]",
+        )
+        _require(
+            self.block_size >= 1 and (self.block_size & (self.block_size - 1)) == 0,
+            "block_size",
+            "must be a power of two",
+        )
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        _require(self.scheduling_policy in ("chunked", "prefill_first"), "scheduling_policy", "must be chunked or prefill_first")
+        _require(
+            self.scheduling_policy in ("chunked", "prefill_first"),
+            "scheduling_policy",
+            "must be chunked or prefill_first",
+        )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")
-        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)} (DISAGG_ATTENTION_BACKEND)")
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"must be one of {', '.join(ATTENTION_BACKENDS)} (DISAGG_ATTENTION_BACKEND)",
+        )
         _require(self.cpu_gemm in CPU_GEMMS, "cpu_gemm", f"must be one of {', '.join(CPU_GEMMS)} (DISAGG_CPU_GEMM)")
 
     def replace(self, **changes) -> "EngineConfig":
@@ -135,15 +157,23 @@ class WorkerConfig:
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
     actor_name: str = ""
-    engine_cpus: tuple[int, ...] | None = None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
+    engine_cpus: tuple[int, ...] | None = (
+        None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
             object.__setattr__(self, "role", _parse_enum(Role, self.role, "role"))
-        _require(isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string")
+        _require(
+            isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string"
+        )
         _require(self.kv_timeout_s > 0, "kv_timeout_s", "must be > 0")
         _require(self.num_threads >= 1, "num_threads", "must be >= 1")
-        _require(self.heartbeat_ttl_s > self.heartbeat_interval_s > 0, "heartbeat_ttl_s", "must exceed heartbeat_interval_s (> 0)")
+        _require(
+            self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,
+            "heartbeat_ttl_s",
+            "must exceed heartbeat_interval_s (> 0)",
+        )
 
     def replace(self, **changes) -> "WorkerConfig":
         return dataclasses.replace(self, **changes)
@@ -194,7 +224,9 @@ class ServingConfig:
     colocated: PoolConfig = field(default_factory=PoolConfig)
     host: str = "127.0.0.1"  # where the gRPC frontend listens
     port: int = 50051
-    worker_host: str | None = None  # where workers listen (request link, KV); None: loopback on one node, each node's IP on several
+    worker_host: str | None = (
+        None  # where workers listen (request link, KV); None: loopback on one node, each node's IP on several
+    )
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     redis_url: str | None = None  # None: start a local redis-server
     ray_address: str | None = None  # None: start a local Ray
@@ -214,16 +246,40 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
-        _require(self.cpu_binding in CPU_BINDINGS, "cpu_binding", f"must be one of {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}")
+        _require(
+            self.cpu_binding in CPU_BINDINGS,
+            "cpu_binding",
+            f"must be one of {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}",
+        )
         _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
-        _require(self.worker_host is None or self.worker_host not in ("0.0.0.0", "::", ""), "worker_host", "must be an address peers can connect to, not a wildcard")
+        _require(
+            self.worker_host is None or self.worker_host not in ("0.0.0.0", "::", ""),
+            "worker_host",
+            "must be an address peers can connect to, not a wildcard",
+        )
         _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
-        for name in ("admission_timeout_s", "request_timeout_s", "kv_timeout_s", "heartbeat_interval_s", "heartbeat_ttl_s"):
+        for name in (
+            "admission_timeout_s",
+            "request_timeout_s",
+            "kv_timeout_s",
+            "heartbeat_interval_s",
+            "heartbeat_ttl_s",
+        ):
             _require(getattr(self, name) > 0, name, "must be > 0")
-        _require(self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s")
-        _require((self.tls_cert_file is None) == (self.tls_key_file is None), "tls_cert_file", "give both tls_cert_file and tls_key_file, or neither")
+        _require(
+            self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s"
+        )
+        _require(
+            (self.tls_cert_file is None) == (self.tls_key_file is None),
+            "tls_cert_file",
+            "give both tls_cert_file and tls_key_file, or neither",
+        )
         pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
-        _require(all(p.num_instances >= 1 for p in pools), "num_instances", f"{self.mode} mode needs at least one instance per pool")
+        _require(
+            all(p.num_instances >= 1 for p in pools),
+            "num_instances",
+            f"{self.mode} mode needs at least one instance per pool",
+        )
 
     def pools(self) -> list[tuple[str, PoolConfig]]:
         """(role, pool) of every pool this mode runs."""

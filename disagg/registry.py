@@ -39,7 +39,9 @@ class InstanceInfo:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     started_at: float = 0.0
-    kv_ranks: list = field(default_factory=list)  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
+    kv_ranks: list = field(
+        default_factory=list
+    )  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
     rpc_address: str = ""  # host:port of the request link (disagg.rpc) on rank 0
     rpc_token: str = ""  # the secret a router presents on that link (hex)
 

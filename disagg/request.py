@@ -70,14 +70,32 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", f"must be >= 0, got {self.temperature!r}")
+        _check(
+            _is_number(self.temperature) and self.temperature >= 0,
+            "temperature",
+            f"must be >= 0, got {self.temperature!r}",
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(_is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0), "top_k", f"must be -1 (off), 0 (off) or >= 1, got {self.top_k!r}")
-        _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(
+            _is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 0),
+            "top_k",
+            f"must be -1 (off), 0 (off) or >= 1, got {self.top_k!r}",
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers")
-        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20), "logprobs", f"must be None or an integer in [0, 20], got {self.logprobs!r}")
+        _check(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers"
+        )
+        _check(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+            "logprobs",
+            f"must be None or an integer in [0, 20], got {self.logprobs!r}",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -186,14 +204,29 @@ class Request:
             self.output_logprobs.append(logprobs)
 
 
-def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int, block_size: int, num_blocks: int, field_prefix: str = "") -> None:
+def check_fits(
+    num_prompt_tokens: int,
+    max_tokens: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+    field_prefix: str = "",
+) -> None:
     """Refuse a request that could never run: its prompt, or prompt + max_tokens, exceeds the
     model's context or the KV cache (`num_blocks` of `block_size` tokens). The engine and the
     router's validation both ask this (the router names the field `sampling.max_tokens`)."""
     if num_prompt_tokens >= max_model_len:
-        raise InvalidRequestError("prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({max_model_len} tokens)")
+        raise InvalidRequestError(
+            "prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({max_model_len} tokens)"
+        )
     if num_prompt_tokens + max_tokens > max_model_len:
-        raise InvalidRequestError(f"{field_prefix}max_tokens", f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({max_model_len} tokens)")
+        raise InvalidRequestError(
+            f"{field_prefix}max_tokens",
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({max_model_len} tokens)",
+        )
     needed = -(-(num_prompt_tokens + max_tokens) // block_size)
     if needed > num_blocks:
-        raise InvalidRequestError(f"{field_prefix}max_tokens", f"prompt + max_tokens needs {needed} KV blocks; an instance's cache holds {num_blocks}")
+        raise InvalidRequestError(
+            f"{field_prefix}max_tokens",
+            f"prompt + max_tokens needs {needed} KV blocks; an instance's cache holds {num_blocks}",
+        )

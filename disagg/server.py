@@ -92,12 +92,16 @@ class Server:
             self._stack.callback(ray.shutdown)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
-        model = load_model_source(config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer)
+        model = load_model_source(
+            config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer
+        )
         self.launcher = PoolLauncher(config, redis_url, worker_host(config.worker_host, num_nodes), cpu_plan)
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
-        self._thread = threading.Thread(target=self._run_frontend, args=(redis_url, model), name="frontend", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_frontend, args=(redis_url, model), name="frontend", daemon=True
+        )
         self._thread.start()
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
@@ -148,9 +152,13 @@ class Server:
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
         metrics = ServingMetrics()
         records = RequestRecords(registry)
-        self.servicer = ServingServicer(orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model)
+        self.servicer = ServingServicer(
+            orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model
+        )
         server, port = await _start_grpc(config, self.servicer)
-        metrics_server = metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
+        metrics_server = (
+            metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
+        )
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
@@ -174,7 +182,9 @@ class Server:
             current = set()
             for inst in directory.all():
                 load = inst.view.load
-                metrics.set_instance_load(inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage)
+                metrics.set_instance_load(
+                    inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
+                )
                 current.add((inst.instance_id, inst.role))
             for instance_id, role in shown - current:
                 metrics.remove_instance(instance_id, role)
@@ -222,7 +232,13 @@ def _start_ray(config: ServingConfig) -> None:
         # Ray starts its workers at nice 15 (so that they cannot starve its own daemons); ours
         # are the request path: at 15 every other process on the machine preempts a prefill
         # (loadtest/RESULTS.md).
-        ray.init(namespace=NAMESPACE, include_dashboard=False, logging_level=logging.WARNING, num_cpus=max(2, os.cpu_count() or 2), _system_config={"worker_niceness": 0})
+        ray.init(
+            namespace=NAMESPACE,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            num_cpus=max(2, os.cpu_count() or 2),
+            _system_config={"worker_niceness": 0},
+        )
 
 
 async def _wait_for_instances(config: ServingConfig, directory: InstanceDirectory, timeout_s: float = 60.0) -> None:
@@ -241,7 +257,9 @@ async def _wait_for_instances(config: ServingConfig, directory: InstanceDirector
 async def _model_limits(config: ServingConfig, model, directory: InstanceDirectory) -> ModelLimits:
     role = "colocated" if config.mode == "colocated" else "decode"
     blocks = min(i.view.load.num_total_blocks for i in directory.healthy(role))
-    max_len = min(config.engine.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings)
+    max_len = min(
+        config.engine.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
+    )
     return ModelLimits(model.config.vocab_size, max_len, blocks, config.engine.block_size)
 
 

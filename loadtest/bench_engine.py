@@ -36,7 +36,10 @@ def build_workload(args) -> list[dict]:
     """Requests with real-text prompts (disjoint windows of one long text, so that no two share a
     prefix and prefix caching gives no unfair help) and uniform prompt/output lengths."""
     rng = random.Random(args.seed)
-    lengths = [(rng.randint(args.min_prompt, args.max_prompt), rng.randint(args.min_output, args.max_output)) for _ in range(args.num_requests)]
+    lengths = [
+        (rng.randint(args.min_prompt, args.max_prompt), rng.randint(args.min_output, args.max_output))
+        for _ in range(args.num_requests)
+    ]
     needed = sum(p for p, _ in lengths)
     ids = _corpus_token_ids(args, needed)
     requests, start = [], 0
@@ -90,7 +93,11 @@ def load_hf_tokenizer(model: str | None):
 
     folder, gguf_file = hf_location(model)
     try:
-        return AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoTokenizer.from_pretrained(folder)
+        return (
+            AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+            if gguf_file
+            else AutoTokenizer.from_pretrained(folder)
+        )
     except (OSError, ValueError):
         return None
 
@@ -107,7 +114,9 @@ def _vocab_size(model: str | None) -> int:
     from transformers import AutoConfig
 
     folder, gguf_file = hf_location(model)
-    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoConfig.from_pretrained(folder)
+    config = (
+        AutoConfig.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else AutoConfig.from_pretrained(folder)
+    )
     return config.vocab_size
 
 
@@ -133,7 +142,9 @@ def run_ours(job: dict) -> dict:
     rss_loaded = peak_rss_mib()
     # Warm-up on a reversed snippet: no prefix of any real prompt lands in the prefix cache.
     warmup = list(reversed(requests[0]["prompt_token_ids"][:16]))
-    llm.generate([{"prompt_token_ids": warmup}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": warmup}], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
 
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     params = [SamplingParams(temperature=0.0, max_tokens=r["output_len"], ignore_eos=True) for r in requests]
@@ -143,7 +154,11 @@ def run_ours(job: dict) -> dict:
 
     useful = sum(min(len(o.outputs[0].token_ids), r["output_len"]) for o, r in zip(outs, requests))
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
-    tpots = [(o.metrics.e2e - o.metrics.ttft) / (len(o.outputs[0].token_ids) - 1) for o in outs if o.metrics.e2e is not None and o.metrics.ttft is not None and len(o.outputs[0].token_ids) > 1]
+    tpots = [
+        (o.metrics.e2e - o.metrics.ttft) / (len(o.outputs[0].token_ids) - 1)
+        for o in outs
+        if o.metrics.e2e is not None and o.metrics.ttft is not None and len(o.outputs[0].token_ids) > 1
+    ]
     engine = llm.engine
     return {
         "side": "ours",
@@ -194,7 +209,9 @@ def run_hf(job: dict) -> dict:
     import torch
 
     torch.set_num_threads(job["threads"])
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}[job["dtype"]]
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": torch.float32}[
+        job["dtype"]
+    ]
     requests = job["requests"]
     rss_start = peak_rss_mib()
     started = time.perf_counter()
@@ -241,7 +258,14 @@ def _hf_batch(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
         input_ids[row, width - len(p) :] = torch.tensor(p)
         attention_mask[row, width - len(p) :] = 1
     with torch.no_grad():
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id)
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=pad_id,
+        )
     return [out.shape[1] - width] * len(prompts)
 
 
@@ -292,8 +316,12 @@ def print_table(summary: dict) -> None:
         ours["median_tpot_ms"] = ours["median_tpot_s"] * 1000
     w = summary["workload"]
     print()
-    print(f"model {w['model']}  dtype {w['dtype']}  threads {w['threads']}  requests {w['num_requests']}  max batch {w['max_batch']}")
-    print(f"prompt tokens {w['prompt_tokens']} (len {w['min_prompt']}..{w['max_prompt']}), output tokens {w['output_tokens']} (len {w['min_output']}..{w['max_output']}), repeats {w['repeats']}")
+    print(
+        f"model {w['model']}  dtype {w['dtype']}  threads {w['threads']}  requests {w['num_requests']}  max batch {w['max_batch']}"
+    )
+    print(
+        f"prompt tokens {w['prompt_tokens']} (len {w['min_prompt']}..{w['max_prompt']}), output tokens {w['output_tokens']} (len {w['min_output']}..{w['max_output']}), repeats {w['repeats']}"
+    )
     print(f"{'':26s}{'ours':>12s}{'HF':>12s}")
     for label, key, fmt in rows:
         print(f"{label:26s}{cell(ours, key, fmt):>12s}{cell(hf, key, fmt):>12s}")
@@ -303,14 +331,18 @@ def print_table(summary: dict) -> None:
         print(f"{'KV blocks total':26s}{ours['kv_blocks_total']:>12d}   (block size {ours['kv_block_size']})")
     busy = max(w["load_average_1m_start"], w["load_average_1m_end"])
     if busy > w["threads"] + 0.5:
-        print(f"WARNING: load average {busy:.1f} on a machine this run wants {w['threads']} threads of: other work skews both sides")
+        print(
+            f"WARNING: load average {busy:.1f} on a machine this run wants {w['threads']} threads of: other work skews both sides"
+        )
     if summary.get("ratio") is not None:
         print(f"{'throughput ratio ours/HF':26s}{summary['ratio']:>12.2f}x  (target >= 3x)")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="HF directory, .gguf file or random:<shape> (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="HF directory, .gguf file or random:<shape> (default: SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=32, help="HF static batch size = our max_num_seqs")
@@ -333,7 +365,12 @@ def parse_args(argv=None):
     if args.quick:
         args.num_requests, args.max_batch = 8, 4
         args.min_prompt, args.max_prompt, args.min_output, args.max_output = 16, 64, 8, 32
-    if args.min_prompt < 1 or args.max_prompt < args.min_prompt or args.min_output < 1 or args.max_output < args.min_output:
+    if (
+        args.min_prompt < 1
+        or args.max_prompt < args.min_prompt
+        or args.min_output < 1
+        or args.max_output < args.min_output
+    ):
         p.error("need 1 <= min <= max for prompt and output lengths")
     return args
 
@@ -365,7 +402,14 @@ def main(argv=None) -> None:
         "repeats": args.repeats,
         "load_average_1m_start": os.getloadavg()[0],
     }
-    job = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_batch": args.max_batch, "kv_cache_gib": args.kv_cache_gib, "requests": requests}
+    job = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "max_batch": args.max_batch,
+        "kv_cache_gib": args.kv_cache_gib,
+        "requests": requests,
+    }
     sides = [s for s, skip in (("ours", args.skip_ours), ("hf", args.skip_hf)) if not skip]
     runs: dict[str, list[dict]] = {s: [] for s in sides}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -376,7 +420,11 @@ def main(argv=None) -> None:
             for side in sides:
                 print(f"[bench] repeat {repeat + 1}/{args.repeats}: {side} ...", file=sys.stderr, flush=True)
                 runs[side].append(run_side(side, job_path))
-                print(f"[bench]   {side}: {runs[side][-1]['output_tok_s']:.1f} output tok/s, wall {runs[side][-1]['wall_s']:.1f} s", file=sys.stderr, flush=True)
+                print(
+                    f"[bench]   {side}: {runs[side][-1]['output_tok_s']:.1f} output tok/s, wall {runs[side][-1]['wall_s']:.1f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         os.unlink(job_path)
 

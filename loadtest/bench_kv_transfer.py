@@ -65,7 +65,11 @@ class KVEndpointActor:
     def stream(self, request_id: str, block_ids: list[int], target: KVTarget) -> float:
         """Send every layer of the blocks as the model would (one message per layer), then DONE;
         returns seconds from the first layer to the receiver's ACK."""
-        chunk = SimpleNamespace(request=SimpleNamespace(request_id=request_id, block_ids=block_ids), start=0, num_new_tokens=len(block_ids) * BLOCK)
+        chunk = SimpleNamespace(
+            request=SimpleNamespace(request_id=request_id, block_ids=block_ids),
+            start=0,
+            num_new_tokens=len(block_ids) * BLOCK,
+        )
         self.sender.add(request_id, [target])
         for layer in range(LAYERS):
             self.sender.save_kv_layer(layer, [chunk])
@@ -91,7 +95,10 @@ def _wait(endpoint, timeout_s: float = 300.0):
 def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_reference: bool) -> tuple[float, int]:
     num_blocks = TOKENS // BLOCK
     total = 4 * num_blocks
-    src, dst = KVEndpointActor.remote("p-bench", total, dtype, device, by_reference), KVEndpointActor.remote("d-bench", total, dtype, device, False)
+    src, dst = (
+        KVEndpointActor.remote("p-bench", total, dtype, device, by_reference),
+        KVEndpointActor.remote("d-bench", total, dtype, device, False),
+    )
     src_addr, dst_addr = ray.get([src.address.remote(), dst.address.remote()])
     seconds = []
     for r in range(repeats + 1):  # the first is a warm-up (connects the pair)
@@ -102,7 +109,9 @@ def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_referen
         received = dst.received.remote()
         seconds.append(ray.get(src.stream.remote(f"r{r}", src_blocks, target)))
         ray.get(received)
-        print(f"  protocol transfer {r} ({'by reference' if by_reference else 'packed'}): {seconds[-1]:.3f} s", flush=True)
+        print(
+            f"  protocol transfer {r} ({'by reference' if by_reference else 'packed'}): {seconds[-1]:.3f} s", flush=True
+        )
     for actor in (src, dst):
         ray.kill(actor)
     num_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * TOKENS * torch.empty((), dtype=dtype).element_size()
@@ -138,7 +147,9 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
     from disagg.request import SamplingParams
 
     torch.set_num_threads(1)
-    prefill = PrefillWorker(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), TorchDistTransport("p-stream"), kv_timeout=120)
+    prefill = PrefillWorker(
+        EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), TorchDistTransport("p-stream"), kv_timeout=120
+    )
     decode = DecodeSide.remote("d-stream")
     cfg = prefill.engine.model_config
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -182,18 +193,28 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     by_reference = args.device == "cpu"  # a cache on a GPU is never in shared host memory
-    ref_gbps, num_bytes = protocol_bandwidth(dtype, args.device, args.repeats, by_reference=True) if by_reference else (None, 0)
+    ref_gbps, num_bytes = (
+        protocol_bandwidth(dtype, args.device, args.repeats, by_reference=True) if by_reference else (None, 0)
+    )
     packed_gbps, num_bytes = protocol_bandwidth(dtype, args.device, args.repeats, by_reference=False)
     raw_gbps = measure_raw_bandwidth(num_bytes, dtype, args.repeats)
     print(f"raw: {raw_gbps:.2f} GB/s", flush=True)
     alone, streamed, ratio = streaming_overhead(args.repeats)
     ray.shutdown()
-    print(f"\nKV of {TOKENS} tokens, Llama-3-8B geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}), {args.dtype}, {num_bytes / 2**20:.0f} MiB, {args.device}")
+    print(
+        f"\nKV of {TOKENS} tokens, Llama-3-8B geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}), {args.dtype}, {num_bytes / 2**20:.0f} MiB, {args.device}"
+    )
     print(f"(a) raw send/recv, one contiguous tensor: {raw_gbps:6.2f} GB/s")
     if ref_gbps is not None:
-        print(f"(b) protocol, scattered blocks, by reference (same host): {ref_gbps:6.2f} GB/s   ratio to raw {ref_gbps / raw_gbps:.3f} (target >= 0.9)")
-    print(f"(b) protocol, scattered blocks, packed messages over the transport: {packed_gbps:6.2f} GB/s   ratio to raw {packed_gbps / raw_gbps:.3f} (target >= 0.9)")
-    print(f"(c) default-model prefill of 1024 tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10)")
+        print(
+            f"(b) protocol, scattered blocks, by reference (same host): {ref_gbps:6.2f} GB/s   ratio to raw {ref_gbps / raw_gbps:.3f} (target >= 0.9)"
+        )
+    print(
+        f"(b) protocol, scattered blocks, packed messages over the transport: {packed_gbps:6.2f} GB/s   ratio to raw {packed_gbps / raw_gbps:.3f} (target >= 0.9)"
+    )
+    print(
+        f"(c) default-model prefill of 1024 tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10)"
+    )
 
 
 if __name__ == "__main__":

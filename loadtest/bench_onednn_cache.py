@@ -76,16 +76,21 @@ def child(capacity: str, prompts: int, max_len: int, seed: int) -> None:
         (repeat if len(ids) in seen else first).append((len(ids), t))
         seen.add(len(ids))
     repeated = {n for n, _ in repeat}
-    print(json.dumps({
-        "capacity": capacity,
-        "rss_added_mb": rss_mb() - before,
-        "mean_ms": statistics.mean(times) * 1e3,
-        "p50_ms": statistics.median(times) * 1e3,
-        # the same lengths' first and later prefills: what a rebuilt kernel costs
-        "first_ms": statistics.mean(t for n, t in first if n in repeated) * 1e3 if repeated else None,
-        "repeat_ms": statistics.mean(t for _, t in repeat) * 1e3 if repeat else None,
-        "distinct_lengths": len(seen),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "capacity": capacity,
+                "rss_added_mb": rss_mb() - before,
+                "mean_ms": statistics.mean(times) * 1e3,
+                "p50_ms": statistics.median(times) * 1e3,
+                # the same lengths' first and later prefills: what a rebuilt kernel costs
+                "first_ms": statistics.mean(t for n, t in first if n in repeated) * 1e3 if repeated else None,
+                "repeat_ms": statistics.mean(t for _, t in repeat) * 1e3 if repeat else None,
+                "distinct_lengths": len(seen),
+            }
+        ),
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -100,14 +105,31 @@ def main() -> None:
         return child(args.child, args.prompts, args.max_len, args.seed)
     results = []
     for capacity in args.capacities.split(","):
-        command = [sys.executable, __file__, "--child", capacity, "--prompts", str(args.prompts), "--max-len", str(args.max_len), "--seed", str(args.seed)]
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            capacity,
+            "--prompts",
+            str(args.prompts),
+            "--max-len",
+            str(args.max_len),
+            "--seed",
+            str(args.seed),
+        ]
         out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         results.append(json.loads(out.strip().splitlines()[-1]))
     base = next((r for r in results if r["capacity"] == "default"), results[0])
-    print(f"\n{args.prompts} prefills of 8-{args.max_len} tokens ({base['distinct_lengths']} distinct lengths), one at a time, one thread")
-    print(f"{'capacity':>10} {'RSS added':>10} {'mean':>9} {'p50':>9} {'first':>9} {'repeat':>9} {'mean ratio':>11} {'RSS ratio':>10}   (MB, ms)")
+    print(
+        f"\n{args.prompts} prefills of 8-{args.max_len} tokens ({base['distinct_lengths']} distinct lengths), one at a time, one thread"
+    )
+    print(
+        f"{'capacity':>10} {'RSS added':>10} {'mean':>9} {'p50':>9} {'first':>9} {'repeat':>9} {'mean ratio':>11} {'RSS ratio':>10}   (MB, ms)"
+    )
     for r in results:
-        print(f"{r['capacity']:>10} {r['rss_added_mb']:10.0f} {r['mean_ms']:9.1f} {r['p50_ms']:9.1f} {r['first_ms'] or 0:9.1f} {r['repeat_ms'] or 0:9.1f} {r['mean_ms'] / base['mean_ms']:11.3f} {r['rss_added_mb'] / max(base['rss_added_mb'], 1):10.2f}")
+        print(
+            f"{r['capacity']:>10} {r['rss_added_mb']:10.0f} {r['mean_ms']:9.1f} {r['p50_ms']:9.1f} {r['first_ms'] or 0:9.1f} {r['repeat_ms'] or 0:9.1f} {r['mean_ms'] / base['mean_ms']:11.3f} {r['rss_added_mb'] / max(base['rss_added_mb'], 1):10.2f}"
+        )
 
 
 if __name__ == "__main__":

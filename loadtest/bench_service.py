@@ -51,12 +51,24 @@ from disagg.bench.metrics import median_ci, median_difference_ci
 from disagg.hosts.cpu_binding import bind_this_thread, plan_cpus
 from disagg.config import CPU_BINDINGS
 
-SERVER_SETTINGS = {"threads_per_worker": 1, "metrics_port": None}  # the default deployment, one thread per worker as offline
+SERVER_SETTINGS = {
+    "threads_per_worker": 1,
+    "metrics_port": None,
+}  # the default deployment, one thread per worker as offline
 # A fresh Ray cluster keeps the CPU busy for a few seconds after start (worker prestart, its own
 # services), and each worker packs its weights on first use: the measurement starts after that.
 WARMUP_SETTLE_S = 3.0
 TWIN_TIMEOUT_S = 300.0  # for the twin process to load its model, or to answer one request
-TOPICS = ["the ocean", "a mountain village", "how bread is made", "the history of clocks", "a friendly robot", "winter in the city", "the planets", "a chess game"]
+TOPICS = [
+    "the ocean",
+    "a mountain village",
+    "how bread is made",
+    "the history of clocks",
+    "a friendly robot",
+    "winter in the city",
+    "the planets",
+    "a chess game",
+]
 
 
 def make_prompts(n: int, seed: int) -> list[str]:
@@ -64,7 +76,10 @@ def make_prompts(n: int, seed: int) -> list[str]:
     prompts = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
-        detail = " ".join(rng.choice(["Please", "be", "vivid", "and", "precise", "about", "it", "in", "detail"]) for _ in range(rng.randint(0, 40)))
+        detail = " ".join(
+            rng.choice(["Please", "be", "vivid", "and", "precise", "about", "it", "in", "detail"])
+            for _ in range(rng.randint(0, 40))
+        )
         prompts.append(f"Write a short paragraph about {topic}. {detail}")
     return prompts
 
@@ -102,7 +117,9 @@ class OfflineTwin:
     def __init__(self, max_tokens: int, cpus: set[int] | None):
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
-        self._process = context.Process(target=_twin_main, args=(child_conn, max_tokens, cpus), name="offline-twin", daemon=True)
+        self._process = context.Process(
+            target=_twin_main, args=(child_conn, max_tokens, cpus), name="offline-twin", daemon=True
+        )
         self._process.start()
         self._receive()  # loaded
         self.prefills = []
@@ -151,7 +168,9 @@ class Service:
 
         max_tokens = max_tokens or self.max_tokens
         start, first = time.perf_counter(), None
-        for msg in self.client.stream(generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300):
+        for msg in self.client.stream(
+            generate_request(prompt_token_ids=ids, temperature=0.0, max_tokens=max_tokens, ignore_eos=True), timeout=300
+        ):
             if msg.token_ids and first is None:
                 first = time.perf_counter()
             if msg.finished:
@@ -159,7 +178,9 @@ class Service:
         return _ttft_tpot(start, first, time.perf_counter(), max_tokens)
 
 
-def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS):
+def measure(
+    prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS
+):
     """The sides take turns request by request (in every order in turn), so that the machine's
     drift and background load fall on each alike."""
     import yaml
@@ -204,7 +225,13 @@ def measure(prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, 
                         results[name].append(run[name](ids))
         finally:
             bind_this_thread(own_cpus)
-    return results["offline"], results["service"], sides["service"].timings, sides["offline"].prefills, sides["twin"].prefills
+    return (
+        results["offline"],
+        results["service"],
+        sides["service"].timings,
+        sides["offline"].prefills,
+        sides["twin"].prefills,
+    )
 
 
 def kernel_warmup(prompts: list[list[int]]) -> list[list[int]]:
@@ -241,17 +268,30 @@ def _ttft_tpot(start: float, first: float, end: float, num_tokens: int) -> tuple
 
 def summarize(name: str, results: list[tuple[float, float]]) -> dict:
     ttft, tpot = [r[0] * 1e3 for r in results], [r[1] * 1e3 for r in results]
-    return {"name": name, "ttft_mean_ms": statistics.mean(ttft), "ttft_p50_ms": statistics.median(ttft), "tpot_mean_ms": statistics.mean(tpot), "tpot_p50_ms": statistics.median(tpot)}
+    return {
+        "name": name,
+        "ttft_mean_ms": statistics.mean(ttft),
+        "ttft_p50_ms": statistics.median(ttft),
+        "tpot_mean_ms": statistics.mean(tpot),
+        "tpot_p50_ms": statistics.median(tpot),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--runs", type=int, default=1, help="repeat with a fresh server and a fresh offline engine each time")
+    parser.add_argument(
+        "--runs", type=int, default=1, help="repeat with a fresh server and a fresh offline engine each time"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--warmup", type=int, default=4, help="requests run (and not measured) first on both sides")
-    parser.add_argument("--cpu-binding", type=_bindings, default=["auto"], help="the server's cpu_binding (auto, on, off), or several comma-separated (on,off) to compare them, taking turns run by run")
+    parser.add_argument(
+        "--cpu-binding",
+        type=_bindings,
+        default=["auto"],
+        help="the server's cpu_binding (auto, on, off), or several comma-separated (on,off) to compare them, taking turns run by run",
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -260,17 +300,28 @@ def main() -> None:
     from disagg.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(load_model_source(EngineConfig().model, cache_dir=EngineConfig().cache_dir).tokenizer)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)]
-    warmup = [tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.warmup, args.seed + 1)]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}]) for p in make_prompts(args.requests, args.seed)
+    ]
+    warmup = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}])
+        for p in make_prompts(args.warmup, args.seed + 1)
+    ]
     runs = {binding: [] for binding in args.cpu_binding}
     for i in range(args.runs):
         # Settings compared take turns, in alternating order, so that the machine's drift falls on each alike.
         for binding in args.cpu_binding[:: 1 if i % 2 == 0 else -1]:
             with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-                runs[binding].append(measure(prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": binding}))
+                runs[binding].append(
+                    measure(
+                        prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": binding}
+                    )
+                )
     figures = {}
     for binding, its_runs in runs.items():
-        print(f"\ncpu_binding {binding}: {args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time")
+        print(
+            f"\ncpu_binding {binding}: {args.requests} requests x {args.runs} run(s), prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {args.max_tokens} output tokens, one at a time"
+        )
         figures[binding] = report(its_runs)
     if args.out:
         with open(args.out, "w") as f:
@@ -280,7 +331,9 @@ def main() -> None:
 def _bindings(text: str) -> list[str]:
     bindings = text.split(",")
     if any(b not in CPU_BINDINGS for b in bindings) or len(set(bindings)) < len(bindings):
-        raise argparse.ArgumentTypeError(f"expected one of {', '.join(CPU_BINDINGS)} or several, comma-separated; got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected one of {', '.join(CPU_BINDINGS)} or several, comma-separated; got {text!r}"
+        )
     return bindings
 
 
@@ -291,7 +344,9 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     b = summarize("service (gRPC + Ray + KV transfer)", service)
     print(f"{'':38} {'TTFT mean':>10} {'TTFT p50':>10} {'TPOT mean':>10} {'TPOT p50':>10}   (ms)")
     for r in (a, b):
-        print(f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}")
+        print(
+            f"{r['name']:38} {r['ttft_mean_ms']:10.1f} {r['ttft_p50_ms']:10.1f} {r['tpot_mean_ms']:10.2f} {r['tpot_p50_ms']:10.2f}"
+        )
     added = b["ttft_p50_ms"] - a["ttft_p50_ms"]
     added_ci = median_difference_ci(*([[r[0] * 1e3 for r in run[side]] for run in runs] for side in (0, 1)))
     # The same prompt's TTFT on both sides, request by request: prompts of 40-80 tokens spread
@@ -299,10 +354,18 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
     per_request = [[(s[0] - o[0]) * 1e3 for s, o in zip(run[1], run[0])] for run in runs]
     paired, low, high = _median_with_ci(per_request)
     ratio_tpot = b["tpot_p50_ms"] / a["tpot_p50_ms"]
-    print(f"service adds {added:+.1f} ms to p50 TTFT (95% CI {added_ci[0]:+.1f} to {added_ci[1]:+.1f}), {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}); target <= 5 ms")
-    print(f"TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}")
+    print(
+        f"service adds {added:+.1f} ms to p50 TTFT (95% CI {added_ci[0]:+.1f} to {added_ci[1]:+.1f}), {paired:+.1f} ms per request at p50 (95% CI {low:+.1f} to {high:+.1f}); target <= 5 ms"
+    )
+    print(
+        f"TPOT p50 ratio {ratio_tpot:.3f} (target <= 1.05); TTFT mean ratio {b['ttft_mean_ms'] / a['ttft_mean_ms']:.3f}"
+    )
     if len(runs) > 1:
-        print("added per request at p50, run by run: " + ", ".join(f"{statistics.median(r):+.1f}" for r in per_request) + " ms")
+        print(
+            "added per request at p50, run by run: "
+            + ", ".join(f"{statistics.median(r):+.1f}" for r in per_request)
+            + " ms"
+        )
     # Where the added TTFT goes, request by request (p50 of each part; the server's parts from
     # each stream's last message): the prefill itself (the worker's compute against the offline
     # engine's TTFT for the same prompt), the router and request links, and gRPC.
@@ -311,23 +374,64 @@ def report(runs: list[tuple[list, list, list, list, list]]) -> dict:
         "router, links, hand-offs": [t.ttft_s - t.prefill_s for t in phases],
         "gRPC (client - frontend)": [s[0] - t.ttft_s for s, t in zip(service, phases)],
     }
-    print("added TTFT per request, p50 of each part: " + ", ".join(f"{name} {statistics.median(v) * 1e3:+.1f} ms" for name, v in parts.items()))
+    print(
+        "added TTFT per request, p50 of each part: "
+        + ", ".join(f"{name} {statistics.median(v) * 1e3:+.1f} ms" for name, v in parts.items())
+    )
     # On a shared machine the same prompt computes 5-15 ms apart from one request to the next,
     # and two fresh processes a few percent apart, also two identical ones: that is what the CI
     # above carries. The service's own hops, measured inside each request, do not.
     hops = [[(s[0] - t.prefill_s) * 1e3 for s, t in zip(run[1], run[2])] for run in runs]
     own_hops, low_hops, high_hops = _median_with_ci(hops)
-    print(f"the service's own hops (client TTFT - worker prefill) per request: p50 {own_hops:.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})")
+    print(
+        f"the service's own hops (client TTFT - worker prefill) per request: p50 {own_hops:.1f} ms (95% CI {low_hops:.1f} to {high_hops:.1f})"
+    )
     # The control: a second process computing the same prompts with nothing of the service in it.
     worker_gap = [[(t.prefill_s - p) * 1e3 for t, p in zip(run[2], run[3])] for run in runs]
     twin_gap = [[(q - p) * 1e3 for q, p in zip(run[4], run[3])] for run in runs]
     figures = {"worker": _median_with_ci(worker_gap), "twin": _median_with_ci(twin_gap)}
-    print("prefill (scheduled to first token) minus the offline engine's, per request: " + ", ".join(f"{name} p50 {m:+.1f} ms (95% CI {lo:+.1f} to {hi:+.1f})" for name, (m, lo, hi) in (("the worker's", figures["worker"]), ("a twin offline process's (the control)", figures["twin"]))))
+    print(
+        "prefill (scheduled to first token) minus the offline engine's, per request: "
+        + ", ".join(
+            f"{name} p50 {m:+.1f} ms (95% CI {lo:+.1f} to {hi:+.1f})"
+            for name, (m, lo, hi) in (
+                ("the worker's", figures["worker"]),
+                ("a twin offline process's (the control)", figures["twin"]),
+            )
+        )
+    )
     if len(runs) > 1:
-        print("the same, run by run: worker " + ", ".join(f"{statistics.median(r):+.1f}" for r in worker_gap) + "; twin " + ", ".join(f"{statistics.median(r):+.1f}" for r in twin_gap) + " ms")
+        print(
+            "the same, run by run: worker "
+            + ", ".join(f"{statistics.median(r):+.1f}" for r in worker_gap)
+            + "; twin "
+            + ", ".join(f"{statistics.median(r):+.1f}" for r in twin_gap)
+            + " ms"
+        )
     # Each request's figures too, run by run, so that a saved run can be analysed again.
-    per_run = [{"offline_ttft_ms": [o[0] * 1e3 for o in run[0]], "service_ttft_ms": [x[0] * 1e3 for x in run[1]], "worker_prefill_ms": [t.prefill_s * 1e3 for t in run[2]], "offline_prefill_ms": [p * 1e3 for p in run[3]], "twin_prefill_ms": [q * 1e3 for q in run[4]]} for run in runs]
-    return {"offline": a, "service": b, "runs": len(runs), "per_run": per_run, "ttft_p50_added_ms": added, "ttft_p50_added_ci95_ms": list(added_ci), "ttft_added_per_request_p50_ms": paired, "ttft_added_per_request_ci95_ms": [low, high], "tpot_p50_ratio": ratio_tpot, "own_hops_p50_ms": own_hops, "prefill_minus_offline_ms": figures}
+    per_run = [
+        {
+            "offline_ttft_ms": [o[0] * 1e3 for o in run[0]],
+            "service_ttft_ms": [x[0] * 1e3 for x in run[1]],
+            "worker_prefill_ms": [t.prefill_s * 1e3 for t in run[2]],
+            "offline_prefill_ms": [p * 1e3 for p in run[3]],
+            "twin_prefill_ms": [q * 1e3 for q in run[4]],
+        }
+        for run in runs
+    ]
+    return {
+        "offline": a,
+        "service": b,
+        "runs": len(runs),
+        "per_run": per_run,
+        "ttft_p50_added_ms": added,
+        "ttft_p50_added_ci95_ms": list(added_ci),
+        "ttft_added_per_request_p50_ms": paired,
+        "ttft_added_per_request_ci95_ms": [low, high],
+        "tpot_p50_ratio": ratio_tpot,
+        "own_hops_p50_ms": own_hops,
+        "prefill_minus_offline_ms": figures,
+    }
 
 
 def _median_with_ci(runs: list[list[float]]) -> tuple[float, float, float]:

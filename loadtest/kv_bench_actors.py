@@ -70,7 +70,9 @@ def connect_pair(a, a_id: str, b, b_id: str, timeout: float = CONNECT_TIMEOUT_S)
     ray.get([a.connect.remote(b_id, b_addr, timeout), b.connect.remote(a_id, a_addr, timeout)], timeout=timeout + 30)
 
 
-def measure_raw_bandwidth(num_bytes: int, dtype: torch.dtype = torch.float32, repeats: int = 5, timeout: float = 120.0) -> float:
+def measure_raw_bandwidth(
+    num_bytes: int, dtype: torch.dtype = torch.float32, repeats: int = 5, timeout: float = 120.0
+) -> float:
     """Median GB/s of one contiguous `num_bytes` tensor sent between two fresh Ray actors.
 
     Starts a local Ray (2 CPUs) when none is running, and shuts it down again afterwards.
@@ -98,4 +100,6 @@ def measure_raw_bandwidth(num_bytes: int, dtype: torch.dtype = torch.float32, re
 
 if __name__ == "__main__":
     size = 256 * 2**20
-    print(f"raw KV transfer, {size / 2**20:.0f} MiB float32, median of 5: {measure_raw_bandwidth(size, torch.float32, 5):.2f} GB/s")
+    print(
+        f"raw KV transfer, {size / 2**20:.0f} MiB float32, median of 5: {measure_raw_bandwidth(size, torch.float32, 5):.2f} GB/s"
+    )

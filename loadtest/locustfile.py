@@ -51,7 +51,9 @@ def _arguments(parser) -> None:
     group.add_argument("--model", default=None, help="whose tokenizer sizes the prompts (default: the default model)")
     group.add_argument("--think-time", type=float, default=0.5, help="seconds a user waits between its requests")
     group.add_argument("--request-timeout", type=float, default=300.0)
-    group.add_argument("--rows-csv", default=os.environ.get("DISAGG_LOCUST_ROWS", ""), help="write one exact row per request here")
+    group.add_argument(
+        "--rows-csv", default=os.environ.get("DISAGG_LOCUST_ROWS", ""), help="write one exact row per request here"
+    )
     group.add_argument("--step-users", type=int, default=2, help="StepLoadShape: users added per step")
     group.add_argument("--step-time", type=float, default=20.0, help="StepLoadShape: seconds per step")
     group.add_argument("--step-count", type=int, default=4, help="StepLoadShape: number of steps")
@@ -62,7 +64,9 @@ class _Run:
 
     def __init__(self, options):
         tokenizer, context = load_tokenizer(options.model)
-        config = WorkloadConfig(options.workload, options.workload_size, options.workload_seed, context, options.length_scale)
+        config = WorkloadConfig(
+            options.workload, options.workload_size, options.workload_seed, context, options.length_scale
+        )
         self.requests = make_workload(config, tokenizer)
         self.max_tokens = options.max_tokens
         self.timeout = options.request_timeout
@@ -132,8 +136,15 @@ class GenerateUser(User):
     @task
     def generate(self) -> None:
         index, req, output_len = _run.next_request()
-        record = RequestRecord(index=index, prompt_len=req.prompt_len, target_output_len=output_len, request_id=f"locust-{uuid.uuid4().hex[:12]}")
-        message = generate_request(req.prompt, request_id=record.request_id, temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        record = RequestRecord(
+            index=index,
+            prompt_len=req.prompt_len,
+            target_output_len=output_len,
+            request_id=f"locust-{uuid.uuid4().hex[:12]}",
+        )
+        message = generate_request(
+            req.prompt, request_id=record.request_id, temperature=0.0, max_tokens=output_len, ignore_eos=True
+        )
         sent = time.perf_counter()
         record.sent_at = sent - _run.started
         timer = TokenTimer(sent)
@@ -155,14 +166,49 @@ class GenerateUser(User):
     def _report(self, record: RequestRecord) -> None:
         fire = self.environment.events.request.fire
         if not record.success:
-            fire(request_type="grpc", name="Generate E2E", response_time=record.e2el * 1e3, response_length=0, exception=RuntimeError(f"{record.error_code}: {record.error}"), context={})
+            fire(
+                request_type="grpc",
+                name="Generate E2E",
+                response_time=record.e2el * 1e3,
+                response_length=0,
+                exception=RuntimeError(f"{record.error_code}: {record.error}"),
+                context={},
+            )
             return
-        fire(request_type="grpc", name="Generate TTFT", response_time=record.ttft * 1e3, response_length=1, exception=None, context={})
+        fire(
+            request_type="grpc",
+            name="Generate TTFT",
+            response_time=record.ttft * 1e3,
+            response_length=1,
+            exception=None,
+            context={},
+        )
         if record.output_len > 1:
-            fire(request_type="grpc", name="Generate TPOT", response_time=record.tpot * 1e3, response_length=record.output_len - 1, exception=None, context={})
+            fire(
+                request_type="grpc",
+                name="Generate TPOT",
+                response_time=record.tpot * 1e3,
+                response_length=record.output_len - 1,
+                exception=None,
+                context={},
+            )
         for gap in record.itl:
-            fire(request_type="grpc", name="Generate ITL", response_time=gap * 1e3, response_length=1, exception=None, context={})
-        fire(request_type="grpc", name="Generate E2E", response_time=record.e2el * 1e3, response_length=record.output_len, exception=None, context={})
+            fire(
+                request_type="grpc",
+                name="Generate ITL",
+                response_time=gap * 1e3,
+                response_length=1,
+                exception=None,
+                context={},
+            )
+        fire(
+            request_type="grpc",
+            name="Generate E2E",
+            response_time=record.e2el * 1e3,
+            response_length=record.output_len,
+            exception=None,
+            context={},
+        )
 
 
 class StepLoadShape(LoadTestShape):

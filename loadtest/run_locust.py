@@ -45,12 +45,36 @@ def main(argv: list[str] | None = None) -> int:
             print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
             address = stack.enter_context(ServeProcess(str(config), str(out / "serve.log"))).address
         print(f"running Locust for {args.run_time} against {address} ...", flush=True)
-        code = subprocess.call([
-            sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "--only-summary",
-            "-u", str(args.users), "-r", str(args.spawn_rate), "-t", args.run_time, "--stop-timeout", "120",
-            "--host", address, "--csv", str(out / "locust"), "--html", str(out / "locust.html"),
-            "--rows-csv", str(out / "rows.csv"), "--workload", args.workload, *args.locust_args,
-        ])
+        code = subprocess.call(
+            [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(HERE / "locustfile.py"),
+                "--headless",
+                "--only-summary",
+                "-u",
+                str(args.users),
+                "-r",
+                str(args.spawn_rate),
+                "-t",
+                args.run_time,
+                "--stop-timeout",
+                "120",
+                "--host",
+                address,
+                "--csv",
+                str(out / "locust"),
+                "--html",
+                str(out / "locust.html"),
+                "--rows-csv",
+                str(out / "rows.csv"),
+                "--workload",
+                args.workload,
+                *args.locust_args,
+            ]
+        )
     paths = write_report(load_runs([str(out / "rows.csv")]), str(out / "report"))
     print(f"\nLocust: {out / 'locust_stats.csv'}, {out / 'locust.html'}\nper-request rows: {out / 'rows.csv'}")
     print("report: " + ", ".join(paths.values()))

@@ -32,8 +32,14 @@ TINY_SHAPES = {
     # name: (architecture, extra config fields)
     "llama": ("llama", dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True)),
     "gqa": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500000.0)),
-    "untied": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=3)),
-    "qwen2_bias": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0)),
+    "untied": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_hidden_layers=3),
+    ),
+    "qwen2_bias": (
+        "qwen2",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, rope_theta=1000000.0),
+    ),
 }
 
 

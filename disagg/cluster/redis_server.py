@@ -83,8 +83,8 @@ def _stop_process(proc: subprocess.Popen, work_dir: str) -> None:
 class LocalRedis:
     """A redis-server child process on `host:port` (a free port unless given).
 
-        with LocalRedis(password="s3cret") as server:
-            registry = Registry(server.url)
+    with LocalRedis(password="s3cret") as server:
+        registry = Registry(server.url)
     """
 
     def __init__(

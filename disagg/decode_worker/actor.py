@@ -23,6 +23,7 @@ from disagg.rpc.server import Link
 from disagg.rpc.messages import Reservation, TokenDelta
 from disagg.rpc.services import TOKENS_TOPIC, DecodeService
 
+
 @dataclass(frozen=True)
 class Reserve:
     request_id: str
@@ -63,7 +64,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         super().__init__(config)
         transport = TorchDistTransport(self.instance_id, self.host) if config.role is Role.DECODE else None
         groups, wait_for_ranks = self._start_ranks(followers)
-        self.worker = DecodeWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
+        self.worker = DecodeWorker(
+            config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards
+        )
         if wait_for_ranks is not None:
             wait_for_ranks()
         if self.worker.receiver is not None:
@@ -84,7 +87,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         return {"load": self.load(), "kv_bytes_received": receiver.num_bytes_total if receiver else 0}
 
     # ---- DecodeService (on the link's thread) --------------------------------------------------
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Future:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout
+    ) -> Future:
         return self.loop.submit(Reserve(request_id, prompt_token_ids, params, prefill, self.rpc.caller()))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
@@ -98,7 +103,12 @@ class DecodeActor(WorkerActorBase, DecodeService):
 
     # ---- engine thread -------------------------------------------------------------------------
     def _engine_commands(self) -> dict:
-        return {Reserve: self._reserve, Submit: self._submit, AbortDecode: lambda c: self._abort(c.request_id), DropStreamsOf: self._drop_streams_of}
+        return {
+            Reserve: self._reserve,
+            Submit: self._submit,
+            AbortDecode: lambda c: self._abort(c.request_id),
+            DropStreamsOf: self._drop_streams_of,
+        }
 
     def _reserve(self, command: Reserve) -> Reservation | None:
         reservation = self.worker.reserve(command.request_id, command.prompt_token_ids, command.params, command.prefill)
@@ -139,9 +149,15 @@ class DecodeActor(WorkerActorBase, DecodeService):
             token_ids, text = token_ids[1:], ""
         logprobs = []
         if completion.logprobs:
-            logprobs = [lp.get(t, float("nan")) for lp, t in zip(completion.logprobs[-len(token_ids) :], token_ids)] if token_ids else []
+            logprobs = (
+                [lp.get(t, float("nan")) for lp, t in zip(completion.logprobs[-len(token_ids) :], token_ids)]
+                if token_ids
+                else []
+            )
         m, now, colocated = out.metrics, time.perf_counter(), self.role == "colocated"
-        transfer_s, transfer_bytes = (self._transfers.pop if out.finished else self._transfers.get)(out.request_id, (0.0, 0))
+        transfer_s, transfer_bytes = (self._transfers.pop if out.finished else self._transfers.get)(
+            out.request_id, (0.0, 0)
+        )
         return TokenDelta(
             request_id=out.request_id,
             token_ids=token_ids,

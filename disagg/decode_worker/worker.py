@@ -33,7 +33,15 @@ class FailedRequest:
 
 
 class DecodeWorker:
-    def __init__(self, config: EngineConfig, transport: Transport | None, *, kv_timeout: float, groups: InstanceGroups | None = None, followers: ShardGroup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        transport: Transport | None,
+        *,
+        kv_timeout: float,
+        groups: InstanceGroups | None = None,
+        followers: ShardGroup | None = None,
+    ):
         """Without a transport: the COLOCATED role. `groups`, `followers`: rank 0 of a TP x PP
         instance (its process groups, the other ranks)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
@@ -51,14 +59,18 @@ class DecodeWorker:
     def kv_layout(self) -> KVLayout | None:
         """Every rank's KV endpoint (None: colocated); fixed once the other ranks joined."""
         if self._layout is None:
-            self._layout = instance_kv_layout(self.engine.config, self.receiver, self.followers.kv_ranks if self.followers is not None else [])
+            self._layout = instance_kv_layout(
+                self.engine.config, self.receiver, self.followers.kv_ranks if self.followers is not None else []
+            )
         return self._layout
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """COLOCATED role: run the whole request here."""
         self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout) -> Reservation | None:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout
+    ) -> Reservation | None:
         """The handshake with the prefill instance whose ranks are `prefill` (any parallel plan):
         pre-allocate the prompt's blocks and have every rank of this instance listen to the
         prefill ranks that hold its slice of the KV; None when there is no room now. The KV

@@ -72,7 +72,9 @@ class BlockManager:
         for i, h in enumerate(hashes):
             block_id = self._cached.get(h)
             start = i * self.block_size
-            if block_id is None or self._block_tokens.get(block_id) != tuple(request.token_ids[start : start + self.block_size]):
+            if block_id is None or self._block_tokens.get(block_id) != tuple(
+                request.token_ids[start : start + self.block_size]
+            ):
                 break
             hits.append(block_id)
         return hits

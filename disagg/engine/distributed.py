@@ -66,7 +66,9 @@ class PipelineLink:
         both = torch.stack([hidden, residual]).contiguous()
         self.group.send([both], self.place.pp_rank + 1, _PIPE_TAG).wait()
 
-    def recv_prev(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv_prev(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         both = torch.empty(2, num_tokens, hidden_size, dtype=dtype, device=device)
         self.group.recv([both], self.place.pp_rank - 1, _PIPE_TAG).wait()
         return both[0], both[1]
@@ -87,7 +89,9 @@ def serve_store(host: str = "127.0.0.1", timeout: timedelta = GROUP_TIMEOUT) -> 
     sock = socket.create_server((host, 0), family=family, backlog=128)
     port = sock.getsockname()[1]
     try:
-        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.fileno()
+        )
     except BaseException:
         sock.close()
         raise
@@ -95,7 +99,9 @@ def serve_store(host: str = "127.0.0.1", timeout: timedelta = GROUP_TIMEOUT) -> 
     return store, port
 
 
-def join_instance(place: RankPlace, store_address: str, device: torch.device, store: "dist.Store | None" = None) -> InstanceGroups:
+def join_instance(
+    place: RankPlace, store_address: str, device: torch.device, store: "dist.Store | None" = None
+) -> InstanceGroups:
     """Build this rank's groups; blocks until every rank of each group has joined."""
     host, port = store_address.rsplit(":", 1)
     if store is None:

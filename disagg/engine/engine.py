@@ -47,7 +47,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, groups: InstanceGroups | None = None, kv_connector: KVConnector | None = None, followers: Followers | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        groups: InstanceGroups | None = None,
+        kv_connector: KVConnector | None = None,
+        followers: Followers | None = None,
+    ):
         """`groups`: this rank's process groups when the instance has several workers (TP x PP);
         every rank builds an engine for its shard, and only rank 0's scheduler is used.
         `kv_connector`: what moves this rank's KV (disagg.kv_transfer); `followers`: rank 0's
@@ -56,17 +62,23 @@ class LLMEngine:
         self.groups = groups
         p = config.parallel
         if p.world_size > 1 and (groups is None or groups.place.world_size != p.world_size):
-            raise ValueError(f"parallel: an instance of {p.world_size} workers needs its process groups (disagg.engine.distributed.join_instance)")
+            raise ValueError(
+                f"parallel: an instance of {p.world_size} workers needs its process groups (disagg.engine.distributed.join_instance)"
+            )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             bound_onednn_caches()
-        source = load_model_source(config.model, cache_dir=config.cache_dir, tokenizer=config.tokenizer, random_dtype=self.dtype)
+        source = load_model_source(
+            config.model, cache_dir=config.cache_dir, tokenizer=config.tokenizer, random_dtype=self.dtype
+        )
         self.model_config = source.config
         self.tokenizer = Tokenizer(source.tokenizer) if source.tokenizer is not None else None
-        self.max_model_len = min(config.max_model_len or source.config.max_position_embeddings, source.config.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or source.config.max_position_embeddings, source.config.max_position_embeddings
+        )
         self.model = self._build_model(source)
         self.kv_cache = self._build_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -83,9 +95,15 @@ class LLMEngine:
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache)
         self.runner = ModelRunner(
-            self.model, self.kv_cache, Sampler(config.seed), self.device,
-            decode_kernel=decode_kernel(self.device, config.attention_backend), kv_connector=kv_connector, followers=followers,
-            pipe=groups.pipe if groups is not None else None, returns_logits=groups is None or groups.place.tp_rank == 0,
+            self.model,
+            self.kv_cache,
+            Sampler(config.seed),
+            self.device,
+            decode_kernel=decode_kernel(self.device, config.attention_backend),
+            kv_connector=kv_connector,
+            followers=followers,
+            pipe=groups.pipe if groups is not None else None,
+            returns_logits=groups is None or groups.place.tp_rank == 0,
         )
         self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -104,7 +122,14 @@ class LLMEngine:
                 if place is None:
                     model = LlamaForCausalLM(source.config, self.max_model_len, backends=backends)
                 else:
-                    model = LlamaForCausalLM(source.config, self.max_model_len, tp=self.groups.tp, pp_rank=place.pp_rank, pp_size=place.pp_size, backends=backends)
+                    model = LlamaForCausalLM(
+                        source.config,
+                        self.max_model_len,
+                        tp=self.groups.tp,
+                        pp_rank=place.pp_rank,
+                        pp_size=place.pp_size,
+                        backends=backends,
+                    )
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(source.iter_weights())
@@ -118,16 +143,36 @@ class LLMEngine:
         largest_stage = -(-cfg.num_hidden_layers // p.pipeline_parallel_size)
         per_block = KVCache.bytes_per_block(cfg, largest_stage, num_kv_heads, c.block_size, self.dtype)
         num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20
+        )
         # A prefill cache is read by the transfer: in shared memory, a decode worker on this host
         # copies from it directly (kv_shared_memory off: always send over the transport).
         shared = c.role is Role.PREFILL and c.kv_shared_memory
         place = self.groups.place if self.groups is not None else None
         head_offset = place.tp_rank * num_kv_heads if place is not None else 0
-        return KVCache(self.model.num_local_layers, num_blocks, c.block_size, num_kv_heads, cfg.head_dim, self.dtype, self.device, shared=shared, layer_offset=self.model.start_layer, head_offset=head_offset)
+        return KVCache(
+            self.model.num_local_layers,
+            num_blocks,
+            c.block_size,
+            num_kv_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+            shared=shared,
+            layer_offset=self.model.start_layer,
+            head_offset=head_offset,
+        )
 
     # ---- requests ----------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None, sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> Request:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        prompt_token_ids: list[int] | None = None,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
         request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
         self.scheduler.add_request(request)
         self._track(request, prompt)
@@ -144,7 +189,13 @@ class LLMEngine:
         bm = self.block_manager
         check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
-        return Request(str(request_id), token_ids, params, eos_token_ids=tuple(eos), arrival_time=arrival_time or time.perf_counter())
+        return Request(
+            str(request_id),
+            token_ids,
+            params,
+            eos_token_ids=tuple(eos),
+            arrival_time=arrival_time or time.perf_counter(),
+        )
 
     def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
         if prompt_token_ids is None:
@@ -206,7 +257,16 @@ class LLMEngine:
             request_id=rid,
             prompt=self._prompts.get(rid),
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(0, detok.text if detok else "", list(request.output_token_ids), str(request.finish_reason) if request.finish_reason else None, request.stop_reason, list(request.output_logprobs) or None)],
+            outputs=[
+                CompletionOutput(
+                    0,
+                    detok.text if detok else "",
+                    list(request.output_token_ids),
+                    str(request.finish_reason) if request.finish_reason else None,
+                    request.stop_reason,
+                    list(request.output_logprobs) or None,
+                )
+            ],
             finished=finished,
             metrics=request.timings,
             new_token_ids=new_ids,
@@ -247,7 +307,13 @@ class LLMEngine:
         self.scheduler.release(request_id)
         self._forget(request_id)
 
-    def reserve_for_remote_prefill(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> list[int] | None:
+    def reserve_for_remote_prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> list[int] | None:
         """DECODE role: pre-allocate the prompt's blocks; None when there is no room now."""
         request = self._make_request(request_id, None, prompt_token_ids, sampling_params, arrival_time)
         if not self.scheduler.reserve_for_remote_prefill(request):

@@ -95,10 +95,17 @@ def convert_gguf(gguf_path: str, out_dir: str) -> ModelConfig:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(), f, indent=2)
     tensors = [t for t in reader.tensors if t.name not in _SKIPPED]
-    plan = [(_hf_name(t.name, gguf_path), _output_dtype(t), tuple(int(d) for d in reversed(t.shape.tolist()))) for t in tensors]
+    plan = [
+        (_hf_name(t.name, gguf_path), _output_dtype(t), tuple(int(d) for d in reversed(t.shape.tolist())))
+        for t in tensors
+    ]
     _check_plan(plan, config, gguf_path)
     weights = ((name, _to_hf_tensor(t, name, config, gguf_path)) for t, (name, _, _) in zip(tensors, plan))
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), plan, tqdm(weights, total=len(plan), desc="Dequantizing GGUF", unit="tensor", disable=None, leave=False))
+    write_safetensors(
+        os.path.join(out_dir, "model.safetensors"),
+        plan,
+        tqdm(weights, total=len(plan), desc="Dequantizing GGUF", unit="tensor", disable=None, leave=False),
+    )
     _save_tokenizer(reader, gguf_path, out_dir)
     return config
 
@@ -110,7 +117,9 @@ def _check_plan(plan, config: ModelConfig, path: str) -> None:
         if name not in shapes:
             raise ModelLoadError(f"{path}: lacks the tensor that becomes {name}")
         if shapes[name] != shape:
-            raise ModelLoadError(f"{path}: the tensor that becomes {name} has shape {shapes[name]}, the metadata implies {shape}")
+            raise ModelLoadError(
+                f"{path}: the tensor that becomes {name} has shape {shapes[name]}, the metadata implies {shape}"
+            )
 
 
 def open_gguf(path: str):
@@ -119,7 +128,9 @@ def open_gguf(path: str):
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:  # the reader fails in many ways on a bad file (ValueError, IndexError, ...)
-        raise ModelLoadError(f"{path}: not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: not a readable GGUF file (truncated or corrupt?): {type(exc).__name__}: {exc}"
+        ) from exc
     if reader.byte_order != "I":
         raise ModelLoadError(f"{path}: big-endian GGUF files are not supported")
     return reader
@@ -129,7 +140,9 @@ def open_gguf(path: str):
 def gguf_model_config(reader, path: str) -> ModelConfig:
     arch = _meta(reader, path, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        raise ModelLoadError(
+            f"{path}: general.architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
@@ -193,7 +206,13 @@ def llama3_scaling_from_factors(factors: torch.Tensor, rope_theta: float, head_d
     The file keeps only the factors; Llama 3.1/3.2 all use low 1, high 4, original 8192, so we
     rebuild the factors from those and accept them only if they match.
     """
-    scaling = {"rope_type": "llama3", "factor": float(factors.max()), "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     if not torch.allclose(llama3_factors(scaling, rope_theta, head_dim), factors, rtol=1e-4):
         raise ModelLoadError(f"{path}: rope_freqs.weight does not match llama3 rope scaling with the usual parameters")
     return scaling
@@ -236,7 +255,9 @@ def _output_dtype(t) -> torch.dtype:
     import gguf
 
     # F16/BF16 stay as they are (exact, half the size); every quantized type becomes float32.
-    return {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}.get(t.tensor_type, torch.float32)
+    return {gguf.GGMLQuantizationType.F16: torch.float16, gguf.GGMLQuantizationType.BF16: torch.bfloat16}.get(
+        t.tensor_type, torch.float32
+    )
 
 
 def _to_hf_tensor(t, hf_name: str, config: ModelConfig, path: str) -> torch.Tensor:
@@ -260,7 +281,9 @@ def _dequantize(t, path: str) -> torch.Tensor:
     except NotImplementedError as exc:
         raise ModelLoadError(f"{path}: tensor {t.name} has unsupported type {t.tensor_type.name}") from exc
     except Exception as exc:
-        raise ModelLoadError(f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized (corrupt file?): {exc}") from exc
+        raise ModelLoadError(
+            f"{path}: tensor {t.name} ({t.tensor_type.name}) cannot be dequantized (corrupt file?): {exc}"
+        ) from exc
 
 
 def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -276,7 +299,9 @@ def unpermute_rotary(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+def write_safetensors(
+    path: str, plan: list[tuple[str, torch.dtype, tuple[int, ...]]], tensors: Iterator[tuple[str, torch.Tensor]]
+) -> None:
     """Stream tensors into one safetensors file, holding one tensor in memory at a time.
 
     safetensors' own writer wants every tensor at once (the whole dequantized model); the format
@@ -285,7 +310,11 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
     header, offset = {}, 0
     for name, dtype, shape in plan:
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -294,7 +323,9 @@ def write_safetensors(path: str, plan: list[tuple[str, torch.dtype, tuple[int, .
         f.write(struct.pack("<Q", len(blob)) + blob)
         for (name, tensor), (want_name, dtype, shape) in zip(tensors, plan, strict=True):
             if name != want_name or tensor.dtype != dtype or tuple(tensor.shape) != shape:
-                raise ModelLoadError(f"{path}: internal error writing {name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {dtype} {shape}")
+                raise ModelLoadError(
+                    f"{path}: internal error writing {name}: got {tensor.dtype} {tuple(tensor.shape)}, planned {dtype} {shape}"
+                )
             f.write(tensor.contiguous().view(torch.uint8).numpy().data)
         f.flush()
         os.fsync(f.fileno())  # the rename that publishes this entry must not outrun the data
@@ -325,4 +356,6 @@ def _check_saved_tokenizer(tokenizer, out_dir: str, gguf_path: str) -> None:
     probe = "Hello world! Ça va? 🙂 中文 1234"
     saved = PreTrainedTokenizerFast.from_pretrained(out_dir)
     if saved.encode(probe) != tokenizer.encode(probe):
-        raise ModelLoadError(f"{gguf_path}: its tokenizer does not survive conversion ({type(tokenizer).__name__} encodes differently once saved)")
+        raise ModelLoadError(
+            f"{gguf_path}: its tokenizer does not survive conversion ({type(tokenizer).__name__} encodes differently once saved)"
+        )

@@ -20,7 +20,19 @@ from disagg.engine.shared_memory import SharedHandle, shared_zeros
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, shared: bool = False, layer_offset: int = 0, head_offset: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        shared: bool = False,
+        layer_offset: int = 0,
+        head_offset: int = 0,
+    ):
         """`shared`: in memory that peers on this host can map (CPU only; ignored on GPU).
         `layer_offset`, `head_offset`: the global index of this rank's local layer 0 and KV
         head 0 (a pipeline stage holds some layers, a tensor-parallel rank some heads)."""
@@ -38,7 +50,9 @@ class KVCache:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
-    def bytes_per_block(cfg: ModelConfig, num_layers: int, num_kv_heads: int, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        cfg: ModelConfig, num_layers: int, num_kv_heads: int, block_size: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * block_size * num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
@@ -52,16 +66,38 @@ class KVCache:
     # ---- a block view for the KV transfer: slices addressed by global layer and head indices --------
     def slice_bytes(self, num_layers: int, heads: tuple[int, int], num_blocks: int) -> int:
         """Bytes of `num_layers` layers' K and V of heads [h0, h1) in `num_blocks` blocks."""
-        return num_layers * 2 * (heads[1] - heads[0]) * num_blocks * self.block_size * self.head_dim * self.tensor.element_size()
+        return (
+            num_layers
+            * 2
+            * (heads[1] - heads[0])
+            * num_blocks
+            * self.block_size
+            * self.head_dim
+            * self.tensor.element_size()
+        )
 
     def packing_buffer(self, num_layers: int, heads: tuple[int, int], num_blocks: int) -> torch.Tensor:
         """Room for that slice, packed: [num_layers, 2, h1 - h0, num_blocks, block_size, head_dim]."""
-        return torch.empty(num_layers, 2, heads[1] - heads[0], num_blocks, self.block_size, self.head_dim, dtype=self.tensor.dtype, device=self.tensor.device)
+        return torch.empty(
+            num_layers,
+            2,
+            heads[1] - heads[0],
+            num_blocks,
+            self.block_size,
+            self.head_dim,
+            dtype=self.tensor.dtype,
+            device=self.tensor.device,
+        )
 
     def pack_layer(self, layer: int, heads: tuple[int, int], block_ids: list[int], out: torch.Tensor) -> None:
         """Copy (global) layer `layer`'s heads [h0, h1) of scattered blocks into `out` [2, h, n, bs, D]."""
         src = torch.as_tensor(block_ids, dtype=torch.long, device=self.tensor.device)
-        torch.index_select(self.layer(layer - self.layer_offset)[:, heads[0] - self.head_offset : heads[1] - self.head_offset], 2, src, out=out)
+        torch.index_select(
+            self.layer(layer - self.layer_offset)[:, heads[0] - self.head_offset : heads[1] - self.head_offset],
+            2,
+            src,
+            out=out,
+        )
 
     def blocks_view(self, first_layer: int, num_layers: int, heads: tuple[int, int]) -> torch.Tensor:
         """A view of (global) layers [first, first + n) and heads [h0, h1): [n, 2, h, num_blocks, bs, D]."""

@@ -1,8 +1,8 @@
 """The offline API, named as vLLM's so that users' scripts feel at home:
 
-    from disagg import LLM, SamplingParams
-    llm = LLM(model="...", dtype="float32")
-    outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+from disagg import LLM, SamplingParams
+llm = LLM(model="...", dtype="float32")
+outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
 """
 
 from __future__ import annotations
@@ -31,7 +31,12 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; results in input order."""
         prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
@@ -45,7 +50,12 @@ class LLM:
                         bar.update(1)
         return [results[i] for i in ids]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self.tokenizer is None:
             raise InvalidRequestError("messages", "this model has no tokenizer (and so no chat template)")

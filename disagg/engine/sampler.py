@@ -17,7 +17,9 @@ class Sampler:
         self._default_generator: torch.Generator | None = None
         self._seed = seed
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> tuple[list[int], list[dict[int, float] | None]]:
+    def __call__(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> tuple[list[int], list[dict[int, float] | None]]:
         """logits: [N, vocab] float32. Returns the chosen token per row and, where asked, logprobs."""
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
@@ -62,7 +64,9 @@ class Sampler:
         return self._default_generator
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[dict[int, float] | None]:
+    def _logprobs(
+        logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+    ) -> list[dict[int, float] | None]:
         """Log-probabilities of the raw model distribution (before temperature/top-k/top-p), like vLLM."""
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         result: list[dict[int, float] | None] = [None] * len(params)

@@ -198,7 +198,9 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
-            victim = next((r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None)
+            victim = next(
+                (r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None
+            )
             self._preempt(victim or request, out)
             if victim is None:
                 return False

@@ -27,4 +27,13 @@ class PortableChunk:
 
 def portable(chunks) -> list[PortableChunk]:
     """Plain copies of a step's chunks (ScheduledChunk or PortableChunk), in the same order."""
-    return [PortableChunk(RequestRef(c.request.request_id, list(c.request.block_ids)), c.start, c.num_new_tokens, list(c.token_ids), c.samples) for c in chunks]
+    return [
+        PortableChunk(
+            RequestRef(c.request.request_id, list(c.request.block_ids)),
+            c.start,
+            c.num_new_tokens,
+            list(c.token_ids),
+            c.samples,
+        )
+        for c in chunks
+    ]

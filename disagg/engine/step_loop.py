@@ -24,7 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 class StepLoop:
-    def __init__(self, step: Callable[[], None], has_work: Callable[[], bool], commands: Mapping[type, Callable], name: str, max_pending_calls: int = 4096, idle_timeout: float = 1.0, cpus: Iterable[int] | None = None):
+    def __init__(
+        self,
+        step: Callable[[], None],
+        has_work: Callable[[], bool],
+        commands: Mapping[type, Callable],
+        name: str,
+        max_pending_calls: int = 4096,
+        idle_timeout: float = 1.0,
+        cpus: Iterable[int] | None = None,
+    ):
         """`commands`: command type -> its handler, run on the loop thread with the command.
         `cpus`: the CPUs the loop's thread (and the torch threads it starts) runs on; None: the
         process's (disagg.hosts.cpu_binding says why an engine may want its own)."""

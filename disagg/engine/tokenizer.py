@@ -46,7 +46,11 @@ def _check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {'role': ..., 'content': ...}")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise InvalidRequestError(f"messages[{i}]", "must be a dict with string 'role' and 'content'")
 
 
@@ -63,7 +67,9 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         prompt_token_ids = list(prompt_token_ids)
-        self._window = prompt_token_ids[max(len(prompt_token_ids) - INITIAL_CONTEXT_TOKENS, 0) :]  # tokens from prefix_offset on
+        self._window = prompt_token_ids[
+            max(len(prompt_token_ids) - INITIAL_CONTEXT_TOKENS, 0) :
+        ]  # tokens from prefix_offset on
         self._read_offset = len(self._window)  # relative to the window; the window starts at prefix_offset
         self._text = ""
 

@@ -51,7 +51,9 @@ class ChannelOwner(Protocol):
 
 
 class PeerChannel:
-    def __init__(self, transport: Transport, peer_id: str, peer_address: str, owner: ChannelOwner, max_queued: int = 32):
+    def __init__(
+        self, transport: Transport, peer_id: str, peer_address: str, owner: ChannelOwner, max_queued: int = 32
+    ):
         self.transport = transport
         self.peer_id = peer_id
         self.peer_address = peer_address

@@ -28,7 +28,17 @@ class EngineWithKV:
     endpoint: KVSender | KVReceiver | None  # None: a colocated instance moves no KV
 
 
-def assemble(config: EngineConfig, role: Role, *, kv_timeout: float, transport: Transport | None = None, peer_id: str = "", host: str = "127.0.0.1", groups: InstanceGroups | None = None, followers: Followers | None = None) -> EngineWithKV:
+def assemble(
+    config: EngineConfig,
+    role: Role,
+    *,
+    kv_timeout: float,
+    transport: Transport | None = None,
+    peer_id: str = "",
+    host: str = "127.0.0.1",
+    groups: InstanceGroups | None = None,
+    followers: Followers | None = None,
+) -> EngineWithKV:
     """The engine of `role` with its KV endpoint. The endpoint talks over `transport`, or (None)
     a torch.distributed transport of `peer_id` listening on `host`. `groups`: this rank's
     process groups in a TP x PP instance; `followers`: rank 0's handle on the other ranks."""
@@ -48,4 +58,6 @@ def instance_kv_layout(config: EngineConfig, rank0: KVEndpoint | None, other_ran
     if rank0 is None:
         return None
     p = config.parallel
-    return KVLayout(p.tensor_parallel_size, p.pipeline_parallel_size, (KVRank(rank0.worker_id, rank0.address()), *other_ranks))
+    return KVLayout(
+        p.tensor_parallel_size, p.pipeline_parallel_size, (KVRank(rank0.worker_id, rank0.address()), *other_ranks)
+    )

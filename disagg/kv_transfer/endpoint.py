@@ -56,7 +56,9 @@ class KVEndpoint(KVConnector):
             if channel is None or channel.peer_address != peer_address:
                 if channel is not None:  # the peer restarted at a new address
                     channel.close()
-                channel = self._channels[peer_id] = PeerChannel(self.transport, peer_id, peer_address, self, self.max_queued_messages)
+                channel = self._channels[peer_id] = PeerChannel(
+                    self.transport, peer_id, peer_address, self, self.max_queued_messages
+                )
             return channel
 
     def coalesce(self, messages: list) -> list:

@@ -185,7 +185,9 @@ class InProcessTransport(Transport):
         with self._lock:
             generation = self._generations.get(peer_id)
         if generation is None:
-            raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)")
+            raise KVTransferError(
+                f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)"
+            )
         return generation
 
     @contextmanager

@@ -66,17 +66,29 @@ class KVLayout:
         return cls(1, 1, (KVRank(peer_id, address),))
 
 
-def sources_for(place: tuple[int, int], prefill: KVLayout, decode_plan: ParallelPlan, num_layers: int, num_kv_heads: int) -> dict[str, str]:
+def sources_for(
+    place: tuple[int, int], prefill: KVLayout, decode_plan: ParallelPlan, num_layers: int, num_kv_heads: int
+) -> dict[str, str]:
     """The prefill ranks (peer id -> address) that the decode rank at `place` receives from."""
     routes = plan_kv_routes(num_layers, num_kv_heads, prefill.plan, decode_plan)
     return {prefill.at(r.src).peer_id: prefill.at(r.src).address for r in routes if r.dst == place}
 
 
-def targets_for(place: tuple[int, int], prefill_plan: ParallelPlan, decode: KVLayout, transfer_ids: dict[str, int], block_ids: list[int], num_layers: int, num_kv_heads: int) -> list[KVTarget]:
+def targets_for(
+    place: tuple[int, int],
+    prefill_plan: ParallelPlan,
+    decode: KVLayout,
+    transfer_ids: dict[str, int],
+    block_ids: list[int],
+    num_layers: int,
+    num_kv_heads: int,
+) -> list[KVTarget]:
     """What the prefill rank at `place` streams, to which decode rank, into which transfer."""
     targets = []
     for route in plan_kv_routes(num_layers, num_kv_heads, prefill_plan, decode.plan):
         if route.src == place:
             dst = decode.at(route.dst)
-            targets.append(KVTarget(dst.peer_id, dst.address, transfer_ids[dst.peer_id], block_ids, route.layers, route.heads))
+            targets.append(
+                KVTarget(dst.peer_id, dst.address, transfer_ids[dst.peer_id], block_ids, route.layers, route.heads)
+            )
     return targets

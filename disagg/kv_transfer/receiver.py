@@ -53,7 +53,9 @@ class _Incoming:
 
 
 class KVReceiver(KVEndpoint):
-    def __init__(self, transport: Transport, *, timeout: float, attention_backend: str = "auto", max_queued_messages: int = 32):
+    def __init__(
+        self, transport: Transport, *, timeout: float, attention_backend: str = "auto", max_queued_messages: int = 32
+    ):
         """The engine hands it its cache (`register_kv_cache`) when it has allocated it.
         `attention_backend` (EngineConfig's): whether the block copy may use the C++ kernel."""
         super().__init__(transport, timeout, max_queued_messages)
@@ -72,7 +74,9 @@ class KVReceiver(KVEndpoint):
         self._copy_ops = cpu_ops(kv_cache.tensor.device, self.attention_backend)
 
     # ---- called by the worker ----------------------------------------------------------------
-    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None) -> int:
+    def expect(
+        self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None
+    ) -> int:
         """Register a transfer into `block_ids` from `sources` (peer id -> address); returns its id.
         It fails unless complete within `timeout` seconds (default: the receiver's)."""
         with self._lock:
@@ -109,7 +113,9 @@ class KVReceiver(KVEndpoint):
         if header.type is not MsgType.KV:
             return None
         cache = self.kv_cache
-        return torch.empty(header.payload_shape(cache.block_size, cache.head_dim), dtype=cache.tensor.dtype, device=cache.tensor.device)
+        return torch.empty(
+            header.payload_shape(cache.block_size, cache.head_dim), dtype=cache.tensor.dtype, device=cache.tensor.device
+        )
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
         self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
@@ -130,7 +136,9 @@ class KVReceiver(KVEndpoint):
         with self._lock:
             tr = self._transfers.get(header.transfer_id)
             if tr is None or peer_id not in tr.sources:
-                if header.type is MsgType.DONE:  # cancelled here: the sender may free its blocks now, not at its timeout
+                if (
+                    header.type is MsgType.DONE
+                ):  # cancelled here: the sender may free its blocks now, not at its timeout
                     self._reply_to(peer_id, Header(MsgType.ABORT, header.transfer_id))
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
@@ -182,7 +190,13 @@ class KVReceiver(KVEndpoint):
             with self._lock:
                 if self._transfers.get(header.transfer_id) is not tr:
                     return  # cancelled or failed meanwhile: its blocks are no longer ours to write
-                copy_blocks(source[src_layer + i : src_layer + i + n, :, src_heads], ref.block_ids, self.kv_cache.blocks_view(header.layer + i, n, heads), dst_ids, self._copy_ops)
+                copy_blocks(
+                    source[src_layer + i : src_layer + i + n, :, src_heads],
+                    ref.block_ids,
+                    self.kv_cache.blocks_view(header.layer + i, n, heads),
+                    dst_ids,
+                    self._copy_ops,
+                )
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -236,7 +250,16 @@ class KVReceiver(KVEndpoint):
         self._transfers.pop(tr.transfer_id, None)
         self._by_request.pop(tr.request_id, None)
         # Transfer time runs from the first byte: time spent waiting for the prefill is not the network's.
-        self._report(TransferResult(tr.request_id, error is None, tr.first_token, error, time.monotonic() - (tr.first_byte_at or tr.started), tr.num_bytes))
+        self._report(
+            TransferResult(
+                tr.request_id,
+                error is None,
+                tr.first_token,
+                error,
+                time.monotonic() - (tr.first_byte_at or tr.started),
+                tr.num_bytes,
+            )
+        )
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:

@@ -52,7 +52,18 @@ def plan_kv_routes(num_layers: int, num_kv_heads: int, src: ParallelPlan, dst: P
             d_layers, d_heads = layer_range(num_layers, dst_pp, dst.pp), head_range(num_kv_heads, dst_tp, dst.tp)
             layers, heads = _intersect(s_layers, d_layers), _intersect(s_heads, d_heads)
             if layers and heads:
-                routes.append(KVRoute((src_tp, src_pp), (dst_tp, dst_pp), layers, heads, s_layers[0], s_heads[0], d_layers[0], d_heads[0]))
+                routes.append(
+                    KVRoute(
+                        (src_tp, src_pp),
+                        (dst_tp, dst_pp),
+                        layers,
+                        heads,
+                        s_layers[0],
+                        s_heads[0],
+                        d_layers[0],
+                        d_heads[0],
+                    )
+                )
     return routes
 
 

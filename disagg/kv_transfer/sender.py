@@ -159,13 +159,32 @@ class KVSender(KVEndpoint):
         num_bytes = batch.num_layers * self._layer_bytes(tr, last - first)
         tr.num_bytes += num_bytes
         self.num_bytes_total += num_bytes
-        kind, payload = (MsgType.KV, batch.payload) if batch.payload is not None else (MsgType.KV_REF, self._block_ref(tr, chunk.request.block_ids[first:last]))
-        self._post(tr, Header(kind, tr.target.transfer_id, batch.first_layer, first, last - first, heads[0], heads[1], num_layers=batch.num_layers), payload)
+        kind, payload = (
+            (MsgType.KV, batch.payload)
+            if batch.payload is not None
+            else (MsgType.KV_REF, self._block_ref(tr, chunk.request.block_ids[first:last]))
+        )
+        self._post(
+            tr,
+            Header(
+                kind,
+                tr.target.transfer_id,
+                batch.first_layer,
+                first,
+                last - first,
+                heads[0],
+                heads[1],
+                num_layers=batch.num_layers,
+            ),
+            payload,
+        )
 
     def _new_batch(self, tr: _Outgoing, layer: int, num_blocks: int) -> _LayerBatch:
         """Room for as many of the next layers as make one message of MIN_MESSAGE_BYTES (at least
         one layer, at most those left in the target's range this step)."""
-        num_layers = max(1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks))))
+        num_layers = max(
+            1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks)))
+        )
         if self.kv_cache.shared_handle is not None and self.transport.shares_memory_with(tr.target.peer_id):
             return _LayerBatch(layer, num_layers, None)
         return _LayerBatch(layer, num_layers, self.kv_cache.packing_buffer(num_layers, tr.target.heads, num_blocks))
@@ -178,7 +197,18 @@ class KVSender(KVEndpoint):
         # We hold the blocks at least until the transfer's deadline (it only ever moves later);
         # a millisecond off it covers the float seconds' rounding.
         valid_until_ns = int(tr.deadline * 1e9) - 1_000_000
-        return BlockRef(handle.pid, handle.fd, handle.token, cache.num_layers, cache.num_kv_heads, cache.num_blocks, cache.layer_offset, cache.head_offset, valid_until_ns, list(block_ids)).to_tensor()
+        return BlockRef(
+            handle.pid,
+            handle.fd,
+            handle.token,
+            cache.num_layers,
+            cache.num_kv_heads,
+            cache.num_blocks,
+            cache.layer_offset,
+            cache.head_offset,
+            valid_until_ns,
+            list(block_ids),
+        ).to_tensor()
 
     def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
         """Targets added after `num_tokens` positions were computed: send those now, every layer
@@ -216,7 +246,9 @@ class KVSender(KVEndpoint):
 
     def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
         try:
-            self._channel(tr.target.peer_id, tr.target.peer_address).post(header, payload, timeout=max(0.0, tr.deadline - time.monotonic()))
+            self._channel(tr.target.peer_id, tr.target.peer_address).post(
+                header, payload, timeout=max(0.0, tr.deadline - time.monotonic())
+            )
         except KVTransferError as exc:
             with self._lock:
                 self._fail(tr, str(exc))
@@ -224,7 +256,11 @@ class KVSender(KVEndpoint):
     # ---- called by channel threads -------------------------------------------------------------
     def recv_deadline(self, peer_id: str) -> float | None:
         with self._lock:
-            waiting = [tr.deadline for tr in self._by_key.values() if tr.target.peer_id == peer_id and tr.state is TransferState.AWAITING_ACK]
+            waiting = [
+                tr.deadline
+                for tr in self._by_key.values()
+                if tr.target.peer_id == peer_id and tr.state is TransferState.AWAITING_ACK
+            ]
         return max(waiting, default=None)  # the latest: see KVReceiver.recv_deadline
 
     def send_deadline(self, peer_id: str, header: Header) -> float | None:
@@ -245,7 +281,10 @@ class KVSender(KVEndpoint):
             if _follows(last_header, header) and torch.equal(last_payload[BlockRef.FIXED :], payload[BlockRef.FIXED :]):
                 ref = BlockRef.from_tensor(last_payload)
                 valid_until_ns = min(ref.valid_until_ns, BlockRef.from_tensor(payload).valid_until_ns)
-                merged[-1] = (replace(last_header, num_layers=last_header.num_layers + header.num_layers), replace(ref, valid_until_ns=valid_until_ns).to_tensor())
+                merged[-1] = (
+                    replace(last_header, num_layers=last_header.num_layers + header.num_layers),
+                    replace(ref, valid_until_ns=valid_until_ns).to_tensor(),
+                )
             else:
                 merged.append((header, payload))
         return merged
@@ -291,10 +330,20 @@ class KVSender(KVEndpoint):
                 tr.state = TransferState.FAILED
         started = min(tr.started for tr in transfers)
         num_bytes = sum(tr.num_bytes for tr in transfers)
-        self._report(TransferResult(request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes))
+        self._report(
+            TransferResult(
+                request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes
+            )
+        )
 
 
 def _follows(a: Header, b: Header) -> bool:
     """b references the layers right after a's, of the same blocks and heads of one transfer."""
-    same = (a.transfer_id, a.first_block, a.num_blocks, a.head_start, a.head_end) == (b.transfer_id, b.first_block, b.num_blocks, b.head_start, b.head_end)
+    same = (a.transfer_id, a.first_block, a.num_blocks, a.head_start, a.head_end) == (
+        b.transfer_id,
+        b.first_block,
+        b.num_blocks,
+        b.head_start,
+        b.head_end,
+    )
     return a.type is b.type is MsgType.KV_REF and same and b.layer == a.layer + a.num_layers

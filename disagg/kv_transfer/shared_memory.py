@@ -19,10 +19,14 @@ def attach(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtype) -> 
     expected_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     try:
         if os.readlink(handle.path()) != f"/memfd:{handle.name()} (deleted)":
-            raise KVTransferError(f"shared KV cache {handle.name()} is gone (pid {handle.pid} fd {handle.fd} is something else)")
+            raise KVTransferError(
+                f"shared KV cache {handle.name()} is gone (pid {handle.pid} fd {handle.fd} is something else)"
+            )
         actual_bytes = os.stat(handle.path()).st_size
         if actual_bytes != expected_bytes:
-            raise KVTransferError(f"shared KV cache {handle.name()} holds {actual_bytes} bytes, expected {expected_bytes} for {list(shape)} {dtype}")
+            raise KVTransferError(
+                f"shared KV cache {handle.name()} holds {actual_bytes} bytes, expected {expected_bytes} for {list(shape)} {dtype}"
+            )
         tensor = torch.from_file(handle.path(), shared=True, size=math.prod(shape), dtype=dtype).view(shape)
     except OSError as exc:
         raise KVTransferError(f"cannot map shared KV cache {handle.name()} of pid {handle.pid}: {exc}") from exc

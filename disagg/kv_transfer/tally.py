@@ -48,5 +48,9 @@ class TransferTally:
             pending.num_bytes += result.num_bytes
             if pending.remaining == 0:
                 del self._pending[result.request_id]
-                done.append(TransferResult(result.request_id, True, pending.first_token, None, pending.seconds, pending.num_bytes))
+                done.append(
+                    TransferResult(
+                        result.request_id, True, pending.first_token, None, pending.seconds, pending.num_bytes
+                    )
+                )
         return done

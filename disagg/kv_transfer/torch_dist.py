@@ -53,9 +53,18 @@ PAIR_OP_TIMEOUT = timedelta(days=7)
 _MAGIC = 0x4B56_0001
 _MAX_DIMS = 8
 _DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.float8_e4m3fn, torch.float8_e5m2,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
 )
 _HEADER_BYTES = (3 + _MAX_DIMS) * 8
 # A payload this small travels in the header's message (gloo only): one round of gloo's
@@ -108,7 +117,9 @@ class TorchDistTransport(Transport):
                 generation = int(store.add(generation_key, 0))
                 peer_closed = store.check([_CLOSED_KEY])
             except _TRANSPORT_ERRORS as exc:
-                raise self._error(peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc) from exc
+                raise self._error(
+                    peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc
+                ) from exc
             if peer_closed:
                 raise self._error(peer_id, "the peer has closed its transport")
             pair = self._build_pair(peer_id, peer_address, store, generation_key, generation, deadline)
@@ -193,7 +204,9 @@ class TorchDistTransport(Transport):
         with self._lock:
             pair = self._pairs.get(peer_id)
         if pair is None:
-            raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)")
+            raise KVTransferError(
+                f"kv transfer {self.worker_id} <-> {peer_id}: not connected (connect first, and again after a failure)"
+            )
         if pair.broken.done():
             raise self._fail(pair, f"connection lost: {pair.broken.result()}")
         return pair
@@ -214,7 +227,9 @@ class TorchDistTransport(Transport):
         # listens); fail at once instead of letting the store client retry until the deadline.
         with socket.create_connection((host, port), timeout=remaining(deadline)):
             pass
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=remaining(deadline)), wait_for_workers=False)
+        return dist.TCPStore(
+            host, port, is_master=False, timeout=timedelta(seconds=remaining(deadline)), wait_for_workers=False
+        )
 
     def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> Pair:
         rank = 0 if self.worker_id < peer_id else 1
@@ -237,7 +252,19 @@ class TorchDistTransport(Transport):
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
             raise self._error(peer_id, "peer did not join in time", exc) from exc
         inbox = torch.empty(_INBOX_BYTES, dtype=torch.uint8)
-        pair = Pair(peer_id, peer_address, rank, generation, generation_key, prefix, store, PAIR_OP_TIMEOUT, gloo, inbox, same_host)
+        pair = Pair(
+            peer_id,
+            peer_address,
+            rank,
+            generation,
+            generation_key,
+            prefix,
+            store,
+            PAIR_OP_TIMEOUT,
+            gloo,
+            inbox,
+            same_host,
+        )
         pair.watch()
         return pair
 

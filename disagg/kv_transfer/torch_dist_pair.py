@@ -54,7 +54,9 @@ class Pair:
     recv_lock: threading.Lock = field(default_factory=threading.Lock)
     nccl_lock: threading.Lock = field(default_factory=threading.Lock)
     # One operation per direction is under way at a time (the two locks above).
-    waiters: futures.ThreadPoolExecutor = field(default_factory=lambda: futures.ThreadPoolExecutor(2, thread_name_prefix="kv-wait"))
+    waiters: futures.ThreadPoolExecutor = field(
+        default_factory=lambda: futures.ThreadPoolExecutor(2, thread_name_prefix="kv-wait")
+    )
     watcher: threading.Thread | None = None
 
     @property
@@ -64,7 +66,9 @@ class Pair:
     def watch(self) -> None:
         """Mark the pair broken as soon as its connection drops."""
         sentinel = self.gloo.recv([torch.empty(1)], self.peer_rank, SENTINEL_TAG)
-        self.watcher = threading.Thread(target=self._watch, args=(sentinel,), name=f"kv-watch-{self.peer_id}", daemon=True)
+        self.watcher = threading.Thread(
+            target=self._watch, args=(sentinel,), name=f"kv-watch-{self.peer_id}", daemon=True
+        )
         self.watcher.start()
 
     def _watch(self, sentinel) -> None:

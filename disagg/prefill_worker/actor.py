@@ -46,7 +46,9 @@ class PrefillActor(WorkerActorBase, PrefillService):
         super().__init__(config)
         groups, wait_for_ranks = self._start_ranks(followers)
         transport = TorchDistTransport(self.instance_id, self.host)
-        self.worker = PrefillWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards)
+        self.worker = PrefillWorker(
+            config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards
+        )
         if wait_for_ranks is not None:
             wait_for_ranks()
         self.worker.sender.on_finished = self.loop.wake

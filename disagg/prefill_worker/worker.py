@@ -62,9 +62,19 @@ class _TargetsArrival:
 
 
 class PrefillWorker:
-    def __init__(self, config: EngineConfig, transport: Transport, *, kv_timeout: float, groups: InstanceGroups | None = None, followers: ShardGroup | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        transport: Transport,
+        *,
+        kv_timeout: float,
+        groups: InstanceGroups | None = None,
+        followers: ShardGroup | None = None,
+    ):
         """`groups`, `followers`: rank 0 of a TP x PP instance (its process groups, the other ranks)."""
-        built = assemble(config, Role.PREFILL, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers)
+        built = assemble(
+            config, Role.PREFILL, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers
+        )
         self.engine, self.sender = built.engine, built.endpoint
         self.followers = followers
         self.kv_timeout = kv_timeout
@@ -81,7 +91,9 @@ class PrefillWorker:
     def kv_layout(self) -> KVLayout:
         """Every rank's KV endpoint; fixed once the other ranks joined (before serving)."""
         if self._layout is None:
-            self._layout = instance_kv_layout(self.engine.config, self.sender, self.followers.kv_ranks if self.followers is not None else [])
+            self._layout = instance_kv_layout(
+                self.engine.config, self.sender, self.followers.kv_ranks if self.followers is not None else []
+            )
         return self._layout
 
     # ---- requests (engine thread, except set_kv_targets) ---------------------------------------------
@@ -114,7 +126,11 @@ class PrefillWorker:
         """A step is due although nothing computes: targets to apply, the other ranks have commands
         to receive or transfers under way, or a request waited too long for its targets."""
         now = time.monotonic()
-        if self._arrivals or any(now > p.deadline for p in self._awaiting_targets()) or any(now > a.deadline for a in self._unmatched.values()):
+        if (
+            self._arrivals
+            or any(now > p.deadline for p in self._awaiting_targets())
+            or any(now > a.deadline for a in self._unmatched.values())
+        ):
             return True
         return self.followers is not None and (self.followers.has_commands() or self.tally.has_pending)
 
@@ -174,7 +190,9 @@ class PrefillWorker:
         request = self.engine.scheduler.requests.get(request_id)
         if request is None or prefill.state is not PrefillState.AWAITING_TARGETS:
             return False
-        self.sender.add(request_id, self._targets(self.kv_layout().ranks[0], reservation))  # (a no-op if add_deferred did it)
+        self.sender.add(
+            request_id, self._targets(self.kv_layout().ranks[0], reservation)
+        )  # (a no-op if add_deferred did it)
         self._register_follower_targets(request_id, reservation)
         prefill.state = PrefillState.STREAMING
         if prefill.first_token is not None:  # the prompt is done: send what has not gone out, then DONE
@@ -203,7 +221,9 @@ class PrefillWorker:
 
     def _expire_awaiting_targets(self) -> None:
         now = time.monotonic()
-        for request_id in [r for r, p in self._prefills.items() if p.state is PrefillState.AWAITING_TARGETS and now > p.deadline]:
+        for request_id in [
+            r for r, p in self._prefills.items() if p.state is PrefillState.AWAITING_TARGETS and now > p.deadline
+        ]:
             logger.warning("request %s: no KV targets arrived in time; dropping it", request_id)
             self.abort(request_id)
 
@@ -226,7 +246,15 @@ class PrefillWorker:
 
     def _targets(self, rank, reservation: Reservation) -> list[KVTarget]:
         cfg = self.engine.model_config
-        return targets_for(rank.place, self.kv_layout().plan, reservation.layout, reservation.transfer_ids, reservation.block_ids, cfg.num_hidden_layers, cfg.num_key_value_heads)
+        return targets_for(
+            rank.place,
+            self.kv_layout().plan,
+            reservation.layout,
+            reservation.transfer_ids,
+            reservation.block_ids,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+        )
 
     def _abort_transfers(self, request_id: str) -> None:
         self.sender.abort(request_id)

@@ -124,7 +124,9 @@ class InstanceDirectory:
         try:
             actor = ray.get_actor(view.info.actor_name, namespace=self.namespace)
         except ValueError:
-            logger.warning("instance %s is registered but its actor %s is gone", view.info.instance_id, view.info.actor_name)
+            logger.warning(
+                "instance %s is registered but its actor %s is gone", view.info.instance_id, view.info.actor_name
+            )
             return
         info = view.info
         link = self._links.get(info.rpc_address)

@@ -28,7 +28,16 @@ logger = logging.getLogger(__name__)
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, orchestrator: Orchestrator, directory: InstanceDirectory, tokenizer, limits: ModelLimits, metrics: ServingMetrics, records: RequestRecords | None, model_name: str):
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        directory: InstanceDirectory,
+        tokenizer,
+        limits: ModelLimits,
+        metrics: ServingMetrics,
+        records: RequestRecords | None,
+        model_name: str,
+    ):
         self.orchestrator = orchestrator
         self.directory = directory
         self.tokenizer = tokenizer
@@ -87,7 +96,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if len(self._active) >= self.max_inflight:
             self.metrics.observe_failure("RESOURCE_EXHAUSTED")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_inflight} requests in flight; try again later")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_inflight} requests in flight; try again later"
+            )
 
     def _parse(self, request) -> tuple[list[int], object]:
         params = sampling_params(request.sampling, self.tokenizer)
@@ -99,11 +110,34 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         if stream.final is None:
             return
         t = stream.final.timings
-        self.metrics.observe_finished(t.ttft_s, t.e2e_s, stream.itl, t.queue_s, t.prefill_s, t.decode_s, stream.final.usage.prompt_tokens, stream.final.usage.completion_tokens, stream.final.finish_reason)
+        self.metrics.observe_finished(
+            t.ttft_s,
+            t.e2e_s,
+            stream.itl,
+            t.queue_s,
+            t.prefill_s,
+            t.decode_s,
+            stream.final.usage.prompt_tokens,
+            stream.final.usage.completion_tokens,
+            stream.final.finish_reason,
+        )
         if t.transfer_s:
             self.metrics.observe_transfer(t.transfer_s, stream.transfer_bytes)
         if self.records is not None:
-            self.records.add({"request_id": request_id, "finish_reason": stream.final.finish_reason, "prompt_tokens": stream.final.usage.prompt_tokens, "completion_tokens": stream.final.usage.completion_tokens, "ttft_s": t.ttft_s, "e2e_s": t.e2e_s, "queue_s": t.queue_s, "prefill_s": t.prefill_s, "transfer_s": t.transfer_s, "decode_s": t.decode_s})
+            self.records.add(
+                {
+                    "request_id": request_id,
+                    "finish_reason": stream.final.finish_reason,
+                    "prompt_tokens": stream.final.usage.prompt_tokens,
+                    "completion_tokens": stream.final.usage.completion_tokens,
+                    "ttft_s": t.ttft_s,
+                    "e2e_s": t.e2e_s,
+                    "queue_s": t.queue_s,
+                    "prefill_s": t.prefill_s,
+                    "transfer_s": t.transfer_s,
+                    "decode_s": t.decode_s,
+                }
+            )
 
     # ---- Abort, ClusterStatus --------------------------------------------------------------------
     async def Abort(self, request, context):
@@ -120,14 +154,28 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             load, info = inst.view.load, inst.view.info
             pools.setdefault(inst.role, []).append(
                 serving_pb2.Instance(
-                    instance_id=inst.instance_id, role=inst.role, kv_address=info.kv_address, healthy=True,
-                    num_running=load.num_running, num_waiting=load.num_waiting, kv_cache_usage=load.kv_cache_usage,
-                    tensor_parallel_size=info.tensor_parallel_size, pipeline_parallel_size=info.pipeline_parallel_size,
-                    heartbeat_age_s=inst.view.heartbeat_age_s, num_free_blocks=load.num_free_blocks, num_total_blocks=load.num_total_blocks,
+                    instance_id=inst.instance_id,
+                    role=inst.role,
+                    kv_address=info.kv_address,
+                    healthy=True,
+                    num_running=load.num_running,
+                    num_waiting=load.num_waiting,
+                    kv_cache_usage=load.kv_cache_usage,
+                    tensor_parallel_size=info.tensor_parallel_size,
+                    pipeline_parallel_size=info.pipeline_parallel_size,
+                    heartbeat_age_s=inst.view.heartbeat_age_s,
+                    num_free_blocks=load.num_free_blocks,
+                    num_total_blocks=load.num_total_blocks,
                 )
             )
-            self.metrics.set_instance_load(inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage)
-        return serving_pb2.ClusterStatusResponse(pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()], model=self.model_name, mode=self.orchestrator.config.mode)
+            self.metrics.set_instance_load(
+                inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
+            )
+        return serving_pb2.ClusterStatusResponse(
+            pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()],
+            model=self.model_name,
+            mode=self.orchestrator.config.mode,
+        )
 
     async def _check_key(self, context) -> None:
         if self.api_key and dict(context.invocation_metadata()).get("x-api-key") != self.api_key:
@@ -170,16 +218,33 @@ class _StreamStats:
         self.completion_tokens += len(delta.token_ids)
         self.transfer_s = delta.transfer_s or self.transfer_s
         self.transfer_bytes = delta.transfer_bytes or self.transfer_bytes
-        msg = serving_pb2.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text, logprobs=delta.logprobs, finished=delta.finished)
+        msg = serving_pb2.GenerateResponse(
+            request_id=request_id,
+            token_ids=delta.token_ids,
+            text=delta.text,
+            logprobs=delta.logprobs,
+            finished=delta.finished,
+        )
         if delta.finished:
             msg.finish_reason = delta.finish_reason or "stop"
-            msg.usage.CopyFrom(serving_pb2.Usage(prompt_tokens=self.num_prompt_tokens, completion_tokens=self.completion_tokens, cached_prompt_tokens=self.cached))
+            msg.usage.CopyFrom(
+                serving_pb2.Usage(
+                    prompt_tokens=self.num_prompt_tokens,
+                    completion_tokens=self.completion_tokens,
+                    cached_prompt_tokens=self.cached,
+                )
+            )
             ttft = (self.first_token_at or now) - self.started
             msg.timings.CopyFrom(
                 serving_pb2.Timings(
-                    queue_s=max(0.0, ttft - self.prefill_s), prefill_s=self.prefill_s, transfer_s=self.transfer_s,
-                    decode_s=now - (self.first_token_at or now), ttft_s=ttft, e2e_s=now - self.started,
-                    prefill_instance=delta.prefill_instance, decode_instance=delta.decode_instance,
+                    queue_s=max(0.0, ttft - self.prefill_s),
+                    prefill_s=self.prefill_s,
+                    transfer_s=self.transfer_s,
+                    decode_s=now - (self.first_token_at or now),
+                    ttft_s=ttft,
+                    e2e_s=now - self.started,
+                    prefill_instance=delta.prefill_instance,
+                    decode_instance=delta.decode_instance,
                 )
             )
             self.final = msg

@@ -45,7 +45,14 @@ class Placement:
 
 
 class Orchestrator:
-    def __init__(self, config: ServingConfig, directory: InstanceDirectory, policy: PlacementPolicy, streams: DecodeStreams, block_size: int):
+    def __init__(
+        self,
+        config: ServingConfig,
+        directory: InstanceDirectory,
+        policy: PlacementPolicy,
+        streams: DecodeStreams,
+        block_size: int,
+    ):
         self.config = config
         self.directory = directory
         self.policy = policy
@@ -57,7 +64,9 @@ class Orchestrator:
     def disaggregated(self) -> bool:
         return self.config.mode == "disaggregated"
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[TokenDelta]:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
         """Deltas of the request, the first token first; the last one has finished=True."""
         placement, mailbox = None, None
         try:
@@ -107,7 +116,9 @@ class Orchestrator:
     async def _send_targets(self, prefill: Instance, request_id: str, reservation, mailbox: Mailbox) -> None:
         """Tell the prefill where the KV goes; if it cannot, the request's stream ends in an error."""
         try:
-            if await prefill.prefill_service.set_kv_targets(request_id, reservation, timeout_s=self.config.request_timeout_s):
+            if await prefill.prefill_service.set_kv_targets(
+                request_id, reservation, timeout_s=self.config.request_timeout_s
+            ):
                 return
             error = f"prefill instance {prefill.instance_id} dropped the request"
         except Exception as exc:  # the prefill worker died or failed
@@ -128,26 +139,34 @@ class Orchestrator:
             decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
-            reservation = await decode.decode_service.reserve(request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s)
+            reservation = await decode.decode_service.reserve(
+                request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s
+            )
             if reservation is not None:
                 decode.outstanding_requests += 1
                 decode.reserved_blocks += len(reservation.block_ids)
                 return decode, reservation
             if time.monotonic() + backoff > deadline:
-                raise OverloadedError(f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s")
+                raise OverloadedError(
+                    f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s"
+                )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.5)
 
     # ---- colocated -------------------------------------------------------------------------------
     async def _start_colocated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox]:
-        instance = self.policy.choose_decode(self.directory.healthy("colocated"), -(-len(prompt_token_ids) // self.block_size))
+        instance = self.policy.choose_decode(
+            self.directory.healthy("colocated"), -(-len(prompt_token_ids) // self.block_size)
+        )
         if instance is None:
             raise UnavailableError("no healthy colocated instance")
         placement = Placement(None, instance)
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
         try:
-            await instance.decode_service.submit(request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s)
+            await instance.decode_service.submit(
+                request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s
+            )
         except BaseException:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise

@@ -21,8 +21,16 @@ class PlacementPolicy(Protocol):
 
 class LeastOutstandingWork:
     def choose_prefill(self, instances: list[Instance], num_prompt_tokens: int) -> Instance | None:
-        return min(instances, key=lambda i: (i.view.load.queued_prefill_tokens + i.outstanding_prefill_tokens, i.instance_id), default=None)
+        return min(
+            instances,
+            key=lambda i: (i.view.load.queued_prefill_tokens + i.outstanding_prefill_tokens, i.instance_id),
+            default=None,
+        )
 
     def choose_decode(self, instances: list[Instance], num_blocks_needed: int) -> Instance | None:
         roomy = [i for i in instances if i.free_blocks >= num_blocks_needed]
-        return min(roomy or instances, key=lambda i: (i.view.load.num_running + i.outstanding_requests, -i.free_blocks, i.instance_id), default=None)
+        return min(
+            roomy or instances,
+            key=lambda i: (i.view.load.num_running + i.outstanding_requests, -i.free_blocks, i.instance_id),
+            default=None,
+        )

@@ -84,4 +84,11 @@ def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
 
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
-    check_prompt_fits(num_prompt_tokens, params.max_tokens, limits.max_model_len, limits.block_size, limits.max_blocks_per_request, field_prefix="sampling.")
+    check_prompt_fits(
+        num_prompt_tokens,
+        params.max_tokens,
+        limits.max_model_len,
+        limits.block_size,
+        limits.max_blocks_per_request,
+        field_prefix="sampling.",
+    )

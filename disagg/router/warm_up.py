@@ -55,7 +55,9 @@ def prompt(vocab_size: int) -> list[int]:
     return [low + (i * 7919) % (vocab_size - low) for i in range(PROMPT_TOKENS)]
 
 
-async def warm_up(config: ServingConfig, directory: InstanceDirectory, streams: DecodeStreams, vocab_size: int) -> list[tuple[str, str]]:
+async def warm_up(
+    config: ServingConfig, directory: InstanceDirectory, streams: DecodeStreams, vocab_size: int
+) -> list[tuple[str, str]]:
     """Runs the pairs one after the other; returns the (prefill, decode) instance ids that served
     theirs ("" for no prefill). A failure is logged, not raised: health checks decide whether an
     instance gets requests, and its first request then is merely slower."""
@@ -65,13 +67,19 @@ async def warm_up(config: ServingConfig, directory: InstanceDirectory, streams: 
         orchestrator = Orchestrator(config, directory, _Pinned(prefill, decode), streams, config.engine.block_size)
         names = (prefill.instance_id if prefill else "", decode.instance_id)
         try:
-            await asyncio.wait_for(_run(orchestrator, f"warm-up-{index}", prompt(vocab_size), params), WARM_UP_TIMEOUT_S)
+            await asyncio.wait_for(
+                _run(orchestrator, f"warm-up-{index}", prompt(vocab_size), params), WARM_UP_TIMEOUT_S
+            )
             served.append(names)
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            logger.warning("warm-up through %s failed: %s: %s", " -> ".join(n for n in names if n), type(exc).__name__, exc)
+            logger.warning(
+                "warm-up through %s failed: %s: %s", " -> ".join(n for n in names if n), type(exc).__name__, exc
+            )
     return served
 
 
-async def _run(orchestrator: Orchestrator, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+async def _run(
+    orchestrator: Orchestrator, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+) -> None:
     async for _ in orchestrator.generate(request_id, prompt_token_ids, params):
         pass

@@ -68,4 +68,3 @@ async def read_frame(reader) -> tuple:
     """The same from an asyncio StreamReader."""
     header = await reader.readexactly(_HEADER.size)
     return decode(await reader.readexactly(body_length(header)))
-

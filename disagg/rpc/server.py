@@ -100,7 +100,9 @@ class RpcServer:
     """Serves `service`, an implementation of the service class `interface`: each method declared
     there returns its reply, or a concurrent Future of it."""
 
-    def __init__(self, service: object, interface: type, host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0):
+    def __init__(
+        self, service: object, interface: type, host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0
+    ):
         self.handlers: dict[str, Callable] = {method: getattr(service, method) for method in method_names(interface)}
         self._calling = threading.local()  # the link whose call runs on this thread
         self.token = secrets.token_bytes(TOKEN_BYTES)
@@ -140,7 +142,9 @@ class RpcServer:
                 sock, peer = self._listener.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name=f"rpc-link-{self.name}", daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(sock, f"{peer[0]}:{peer[1]}"), name=f"rpc-link-{self.name}", daemon=True
+            ).start()
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

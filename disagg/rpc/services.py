@@ -41,7 +41,9 @@ class DecodeService:
     """Rank 0 of a decode (or colocated) instance. Its tokens stream back on the link that asked,
     one TOKENS_TOPIC event per engine step with the new tokens of all that link's requests."""
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout) -> Reservation | None:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout
+    ) -> Reservation | None:
         """The handshake: allocate the prompt's blocks on every rank and listen to the prefill
         ranks that hold each slice of its KV. None when there is no room now."""
         raise NotImplementedError

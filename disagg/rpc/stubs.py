@@ -18,7 +18,9 @@ class PrefillStub(PrefillService):
     def __init__(self, link: RpcClient):
         self.link = link
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> "asyncio.Future[PrefillResult]":
+    async def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> "asyncio.Future[PrefillResult]":
         """Sends the call now and returns at once: awaiting the returned future gives the first
         token, so the handshake with the decode side can run while the prompt computes."""
         return await self.link.submit(PrefillService.prefill, request_id, prompt_token_ids, params)
@@ -34,10 +36,22 @@ class DecodeStub(DecodeService):
     def __init__(self, link: RpcClient):
         self.link = link
 
-    async def reserve(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout, *, timeout_s: float) -> Reservation | None:
-        return await self.link.call(DecodeService.reserve, request_id, prompt_token_ids, params, prefill, timeout_s=timeout_s)
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill: KVLayout,
+        *,
+        timeout_s: float,
+    ) -> Reservation | None:
+        return await self.link.call(
+            DecodeService.reserve, request_id, prompt_token_ids, params, prefill, timeout_s=timeout_s
+        )
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, timeout_s: float) -> None:
+    async def submit(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, timeout_s: float
+    ) -> None:
         return await self.link.call(DecodeService.submit, request_id, prompt_token_ids, params, timeout_s=timeout_s)
 
     async def abort(self, request_id: str, *, timeout_s: float) -> bool:

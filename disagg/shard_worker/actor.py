@@ -37,7 +37,14 @@ class ShardActor(ShardService):
 
     def join(self, store_address: str) -> tuple[str, str]:
         groups = join_instance(self.place, store_address, resolve_device(self.config.engine.device))
-        built = assemble(self.config.engine, self.config.role, kv_timeout=self.config.kv_timeout_s, peer_id=self.peer_id, host=self.host, groups=groups)
+        built = assemble(
+            self.config.engine,
+            self.config.role,
+            kv_timeout=self.config.kv_timeout_s,
+            peer_id=self.peer_id,
+            host=self.host,
+            groups=groups,
+        )
         self.engine, self.endpoint = built.engine, built.endpoint
         if self.endpoint is None:
             return self.peer_id, ""

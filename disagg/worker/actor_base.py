@@ -58,7 +58,9 @@ class WorkerActorBase:
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
-        self.loop = StepLoop(self._step, self._has_work, self._engine_commands(), name=f"engine-{self.instance_id}", cpus=engine_cpus)
+        self.loop = StepLoop(
+            self._step, self._has_work, self._engine_commands(), name=f"engine-{self.instance_id}", cpus=engine_cpus
+        )
         # What Ray started the process on; the engine's helper threads belong there too.
         self._framework_cpus = os.sched_getaffinity(0) if engine_cpus is not None else None
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
@@ -117,8 +119,16 @@ class WorkerActorBase:
         p = self.engine_config.parallel
         layout = self.kv_layout()
         return InstanceInfo(
-            self.instance_id, self.role, self.actor_name, self.worker.address(), self.engine_config.model, p.tensor_parallel_size, p.pipeline_parallel_size,
-            kv_ranks=layout.to_list() if layout else [], rpc_address=self.rpc.address, rpc_token=self.rpc.token_hex,
+            self.instance_id,
+            self.role,
+            self.actor_name,
+            self.worker.address(),
+            self.engine_config.model,
+            p.tensor_parallel_size,
+            p.pipeline_parallel_size,
+            kv_ranks=layout.to_list() if layout else [],
+            rpc_address=self.rpc.address,
+            rpc_token=self.rpc.token_hex,
         )
 
     def kv_layout(self) -> KVLayout | None:
@@ -138,7 +148,12 @@ class WorkerActorBase:
         address = f"{self.host}:{port}"  # join_instance splits at the last colon
         joining = self.shards.start_join(address)
         p = self.engine_config.parallel
-        groups = join_instance(RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, resolve_device(self.engine_config.device), store=store)
+        groups = join_instance(
+            RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size),
+            address,
+            resolve_device(self.engine_config.device),
+            store=store,
+        )
         return groups, lambda: self.shards.finish_join(joining)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -151,7 +166,13 @@ class WorkerActorBase:
 
     async def ready(self) -> dict:
         """Awaited by the launcher: the engine is loaded and the loop runs."""
-        return {"instance_id": self.instance_id, "role": self.role, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(), "host": self.host}
+        return {
+            "instance_id": self.instance_id,
+            "role": self.role,
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "host": self.host,
+        }
 
     async def shutdown(self) -> None:
         self._stopping.set()
@@ -194,7 +215,11 @@ class WorkerActorBase:
 def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
     """A snapshot readable from any thread (len() of the scheduler's queues is atomic)."""
     scheduler = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in list(scheduler.waiting) + list(scheduler.running) if r.num_computed_tokens < r.num_prompt_tokens)
+    queued = sum(
+        r.num_tokens - r.num_computed_tokens
+        for r in list(scheduler.waiting) + list(scheduler.running)
+        if r.num_computed_tokens < r.num_prompt_tokens
+    )
     free, total = engine.num_free_blocks, engine.num_total_blocks
     return LoadReport(
         num_running=len(scheduler.running),

@@ -41,14 +41,18 @@ class ShardGroup:
 
     def finish_join(self, pending: list) -> None:
         endpoints = ray.get(pending, timeout=self.timeout_s)
-        self.kv_ranks = [KVRank(peer_id, address, p.tp_rank, p.pp_rank) for (peer_id, address), p in zip(endpoints, self.places)]
+        self.kv_ranks = [
+            KVRank(peer_id, address, p.tp_rank, p.pp_rank) for (peer_id, address), p in zip(endpoints, self.places)
+        ]
 
     # ---- per step ------------------------------------------------------------------------------
     def submit(self, chunks) -> "_PendingStep":
         """Start the step on every other rank (disagg.engine.kv_connector.Followers)."""
         self._check()
         plain = portable(chunks)
-        return _PendingStep(self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)])
+        return _PendingStep(
+            self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)]
+        )
 
     def sync(self) -> None:
         """No step to run: deliver queued commands and collect finished transfers. With no
@@ -76,7 +80,9 @@ class ShardGroup:
         return any(self._commands)
 
     # ---- calls that wait for the ranks -------------------------------------------------------------
-    def expect(self, rank_index: int, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:
+    def expect(
+        self, rank_index: int, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None
+    ) -> int:
         """ShardService.expect on one rank now; its transfer id."""
         self._check()
         return self._get(self.actors[rank_index].expect.remote(request_id, block_ids, sources, timeout))

@@ -52,10 +52,15 @@ def _serve_and_check(model: str) -> dict:
         ready = ray.get([inst.actor.ready.remote() for inst in server.launcher.instances])
         result["nodes"] = {r["role"]: r["node_id"] for r in ready}
         registry = Registry(server.redis.url)
-        result["advertised"] = {v.info.role: [v.info.rpc_address] + [rank[1] for rank in v.info.kv_ranks] for v in registry.instances()}
+        result["advertised"] = {
+            v.info.role: [v.info.rpc_address] + [rank[1] for rank in v.info.kv_ranks] for v in registry.instances()
+        }
         registry.close()
         with DisaggClient(server.address) as client:
-            stream = client.stream(generate_request(prompt_token_ids=PROMPT, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120)
+            stream = client.stream(
+                generate_request(prompt_token_ids=PROMPT, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                timeout=120,
+            )
             result["served"] = [t for message in stream for t in message.token_ids]
     llm = LLM(model=model, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -29,7 +29,9 @@ class PrefillActor:
         torch.set_num_threads(1)
         from disagg.prefill_worker.worker import PrefillWorker
 
-        self.worker = PrefillWorker(EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT)
+        self.worker = PrefillWorker(
+            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT
+        )
         self.failures: list[str] = []
 
     def address(self) -> str:
@@ -62,7 +64,9 @@ class DecodeActor:
         torch.set_num_threads(1)
         from disagg.decode_worker.worker import DecodeWorker
 
-        self.worker = DecodeWorker(EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT)
+        self.worker = DecodeWorker(
+            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT
+        )
         self.received_bytes = 0
 
     def address(self) -> str:
@@ -124,7 +128,10 @@ def random_prompts(lengths, vocab: int, seed: int = 5) -> list[list[int]]:
 def test_tiny_model_disaggregated_equals_colocated(ray_session):
     prompts = random_prompts([3, 20, 64, 130, 300], vocab=500)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in LLM("random:tiny").generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM("random:tiny").generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     finished = disaggregated("random:tiny", prompts, params, prefill_budget=64, tag="tiny")
     assert [finished[f"r{i}"] for i in range(len(prompts))] == expected
 
@@ -135,7 +142,9 @@ def test_default_model_disaggregated_equals_colocated(ray_session):
     texts = ["What is the capital of France?", "Write a haiku about the sea.", "Explain gravity to a child. " * 12]
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    expected = [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ]
     del llm
     finished = disaggregated("smollm2-135m-instruct", prompts, params, prefill_budget=64, tag="smol")
     assert [finished[f"r{i}"] for i in range(len(prompts))] == expected
@@ -147,9 +156,20 @@ class CacheActor:
 
     def __init__(self, worker_id: str, num_blocks: int, fill_seed: int | None, shared: bool = False):
         torch.set_num_threads(1)
-        self.cache = KVCache(num_layers=4, num_blocks=num_blocks, block_size=16, num_kv_heads=8, head_dim=128, dtype=torch.float32, device=torch.device("cpu"), shared=shared)
+        self.cache = KVCache(
+            num_layers=4,
+            num_blocks=num_blocks,
+            block_size=16,
+            num_kv_heads=8,
+            head_dim=128,
+            dtype=torch.float32,
+            device=torch.device("cpu"),
+            shared=shared,
+        )
         if fill_seed is not None:
-            self.cache.tensor.copy_(torch.randn(self.cache.tensor.shape, generator=torch.Generator().manual_seed(fill_seed)))
+            self.cache.tensor.copy_(
+                torch.randn(self.cache.tensor.shape, generator=torch.Generator().manual_seed(fill_seed))
+            )
         transport = TorchDistTransport(worker_id)
         self.sender = KVSender(transport, timeout=KV_TIMEOUT)
         self.receiver = KVReceiver(transport, timeout=KV_TIMEOUT)
@@ -203,9 +223,15 @@ class CacheActor:
 # first transfer connects it, so it is packed); otherwise every transfer is packed.
 @pytest.mark.parametrize("shared", [False, True], ids=["packed", "by-reference"])
 def test_random_blocks_arrive_byte_exact_in_scattered_blocks(ray_session, shared):
-    src, dst = CacheActor.remote(f"bx-src-{shared}", 64, fill_seed=11, shared=shared), CacheActor.remote(f"bx-dst-{shared}", 64, fill_seed=None)
+    src, dst = (
+        CacheActor.remote(f"bx-src-{shared}", 64, fill_seed=11, shared=shared),
+        CacheActor.remote(f"bx-dst-{shared}", 64, fill_seed=None),
+    )
     src_address, dst_address = ray.get([src.address.remote(), dst.address.remote()])
-    for request_id, src_blocks, dst_blocks in [("first", [3, 40, 7, 8, 21, 60], [50, 2, 33, 9, 17, 44]), ("second", [4, 5, 6, 30], [10, 11, 58, 1])]:
+    for request_id, src_blocks, dst_blocks in [
+        ("first", [3, 40, 7, 8, 21, 60], [50, 2, 33, 9, 17, 44]),
+        ("second", [4, 5, 6, 30], [10, 11, 58, 1]),
+    ]:
         transfer_id = ray.get(dst.expect.remote(dst_blocks, {f"bx-src-{shared}": src_address}, request_id))
         target = KVTarget(f"bx-dst-{shared}", dst_address, transfer_id, dst_blocks, (0, 4), (0, 8))
         received = dst.wait_received.remote()

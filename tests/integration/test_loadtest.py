@@ -25,12 +25,14 @@ NUM_REQUESTS = 12
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    config = ServingConfig.from_dict({
-        "engine": {"num_kv_blocks": 400, "max_num_batched_tokens": 256},
-        "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
-        "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
-        "port": 0,
-    })
+    config = ServingConfig.from_dict(
+        {
+            "engine": {"num_kv_blocks": 400, "max_num_batched_tokens": 256},
+            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            "port": 0,
+        }
+    )
     with Server(config) as srv:
         yield srv
 
@@ -43,10 +45,27 @@ def out_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bench_result(server, out_dir) -> Path:
     path = out_dir / "bench.json"
-    code = disagg_main([
-        "bench", "--server", server.address, "--workload", "chat", "--length-scale", "0.1", "--seed", "1",
-        "--num-requests", str(NUM_REQUESTS), "--request-rate", "3", "--slo", "ttft_ms=30000,tpot_ms=5000", "-o", str(path),
-    ])
+    code = disagg_main(
+        [
+            "bench",
+            "--server",
+            server.address,
+            "--workload",
+            "chat",
+            "--length-scale",
+            "0.1",
+            "--seed",
+            "1",
+            "--num-requests",
+            str(NUM_REQUESTS),
+            "--request-rate",
+            "3",
+            "--slo",
+            "ttft_ms=30000,tpot_ms=5000",
+            "-o",
+            str(path),
+        ]
+    )
     assert code == 0
     return path
 
@@ -55,10 +74,39 @@ def bench_result(server, out_dir) -> Path:
 def locust_run(server, out_dir) -> Path:
     prefix = out_dir / "locust"
     command = [
-        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
-        "-u", "2", "-r", "2", "-t", "15s", "--stop-timeout", "60", "--host", server.address,
-        "--csv", str(prefix), "--html", f"{prefix}.html", "--rows-csv", f"{prefix}_rows.csv",
-        "--workload", "chat", "--length-scale", "0.1", "--max-tokens", "8", "--workload-size", "60", "--think-time", "0.2",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(REPO / "loadtest" / "locustfile.py"),
+        "--headless",
+        "--only-summary",
+        "-u",
+        "2",
+        "-r",
+        "2",
+        "-t",
+        "15s",
+        "--stop-timeout",
+        "60",
+        "--host",
+        server.address,
+        "--csv",
+        str(prefix),
+        "--html",
+        f"{prefix}.html",
+        "--rows-csv",
+        f"{prefix}_rows.csv",
+        "--workload",
+        "chat",
+        "--length-scale",
+        "0.1",
+        "--max-tokens",
+        "8",
+        "--workload-size",
+        "60",
+        "--think-time",
+        "0.2",
     ]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -71,7 +119,9 @@ def test_bench_against_a_real_server(bench_result):
     assert s["num_requests"] == s["completed"] == len(result["requests"]) == NUM_REQUESTS
     assert s["failed"] == 0 and s["failures_by_code"] == {}
     assert s["slo"] == {"ttft_ms": 30000.0, "tpot_ms": 5000.0}
-    assert 0.0 <= s["slo_attainment_pct"] <= 100.0 and s["slo_attainment_pct"] == pytest.approx(100.0 * s["num_good"] / NUM_REQUESTS)
+    assert 0.0 <= s["slo_attainment_pct"] <= 100.0 and s["slo_attainment_pct"] == pytest.approx(
+        100.0 * s["num_good"] / NUM_REQUESTS
+    )
     assert 0.0 <= s["goodput"] <= s["request_throughput"] + 1e-9
     assert s["total_output_tokens"] == sum(r["output_len"] for r in result["requests"])
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
@@ -115,11 +165,37 @@ def test_locust_users_stream_at_the_same_time(locust_run):
 def test_locust_step_load_shape_adds_users_and_stops_by_itself(server, out_dir):
     prefix = out_dir / "step"
     command = [
-        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--headless", "--only-summary",
-        "--host", server.address, "--csv", str(prefix), "--rows-csv", f"{prefix}_rows.csv", "--stop-timeout", "60",
-        "--step-users", "1", "--step-time", "3", "--step-count", "2", "--length-scale", "0.1", "--max-tokens", "4", "--workload-size", "20",
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(REPO / "loadtest" / "locustfile.py"),
+        "--headless",
+        "--only-summary",
+        "--host",
+        server.address,
+        "--csv",
+        str(prefix),
+        "--rows-csv",
+        f"{prefix}_rows.csv",
+        "--stop-timeout",
+        "60",
+        "--step-users",
+        "1",
+        "--step-time",
+        "3",
+        "--step-count",
+        "2",
+        "--length-scale",
+        "0.1",
+        "--max-tokens",
+        "4",
+        "--workload-size",
+        "20",
     ]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=90, env={**os.environ, "DISAGG_LOCUST_SHAPE": "step"})
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=90, env={**os.environ, "DISAGG_LOCUST_SHAPE": "step"}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "Shape test" in done.stderr and "2 total users" in done.stderr
     rows = read_rows(f"{prefix}_rows.csv")

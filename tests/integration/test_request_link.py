@@ -63,7 +63,9 @@ def test_a_router_that_goes_away_mid_stream_leaves_no_block_behind(colocated):
         stays.on_event, leaves.on_event = counter("stays"), counter("leaves")
         params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)  # far longer than the test
         await DecodeStub(leaves).submit("gone", list(range(1, 40)), params, timeout_s=10)
-        await DecodeStub(stays).submit("kept", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), timeout_s=10)
+        await DecodeStub(stays).submit(
+            "kept", list(range(1, 20)), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True), timeout_s=10
+        )
         while tokens["leaves"] < 3:
             await asyncio.sleep(0.01)
         await leaves.close()  # the router process died, say

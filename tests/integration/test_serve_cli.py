@@ -32,7 +32,12 @@ def _serve(workdir: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
     ready, log_path = workdir / "ready", workdir / "serve.log"
     # Its own session, like a service: the test's signals don't reach it, and we can find its tree.
     with open(log_path, "w") as log:  # the server has its own copy of the file
-        proc = subprocess.Popen([str(BIN), "serve", "--ready-file", str(ready), *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [str(BIN), "serve", "--ready-file", str(ready), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists() or not ready.read_text().strip():
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -45,7 +50,12 @@ def _serve(workdir: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
 def test_generate_against_the_default_server_answers_sensibly(default_server):
     _, address, _ = default_server
     assert address == "127.0.0.1:50051", "the default listens on 127.0.0.1:50051"
-    result = subprocess.run([str(BIN), "generate", "--server", address, "What is the capital of France?"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN), "generate", "--server", address, "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
 
@@ -55,7 +65,11 @@ def test_on_two_cpus_the_default_binds_no_thread(default_server):
     """cpu_binding auto leaves two CPUs to everything but the engines: with two there are none to give."""
     proc, _, _ = default_server
     cpus = os.sched_getaffinity(0)
-    bound = {name: sets for name, sets in _affinities(os.getsid(proc.pid)).items() if any(allowed != cpus for allowed in sets)}
+    bound = {
+        name: sets
+        for name, sets in _affinities(os.getsid(proc.pid)).items()
+        if any(allowed != cpus for allowed in sets)
+    }
     assert not bound, f"threads bound to fewer CPUs than the machine has: {bound}"
 
 
@@ -75,7 +89,10 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
         # until the worker's next heartbeat moves them: allow a few.
         deadline = time.monotonic() + 10
         while True:
-            on_it = {name: [allowed for allowed in sets if engine_cpu in allowed] for name, sets in _affinities(os.getsid(proc.pid)).items()}
+            on_it = {
+                name: [allowed for allowed in sets if engine_cpu in allowed]
+                for name, sets in _affinities(os.getsid(proc.pid)).items()
+            }
             on_it = {name: sets for name, sets in on_it.items() if sets}
             if sum(len(sets) for sets in on_it.values()) <= 2 or time.monotonic() > deadline:
                 break

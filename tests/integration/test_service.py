@@ -25,27 +25,41 @@ from disagg.config import ServingConfig
 from disagg.registry import Registry
 
 QUESTIONS = [
-    "What is the capital of France?", "Name three primary colors.", "What is 2 + 2?", "Write a haiku about rain.",
-    "Who wrote Hamlet?", "What is the boiling point of water?", "Say hello in Spanish.", "List two planets.",
-    "What is a cat?", "Translate 'thank you' to French.", "How many days are in a week?", "What color is the sky?",
-    "Give me a synonym for happy.", "What is the opposite of cold?", "Name a fruit that is yellow.", "What do bees make?",
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What is 2 + 2?",
+    "Write a haiku about rain.",
+    "Who wrote Hamlet?",
+    "What is the boiling point of water?",
+    "Say hello in Spanish.",
+    "List two planets.",
+    "What is a cat?",
+    "Translate 'thank you' to French.",
+    "How many days are in a week?",
+    "What color is the sky?",
+    "Give me a synonym for happy.",
+    "What is the opposite of cold?",
+    "Name a fruit that is yellow.",
+    "What do bees make?",
 ]
 MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
 def server(ray_session):
-    config = ServingConfig.from_dict({
-        "engine": {"num_kv_blocks": 400, "max_num_batched_tokens": 256},
-        "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
-        "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
-        "port": 0,
-        "metrics_port": 0,
-        "max_inflight_requests": 20,
-        "admission_timeout_s": 5,
-        "heartbeat_interval_s": 0.3,
-        "heartbeat_ttl_s": 1.0,
-    })
+    config = ServingConfig.from_dict(
+        {
+            "engine": {"num_kv_blocks": 400, "max_num_batched_tokens": 256},
+            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
+            "port": 0,
+            "metrics_port": 0,
+            "max_inflight_requests": 20,
+            "admission_timeout_s": 5,
+            "heartbeat_interval_s": 0.3,
+            "heartbeat_ttl_s": 1.0,
+        }
+    )
     with Server(config) as srv:
         yield srv
 
@@ -73,20 +87,29 @@ def wait_all_blocks_free(server, timeout_s: float) -> float:
         loads = [ray.get(a.status.remote())["load"] for a in actors(server)]
         if all(load.num_free_blocks == load.num_total_blocks for load in loads):
             return time.monotonic() - started
-        assert time.monotonic() - started < timeout_s, f"blocks still held: {[(l.num_free_blocks, l.num_total_blocks) for l in loads]}"
+        assert time.monotonic() - started < timeout_s, (
+            f"blocks still held: {[(l.num_free_blocks, l.num_total_blocks) for l in loads]}"
+        )
         time.sleep(0.05)
 
 
 def test_start_sends_a_warm_up_request_through_every_instance(server):
     # Before serving, so that no client's first request pays for dialling links, the KV pair and
     # first kernels (disagg.router.warm_up).
-    assert {name for pair in server.warmed_up for name in pair} == {inst.instance_id for inst in server.launcher.instances}
+    assert {name for pair in server.warmed_up for name in pair} == {
+        inst.instance_id for inst in server.launcher.instances
+    }
 
 
 def test_greedy_over_grpc_equals_offline_with_16_concurrent_clients(server, client):
     llm = LLM(num_kv_blocks=400)
-    prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])} for q in QUESTIONS]
-    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)]
+    prompts = [
+        {"prompt_token_ids": llm.tokenizer.apply_chat_template([{"role": "user", "content": q}])} for q in QUESTIONS
+    ]
+    expected = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    ]
     del llm
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(lambda q: client.generate(chat(q), timeout=120), QUESTIONS))
@@ -96,7 +119,9 @@ def test_greedy_over_grpc_equals_offline_with_16_concurrent_clients(server, clie
     for tokens, _, final in results:
         assert final.finished and final.usage.completion_tokens == len(tokens)
         assert 0 < final.timings.ttft_s <= final.timings.e2e_s
-    assert {final.timings.decode_instance for _, _, final in results} <= {i.instance_id for i in server.launcher.instances}
+    assert {final.timings.decode_instance for _, _, final in results} <= {
+        i.instance_id for i in server.launcher.instances
+    }
     wait_all_blocks_free(server, 5)
 
 
@@ -137,7 +162,15 @@ BAD_REQUESTS = {
     "prompt too long": generate_request(prompt_token_ids=[1] * 9000),
     "prompt + max_tokens too long": generate_request(prompt_token_ids=[1] * 8000, max_tokens=500),
 }
-FIELD_NAMED = {"temperature < 0": "temperature", "top_p = 0": "top_p", "top_p > 1": "top_p", "top_k < -1": "top_k", "max_tokens < 1": "max_tokens", "bad chat role": "role", "token id out of range": "prompt_token_ids"}
+FIELD_NAMED = {
+    "temperature < 0": "temperature",
+    "top_p = 0": "top_p",
+    "top_p > 1": "top_p",
+    "top_k < -1": "top_k",
+    "max_tokens < 1": "max_tokens",
+    "bad chat role": "role",
+    "token id out of range": "prompt_token_ids",
+}
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
@@ -231,7 +264,9 @@ def test_cluster_status_health_and_reflection(server, client):
     for pool in status.pools:
         for inst in pool.instances:
             assert inst.num_total_blocks == 400 and inst.tensor_parallel_size == 1
-    health = health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(service="disagg.v1.Serving"), timeout=5)
+    health = health_pb2_grpc.HealthStub(client.channel).Check(
+        health_pb2.HealthCheckRequest(service="disagg.v1.Serving"), timeout=5
+    )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -267,7 +302,16 @@ def test_prometheus_metrics_from_frontend_and_workers(server, client):
 
 def test_finished_request_is_recorded_and_leaves_no_block_held(server, client):
     """A request that finished gets no abort calls: its end alone must free every block."""
-    client.generate(generate_request(chat=[{"role": "user", "content": "Name a color."}], request_id="recorded-1", temperature=0.0, max_tokens=6, ignore_eos=True), timeout=60)
+    client.generate(
+        generate_request(
+            chat=[{"role": "user", "content": "Name a color."}],
+            request_id="recorded-1",
+            temperature=0.0,
+            max_tokens=6,
+            ignore_eos=True,
+        ),
+        timeout=60,
+    )
     wait_all_blocks_free(server, timeout_s=2.0)
     with Registry(server.redis.url) as registry:
         deadline = time.monotonic() + 5

@@ -24,12 +24,20 @@ MAX_TOKENS = 10
 def offline_tokens(model: str) -> list[list[int]]:
     llm = LLM(model=model, dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    ]
 
 
 def served_tokens(server: Server) -> list[list[int]]:
     with DisaggClient(server.address) as client:
-        streams = [client.stream(generate_request(prompt_token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True), timeout=120) for p in PROMPTS]
+        streams = [
+            client.stream(
+                generate_request(prompt_token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                timeout=120,
+            )
+            for p in PROMPTS
+        ]
         results = []
         for call in streams:  # all in flight at once
             tokens = []
@@ -41,7 +49,11 @@ def served_tokens(server: Server) -> list[list[int]]:
 
 def config(model: str, pools: dict, mode: str) -> ServingConfig:
     small = {"num_cpus_per_worker": 0.25}
-    data = {"mode": mode, "port": 0, "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 24}}
+    data = {
+        "mode": mode,
+        "port": 0,
+        "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 24},
+    }
     data.update({role: {**small, **pool} for role, pool in pools.items()})
     return ServingConfig.from_dict(data)
 

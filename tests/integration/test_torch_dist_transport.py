@@ -49,7 +49,9 @@ class TransportPeer:
             digests.append(digest(blocks))
         return digests
 
-    def recv_blocks(self, peer_id: str, specs: list[tuple[int, torch.dtype, int]], timeout: float = 20.0) -> list[tuple[bool, str]]:
+    def recv_blocks(
+        self, peer_id: str, specs: list[tuple[int, torch.dtype, int]], timeout: float = 20.0
+    ) -> list[tuple[bool, str]]:
         results = []
         for num_blocks, dtype, seed in specs:
             out = torch.empty(2, num_blocks, 16, 8, 128, dtype=dtype)
@@ -91,7 +93,9 @@ class TransportPeer:
                 return count, str(exc), time.monotonic() - start
             count += 1
 
-    def send_until_failure(self, peer_id: str, num_bytes: int, timeout: float, max_seconds: float) -> tuple[int, str, float]:
+    def send_until_failure(
+        self, peer_id: str, num_bytes: int, timeout: float, max_seconds: float
+    ) -> tuple[int, str, float]:
         """Send one large tensor again and again: (sends done, the error, seconds the failing send took)."""
         payload = torch.randint(0, 255, (num_bytes,), dtype=torch.uint8)
         count, end = 0, time.monotonic() + max_seconds

@@ -14,7 +14,18 @@ def test_one_node_stays_on_loopback_several_use_each_node_ip():
     assert worker_host("10.0.0.7", 1) == "10.0.0.7"
 
 
-@pytest.mark.parametrize("host,loopback", [("127.0.0.1", True), ("127.0.1.1", True), ("localhost", True), ("::1", True), ("[::1]", True), ("10.0.0.1", False), ("redis.internal", False)])
+@pytest.mark.parametrize(
+    "host,loopback",
+    [
+        ("127.0.0.1", True),
+        ("127.0.1.1", True),
+        ("localhost", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("10.0.0.1", False),
+        ("redis.internal", False),
+    ],
+)
 def test_is_loopback(host, loopback):
     assert is_loopback(host) is loopback
 

@@ -23,7 +23,16 @@ from disagg.bench.open_loop import LoadConfig, arrival_times
 
 
 def ok(ttft: float, e2el: float, output_len: int, itl=None, prompt_len: int = 10) -> RequestRecord:
-    return RequestRecord(index=0, prompt_len=prompt_len, target_output_len=output_len, success=True, output_len=output_len, ttft=ttft, e2el=e2el, itl=itl or [])
+    return RequestRecord(
+        index=0,
+        prompt_len=prompt_len,
+        target_output_len=output_len,
+        success=True,
+        output_len=output_len,
+        ttft=ttft,
+        e2el=e2el,
+        itl=itl or [],
+    )
 
 
 def failed(code: str = "RESOURCE_EXHAUSTED") -> RequestRecord:
@@ -122,13 +131,18 @@ def test_rows_round_trip_exactly_to_the_microsecond(tmp_path):
         writer.writeheader()
         writer.writerows(record_row(r) for r in records)
     back = read_rows(str(path))
-    assert [(r.success, r.output_len, r.ttft, r.e2el, r.itl, r.error_code) for r in back] == [(True, 3, 0.123456, 1.234567, [0.5, 0.611111], ""), (False, 0, 0.0, 0.01, [], "UNAVAILABLE")]
+    assert [(r.success, r.output_len, r.ttft, r.e2el, r.itl, r.error_code) for r in back] == [
+        (True, 3, 0.123456, 1.234567, [0.5, 0.611111], ""),
+        (False, 0, 0.0, 0.01, [], "UNAVAILABLE"),
+    ]
 
 
 def test_poisson_arrivals_are_seeded_and_have_the_rate():
     load = LoadConfig(request_rate=4.0, num_requests=4000, seed=7)
     times = arrival_times(load)
-    assert times == arrival_times(load) and times != arrival_times(LoadConfig(request_rate=4.0, num_requests=4000, seed=8))
+    assert times == arrival_times(load) and times != arrival_times(
+        LoadConfig(request_rate=4.0, num_requests=4000, seed=8)
+    )
     assert times[0] == 0.0 and len(times) == 4000
     gaps = np.diff(times)
     assert gaps.mean() == pytest.approx(0.25, rel=0.05)
@@ -148,7 +162,13 @@ def test_duration_and_infinite_rate_schedules():
     times = arrival_times(LoadConfig(request_rate=10.0, num_requests=None, duration_s=30.0, seed=0))
     assert all(t < 30.0 for t in times) and 240 < len(times) < 360
     assert arrival_times(LoadConfig(num_requests=5)) == [0.0] * 5
-    for bad in (dict(num_requests=None), dict(num_requests=5, duration_s=3.0, request_rate=1.0), dict(request_rate=0.0), dict(max_concurrency=0), dict(num_requests=None, duration_s=3.0, request_rate=math.inf)):
+    for bad in (
+        dict(num_requests=None),
+        dict(num_requests=5, duration_s=3.0, request_rate=1.0),
+        dict(request_rate=0.0),
+        dict(max_concurrency=0),
+        dict(num_requests=None, duration_s=3.0, request_rate=math.inf),
+    ):
         with pytest.raises(ValueError):
             LoadConfig(**bad)
 

@@ -73,6 +73,10 @@ def test_the_environment_gives_only_defaults(monkeypatch, value, shared):
 def test_a_worker_config_takes_the_services_kv_timeout_default_and_validates():
     config = WorkerConfig("p-0", "prefill", EngineConfig())
     assert config.role is Role.PREFILL and config.kv_timeout_s == ServingConfig().kv_timeout_s
-    for bad, field in [(dict(kv_timeout_s=0), "kv_timeout_s"), (dict(role="router"), "role"), (dict(heartbeat_ttl_s=0.5), "heartbeat_ttl_s")]:
+    for bad, field in [
+        (dict(kv_timeout_s=0), "kv_timeout_s"),
+        (dict(role="router"), "role"),
+        (dict(heartbeat_ttl_s=0.5), "heartbeat_ttl_s"),
+    ]:
         with pytest.raises(ValueError, match=field):
             config.replace(**bad)

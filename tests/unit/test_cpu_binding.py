@@ -28,7 +28,9 @@ def test_binding_on_leaves_the_rest_one_cpu():
 
 
 def test_every_engine_gets_its_own_cpus_when_the_machine_has_enough():
-    config = ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=2), threads_per_worker=2)
+    config = ServingConfig(
+        prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=2), threads_per_worker=2
+    )
     plan = plan_cpus(config, range(16))
     owned = [plan.engine_cpus(role, i) for role in ("prefill", "decode") for i in range(2)]
     assert [len(cpus) for cpus in owned] == [2, 2, 2, 2]
@@ -41,7 +43,10 @@ def test_prefill_engines_come_first_and_the_rest_keeps_its_cpus():
     plan = plan_cpus(config, [0, 1, 2, 3])
     assert set(plan.engines) == {("prefill", 0), ("prefill", 1)}
     assert plan.framework == {0, 1}
-    plan = plan_cpus(ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=1), cpu_binding="on"), [0, 1, 2, 3])
+    plan = plan_cpus(
+        ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=1), cpu_binding="on"),
+        [0, 1, 2, 3],
+    )
     assert set(plan.engines) == {("prefill", 0), ("prefill", 1), ("decode", 0)}
     assert plan.framework == {0}
 

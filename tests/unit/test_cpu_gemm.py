@@ -12,14 +12,20 @@ from disagg.engine.layers import cpu_gemm
 from disagg.engine.layers.cpu_gemm import PackedWeight
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 
-needs_onednn = pytest.mark.skipif(not cpu_gemm.onednn_enabled(), reason="oneDNN packing not available in this torch build")
+needs_onednn = pytest.mark.skipif(
+    not cpu_gemm.onednn_enabled(), reason="oneDNN packing not available in this torch build"
+)
 
 
 @needs_onednn
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_matches_f_linear(rows):
     gen = torch.Generator().manual_seed(rows)
-    x, weight, bias = torch.randn(rows, 96, generator=gen), torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    x, weight, bias = (
+        torch.randn(rows, 96, generator=gen),
+        torch.randn(200, 96, generator=gen),
+        torch.randn(200, generator=gen),
+    )
     holder = PackedWeight()
     torch.testing.assert_close(holder.linear(x, weight), F.linear(x, weight), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(holder.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
@@ -69,9 +75,13 @@ def test_a_loaded_model_has_every_gemm_packed_before_its_first_step(request, kin
     from disagg.config import EngineConfig
     from disagg.engine.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=request.getfixturevalue(f"tiny_{kind}_dir"), device="cpu", dtype="float32", num_kv_blocks=8))
+    engine = LLMEngine(
+        EngineConfig(model=request.getfixturevalue(f"tiny_{kind}_dir"), device="cpu", dtype="float32", num_kv_blocks=8)
+    )
     gemms = engine.model.packed_gemms()
-    assert len(gemms) == 4 * engine.model_config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer, and the vocabulary
+    assert (
+        len(gemms) == 4 * engine.model_config.num_hidden_layers + 1
+    )  # qkv, o, gate_up, down per layer, and the vocabulary
     assert all(holder.is_packed for holder, _ in gemms)
     x = torch.randn(3, engine.model_config.hidden_size)
     holder, weight = gemms[-1]
@@ -90,7 +100,9 @@ def test_a_cpu_engine_bounds_onednn_caches_unless_the_environment_sets_them(requ
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, preset)
-    LLMEngine(EngineConfig(model=request.getfixturevalue("tiny_llama_dir"), device="cpu", dtype="float32", num_kv_blocks=8))
+    LLMEngine(
+        EngineConfig(model=request.getfixturevalue("tiny_llama_dir"), device="cpu", dtype="float32", num_kv_blocks=8)
+    )
     expected = preset or str(cpu_gemm.CACHE_CAPACITY)
     assert [os.environ.get(name) for name in cpu_gemm.CACHE_CAPACITY_ENV] == [expected, expected]
 

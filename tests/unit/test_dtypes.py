@@ -11,7 +11,11 @@ def test_bfloat16_engine_answers_the_default_question():
     llm = LLM(dtype="bfloat16", num_kv_blocks=64)
     assert llm.engine.kv_cache.tensor.dtype is torch.bfloat16
     assert next(llm.engine.model.parameters()).dtype is torch.bfloat16
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0.0, max_tokens=12),
+        use_tqdm=False,
+    )
     assert "Paris" in out[0].outputs[0].text
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks
 

@@ -77,7 +77,10 @@ BAD_REQUESTS = {
     "token-id-out-of-vocab": (dict(prompt_token_ids=[5, 512]), ("prompt_token_ids",)),
     "negative-token-id": (dict(prompt_token_ids=[5, -1]), ("prompt_token_ids",)),
     "prompt-fills-context": (dict(prompt_token_ids=list(range(3, 3 + MAX_MODEL_LEN))), ("prompt",)),
-    "prompt-plus-max-tokens-too-long": (dict(prompt_token_ids=list(range(3, 103)), sampling_params=_greedy(40)), ("max_tokens",)),
+    "prompt-plus-max-tokens-too-long": (
+        dict(prompt_token_ids=list(range(3, 103)), sampling_params=_greedy(40)),
+        ("max_tokens",),
+    ),
     "max-tokens-0": (dict(sampling_params=_unchecked(_greedy(), max_tokens=0)), ("max_tokens",)),
     "temperature-negative": (dict(sampling_params=_unchecked(_greedy(), temperature=-0.5)), ("temperature",)),
     "top-p-0": (dict(sampling_params=_unchecked(_greedy(), top_p=0.0)), ("top_p",)),
@@ -104,7 +107,16 @@ def test_bad_request_is_refused_and_engine_keeps_serving(engine, tag):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_tokens", 0), ("max_tokens", -3), ("temperature", -0.1), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("logprobs", 21), ("temperature", float("nan"))],
+    [
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", -2),
+        ("logprobs", 21),
+        ("temperature", float("nan")),
+    ],
 )
 def test_sampling_params_constructor_validates(field, value):
     with pytest.raises(ValueError, match=field):
@@ -131,7 +143,9 @@ def test_generate_with_a_bad_prompt_leaves_nothing_behind(llm, engine):
     assert not engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("model", ["/nonexistent/model/dir", "/nonexistent/model.gguf", "random:no-such-shape", "random:", " "])
+@pytest.mark.parametrize(
+    "model", ["/nonexistent/model/dir", "/nonexistent/model.gguf", "random:no-such-shape", "random:", " "]
+)
 def test_unknown_model_is_a_value_error(model):
     with pytest.raises(ValueError):
         LLM(model=model)
@@ -157,7 +171,13 @@ def test_same_seed_same_tokens_different_seed_different(llm, engine):
     def sp(seed):
         return SamplingParams(temperature=0.8, seed=seed, max_tokens=24, ignore_eos=True)
 
-    a, b, c, _ = _tokens(llm.generate([prompt, prompt, prompt, other], [sp(1), sp(1), sp(2), SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)], use_tqdm=False))
+    a, b, c, _ = _tokens(
+        llm.generate(
+            [prompt, prompt, prompt, other],
+            [sp(1), sp(1), sp(2), SamplingParams(temperature=0.8, max_tokens=30, ignore_eos=True)],
+            use_tqdm=False,
+        )
+    )
     assert a == b, "two requests with the same seed in one batch must sample the same tokens"
     assert a != c, "different seeds gave the same 24 tokens"
     # Alone, in another call: the seed alone decides, not the batch it runs in.
@@ -167,15 +187,25 @@ def test_same_seed_same_tokens_different_seed_different(llm, engine):
 
 def test_unseeded_sampling_varies(llm, engine):
     prompt = {"prompt_token_ids": _prompt(20, seed=5)}
-    outs = _tokens(llm.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), use_tqdm=False))
+    outs = _tokens(
+        llm.generate([prompt] * 4, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    )
     assert len({tuple(t) for t in outs}) > 1
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(llm, engine):
     prompts = [{"prompt_token_ids": p} for p in random_prompts([3, 17, 40], 512, seed=9)]
     greedy = _tokens(llm.generate(prompts, _greedy(16), use_tqdm=False))
-    top_k = _tokens(llm.generate(prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True, seed=3), use_tqdm=False))
-    top_p = _tokens(llm.generate(prompts, SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=16, ignore_eos=True, seed=3), use_tqdm=False))
+    top_k = _tokens(
+        llm.generate(
+            prompts, SamplingParams(temperature=0.8, top_k=1, max_tokens=16, ignore_eos=True, seed=3), use_tqdm=False
+        )
+    )
+    top_p = _tokens(
+        llm.generate(
+            prompts, SamplingParams(temperature=0.8, top_p=1e-6, max_tokens=16, ignore_eos=True, seed=3), use_tqdm=False
+        )
+    )
     assert top_k == greedy
     assert top_p == greedy
 
@@ -212,7 +242,9 @@ def test_generation_stops_at_max_model_len(engine):
 
 def test_logprobs(llm, engine):
     prompt = {"prompt_token_ids": _prompt(12)}
-    two, zero, none = llm.generate([prompt] * 3, [_greedy(6, logprobs=2), _greedy(6, logprobs=0), _greedy(6)], use_tqdm=False)
+    two, zero, none = llm.generate(
+        [prompt] * 3, [_greedy(6, logprobs=2), _greedy(6, logprobs=0), _greedy(6)], use_tqdm=False
+    )
     tokens = list(two.outputs[0].token_ids)
     assert len(two.outputs[0].logprobs) == len(tokens)
     for token, entry in zip(tokens, two.outputs[0].logprobs):
@@ -230,7 +262,9 @@ def test_logprobs(llm, engine):
 def test_sampled_logprobs_include_unlikely_choice(llm, engine):
     """With sampling the chosen token may fall outside the top n: it is added (n + 1 entries)."""
     prompt = {"prompt_token_ids": _prompt(12)}
-    (out,) = llm.generate([prompt], SamplingParams(temperature=5.0, max_tokens=32, ignore_eos=True, seed=0, logprobs=1), use_tqdm=False)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=5.0, max_tokens=32, ignore_eos=True, seed=0, logprobs=1), use_tqdm=False
+    )
     for token, entry in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
         assert token in entry and len(entry) in (1, 2)
 
@@ -280,11 +314,17 @@ def test_stop_strings_cut_text():
     stop = words[len(words) // 2]
     cut = text.index(stop)
 
-    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False)
+    (out,) = llm.generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )
     assert out.outputs[0].text == text[:cut]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert len(out.outputs[0].token_ids) < len(full.outputs[0].token_ids)
 
-    (kept,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True), use_tqdm=False)
+    (kept,) = llm.generate(
+        [prompt],
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
     assert kept.outputs[0].text == text[: cut + len(stop)]
     assert llm.engine.num_free_blocks == llm.engine.num_total_blocks

@@ -37,7 +37,9 @@ def _run_engine(llm, prompts: list[list[int]], max_tokens: int):
 
 def _assert_all_blocks_free(llm) -> None:
     engine = llm.engine
-    assert engine.num_free_blocks == engine.num_total_blocks, f"{engine.num_total_blocks - engine.num_free_blocks} KV blocks still held after generate"
+    assert engine.num_free_blocks == engine.num_total_blocks, (
+        f"{engine.num_total_blocks - engine.num_free_blocks} KV blocks still held after generate"
+    )
 
 
 # --- tiny random checkpoints, loaded through the safetensors-directory loader ---------------------
@@ -85,7 +87,9 @@ def test_tiny_greedy_matches_hf_under_kv_pressure(tiny_cases):
 def test_tiny_repeated_generate_is_deterministic(tiny_cases):
     """A second generate on the same LLM (warm prefix cache) gives the same tokens as the first."""
     model_dir, prompts, expected, margins = tiny_cases("untied")
-    llm = LLM(model=model_dir, dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256, enable_prefix_caching=True)
+    llm = LLM(
+        model=model_dir, dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256, enable_prefix_caching=True
+    )
     first = _run_engine(llm, prompts, TINY_MAX_TOKENS)
     second = _run_engine(llm, prompts, TINY_MAX_TOKENS)
     assert first == expected, describe_mismatches(prompts, expected, first, margins)

@@ -78,7 +78,12 @@ def test_both_directions_at_once(pool):
     a, b = connected_pair(InProcessHub())
     x, y = torch.randn(4, 8), torch.randn(16)
     out_x, out_y = torch.empty_like(x), torch.empty_like(y)
-    jobs = [pool.submit(a.send, "b", x, 2), pool.submit(b.send, "a", y, 2), pool.submit(a.recv, "b", out_y, 2), pool.submit(b.recv, "a", out_x, 2)]
+    jobs = [
+        pool.submit(a.send, "b", x, 2),
+        pool.submit(b.send, "a", y, 2),
+        pool.submit(a.recv, "b", out_y, 2),
+        pool.submit(b.recv, "a", out_x, 2),
+    ]
     for job in jobs:
         job.result(timeout=3)
     assert torch.equal(out_x, x) and torch.equal(out_y, y)

@@ -12,7 +12,9 @@ LAYERS, HEADS = 4, 8
 
 
 def layout(name: str, tp: int, pp: int) -> KVLayout:
-    return KVLayout(tp, pp, tuple(KVRank(f"{name}{t}{p}", f"addr-{name}{t}{p}", t, p) for p in range(pp) for t in range(tp)))
+    return KVLayout(
+        tp, pp, tuple(KVRank(f"{name}{t}{p}", f"addr-{name}{t}{p}", t, p) for p in range(pp) for t in range(tp))
+    )
 
 
 @pytest.mark.parametrize("src,dst", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((2, 1), (1, 2)), ((1, 2), (2, 2))])
@@ -32,7 +34,11 @@ def test_targets_and_sources_agree(src, dst):
         tp_size, pp_size = dst
         heads = HEADS // tp_size
         layers = LAYERS // pp_size
-        wanted = {(layer, head) for layer in range(rank.pp_rank * layers, (rank.pp_rank + 1) * layers) for head in range(rank.tp_rank * heads, (rank.tp_rank + 1) * heads)}
+        wanted = {
+            (layer, head)
+            for layer in range(rank.pp_rank * layers, (rank.pp_rank + 1) * layers)
+            for head in range(rank.tp_rank * heads, (rank.tp_rank + 1) * heads)
+        }
         assert sent[rank.peer_id]["cells"] == wanted
         # The decode rank listens to exactly the prefill ranks that send to it.
         assert set(sources_for(rank.place, prefill, decode.plan, LAYERS, HEADS)) == sent[rank.peer_id]["from"]

@@ -39,7 +39,10 @@ def greedy(max_tokens: int = 12) -> SamplingParams:
 @pytest.fixture(scope="module")
 def colocated_tokens() -> list[list[int]]:
     llm = LLM(MODEL, num_kv_blocks=256)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], greedy(), use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], greedy(), use_tqdm=False)
+    ]
 
 
 @pytest.fixture
@@ -48,14 +51,22 @@ def pair(request):
     parametrize indirectly with False for packed KV messages."""
     shared = getattr(request, "param", True)
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128, kv_shared_memory=shared), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
-    decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(
+        EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128, kv_shared_memory=shared),
+        InProcessTransport("prefill-0", hub),
+        kv_timeout=5.0,
+    )
+    decode = DecodeWorker(
+        EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0
+    )
     yield hub, prefill, decode
     prefill.close()
     decode.close()
 
 
-def submit(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+def submit(
+    prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int], params: SamplingParams
+) -> None:
     """The router's handshake: reserve on decode, then start the prefill with its targets (they
     are in force from the first layer of its first step on)."""
     reservation = decode.reserve(request_id, prompt, params, prefill.kv_layout())
@@ -162,7 +173,9 @@ def test_aborting_a_request_refuses_the_targets_that_wait_for_it(pair):
 
 
 @pytest.mark.parametrize("chunk", [0, 2])  # during the first chunk, or a later one
-def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(pair, colocated_tokens, chunk, monkeypatch):
+def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(
+    pair, colocated_tokens, chunk, monkeypatch
+):
     """As a link thread does: set_kv_targets while the step runs (here: from the layer hook,
     after layer 0). The engine thread registers this rank's targets at the next layer: the
     layers computed before go first, the rest as computed; the answer comes after the step."""
@@ -223,11 +236,19 @@ def test_the_layer_hook_does_work_only_at_layers_where_some_is_due(tiny_untied_d
     packed, every layer is copied."""
     monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1 << 30)  # one message
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32, kv_shared_memory=by_reference), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
-    decode = DecodeWorker(EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(
+        EngineConfig(model=tiny_untied_dir, num_kv_blocks=32, kv_shared_memory=by_reference),
+        InProcessTransport("prefill-0", hub),
+        kv_timeout=5.0,
+    )
+    decode = DecodeWorker(
+        EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0
+    )
     visited = []
     due_layer = KVSender._due_layer
-    monkeypatch.setattr(KVSender, "_due_layer", staticmethod(lambda tr, layer: visited.append(layer) or due_layer(tr, layer)))
+    monkeypatch.setattr(
+        KVSender, "_due_layer", staticmethod(lambda tr, layer: visited.append(layer) or due_layer(tr, layer))
+    )
     try:
         submit(prefill, decode, "r", prompts()[3], greedy(2))
         prefill.step()
@@ -290,7 +311,9 @@ def test_dead_sender_fails_the_transfer_and_frees_decode_blocks(pair):
         decode.step()
         assert time.monotonic() - started < 6.0
         time.sleep(0.005)
-    assert [f.request_id for f in decode.failed] == ["orphan"] or decode.engine.num_free_blocks == decode.engine.num_total_blocks
+    assert [f.request_id for f in decode.failed] == [
+        "orphan"
+    ] or decode.engine.num_free_blocks == decode.engine.num_total_blocks
     assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
 
 
@@ -314,7 +337,18 @@ LAYERS, HEADS, BLOCKS = 4, 4, 8
 
 def rank_cache(plan: ParallelPlan, rank: tuple[int, int], full: torch.Tensor | None, shared: bool = False) -> KVCache:
     (l0, l1), (h0, h1) = layer_range(LAYERS, rank[1], plan.pp), head_range(HEADS, rank[0], plan.tp)
-    cache = KVCache(l1 - l0, BLOCKS, 4, h1 - h0, 8, torch.float32, torch.device("cpu"), shared=shared, layer_offset=l0, head_offset=h0)
+    cache = KVCache(
+        l1 - l0,
+        BLOCKS,
+        4,
+        h1 - h0,
+        8,
+        torch.float32,
+        torch.device("cpu"),
+        shared=shared,
+        layer_offset=l0,
+        head_offset=h0,
+    )
     if full is not None:
         cache.tensor.copy_(full[l0:l1, :, h0:h1])
     return cache
@@ -351,9 +385,15 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
         rank: rx.expect("r", dst_block_ids, {f"p{r.src}": senders[r.src].address() for r in routes if r.dst == rank})
         for rank, rx in receivers.items()
     }
-    chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=src_block_ids), start=0, num_new_tokens=len(src_block_ids) * 4)
+    chunk = SimpleNamespace(
+        request=SimpleNamespace(request_id="r", block_ids=src_block_ids), start=0, num_new_tokens=len(src_block_ids) * 4
+    )
     for rank, tx in senders.items():
-        targets = [KVTarget(f"d{r.dst}", receivers[r.dst].address(), transfer_ids[r.dst], dst_block_ids, r.layers, r.heads) for r in routes if r.src == rank]
+        targets = [
+            KVTarget(f"d{r.dst}", receivers[r.dst].address(), transfer_ids[r.dst], dst_block_ids, r.layers, r.heads)
+            for r in routes
+            if r.src == rank
+        ]
         tx.add("r", targets)
         for local_layer in range(tx.kv_cache.num_layers):
             tx.save_kv_layer(local_layer, [chunk])
@@ -363,7 +403,9 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
         [result] = wait_for(rx)
         assert result.ok and result.first_token == 3
         expected = rank_cache(dst_plan, rank, full)
-        assert torch.equal(dst_caches[rank].export_blocks(dst_block_ids), expected.export_blocks(src_block_ids)), f"decode rank {rank}"
+        assert torch.equal(dst_caches[rank].export_blocks(dst_block_ids), expected.export_blocks(src_block_ids)), (
+            f"decode rank {rank}"
+        )
     for tx in senders.values():
         assert all(r.ok for r in wait_for(tx))
     for endpoint in (*senders.values(), *receivers.values()):
@@ -387,8 +429,12 @@ def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
 def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
     """A transfer whose KV never comes expires alone; the pair and its other transfers live on."""
     hub = InProcessHub()
-    prefill = PrefillWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
-    decode = DecodeWorker(EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    prefill = PrefillWorker(
+        EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0
+    )
+    decode = DecodeWorker(
+        EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0
+    )
     try:
         # "stale": reserved, but its prefill never comes; it must expire alone (after 1 s, here).
         stale_blocks = decode.engine.reserve_for_remote_prefill("stale", prompts()[1], greedy())

@@ -49,7 +49,12 @@ def test_another_process_maps_the_shared_cache_and_writes_through():
     assert cache.shared_handle is not None and not cache.tensor.any()
     cache.tensor.copy_(torch.arange(cache.tensor.numel(), dtype=torch.float32).view(SHAPE))
     h = cache.shared_handle
-    out = subprocess.run([sys.executable, "-c", CHILD.format(shape=SHAPE), str(h.pid), str(h.fd), str(h.token)], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD.format(shape=SHAPE), str(h.pid), str(h.fd), str(h.token)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     n = cache.tensor.numel()
     assert float(out.stdout) == n * (n - 1) / 2
@@ -73,7 +78,9 @@ def test_cache_on_an_accelerator_or_unshared_has_no_handle():
 
 
 @pytest.mark.parametrize("backend", ["kernel", "torch"])
-@pytest.mark.parametrize("src_ids,dst_ids", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 3, 4, 0], [1, 5, 6, 0, 2]), ([5], [5]), ([], [])])
+@pytest.mark.parametrize(
+    "src_ids,dst_ids", [([0, 1, 2, 3], [4, 5, 6, 7]), ([7, 2, 3, 4, 0], [1, 5, 6, 0, 2]), ([5], [5]), ([], [])]
+)
 def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend):
     ops = cpu_ops(torch.device("cpu"), backend)
     g = torch.Generator().manual_seed(0)
@@ -95,14 +102,18 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
     """The sender keeps its blocks only until its deadline: a copy that ends later may hold
     another request's KV, so the receiver must not accept it."""
     hub = InProcessHub()
-    src_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True)
+    src_cache = KVCache(
+        SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True
+    )
     dst_cache = KVCache(SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"))
     sender = connected(KVSender(InProcessTransport("p", hub), timeout=0.5), src_cache)
     receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=5), dst_cache)
     transfer_id = receiver.expect("r", [3, 4], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [3, 4], (0, SHAPE[0]), (0, SHAPE[2]))])
     time.sleep(0.6)  # past the sender's deadline before anything is sent
-    chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4])
+    chunk = SimpleNamespace(
+        request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4]
+    )
     for layer in range(SHAPE[0]):
         sender.save_kv_layer(layer, [chunk])
     sender.forward_done([chunk])
@@ -118,14 +129,25 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
 
 
 def test_queued_references_to_consecutive_layers_merge_into_one_message():
-    sender = connected(KVSender(InProcessTransport("p", InProcessHub()), timeout=5), KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True))
+    sender = connected(
+        KVSender(InProcessTransport("p", InProcessHub()), timeout=5),
+        KVCache(4, 8, 4, 2, 8, torch.float32, torch.device("cpu"), shared=True),
+    )
 
     def ref(layer, blocks=(1, 2), valid_until=100, transfer=1):
         header = Header(MsgType.KV_REF, transfer, layer, 0, len(blocks), 0, 2, num_layers=1)
         return header, BlockRef(1, 2, 3, 4, 2, 8, 0, 0, valid_until, list(blocks)).to_tensor()
 
     done = (Header(MsgType.DONE, 1, token=5), None)
-    queued = [ref(0, valid_until=90), ref(1), ref(2, blocks=(1, 3)), ref(3, blocks=(1, 3)), ref(3, transfer=2), done, ref(0)]
+    queued = [
+        ref(0, valid_until=90),
+        ref(1),
+        ref(2, blocks=(1, 3)),
+        ref(3, blocks=(1, 3)),
+        ref(3, transfer=2),
+        done,
+        ref(0),
+    ]
     merged = sender.coalesce(queued)
     assert [(h.type, h.transfer_id, h.layer, h.num_layers) for h, _ in merged] == [
         (MsgType.KV_REF, 1, 0, 2),  # layers 0-1 of blocks (1, 2): one message
@@ -153,7 +175,9 @@ def test_a_reference_is_imported_a_group_of_layers_at_a_time(layers_per_copy, mo
     receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=30), dst_cache)
     transfer_id = receiver.expect("r", [6, 3], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [6, 3], (0, layers), (0, heads))])
-    chunk = SimpleNamespace(request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size)
+    chunk = SimpleNamespace(
+        request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size
+    )
     for layer in range(layers):
         sender.save_kv_layer(layer, [chunk])
     sender.forward_done([chunk])

@@ -20,7 +20,18 @@ from disagg.errors import ModelLoadError
 
 torch.set_num_threads(2)
 
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 GGUF_LAYER_NAMES = {
     "input_layernorm": "attn_norm",
     "self_attn.q_proj": "attn_q",
@@ -56,7 +67,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def gguf_name(hf_name: str) -> str:
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    top = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
     if hf_name in top:
         return top[hf_name]
     _, _, index, rest = hf_name.split(".", 3)
@@ -64,7 +79,9 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{index}.{GGUF_LAYER_NAMES[module]}.{suffix}"
 
 
-def write_gguf(path, state, *, arch="llama", qtype=gguf.GGMLQuantizationType.F32, heads=4, kv_heads=2, extra_tensors=()):
+def write_gguf(
+    path, state, *, arch="llama", qtype=gguf.GGMLQuantizationType.F32, heads=4, kv_heads=2, extra_tensors=()
+):
     """A GGUF the way llama.cpp's converter writes one: Q/K permuted (llama), 2-D weights quantized."""
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_context_length(TINY["max_position_embeddings"])
@@ -154,7 +171,9 @@ def tiny_tokenizer():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
@@ -163,9 +182,27 @@ def tiny_tokenizer():
 def test_random_llama3_8b_config_without_materializing():
     source = load_model_source("random:llama3-8b", cache_dir="/nonexistent")
     cfg = source.config
-    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == ("llama", 32, 4096, 32, 8)
-    assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta, cfg.max_position_embeddings, cfg.head_dim) == (14336, 128256, 500000.0, 131072, 128)
-    assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert (
+        cfg.architecture,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    ) == ("llama", 32, 4096, 32, 8)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta, cfg.max_position_embeddings, cfg.head_dim) == (
+        14336,
+        128256,
+        500000.0,
+        131072,
+        128,
+    )
+    assert cfg.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     assert source.path is None and source.tokenizer is None and not cfg.tie_word_embeddings
     shapes = dict(expected_weight_shapes(cfg))
     assert len(shapes) == 2 + 32 * 9 + 1
@@ -176,14 +213,31 @@ def test_random_llama3_8b_config_without_materializing():
 
 def test_random_named_shapes():
     q = load_model_source("random:qwen2-7b", cache_dir="/x").config
-    assert q.architecture == "qwen2" and q.attention_bias and (q.num_hidden_layers, q.hidden_size, q.num_key_value_heads) == (28, 3584, 4)
+    assert (
+        q.architecture == "qwen2"
+        and q.attention_bias
+        and (q.num_hidden_layers, q.hidden_size, q.num_key_value_heads) == (28, 3584, 4)
+    )
     assert dict(expected_weight_shapes(q))["model.layers.0.self_attn.k_proj.bias"] == (512,)
     l13 = load_model_source("random:llama2-13b", cache_dir="/x").config
-    assert (l13.num_hidden_layers, l13.hidden_size, l13.num_attention_heads, l13.num_key_value_heads, l13.vocab_size) == (40, 5120, 40, 40, 32000)
+    assert (
+        l13.num_hidden_layers,
+        l13.hidden_size,
+        l13.num_attention_heads,
+        l13.num_key_value_heads,
+        l13.vocab_size,
+    ) == (40, 5120, 40, 40, 32000)
     l7 = load_model_source("random:llama2-7b", cache_dir="/x").config
     assert (l7.num_hidden_layers, l7.hidden_size, l7.intermediate_size) == (32, 4096, 11008)
     s = load_model_source("random:smollm2-135m", cache_dir="/x").config
-    assert (s.num_hidden_layers, s.hidden_size, s.num_attention_heads, s.num_key_value_heads, s.vocab_size, s.tie_word_embeddings) == (30, 576, 9, 3, 49152, True)
+    assert (
+        s.num_hidden_layers,
+        s.hidden_size,
+        s.num_attention_heads,
+        s.num_key_value_heads,
+        s.vocab_size,
+        s.tie_word_embeddings,
+    ) == (30, 576, 9, 3, 49152, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -220,11 +274,25 @@ def test_gguf_matches_the_hf_weights_it_was_converted_from(tmp_path, qtype):
     path = write_gguf(tmp_path / "tiny.gguf", state, qtype=qtype)
     source = load_model_source(path, cache_dir=str(tmp_path / "cache"))
     cfg = source.config
-    assert (cfg.architecture, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == ("llama", 256, 4, 2, 16)
-    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.bos_token_id, cfg.eos_token_ids, cfg.tie_word_embeddings) == (1e-6, 5000.0, 1, (2,), False)
+    assert (cfg.architecture, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (
+        "llama",
+        256,
+        4,
+        2,
+        16,
+    )
+    assert (cfg.rms_norm_eps, cfg.rope_theta, cfg.bos_token_id, cfg.eos_token_ids, cfg.tie_word_embeddings) == (
+        1e-6,
+        5000.0,
+        1,
+        (2,),
+        False,
+    )
     assert source.tokenizer is None and source.path.startswith(str(tmp_path / "cache" / "gguf"))
     # what config.json in the cache says is what the GGUF metadata said
-    assert source.config == dataclasses.replace(gguf_convert.gguf_model_config(gguf_convert.open_gguf(path), path), name="tiny")
+    assert source.config == dataclasses.replace(
+        gguf_convert.gguf_model_config(gguf_convert.open_gguf(path), path), name="tiny"
+    )
     loaded = weights(source)
     assert sorted(loaded) == sorted(state)
     for name, tensor in state.items():
@@ -251,7 +319,13 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 
 def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     factors = llama3_factors(scaling, 500000.0, 128)
     assert factors[0] == 1.0 and factors[-1] == 8.0
     assert llama3_scaling_from_factors(factors, 500000.0, 128) == scaling
@@ -261,7 +335,13 @@ def test_llama3_rope_scaling_is_recovered_from_rope_freqs():
 
 def test_gguf_with_rope_freqs_gets_llama3_scaling(tmp_path):
     state = save_hf_model(tmp_path / "hf")
-    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     factors = llama3_factors(scaling, 5000.0, 16).numpy()
     path = write_gguf(tmp_path / "r.gguf", state, extra_tensors=[("rope_freqs.weight", factors)])
     source = load_model_source(path, cache_dir=str(tmp_path / "c"))
@@ -334,7 +414,9 @@ def test_not_a_gguf_file(tmp_path):
 def test_gguf_missing_a_tensor(tmp_path):
     state = save_hf_model(tmp_path / "hf")
     del state["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(ModelLoadError, match=r"m.gguf: lacks the tensor that becomes model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(
+        ModelLoadError, match=r"m.gguf: lacks the tensor that becomes model.layers.1.mlp.up_proj.weight"
+    ):
         load_model_source(write_gguf(tmp_path / "m.gguf", state), cache_dir=str(tmp_path / "c"))
 
 
@@ -408,9 +490,26 @@ def default_cache(tmp_path_factory):
 def test_default_model_config_cache_and_tokenizer(default_cache):
     cache, source, cold_seconds = default_cache
     cfg = source.config
-    assert (cfg.architecture, cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == ("llama", 30, 576, 9, 3)
-    assert (cfg.vocab_size, cfg.intermediate_size, cfg.tie_word_embeddings, cfg.max_position_embeddings) == (49152, 1536, True, 8192)
-    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.bos_token_id, cfg.eos_token_ids, cfg.name) == (100000.0, 1e-5, 1, (2,), DEFAULT_MODEL)
+    assert (
+        cfg.architecture,
+        cfg.num_hidden_layers,
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+    ) == ("llama", 30, 576, 9, 3)
+    assert (cfg.vocab_size, cfg.intermediate_size, cfg.tie_word_embeddings, cfg.max_position_embeddings) == (
+        49152,
+        1536,
+        True,
+        8192,
+    )
+    assert (cfg.rope_theta, cfg.rms_norm_eps, cfg.bos_token_id, cfg.eos_token_ids, cfg.name) == (
+        100000.0,
+        1e-5,
+        1,
+        (2,),
+        DEFAULT_MODEL,
+    )
     assert os.path.dirname(source.path) == os.path.join(cache, "gguf")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(source.path))
 
@@ -426,7 +525,9 @@ def test_default_model_config_cache_and_tokenizer(default_cache):
     text = "Hello, world! Ça va? 🙂 中文"
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert "<|im_start|>" in tokenizer.chat_template
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -435,10 +536,19 @@ def test_default_model_q_k_match_transformers_gguf_loader(default_cache):
     from transformers import AutoModelForCausalLM
 
     path = default_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+    )
     ref = reference.state_dict()
     ours = weights(default_cache[1])
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.v_proj.weight", "model.layers.29.self_attn.k_proj.weight", "model.embed_tokens.weight", "model.norm.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.self_attn.v_proj.weight",
+        "model.layers.29.self_attn.k_proj.weight",
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ):
         assert torch.equal(ours[name].float(), ref[name].float()), name
 
 

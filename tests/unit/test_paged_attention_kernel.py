@@ -27,7 +27,15 @@ def kernel():
     return fn
 
 
-def _random_batch(context_lens: list[int], num_kv_heads: int, group: int, head_dim: int, dtype: torch.dtype, seed: int, block_size: int = BLOCK_SIZE):
+def _random_batch(
+    context_lens: list[int],
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    block_size: int = BLOCK_SIZE,
+):
     """A cache with random contents and, per request, random distinct blocks in random order."""
     gen = torch.Generator().manual_seed(seed)
     kv_layer = torch.randn(2, num_kv_heads, NUM_BLOCKS, block_size, head_dim, generator=gen).to(dtype)
@@ -49,7 +57,9 @@ def _reference(q, kv_layer, tables, lens, scale) -> torch.Tensor:
         keys = kv_layer[0].index_select(1, blocks).flatten(1, 2)[:, :n].float()
         values = kv_layer[1].index_select(1, blocks).flatten(1, 2)[:, :n].float()
         query = q[row].float().unsqueeze(1).unsqueeze(0)  # [1, H, 1, D]
-        out[row] = torch.nn.functional.scaled_dot_product_attention(query, keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True)[0, :, 0]
+        out[row] = torch.nn.functional.scaled_dot_product_attention(
+            query, keys.unsqueeze(0), values.unsqueeze(0), scale=scale, enable_gqa=True
+        )[0, :, 0]
     return out
 
 
@@ -78,7 +88,9 @@ def test_kernel_matches_reference(kernel, case, dtype):
 
 @pytest.mark.parametrize("block_size", [8, 32])
 def test_kernel_other_block_sizes(kernel, block_size):
-    q, kv_layer, tables, context_lens = _random_batch([1, 9, 31, 32, 33, 300], 3, 3, 64, torch.float32, seed=block_size, block_size=block_size)
+    q, kv_layer, tables, context_lens = _random_batch(
+        [1, 9, 31, 32, 33, 300], 3, 3, 64, torch.float32, seed=block_size, block_size=block_size
+    )
     got = kernel(q, kv_layer, tables, context_lens, 0.125)
     torch.testing.assert_close(got, _reference(q, kv_layer, tables, context_lens, 0.125), rtol=1e-5, atol=2e-6)
 
@@ -110,7 +122,9 @@ def test_decode_attention_kernel_and_torch_paths_agree(kernel, dtype):
     assert with_kernel.dtype == dtype and with_torch.dtype == dtype
     tolerance = dict(rtol=1e-5, atol=2e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
     torch.testing.assert_close(with_kernel, with_torch, **tolerance)
-    torch.testing.assert_close(with_kernel.float(), _reference(q, kv_layer, tables, context_lens, scale).to(dtype).float(), **tolerance)
+    torch.testing.assert_close(
+        with_kernel.float(), _reference(q, kv_layer, tables, context_lens, scale).to(dtype).float(), **tolerance
+    )
 
 
 def test_backend_torch_forces_torch(monkeypatch):

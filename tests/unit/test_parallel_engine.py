@@ -47,7 +47,9 @@ def sharded_engines(config: EngineConfig, tp: int, pp: int) -> list[LLMEngine]:
     def build(rank: int) -> LLMEngine:
         place = RankPlace.of_rank(rank, tp, pp)
         parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank)
-        groups = join_instance(place, address, device=__import__("torch").device("cpu"), store=store if rank == 0 else None)
+        groups = join_instance(
+            place, address, device=__import__("torch").device("cpu"), store=store if rank == 0 else None
+        )
         return LLMEngine(config.replace(parallel=parallel), groups=groups, followers=followers if rank == 0 else None)
 
     with futures.ThreadPoolExecutor(tp * pp) as pool:
@@ -71,7 +73,9 @@ def greedy_tokens(engine: LLMEngine, max_tokens: int = 12) -> list[list[int]]:
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_engine_matches_single(tiny_untied_dir, tp, pp):
     # A small budget chunks the long prompts, so chunked prefill crosses stages too.
-    config = EngineConfig(model=tiny_untied_dir, dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24)
+    config = EngineConfig(
+        model=tiny_untied_dir, dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24
+    )
     expected = greedy_tokens(LLMEngine(config))
     engines = sharded_engines(config, tp, pp)
     assert greedy_tokens(engines[0]) == expected
@@ -89,6 +93,8 @@ def test_qkv_bias_shards_with_tp(tiny_qwen2_bias_dir):
 
 
 def test_engine_refuses_missing_groups(tiny_untied_dir):
-    config = EngineConfig(model=tiny_untied_dir, dtype="float32", device="cpu", num_kv_blocks=8, parallel=ParallelConfig(2, 1))
+    config = EngineConfig(
+        model=tiny_untied_dir, dtype="float32", device="cpu", num_kv_blocks=8, parallel=ParallelConfig(2, 1)
+    )
     with pytest.raises(ValueError, match="process groups"):
         LLMEngine(config)

@@ -36,10 +36,16 @@ def _assert_kv_shape(kv, engine: LLMEngine, num_prompt_tokens: int, layer: int |
     cfg, bs = engine.model_config, engine.config.block_size
     got = tuple(kv.shape) if layer is not None else tuple(kv.shape[1:])
     if layer is None:
-        assert kv.shape[0] == cfg.num_hidden_layers, f"export_blocks: {kv.shape[0]} layers, model has {cfg.num_hidden_layers}"
+        assert kv.shape[0] == cfg.num_hidden_layers, (
+            f"export_blocks: {kv.shape[0]} layers, model has {cfg.num_hidden_layers}"
+        )
     expected = (2, cfg.num_key_value_heads, got[2], bs, cfg.head_dim)
-    assert got == expected, f"export_blocks shape {tuple(kv.shape)}, expected [L?, 2, {cfg.num_key_value_heads}, n, {bs}, {cfg.head_dim}]"
-    assert got[2] >= math.ceil(num_prompt_tokens / bs), f"export_blocks holds {got[2]} blocks for a {num_prompt_tokens}-token prompt"
+    assert got == expected, (
+        f"export_blocks shape {tuple(kv.shape)}, expected [L?, 2, {cfg.num_key_value_heads}, n, {bs}, {cfg.head_dim}]"
+    )
+    assert got[2] >= math.ceil(num_prompt_tokens / bs), (
+        f"export_blocks holds {got[2]} blocks for a {num_prompt_tokens}-token prompt"
+    )
 
 
 def _transfer(prefill: LLMEngine, decode: LLMEngine, rid: str, num_prompt_tokens: int, per_layer: bool) -> None:
@@ -58,7 +64,9 @@ def _transfer(prefill: LLMEngine, decode: LLMEngine, rid: str, num_prompt_tokens
         decode.kv_cache.import_blocks(target, kv.clone())
 
 
-def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
+def run_disaggregated(
+    prefill: LLMEngine, decode: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams
+) -> dict[str, list[int]]:
     """Drive P and D together until every request has finished decoding on D.
 
     The handshake comes first (D reserves blocks), then P prefills; each request is handed over
@@ -83,7 +91,9 @@ def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: dict[str, 
                 continue
             rid = out.request_id
             assert rid not in first_tokens, f"{rid} reported finished twice by the prefill engine"
-            assert len(out.outputs[0].token_ids) == 1, f"prefill engine returned {out.outputs[0].token_ids} for {rid}, expected one token"
+            assert len(out.outputs[0].token_ids) == 1, (
+                f"prefill engine returned {out.outputs[0].token_ids} for {rid}, expected one token"
+            )
             first_tokens[rid] = out.outputs[0].token_ids[0]
             _transfer(prefill, decode, rid, len(prompts[rid]), per_layer=len(first_tokens) % 2 == 0)
             decode.finish_kv_import(rid, first_tokens[rid])
@@ -103,7 +113,9 @@ def run_disaggregated(prefill: LLMEngine, decode: LLMEngine, prompts: dict[str, 
 def _assert_all_free(*engines: LLMEngine) -> None:
     for engine in engines:
         role = engine.config.role
-        assert engine.num_free_blocks == engine.num_total_blocks, f"{role}: {engine.num_total_blocks - engine.num_free_blocks} blocks still held"
+        assert engine.num_free_blocks == engine.num_total_blocks, (
+            f"{role}: {engine.num_total_blocks - engine.num_free_blocks} blocks still held"
+        )
 
 
 def _engines(model: str, prefill_budget: int, num_kv_blocks: int = 256, **engine_args) -> tuple[LLMEngine, LLMEngine]:
@@ -135,10 +147,14 @@ def test_disaggregated_equals_colocated_tiny(request, kind):
     got2 = run_disaggregated(prefill, decode, {f"b{i}": p for i, p in enumerate(wave2)}, params)
 
     for i, p in enumerate(prompts):
-        assert got1[f"a{i}"] == expected[i], f"prompt a{i} (len {len(p)}): colocated {expected[i]}, disaggregated {got1[f'a{i}']}"
+        assert got1[f"a{i}"] == expected[i], (
+            f"prompt a{i} (len {len(p)}): colocated {expected[i]}, disaggregated {got1[f'a{i}']}"
+        )
     for i, p in enumerate(wave2):
         exp = expected[len(prompts) + i]
-        assert got2[f"b{i}"] == exp, f"prompt b{i} (len {len(p)}, shared prefix): colocated {exp}, disaggregated {got2[f'b{i}']}"
+        assert got2[f"b{i}"] == exp, (
+            f"prompt b{i} (len {len(p)}, shared prefix): colocated {exp}, disaggregated {got2[f'b{i}']}"
+        )
     _assert_all_free(prefill, decode)
 
 

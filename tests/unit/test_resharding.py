@@ -61,7 +61,10 @@ def test_moving_data_along_routes_reassembles_each_decode_shard(src, dst):
 
 def test_tp2_to_tp1_sends_each_half_of_the_heads():
     routes = plan_kv_routes(LAYERS, HEADS, ParallelPlan(tp=2), ParallelPlan(tp=1))
-    assert [(r.src, r.dst, r.heads, r.layers) for r in routes] == [((0, 0), (0, 0), (0, 2), (0, 6)), ((1, 0), (0, 0), (2, 4), (0, 6))]
+    assert [(r.src, r.dst, r.heads, r.layers) for r in routes] == [
+        ((0, 0), (0, 0), (0, 2), (0, 6)),
+        ((1, 0), (0, 0), (2, 4), (0, 6)),
+    ]
     assert routes[1].dst_local() == (slice(0, 6), slice(2, 4)) and routes[1].src_local() == (slice(0, 6), slice(0, 2))
 
 

@@ -25,7 +25,9 @@ def prefill_server(outcome) -> RpcServer:
     return RpcServer({"set_kv_targets": set_kv_targets}, "127.0.0.1")
 
 
-@pytest.mark.parametrize("outcome,error", [(True, None), (False, "dropped the request"), (RuntimeError("actor died"), "actor died")])
+@pytest.mark.parametrize(
+    "outcome,error", [(True, None), (False, "dropped the request"), (RuntimeError("actor died"), "actor died")]
+)
 def test_targets_call_outcome_reaches_the_stream(outcome, error):
     server = prefill_server(outcome)
 

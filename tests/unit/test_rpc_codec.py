@@ -28,7 +28,16 @@ def roundtrip(value):
 def test_every_message_type_comes_back_equal():
     layout = KVLayout(1, 2, (KVRank("p/rank0", "127.0.0.1:1", 0, 0), KVRank("p/rank1", "127.0.0.1:2", 0, 1)))
     values = [
-        TokenDelta("r1", [5, 6], text="hi", logprobs=[-0.5, -1.0], finished=True, finish_reason="stop", num_output_tokens=2, decode_s=0.25),
+        TokenDelta(
+            "r1",
+            [5, 6],
+            text="hi",
+            logprobs=[-0.5, -1.0],
+            finished=True,
+            finish_reason="stop",
+            num_output_tokens=2,
+            decode_s=0.25,
+        ),
         PrefillResult("r2", 7, "x", None, False, None, 12, 0, 0.001, 0.05),
         Reservation(3, [4, 5], {"d/rank0": 3}, layout),
         SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"], seed=3, logprobs=1),

@@ -100,6 +100,7 @@ def test_errors_keep_their_status_code_and_the_link_keeps_serving(server):
         with pytest.raises(RemoteError, match="engine broke") as broken:
             await client.call(Arithmetic.fail, "runtime", timeout_s=5)
         assert broken.value.grpc_code_name == "UNAVAILABLE"  # the worker failed, not the request
+
         def no_such_method(): ...
 
         with pytest.raises(RemoteError, match="unknown method"):
@@ -178,7 +179,9 @@ def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
         with pytest.raises(WorkerLinkError):
             await asyncio.wait_for(waiting, 5)
         assert disconnects == [True]
-        assert await settled(lambda: len(server.closed_links) == 1)  # the worker learns it too (it aborts that router's requests)
+        assert await settled(
+            lambda: len(server.closed_links) == 1
+        )  # the worker learns it too (it aborts that router's requests)
         assert await client.call(Arithmetic.add, 3, 4, timeout_s=5) == 7  # a new link
         await client.close()
 

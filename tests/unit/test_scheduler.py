@@ -15,11 +15,18 @@ BLOCK = 4
 
 def make_request(rid: str, prompt_len: int, max_tokens: int, first_token: int = 0, **params) -> Request:
     params.setdefault("ignore_eos", True)
-    return Request(rid, [first_token + i for i in range(prompt_len)], SamplingParams(temperature=0, max_tokens=max_tokens, **params), eos_token_ids=(2,))
+    return Request(
+        rid,
+        [first_token + i for i in range(prompt_len)],
+        SamplingParams(temperature=0, max_tokens=max_tokens, **params),
+        eos_token_ids=(2,),
+    )
 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 16, role: Role = Role.COLOCATED, **kw) -> Scheduler:
-    return Scheduler(BlockManager(num_blocks, BLOCK), role=role, max_num_batched_tokens=budget, max_model_len=1024, **kw)
+    return Scheduler(
+        BlockManager(num_blocks, BLOCK), role=role, max_num_batched_tokens=budget, max_model_len=1024, **kw
+    )
 
 
 def run_fake_step(s: Scheduler, next_token=lambda r: 7):
@@ -234,9 +241,13 @@ def test_prefill_first_runs_whole_prompts_and_stalls_decodes():
     run_fake_step(s)  # a's prompt
     s.add_request(make_request("long", 40, 2, first_token=100))  # longer than the budget: still whole
     out = run_fake_step(s)
-    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 40)], "decodes stall while a prompt runs"
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 40)], (
+        "decodes stall while a prompt runs"
+    )
     out = run_fake_step(s)
-    assert sorted(c.request.request_id for c in out.chunks) == ["a", "long"] and all(c.num_new_tokens == 1 for c in out.chunks)
+    assert sorted(c.request.request_id for c in out.chunks) == ["a", "long"] and all(
+        c.num_new_tokens == 1 for c in out.chunks
+    )
     run_to_completion(s)
     assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks
 

@@ -38,9 +38,13 @@ def byte_level():
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     raw.train_from_iterator(["hello world, the quick brown fox jumps"] * 20, trainer)
-    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>"))
+    return Tokenizer(
+        PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -53,14 +57,27 @@ def sentencepiece_like():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
     for char in "▁" + string.ascii_letters + string.digits + ",.!?:'-":
         vocab.setdefault(char, len(vocab))
-    merges = [("▁", "w"), ("▁w", "o"), ("▁wo", "r"), ("H", "e"), ("He", "l"), ("Hel", "l"), ("Hell", "o"), ("▁", "Hello")]
+    merges = [
+        ("▁", "w"),
+        ("▁w", "o"),
+        ("▁wo", "r"),
+        ("H", "e"),
+        ("He", "l"),
+        ("Hel", "l"),
+        ("Hell", "o"),
+        ("▁", "Hello"),
+    ]
     for a, b in merges:
         vocab[a + b] = len(vocab)
     raw = RawTokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    raw.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>"))
+    return Tokenizer(
+        PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    )
 
 
 @pytest.fixture(params=["smollm", "byte_level", "sentencepiece_like"])
@@ -83,7 +100,9 @@ def test_encode_decode_round_trip(tokenizer):
 def test_bos_only_where_the_tokenizer_adds_it(smollm, sentencepiece_like):
     assert smollm.encode("Hello")[0] != smollm.hf_tokenizer.bos_token_id  # SmolLM2 adds no BOS
     assert sentencepiece_like.encode("Hello")[0] == 1
-    assert sentencepiece_like.encode("Hello")[1:] == sentencepiece_like.hf_tokenizer.encode("Hello", add_special_tokens=False)
+    assert sentencepiece_like.encode("Hello")[1:] == sentencepiece_like.hf_tokenizer.encode(
+        "Hello", add_special_tokens=False
+    )
 
 
 def test_eos_token_ids(smollm, byte_level):
@@ -92,7 +111,10 @@ def test_eos_token_ids(smollm, byte_level):
 
 def test_chat_template(smollm):
     ids = smollm.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 🙂"}])
-    assert smollm.decode(ids, skip_special_tokens=False) == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        smollm.decode(ids, skip_special_tokens=False)
+        == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ids[0] == 1 and ids.count(1) == 3  # <|im_start|> as one special token, not spelled out
 
 

@@ -50,7 +50,9 @@ def wait_until_broken(transport, peer_id: str, timeout: float = SLACK) -> None:
     (Both peers are in this process, so `shares_memory_with` is True exactly while it is live.)"""
     end = time.monotonic() + timeout
     while transport.shares_memory_with(peer_id):
-        assert time.monotonic() < end, f"{transport.worker_id}'s pair with {peer_id} is still live {timeout}s after the peer dropped it"
+        assert time.monotonic() < end, (
+            f"{transport.worker_id}'s pair with {peer_id} is still live {timeout}s after the peer dropped it"
+        )
         time.sleep(0.001)
 
 

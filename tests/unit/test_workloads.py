@@ -52,7 +52,9 @@ def test_prompt_lengths_are_exact_token_counts_within_the_target(tokenizer, name
 
 @pytest.mark.parametrize("name", WORKLOADS)
 def test_every_request_fits_a_small_context(name):
-    prompts, outputs = sample_lengths(WorkloadConfig(name, num_requests=300, seed=1, context_len=256, input_len=400, output_len=100))
+    prompts, outputs = sample_lengths(
+        WorkloadConfig(name, num_requests=300, seed=1, context_len=256, input_len=400, output_len=100)
+    )
     assert (prompts + outputs <= 256).all() and (outputs >= MIN_OUTPUT_LEN).all() and (prompts >= 8).all()
 
 
@@ -84,7 +86,10 @@ def test_fixed_lengths(tokenizer):
 
 
 def test_the_text_is_real_text(tokenizer):
-    chat, code, summary = (make_workload(WorkloadConfig(n, num_requests=3, seed=5, context_len=4096, length_scale=0.5), tokenizer) for n in ("chat", "code", "summarization"))
+    chat, code, summary = (
+        make_workload(WorkloadConfig(n, num_requests=3, seed=5, context_len=4096, length_scale=0.5), tokenizer)
+        for n in ("chat", "code", "summarization")
+    )
     for req in chat + summary:
         assert req.prompt.isascii()
         words = re.findall(r"[A-Za-z]+", req.prompt)

@@ -69,7 +69,9 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); kv_layer: [2, KVH, blocks, bs, D].
 
     Returns [T, H, D].
@@ -94,7 +96,9 @@ def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeBatc
     return out
 
 
-def _decode_bucket_attention(q: torch.Tensor, kv_layer: torch.Tensor, bucket: DecodeBucket, scale: float) -> torch.Tensor:
+def _decode_bucket_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, bucket: DecodeBucket, scale: float
+) -> torch.Tensor:
     batch, num_heads, head_dim = q.shape
     num_kv_heads = kv_layer.shape[1]
     keys = _gather(kv_layer[0], bucket.block_ids).view(num_kv_heads, batch, -1, head_dim).transpose(0, 1)

@@ -94,4 +94,3 @@ class PackedWeight:
                 return None
             self._key = key
         return self._packed
-

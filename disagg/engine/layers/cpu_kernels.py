@@ -33,7 +33,9 @@ from disagg.config import ATTENTION_BACKENDS
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp")]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp")
+]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 BACKENDS = ATTENTION_BACKENDS  # auto, torch, kernel
@@ -95,7 +97,13 @@ def library_path() -> Path:
 
 def module_name() -> str:
     key = hashlib.sha256()
-    for part in (*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS + LDFLAGS).encode(), torch.__version__.encode(), sys.version.encode(), _cpu_signature().encode()):
+    for part in (
+        *(source.read_bytes() for source in SOURCES),
+        " ".join(CFLAGS + LDFLAGS).encode(),
+        torch.__version__.encode(),
+        sys.version.encode(),
+        _cpu_signature().encode(),
+    ):
         key.update(part)
     return f"disagg_cpu_kernels_{key.hexdigest()[:16]}"
 

@@ -17,7 +17,14 @@ class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; no communication. Shards are named parts of the
     output (e.g. q, k, v of a fused QKV projection), each split across ranks separately."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, tp: TPGroup = SINGLE, gemm: str = "onednn"):
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: dict[str, int],
+        bias: bool = False,
+        tp: TPGroup = SINGLE,
+        gemm: str = "onednn",
+    ):
         super().__init__()
         self.tp = tp
         self.local_sizes = {name: tp.shard(n, name) for name, n in shard_sizes.items()}
@@ -43,7 +50,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial sums all-reduced."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE, gemm: str = "onednn"):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE, gemm: str = "onednn"
+    ):
         super().__init__()
         self.tp = tp
         self.local_in = tp.shard(in_features, "in_features")

@@ -69,7 +69,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp: TPGroup, backends: Backends):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp, gemm=backends.gemm)
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp, gemm=backends.gemm
+        )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,14 +95,24 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_model_len: int, tp: TPGroup = SINGLE, pp_rank: int = 0, pp_size: int = 1, backends: Backends = Backends()):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_model_len: int,
+        tp: TPGroup = SINGLE,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        backends: Backends = Backends(),
+    ):
         super().__init__()
         self.config = cfg
         self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i - self.start_layer, tp, backends) for i in range(self.start_layer, self.end_layer))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i - self.start_layer, tp, backends) for i in range(self.start_layer, self.end_layer)
+        )
         self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention) if self.is_last_stage else None
         self.lm_head = None
         if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
@@ -112,7 +124,16 @@ class LlamaForCausalLM(nn.Module):
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
 
-    def forward(self, input_ids, positions, kv_cache: KVCache, meta: AttentionMetadata, hidden_states=None, residual=None, after_layer=None):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        hidden_states=None,
+        residual=None,
+        after_layer=None,
+    ):
         """First stage takes input_ids; later stages take (hidden_states, residual) from the previous one.
         Returns final hidden states on the last stage, else (hidden_states, residual).
         `after_layer(local_index)` runs once each layer's KV is in the cache (KV streaming)."""
@@ -198,7 +219,9 @@ class LlamaForCausalLM(nn.Module):
     def _copy(self, param_name: str, tensor: torch.Tensor) -> str:
         param = self.get_parameter(param_name)
         if param.shape != tensor.shape:
-            raise ModelLoadError(f"weights: {param_name} has shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(param.shape)}")
+            raise ModelLoadError(
+                f"weights: {param_name} has shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(param.shape)}"
+            )
         with torch.no_grad():
             param.copy_(tensor)
         return param_name
