@@ -14,15 +14,18 @@ from disagg.router.orchestrator import Orchestrator
 from disagg.router.streams import Mailbox
 from disagg.rpc.client import RpcClient
 from disagg.rpc.server import RpcServer
+from disagg.rpc.services import PrefillService
+from disagg.rpc.stubs import PrefillStub
 
 
 def prefill_server(outcome) -> RpcServer:
-    def set_kv_targets(link, request_id, reservation):
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+    class Prefill(PrefillService):
+        def set_kv_targets(self, request_id, reservation):
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
 
-    return RpcServer({"set_kv_targets": set_kv_targets}, "127.0.0.1")
+    return RpcServer(Prefill(), PrefillService, "127.0.0.1")
 
 
 @pytest.mark.parametrize(
@@ -34,9 +37,10 @@ def test_targets_call_outcome_reaches_the_stream(outcome, error):
     async def scenario():
         orchestrator = Orchestrator(ServingConfig(), directory=None, policy=None, streams=None, block_size=16)
         mailbox = Mailbox("r1")
-        prefill = SimpleNamespace(instance_id="prefill-0", rpc=RpcClient(server.address, server.token_hex))
+        link = RpcClient(server.address, server.token_hex)
+        prefill = SimpleNamespace(instance_id="prefill-0", prefill_service=PrefillStub(link))
         await orchestrator._send_targets(prefill, "r1", reservation=None, mailbox=mailbox)
-        await prefill.rpc.close()
+        await link.close()
         if error is None:
             with pytest.raises(asyncio.TimeoutError):
                 await mailbox.get(0.05)  # nothing to report: the decode stream goes on
