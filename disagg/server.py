@@ -38,7 +38,7 @@ from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
 from disagg.router.frontend import ServingServicer
 from disagg.router.orchestrator import Orchestrator
-from disagg.router.policy import LeastOutstandingWork
+from disagg.placement.policies import LeastOutstandingWork
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits

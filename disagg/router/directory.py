@@ -60,9 +60,19 @@ class Instance:
             return KVLayout.from_list(info.tensor_parallel_size, info.pipeline_parallel_size, info.kv_ranks)
         return KVLayout.single(info.instance_id, info.kv_address)
 
+    # ---- the load a placement policy reads (disagg.placement.policies.InstanceLoad) -------------
     @property
     def free_blocks(self) -> int:
         return self.view.load.num_free_blocks - self.reserved_blocks
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Its own last report plus what the router sent since."""
+        return self.view.load.queued_prefill_tokens + self.outstanding_prefill_tokens
+
+    @property
+    def num_requests(self) -> int:
+        return self.view.load.num_running + self.outstanding_requests
 
 
 class InstanceDirectory:

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 from disagg.config import ServingConfig
 from disagg.errors import KVTransferError, OverloadedError, UnavailableError
+from disagg.placement.policies import PlacementPolicy
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
-from disagg.router.policy import PlacementPolicy
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
 

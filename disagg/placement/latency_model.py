@@ -1,0 +1,216 @@
+"""How long an engine step takes, and how long a request's KV takes to move (DistServe's fitted form).
+
+One `StepModel` describes one instance shape (model, hardware, TP, PP); all times in milliseconds:
+
+- prefill step over prompts (or chunks) of lengths l_i:  a + b * sum(l_i) + c * sum(l_i^2)
+- decode step over a batch with contexts ctx_i:           a + b * sum(ctx_i) + c * batch
+  with one triple below `decode_threshold` requests and another from there on (DistServe's split:
+  small batches are bound by weight reads, large ones start to be bound by compute);
+- mixed step (chunked prefill with decodes, Sarathi-Serve): either the sum of the two parts with
+  one shared intercept, or a fit of its own over
+  [1, new tokens, chunk attention, decode context, decodes], whichever predicted better where it
+  was measured (`mixed_form`).
+
+A chunk of n tokens starting at position s attends to s + n keys on average over its rows, so its
+attention work is n * (2s + n); for a whole prompt (s = 0) that is l^2, DistServe's term.
+
+Pure Python (no numpy): the router evaluates this on every request, the simulator on every step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+MIXED_FORMS = ("sum", "fit")
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """a + b * x + c * y, in milliseconds."""
+
+    a: float
+    b: float
+    c: float
+
+    def __call__(self, x: float, y: float) -> float:
+        return self.a + self.b * x + self.c * y
+
+    def to_list(self) -> list[float]:
+        return [self.a, self.b, self.c]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> "Coefficients":
+        if len(values) != 3 or not all(math.isfinite(float(v)) for v in values):
+            raise ValueError(f"coefficients: expected three finite numbers [a, b, c], got {values!r}")
+        return cls(*(float(v) for v in values))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Part of a prompt computed in one step: `num_tokens` new tokens after `start` cached ones."""
+
+    start: int
+    num_tokens: int
+
+    @property
+    def attention(self) -> int:
+        return self.num_tokens * (2 * self.start + self.num_tokens)
+
+
+@dataclass(frozen=True)
+class StepModel:
+    prefill: Coefficients
+    decode_small: Coefficients
+    decode_large: Coefficients
+    decode_threshold: int = 95  # the large-batch triple applies from this batch size on
+    mixed_form: str = "sum"
+    mixed: tuple[float, ...] = ()  # "fit": [intercept, new tokens, chunk attention, decode context, decodes]
+
+    def __post_init__(self) -> None:
+        if self.mixed_form not in MIXED_FORMS:
+            raise ValueError(f"mixed_form: must be one of {MIXED_FORMS}, got {self.mixed_form!r}")
+        if self.mixed_form == "fit" and len(self.mixed) != 5:
+            raise ValueError("mixed: a fitted mixed-step model needs 5 coefficients")
+        if self.decode_threshold < 1:
+            raise ValueError("decode_threshold must be >= 1")
+
+    # ---- the three kinds of step -------------------------------------------------------------
+    def prefill_ms(self, lengths: Sequence[int]) -> float:
+        """A batch of whole prompts."""
+        if not lengths:
+            return 0.0
+        return self.prefill(sum(lengths), sum(n * n for n in lengths))
+
+    def decode_ms(self, batch: int, context_sum: int) -> float:
+        """One decode step of `batch` requests whose contexts add up to `context_sum`."""
+        if batch <= 0:
+            return 0.0
+        return self._decode_triple(batch)(context_sum, batch)
+
+    def decode_steps_ms(self, batch: int, context_sum: int, steps: int) -> float:
+        """`steps` decode steps of the same batch, every context growing by one token a step."""
+        if batch <= 0 or steps <= 0:
+            return 0.0
+        t = self._decode_triple(batch)
+        # sum over j < steps of a + b (context_sum + j batch) + c batch
+        return steps * (t.a + t.b * context_sum + t.c * batch) + t.b * batch * steps * (steps - 1) / 2
+
+    def decode_steps_within(self, batch: int, context_sum: int, budget_ms: float) -> int:
+        """How many whole decode steps of this batch fit in `budget_ms` (at least 0)."""
+        if batch <= 0 or budget_ms <= 0:
+            return 0
+        t = self._decode_triple(batch)
+        first = t.a + t.b * context_sum + t.c * batch
+        growth = t.b * batch  # each step costs this much more than the one before
+        if growth <= 1e-12:
+            steps = int(budget_ms // first) if first > 0 else 1 << 40
+        else:  # largest k with k*first + growth*k(k-1)/2 <= budget
+            p = first - growth / 2
+            steps = int((-p + math.sqrt(p * p + 2 * growth * budget_ms)) / growth)
+        while steps > 0 and self.decode_steps_ms(batch, context_sum, steps) > budget_ms:
+            steps -= 1
+        while self.decode_steps_ms(batch, context_sum, steps + 1) <= budget_ms:
+            steps += 1
+        return steps
+
+    def step_ms(self, chunks: Sequence[Chunk], decode_batch: int, decode_context_sum: int) -> float:
+        """Any step: prefill chunks and decodes together (either may be empty)."""
+        if not chunks:
+            return self.decode_ms(decode_batch, decode_context_sum)
+        tokens = sum(c.num_tokens for c in chunks)
+        attention = sum(c.attention for c in chunks)
+        if decode_batch <= 0 and all(c.start == 0 for c in chunks) or self.mixed_form == "sum":
+            prefill = self.prefill(tokens, attention)
+            if decode_batch <= 0:
+                return prefill
+            decode = self._decode_triple(decode_batch)
+            return prefill + decode(decode_context_sum, decode_batch) - min(self.prefill.a, decode.a)
+        w = self.mixed
+        return (
+            w[0] + w[1] * (tokens + decode_batch) + w[2] * attention + w[3] * decode_context_sum + w[4] * decode_batch
+        )
+
+    def _decode_triple(self, batch: int) -> Coefficients:
+        return self.decode_small if batch < self.decode_threshold else self.decode_large
+
+    # ---- files -------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        data = {
+            "prefill": self.prefill.to_list(),
+            "decoding_smallbs": self.decode_small.to_list(),
+            "decoding_largebs": self.decode_large.to_list(),
+            "decoding_large_small_bs_threshold": self.decode_threshold,
+            "mixed_form": self.mixed_form,
+        }
+        if self.mixed:
+            data["mixed"] = list(self.mixed)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepModel":
+        """Our profile entries, and DistServe's (the same keys, without the mixed model)."""
+        try:
+            return cls(
+                prefill=Coefficients.from_list(data["prefill"]),
+                decode_small=Coefficients.from_list(data["decoding_smallbs"]),
+                decode_large=Coefficients.from_list(data["decoding_largebs"]),
+                decode_threshold=int(data.get("decoding_large_small_bs_threshold", 95)),
+                mixed_form=data.get("mixed_form", "sum"),
+                mixed=tuple(float(v) for v in data.get("mixed", ())),
+            )
+        except KeyError as exc:
+            raise ValueError(f"profile entry: missing {exc.args[0]!r}") from None
+
+    def scaled(self, factor: float) -> "StepModel":
+        """Every time multiplied by `factor` (e.g. one pipeline stage's share of a step)."""
+        scale = lambda c: Coefficients(c.a * factor, c.b * factor, c.c * factor)  # noqa: E731
+        return StepModel(
+            scale(self.prefill),
+            scale(self.decode_small),
+            scale(self.decode_large),
+            self.decode_threshold,
+            self.mixed_form,
+            tuple(w * factor for w in self.mixed),
+        )
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """Moving a request's KV from a prefill to a decode instance: latency + bytes / bandwidth.
+
+    The sender streams layer by layer while the prefill computes, so what the request waits for
+    after its prefill step is the last layer's share, unless the link is slower than the compute.
+    """
+
+    bandwidth_bytes_per_s: float = math.inf
+    latency_ms: float = 0.0
+    # Measured where a profile says so; a roofline fills in the hardware's link.
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or self.latency_ms < 0:
+            raise ValueError("kv transfer: bandwidth must be > 0 and latency >= 0")
+
+    def transfer_ms(self, num_bytes: float) -> float:
+        """The whole transfer, not overlapped with anything."""
+        return self.latency_ms + num_bytes / self.bandwidth_bytes_per_s * 1e3
+
+    def wait_after_prefill_ms(self, num_bytes: float, prefill_ms: float, num_layers: int) -> float:
+        """From the end of the prefill step to the KV being complete at the decode side."""
+        wire = num_bytes / self.bandwidth_bytes_per_s * 1e3
+        layers = max(1, num_layers)
+        # Layer i can leave once it is computed, at (i+1)/L of the step; the link sends one at a time.
+        behind = max(0.0, wire - prefill_ms * (layers - 1) / layers)
+        return self.latency_ms + max(wire / layers, behind)
+
+    def to_dict(self) -> dict:
+        bandwidth = self.bandwidth_bytes_per_s
+        return {"bandwidth_gb_s": None if math.isinf(bandwidth) else bandwidth / 1e9, "latency_ms": self.latency_ms}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "TransferModel":
+        data = data or {}
+        gb_s = data.get("bandwidth_gb_s")
+        return cls(math.inf if gb_s is None else float(gb_s) * 1e9, float(data.get("latency_ms", 0.0)))
