@@ -275,6 +275,52 @@ class Scheduler:
         if request_id in self.held_for_export:
             self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
+    # ---- many decode steps at once (the planner's simulator) -------------------------------
+    def plain_decode_steps(self) -> int:
+        """How many next steps are certain to be decodes of exactly the running batch: nothing
+        waits, every running request is decoding and fits the budget, blocks suffice without a
+        preemption, and no request stops before the last of them. 0 when the next step is not."""
+        if self.role is Role.PREFILL or self.waiting or not self.running:
+            return 0
+        if len(self.running) > self.max_num_batched_tokens:
+            return 0
+        steps = self.max_model_len
+        for request in self.running:
+            if request.num_tokens - request.num_computed_tokens != 1:
+                return 0
+            steps = min(steps, request.sampling_params.max_tokens - request.num_output_tokens)
+            steps = min(steps, self.max_model_len - request.num_tokens)
+        free = self.block_manager.num_free_blocks
+        if self._blocks_for_steps(1) > free:
+            return 0  # the next step preempts
+        low, high = 1, max(steps, 1)  # the most steps whose blocks are free (the need grows with steps)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if self._blocks_for_steps(mid) <= free else (low, mid - 1)
+        return low
+
+    def advance_decodes(self, num_steps: int, token_id: int) -> list[Request]:
+        """`num_steps` rounds of schedule() + update_from_output() sampling `token_id` for every
+        request, at once; valid while `plain_decode_steps()` allows as many (stops are only
+        checked after the last step). Returns the requests updated, as update_from_output."""
+        if not 0 < num_steps <= self.plain_decode_steps():
+            raise ValueError(f"advance_decodes: {num_steps} steps are not all plain decodes")
+        now = time.perf_counter()
+        updated = list(self.running)
+        for request in updated:
+            self.block_manager.allocate_slots(request, num_steps)
+            request.num_computed_tokens += num_steps
+            for _ in range(num_steps):
+                request.append_output_token(token_id)
+            self.block_manager.cache_full_blocks(request)
+            request.timings.first_token = request.timings.first_token or now
+            self._check_stop(request)
+        return updated
+
+    def _blocks_for_steps(self, steps: int) -> int:
+        bm = self.block_manager
+        return sum(max(0, bm.num_blocks_for(r.num_computed_tokens + steps) - len(r.block_ids)) for r in self.running)
+
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv)

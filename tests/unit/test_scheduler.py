@@ -255,3 +255,42 @@ def test_prefill_first_runs_whole_prompts_and_stalls_decodes():
 def test_unknown_policy_rejected():
     with pytest.raises(ValueError, match="scheduling_policy"):
         make_scheduler(policy="fifo")
+
+
+def _decoding(num_blocks: int, lengths: list[tuple[int, int]], budget: int = 64) -> Scheduler:
+    """A scheduler whose requests have all passed their prefill and are decoding."""
+    s = make_scheduler(num_blocks=num_blocks, budget=budget)
+    for i, (prompt_len, max_tokens) in enumerate(lengths):
+        s.add_request(make_request(f"r{i}", prompt_len, max_tokens))
+    while s.waiting or any(r.num_tokens - r.num_computed_tokens > 1 for r in s.running):
+        run_fake_step(s)
+    return s
+
+
+def _state(s: Scheduler) -> list:
+    # Block counts, not ids: one step at a time interleaves the requests' allocations, a jump does not.
+    return [
+        (r.request_id, r.num_computed_tokens, list(r.output_token_ids), len(r.block_ids), r.status)
+        for r in list(s.running) + [r for r in s.requests.values() if r not in s.running]
+    ]
+
+
+@pytest.mark.parametrize("lengths", [[(5, 9), (20, 30), (33, 12)], [(1, 40)], [(15, 2), (16, 3), (17, 50)]])
+def test_advance_decodes_equals_as_many_single_steps(lengths):
+    stepped, jumped = _decoding(64, lengths), _decoding(64, lengths)
+    steps = jumped.plain_decode_steps()
+    assert steps >= 1
+    for _ in range(steps):
+        run_fake_step(stepped)
+    jumped.advance_decodes(steps, 7)
+    assert _state(jumped) == _state(stepped)
+    assert jumped.block_manager.num_free_blocks == stepped.block_manager.num_free_blocks
+
+
+def test_plain_decode_steps_stop_short_of_a_preemption_or_a_waiting_request():
+    s = _decoding(6, [(4, 100), (4, 100)])  # blocks of 4: one each, 4 free: 8 more tokens each at most
+    assert s.plain_decode_steps() == 8
+    with pytest.raises(ValueError):
+        s.advance_decodes(9, 7)
+    s.add_request(make_request("late", 4, 4))
+    assert s.plain_decode_steps() == 0  # the next step admits it: not a plain decode step

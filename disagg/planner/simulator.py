@@ -1,0 +1,485 @@
+"""A discrete-event simulation of the serving system, running the real system's own policies.
+
+Each simulated instance holds the engine's `Scheduler` and `BlockManager` (token budget, chunked
+prefill or prefill-first, KV block capacity, preemption: the same classes, not copies), and the
+router's placement policy (`disagg.placement.policies`) places every request, as in the server.
+Only the model's forward pass is replaced, by the profile's `StepModel`: a step lasts what the
+latency model says for what the scheduler put in it.
+
+What is modelled, as the real system does it:
+- an instance takes new work only between steps (the engine loop applies commands between
+  steps): requests, KV arrivals, reservations and releases wait for the step under way;
+- disaggregated: the prefill starts at once; the decode side reserves blocks for the prompt in
+  parallel (retried with the router's back-off while no instance has room); the first token
+  reaches the client at the end of its prefill step; the KV streams layer by layer during the
+  prefill (`TransferModel.wait_after_prefill_ms`), or all at once if the reservation came later;
+  the decode instance takes the request at its next step boundary; the prefill's blocks are
+  freed when the transfer ends;
+- colocated: one instance does both.
+
+Long runs of plain decode steps (the batch does not change) are advanced in one event with the
+closed-form sum of their times (`Scheduler.advance_decodes`); an input arriving meanwhile cuts
+the run at the step boundary after it. So events scale with requests, not tokens.
+
+Not modelled: prefix caching (replayed prompts carry no token ids), the client's and router's
+own processing (a constant `router_overhead_ms`), stop strings (requests run to their length).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from disagg.config import Role, ServingConfig
+from disagg.engine.block_manager import BlockManager
+from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
+from disagg.errors import InvalidRequestError, OverloadedError
+from disagg.placement.latency_model import Chunk, StepModel, TransferModel
+from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
+from disagg.planner.workload import SimRequest
+from disagg.request import Request, RequestStatus, SamplingParams, check_fits
+
+RESERVE_RETRY_S = 0.02  # the router's back-off while no decode instance has room (doubling to 0.5 s)
+MAX_RESERVE_RETRY_S = 0.5
+ABORTED = RequestStatus.FINISHED_ABORTED
+TOKEN = 0  # the token every simulated step samples (stops come from max_tokens alone)
+
+
+@dataclass
+class SimRecord:
+    """One request's simulated life; times in seconds since the first arrival."""
+
+    index: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    failed: str = ""
+    prefill_instance: str = ""
+    decode_instance: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def success(self) -> bool:
+        return self.finish_s is not None and not self.failed
+
+    @property
+    def ttft_s(self) -> float:
+        return (self.first_token_s - self.arrival_s) if self.first_token_s is not None else math.inf
+
+    @property
+    def tpot_s(self) -> float:
+        if not self.success:
+            return math.inf
+        return (self.finish_s - self.first_token_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
+
+    @property
+    def e2el_s(self) -> float:
+        return (self.finish_s - self.arrival_s) if self.success else math.inf
+
+
+@dataclass(frozen=True)
+class SimPool:
+    """One pool as the simulator needs it: its instances' shape, latency and engine settings."""
+
+    role: str  # "prefill" | "decode" | "colocated"
+    num_instances: int
+    step_model: StepModel
+    num_kv_blocks: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    scheduling_policy: str = "chunked"
+    max_waiting_requests: int = 1 << 30
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    name: str = ""
+
+    @property
+    def ranks(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def pools_from_config(
+    config: ServingConfig,
+    step_model_for: Callable[[str, int, int], StepModel],
+    kv_bytes_per_token: int,
+    max_model_len: int = 8192,
+) -> list[SimPool]:
+    """The pools a serving config runs; `step_model_for(role, tp, pp)` gives each its latency."""
+    pools = []
+    for role, pool in config.pools():
+        engine = config.pool_engine_config(pool)
+        tp, pp = pool.tensor_parallel_size, pool.pipeline_parallel_size
+        pools.append(
+            SimPool(
+                role=role,
+                num_instances=pool.num_instances,
+                step_model=step_model_for(role, tp, pp),
+                num_kv_blocks=_num_kv_blocks(engine, tp * pp, kv_bytes_per_token),
+                block_size=engine.block_size,
+                max_num_batched_tokens=engine.max_num_batched_tokens,
+                max_num_seqs=engine.max_num_seqs,
+                max_model_len=engine.max_model_len or max_model_len,
+                scheduling_policy=engine.scheduling_policy,
+                max_waiting_requests=engine.max_waiting_requests,
+                tensor_parallel_size=tp,
+                pipeline_parallel_size=pp,
+                name=role,
+            )
+        )
+    return pools
+
+
+def _num_kv_blocks(engine, ranks: int, kv_bytes_per_token: int) -> int:
+    """As the engine sizes its cache: `num_kv_blocks`, else each rank's memory over its share of a block."""
+    if engine.num_kv_blocks is not None:
+        return engine.num_kv_blocks
+    if kv_bytes_per_token <= 0:
+        raise ValueError("the profile does not give the KV bytes per token: set engine.num_kv_blocks in the config")
+    block_bytes_per_rank = engine.block_size * kv_bytes_per_token / ranks
+    return max(1, int(engine.kv_cache_memory_bytes // block_bytes_per_rank))
+
+
+# ---- one instance --------------------------------------------------------------------------------
+class SimInstance:
+    """An engine: the real scheduler, steps timed by the latency model, inputs between steps."""
+
+    def __init__(self, instance_id: str, pool: SimPool, sim: "Simulator"):
+        self.instance_id = instance_id
+        self.pool = pool
+        self.role = Role(pool.role)
+        self.sim = sim
+        self.step_model = pool.step_model
+        self.scheduler = Scheduler(
+            BlockManager(pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False),
+            role=self.role,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            max_waiting_requests=pool.max_waiting_requests,
+            max_model_len=pool.max_model_len,
+            policy=pool.scheduling_policy,
+        )
+        self.pending: deque[Callable[[float], None]] = deque()  # inputs waiting for a step boundary
+        self.busy = False
+        self.generation = 0  # invalidates a step-end event when a run of decode steps is cut short
+        self.step: SchedulerOutput | None = None
+        self.run: list = []  # [start, batch, context sum, steps] of a run of plain decode steps
+        self.step_ms = 0.0
+        self.queued_tokens = 0  # prompt tokens sent and not yet through their prefill (the router's view)
+        self.num_reserved = 0  # inputs that will add a request
+
+    # the load a placement policy reads (disagg.placement.policies.InstanceLoad)
+    @property
+    def queued_prefill_tokens(self) -> int:
+        return self.queued_tokens
+
+    @property
+    def num_requests(self) -> int:
+        s = self.scheduler
+        return len(s.running) + len(s.waiting) + len(s.waiting_for_kv) + self.num_reserved
+
+    @property
+    def free_blocks(self) -> int:
+        return self.scheduler.block_manager.num_free_blocks
+
+    # ---- inputs ------------------------------------------------------------------------------
+    def deliver(self, now: float, apply: Callable[[float], None]) -> None:
+        """Hand the engine an input; it is applied at the next step boundary (now, if idle)."""
+        self.pending.append(apply)
+        if self.run:
+            self._cut_run(now)
+        elif not self.busy:  # wake after every other event of this instant: simultaneous arrivals share a step
+            self.busy = True
+            self.generation += 1
+            self.sim.at(now, self._boundary_event, self.generation)
+
+    def _cut_run(self, now: float) -> None:
+        start, batch, context, steps = self.run
+        done = self.step_model.decode_steps_within(batch, context, (now - start) * 1e3)
+        if done + 1 < steps:  # the step under way finishes; the rest of the run is cancelled
+            self.run[3] = done + 1
+            self.generation += 1
+            end = start + self.step_model.decode_steps_ms(batch, context, done + 1) / 1e3
+            self.sim.at(end, self._step_done, self.generation)
+
+    def _boundary_event(self, now: float, generation: int) -> None:
+        if generation == self.generation:
+            self._boundary(now)
+
+    def _boundary(self, now: float) -> None:
+        while self.pending:
+            self.pending.popleft()(now)
+        self._start_step(now)
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _start_step(self, now: float) -> None:
+        steps = self.scheduler.plain_decode_steps()
+        if steps > 1:
+            running = self.scheduler.running
+            batch, context = len(running), sum(r.num_tokens for r in running)
+            self.run = [now, batch, context, steps]
+            duration_ms = self.step_model.decode_steps_ms(batch, context, steps)
+        else:
+            self.run = []
+            self.step = self.scheduler.schedule()
+            if self.step.is_empty:
+                self.busy = False
+                return
+            duration_ms = self._step_ms(self.step)
+        self.busy = True
+        self.step_ms = duration_ms
+        self.generation += 1
+        self.sim.at(now + duration_ms / 1e3, self._step_done, self.generation)
+
+    def _step_ms(self, out: SchedulerOutput) -> float:
+        chunks, decodes, context = [], 0, 0
+        for c in out.chunks:
+            r = c.request
+            if c.num_new_tokens == 1 and r.num_output_tokens > 0 and c.start == r.num_tokens - 1:
+                decodes += 1
+                context += c.start + 1
+            else:
+                chunks.append(Chunk(c.start, c.num_new_tokens))
+        return self.step_model.step_ms(chunks, decodes, context)
+
+    def _step_done(self, now: float, generation: int) -> None:
+        if generation != self.generation:
+            return  # a run that was cut short: its new end has its own event
+        if self.run:
+            updated = self.scheduler.advance_decodes(self.run[3], TOKEN)
+        else:
+            sampled = {c.request.request_id: SampledToken(TOKEN) for c in self.step.chunks if c.samples}
+            updated = self.scheduler.update_from_output(self.step, sampled)
+            for r in self.step.preempted:
+                self.sim.flights[r.request_id].record.num_preemptions += 1
+        for request in updated:
+            self.sim.on_token(self, request, now)
+        self._boundary(now)
+
+
+# ---- the system ------------------------------------------------------------------------------
+@dataclass
+class _Flight:
+    """A request on its way through the system."""
+
+    sim_request: SimRequest
+    record: SimRecord
+    prefill: SimInstance | None = None
+    decode: SimInstance | None = None
+    prefill_end: float | None = None
+    prefill_step_ms: float = 0.0
+    reserved_at: float | None = None
+    backoff: float = RESERVE_RETRY_S
+    deadline: float = math.inf
+    done: bool = False
+
+
+@dataclass
+class Simulator:
+    pools: list[SimPool]
+    policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
+    transfer: TransferModel = field(default_factory=TransferModel)
+    kv_bytes_per_token: int = 0
+    num_layers: int = 1
+    router_overhead_ms: float = 0.0  # client + frontend + router, before the prefill instance sees the request
+    admission_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        roles = {p.role for p in self.pools}
+        if roles not in ({"colocated"}, {"prefill", "decode"}):
+            raise ValueError(f"simulator: pools must be colocated, or prefill and decode; got {sorted(roles)}")
+        self.instances: dict[str, list[SimInstance]] = {}
+        for pool in self.pools:
+            self.instances[pool.role] = [SimInstance(f"{pool.role}-{i}", pool, self) for i in range(pool.num_instances)]
+        self.disaggregated = "prefill" in roles
+        self.flights: dict[str, _Flight] = {}
+        self._events: list = []
+        self._seq = itertools.count()
+        self.now = 0.0
+
+    # ---- the event loop --------------------------------------------------------------------------
+    def at(self, time_s: float, action: Callable, *args) -> None:
+        heapq.heappush(self._events, (time_s, next(self._seq), action, args))
+
+    def run(self, requests: list[SimRequest]) -> list[SimRecord]:
+        """Simulate the requests (any order; each at its arrival) to the end; records in input order."""
+        records = [SimRecord(r.index, r.arrival_s, r.prompt_len, r.output_len) for r in requests]
+        for sim_request, record in zip(requests, records):
+            self.at(sim_request.arrival_s + self.router_overhead_ms / 1e3, self._arrive, sim_request, record)
+        events = self._events
+        while events:
+            self.now, _, action, args = heapq.heappop(events)
+            action(self.now, *args)
+        for record in records:
+            if not record.success and not record.failed:  # a scheduler that could never run it
+                record.failed = "did not finish"
+        return records
+
+    # ---- routing ---------------------------------------------------------------------------------
+    def _arrive(self, now: float, sim_request: SimRequest, record: SimRecord) -> None:
+        request_id = str(record.index)
+        flight = _Flight(sim_request, record, deadline=now + self.admission_timeout_s)
+        if not self._fits(sim_request, record):
+            return
+        self.flights[request_id] = flight
+        if self.disaggregated:
+            prefill = self.policy.choose_prefill(self.instances["prefill"], sim_request.prompt_len)
+            flight.prefill = prefill
+            record.prefill_instance = prefill.instance_id
+            prefill.queued_tokens += sim_request.prompt_len
+            prefill.num_reserved += 1
+            prefill.deliver(now, lambda t: self._add(flight, prefill, t))
+            self._reserve(now, flight)
+        else:
+            instance = self.policy.choose_decode(self.instances["colocated"], self._blocks(sim_request, "colocated"))
+            flight.decode = instance
+            record.decode_instance = instance.instance_id
+            instance.num_reserved += 1
+            instance.deliver(now, lambda t: self._add(flight, instance, t))
+
+    def _fits(self, sim_request: SimRequest, record: SimRecord) -> bool:
+        """As the router validates: a request no instance could ever hold is refused at once."""
+        for pool in self.pools:
+            try:
+                check_fits(
+                    sim_request.prompt_len,
+                    sim_request.output_len,
+                    pool.max_model_len,
+                    pool.block_size,
+                    pool.num_kv_blocks,
+                )
+            except InvalidRequestError as exc:
+                record.failed = f"invalid: {exc}"
+                return False
+        return True
+
+    def _add(self, flight: _Flight, instance: SimInstance, now: float) -> None:
+        instance.num_reserved -= 1
+        try:
+            instance.scheduler.add_request(self._engine_request(flight))
+        except OverloadedError:
+            self._fail(flight, now, "waiting queue full")
+
+    def _reserve(self, now: float, flight: _Flight) -> None:
+        if flight.done:
+            return
+        decode = self.policy.choose_decode(self.instances["decode"], self._blocks(flight.sim_request, "decode"))
+        decode.num_reserved += 1
+        decode.deliver(now, lambda t: self._try_reserve(flight, decode, t))
+
+    def _try_reserve(self, flight: _Flight, decode: SimInstance, now: float) -> None:
+        decode.num_reserved -= 1
+        if flight.done:
+            return
+        if decode.scheduler.reserve_for_remote_prefill(self._engine_request(flight)):
+            flight.decode, flight.reserved_at = decode, now
+            flight.record.decode_instance = decode.instance_id
+            self._maybe_transfer(flight, now)
+        elif now + flight.backoff > flight.deadline:
+            self._fail(flight, now, "no decode instance had room within the admission timeout")
+        else:
+            self.at(now + flight.backoff, self._reserve, flight)
+            flight.backoff = min(flight.backoff * 2, MAX_RESERVE_RETRY_S)
+
+    def _blocks(self, sim_request: SimRequest, role: str) -> int:
+        return -(-sim_request.prompt_len // self.instances[role][0].pool.block_size)
+
+    def _engine_request(self, flight: _Flight) -> Request:
+        r = flight.sim_request
+        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        return Request(str(r.index), [TOKEN] * r.prompt_len, params, arrival_time=r.arrival_s)
+
+    # ---- tokens ------------------------------------------------------------------------------------
+    def on_token(self, instance: SimInstance, request: Request, now: float) -> None:
+        """A step gave `request` a token (or more, in a run); the instance has applied it."""
+        flight = self.flights.get(request.request_id)
+        if flight is None or flight.done:
+            return
+        record = flight.record
+        if record.first_token_s is None:
+            record.first_token_s = now
+            if instance.role is Role.PREFILL:
+                instance.queued_tokens -= record.prompt_len
+                flight.prefill_end, flight.prefill_step_ms = now, instance.step_ms
+                if request.is_finished:  # a one-token request ends at its prefill
+                    self._finish(flight, now)
+                    self._drop_reservation(flight, now)
+                else:
+                    self._maybe_transfer(flight, now)
+                return
+        if request.is_finished:
+            self._finish(flight, now)
+
+    def _maybe_transfer(self, flight: _Flight, now: float) -> None:
+        """Once the prefill is done and the decode side has its blocks, the KV moves."""
+        if flight.prefill_end is None or flight.reserved_at is None or flight.done:
+            return
+        num_bytes = flight.record.prompt_len * self.kv_bytes_per_token / _parallel_links(flight)
+        if flight.reserved_at <= flight.prefill_end:  # streamed while the prefill ran
+            wait_ms = self.transfer.wait_after_prefill_ms(num_bytes, flight.prefill_step_ms, self.num_layers)
+        else:  # the KV waited in the prefill's blocks for somewhere to go
+            wait_ms = self.transfer.transfer_ms(num_bytes)
+        self.at(now + wait_ms / 1e3, self._kv_arrived, flight)
+
+    def _kv_arrived(self, now: float, flight: _Flight) -> None:
+        request_id = str(flight.record.index)
+        flight.prefill.deliver(now, lambda t: flight.prefill.scheduler.release(request_id))
+        if not flight.done:
+            flight.decode.deliver(now, lambda t: flight.decode.scheduler.finish_kv_import(request_id, TOKEN))
+
+    def _finish(self, flight: _Flight, now: float) -> None:
+        flight.record.finish_s = now
+        flight.done = True
+        self.flights.pop(str(flight.record.index), None)
+
+    def _drop_reservation(self, flight: _Flight, now: float) -> None:
+        if flight.decode is not None:
+            request_id = str(flight.record.index)
+            flight.decode.deliver(now, lambda t: flight.decode.scheduler.finish_request(request_id, ABORTED))
+
+    def _fail(self, flight: _Flight, now: float, why: str) -> None:
+        flight.record.failed = why
+        flight.done = True
+        request_id = str(flight.record.index)
+        for instance in {flight.prefill, flight.decode} - {None}:
+            instance.deliver(now, lambda t, i=instance: i.scheduler.finish_request(request_id, ABORTED))
+        self.flights.pop(request_id, None)
+
+
+def _parallel_links(flight: _Flight) -> int:
+    """Each rank pair moves its own slice of the KV, side by side."""
+    return max(1, min(flight.prefill.pool.ranks, flight.decode.pool.ranks))
+
+
+# ---- what came out ------------------------------------------------------------------------------
+def percentile(values: list[float], pct: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default), in pure Python."""
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    k = (len(ordered) - 1) * pct / 100
+    lo, hi = math.floor(k), math.ceil(k)
+    if lo == hi:
+        return ordered[lo]
+    if math.isinf(ordered[hi]):  # a failed request: its latency is unbounded
+        return math.inf
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def slo_attainment(records: list[SimRecord], ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> float:
+    """Percent of all requests (failures count as misses) meeting every SLO given (0: none)."""
+    if not records:
+        return 0.0
+    good = sum(
+        1
+        for r in records
+        if r.success and (not ttft_ms or r.ttft_s * 1e3 <= ttft_ms) and (not tpot_ms or r.tpot_s * 1e3 <= tpot_ms)
+    )
+    return 100.0 * good / len(records)
