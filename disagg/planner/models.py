@@ -1,0 +1,128 @@
+"""The models the planner knows by name, and the sizes a roofline needs from a model's shape.
+
+Every named engine shape, the default model, and OPT-13B/66B/175B: DistServe profiled OPT on A100s,
+so OPT is how we check the roofline against a real GPU system. Our engine cannot load OPT; its
+ModelConfig here (architecture "opt") only describes sizes. OPT differs from the Llama family in
+ways that change those sizes: a two-matrix MLP (fc1, fc2) instead of a gated three-matrix one,
+biases on every linear layer, LayerNorm (weight and bias), learned positions (2 spare rows, as HF's
+OPTLearnedPositionalEmbedding has) and an LM head tied to the embeddings.
+
+Pure Python: the planner runs on any laptop.
+"""
+
+from __future__ import annotations
+
+from disagg.config import DEFAULT_MODEL
+from disagg.engine.model_config import ModelConfig
+from disagg.engine.model_shapes import named_shapes
+
+_OPT_POSITION_OFFSET = 2  # HF's OPT keeps two extra position rows
+
+
+def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelConfig:
+    return ModelConfig(
+        architecture="opt",
+        vocab_size=50272,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,  # multi-head attention: every head has its own K and V
+        head_dim=hidden // heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        name=name,
+    )
+
+
+def known_models() -> dict[str, ModelConfig]:
+    """Name -> shape; a fresh dict each call. OPT is listed under its Hugging Face name."""
+    models = {name: _named(name, config) for name, config in named_shapes().items()}
+    models[DEFAULT_MODEL] = _named(DEFAULT_MODEL, named_shapes()["smollm2-135m"])
+    models["facebook/opt-13b"] = _opt("facebook/opt-13b", 5120, 40, 40, 20480)
+    models["facebook/opt-66b"] = _opt("facebook/opt-66b", 9216, 64, 72, 36864)
+    models["facebook/opt-175b"] = _opt("facebook/opt-175b", 12288, 96, 96, 49152)
+    return models
+
+
+def _named(name: str, config: ModelConfig) -> ModelConfig:
+    return ModelConfig(**{**config.__dict__, "name": name})
+
+
+def model_spec(name: str) -> ModelConfig:
+    """A model's shape by name: a known name, `random:<shape>`, or an OPT name without `facebook/`."""
+    models = known_models()
+    key = name.strip().lower().removeprefix("random:")
+    for candidate in (key, f"facebook/{key}"):
+        if candidate in models:
+            return models[candidate]
+    raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(models))}")
+
+
+# ---- sizes ----------------------------------------------------------------------------------------
+def _is_opt(config: ModelConfig) -> bool:
+    return config.architecture == "opt"
+
+
+def layer_linear_params(config: ModelConfig) -> int:
+    """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
+    h, hd = config.hidden_size, config.head_dim
+    attention = 2 * h * config.num_attention_heads * hd + 2 * h * config.num_key_value_heads * hd
+    mlp_matrices = 2 if _is_opt(config) else 3  # OPT: fc1, fc2; Llama: gate, up, down
+    return attention + mlp_matrices * h * config.intermediate_size
+
+
+def _layer_small_params(config: ModelConfig) -> int:
+    """Biases and norms of one layer: negligible for time, counted for memory."""
+    h = config.hidden_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    if _is_opt(config):  # every linear has a bias; two LayerNorms with weight and bias
+        return q + 2 * kv + h + config.intermediate_size + h + 4 * h
+    return 2 * h + ((q + 2 * kv) if config.attention_bias else 0)
+
+
+def embedding_params(config: ModelConfig) -> int:
+    """Token (and, for OPT, position) embeddings plus the final norm."""
+    h = config.hidden_size
+    positions = (config.max_position_embeddings + _OPT_POSITION_OFFSET) * h if _is_opt(config) else 0
+    final_norm = 2 * h if _is_opt(config) else h
+    return config.vocab_size * h + positions + final_norm
+
+
+def lm_head_params(config: ModelConfig) -> int:
+    """The output projection; tied heads share the embedding's memory but still cost its FLOPs."""
+    return config.vocab_size * config.hidden_size
+
+
+def layer_params(config: ModelConfig) -> int:
+    return layer_linear_params(config) + _layer_small_params(config)
+
+
+def param_count(config: ModelConfig) -> int:
+    tied = 0 if config.tie_word_embeddings else lm_head_params(config)
+    return config.num_hidden_layers * layer_params(config) + embedding_params(config) + tied
+
+
+def weight_bytes(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    return param_count(config) * dtype_bytes
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """K and V of one token over all layers."""
+    return config.kv_bytes_per_token * dtype_bytes
+
+
+def flops_per_token(config: ModelConfig) -> int:
+    """Multiply-adds of the decoder layers' matrices, for one token (2 FLOPs per weight)."""
+    return 2 * config.num_hidden_layers * layer_linear_params(config)
+
+
+def lm_head_flops(config: ModelConfig) -> int:
+    """The LM head for one sequence: engines compute logits for the last position only."""
+    return 2 * lm_head_params(config)
+
+
+def attention_flops_per_pair(config: ModelConfig) -> int:
+    """One query attending to one key, over all layers: Q.K and the weighted sum of V, 2 FLOPs each."""
+    return 4 * config.num_hidden_layers * config.num_attention_heads * config.head_dim
