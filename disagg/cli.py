@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_status(sub)
     _add_bench_commands(sub)
+    _add_planner_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -32,6 +33,13 @@ def _add_bench_commands(sub) -> None:
         from disagg.bench.cli import add_commands
     except ImportError:  # the bench package is optional at this layer
         return
+    add_commands(sub)
+
+
+def _add_planner_commands(sub) -> None:
+    """`disagg profile | simulate | plan` live with the planner (disagg/planner/)."""
+    from disagg.planner.cli import add_commands
+
     add_commands(sub)
 
 

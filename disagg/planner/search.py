@@ -1,0 +1,348 @@
+"""The search for each pool's plan (DistServe's Algorithms 1 and 2, with colocated alternatives).
+
+For every candidate the simulator finds the highest request rate at which the SLOs hold: at
+least `attainment`% of the requests meet both TTFT and TPOT, and the `percentile`-th TTFT and
+TPOT are within them. Goodput per device is that rate over the devices the candidate uses.
+
+- Disaggregated, high node affinity (Algorithm 1): the phases are sized independently. A prefill
+  instance shape is simulated alone (the decode side ideal: instant, unbounded) against the TTFT
+  SLO, a decode shape alone (the prefill side ideal) against the TPOT SLO; the best shape per
+  device of each phase is kept, their instance counts are matched (P:D ratio), and the pair is
+  simulated together to find the rate it really sustains. KV moves over the inter-node link.
+- Disaggregated, low node affinity (Algorithm 2): as above, but a prefill and a decode instance
+  with the same PP share each node's devices, so KV moves over the node's own links.
+- Colocated: each shape with chunked prefill (at several token budgets) and prefill-first.
+- Mixed hardware (Splitwise): each phase may run on any kind of device the cluster has.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.profile import Profile
+from disagg.planner import memory
+from disagg.planner.hardware import Hardware
+from disagg.planner.models import kv_bytes_per_token
+from disagg.planner.simulator import SimPool, Simulator, percentile, slo_attainment
+from disagg.planner.workload import SimRequest, with_rate
+
+CPU_KV_CAP_BYTES = 1 << 30  # a CPU worker's KV stays at the engine's default: its RAM is the host's
+INSTANT = StepModel(Coefficients(0, 0, 0), Coefficients(0, 0, 0), Coefficients(0, 0, 0))
+CHUNKED_BUDGETS = (512, 2048)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_ms: float
+    tpot_ms: float
+    percentile: float = 90.0
+    attainment: float = 90.0
+
+    def met(self, records, check_ttft: bool = True, check_tpot: bool = True) -> bool:
+        ttft = self.ttft_ms if check_ttft else 0.0
+        tpot = self.tpot_ms if check_tpot else 0.0
+        if slo_attainment(records, ttft, tpot) < self.attainment:
+            return False
+        ok = [r for r in records if r.success]
+        if check_ttft and percentile([r.ttft_s * 1e3 for r in records], self.percentile) > self.ttft_ms:
+            return False
+        multi = [r.tpot_s * 1e3 for r in ok if r.output_len > 1]
+        return not (check_tpot and multi and percentile(multi, self.percentile) > self.tpot_ms)
+
+
+@dataclass(frozen=True)
+class NodeKind:
+    hardware: Hardware
+    profile: Profile  # this model on this hardware
+    num_nodes: int
+    devices_per_node: int
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    tp: int
+    pp: int
+    instances: int
+    hardware: str
+    scheduling_policy: str = "chunked"
+    max_num_batched_tokens: int = 512
+    num_kv_blocks: int = 0
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.instances
+
+    def to_dict(self) -> dict:
+        return {"tp": self.tp, "pp": self.pp, "instances": self.instances, "hardware": self.hardware}
+
+
+@dataclass(frozen=True)
+class PhaseOption:
+    """One instance shape of one phase, simulated alone: the rate it sustains."""
+
+    tp: int
+    pp: int
+    kind: NodeKind
+    rate: float
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def rate_per_device(self) -> float:
+        return self.rate / self.devices
+
+
+@dataclass
+class Candidate:
+    mode: str  # "disaggregated" | "colocated"
+    pools: dict[str, PoolPlan]
+    max_rate: float = 0.0
+    algorithm: str = ""
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def devices(self) -> int:
+        return sum(p.devices for p in self.pools.values())
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.max_rate / self.devices if self.devices else 0.0
+
+    def to_dict(self) -> dict:
+        data = {"mode": self.mode, **{role: p.to_dict() for role, p in self.pools.items()}}
+        return {
+            **data,
+            "algorithm": self.algorithm,
+            "devices": self.devices,
+            "max_rate": round(self.max_rate, 4),
+            "goodput_per_device": round(self.goodput_per_device, 4),
+        }
+
+
+@dataclass
+class Search:
+    """Everything a search needs; `run()` returns the candidates, best first."""
+
+    model_config: object  # ModelConfig
+    kinds: list[NodeKind]
+    requests: list[SimRequest]  # lengths; arrivals are redrawn at each rate tried
+    slo: SLO
+    block_size: int = 16
+    max_model_len: int = 8192
+    rate_tolerance: float = 0.05  # relative precision of each binary search
+    min_duration_s: float = 20.0
+    seed: int = 0
+    simulations: int = 0
+
+    # ---- the max rate of one deployment ------------------------------------------------------
+    def max_rate(self, pools: list[SimPool], transfer: TransferModel, check_ttft=True, check_tpot=True) -> float:
+        """Binary search on the rate: the highest at which `pools` meets the SLO (0 if none)."""
+
+        def ok(rate: float) -> bool:
+            return self.slo.met(self.simulate(pools, transfer, rate), check_ttft, check_tpot)
+
+        low, high = 0.0, self._first_guess(pools)
+        while ok(high):
+            low, high = high, high * 2
+            if high > 1e6:
+                return low
+        if low == 0.0:  # even the guess fails: look below it
+            low = high / 64
+            if not ok(low):
+                return 0.0
+        while high - low > self.rate_tolerance * low:
+            mid = (low + high) / 2
+            low, high = (mid, high) if ok(mid) else (low, mid)
+        return low
+
+    def simulate(self, pools: list[SimPool], transfer: TransferModel, rate: float):
+        self.simulations += 1
+        profile = self.kinds[0].profile
+        sim = Simulator(
+            pools,
+            transfer=transfer,
+            kv_bytes_per_token=profile.kv_bytes_per_token or kv_bytes_per_token(self.model_config),
+            num_layers=self.model_config.num_hidden_layers,
+        )
+        return sim.run(with_rate(self._requests_for(rate), rate, seed=self.seed))
+
+    def _requests_for(self, rate: float) -> list[SimRequest]:
+        """At least `min_duration_s` of arrivals (the workload's lengths, cycled): a short burst at a
+        high rate ends before queues and batches reach their steady state and flatters the rate."""
+        wanted = max(len(self.requests), math.ceil(rate * self.min_duration_s))
+        n = len(self.requests)
+        return [replace(self.requests[i % n], index=i) for i in range(wanted)]
+
+    def _first_guess(self, pools: list[SimPool]) -> float:
+        """Requests/s one instance of the slowest pool could serve with nothing else running."""
+        mean_prompt = sum(r.prompt_len for r in self.requests) / len(self.requests)
+        mean_output = sum(r.output_len for r in self.requests) / len(self.requests)
+        guesses = []
+        for pool in pools:
+            m = pool.step_model
+            prefill_s = m.prefill_ms([int(mean_prompt)]) / 1e3
+            decode_s = m.decode_ms(1, int(mean_prompt + mean_output / 2)) * mean_output / 1e3 / 16  # some batching
+            per_request = (prefill_s if pool.role == "prefill" else 0) + (decode_s if pool.role != "prefill" else 0)
+            if pool.role == "colocated":
+                per_request += prefill_s
+            if per_request > 0:
+                guesses.append(pool.num_instances / per_request)
+        return max(min(guesses, default=1.0), 1e-3)
+
+    @property
+    def total_devices(self) -> int:
+        return sum(k.num_nodes * k.devices_per_node for k in self.kinds)
+
+    # ---- building pools ------------------------------------------------------------------------
+    def pool(self, role: str, kind: NodeKind, tp: int, pp: int, instances: int = 1, **engine) -> SimPool:
+        tokens = memory.kv_capacity_tokens(self.model_config, kind.hardware, tp, pp)
+        if kind.hardware.name.startswith("cpu"):
+            per_token = memory.kv_bytes_per_token_per_device(self.model_config, tp, pp, 4)  # float32 on CPU
+            tokens = min(tokens, int(CPU_KV_CAP_BYTES // per_token))
+        policy = engine.get("scheduling_policy", "prefill_first" if role == "prefill" else "chunked")
+        return SimPool(
+            role=role,
+            num_instances=instances,
+            step_model=kind.profile.step_model(tp, pp),
+            num_kv_blocks=max(1, tokens // self.block_size),
+            block_size=self.block_size,
+            max_num_batched_tokens=engine.get("max_num_batched_tokens", 16384 if role == "prefill" else 2048),
+            max_num_seqs=engine.get("max_num_seqs", 512),
+            max_model_len=self.max_model_len,
+            scheduling_policy=policy,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            name=kind.hardware.name,
+        )
+
+    def ideal(self, role: str) -> SimPool:
+        """A pool that takes no time and never runs out of room: isolates the other phase."""
+        everything = sum(-(-(r.prompt_len + r.output_len) // self.block_size) for r in self.requests)
+        budget = sum(r.prompt_len for r in self.requests)
+        return SimPool(
+            role,
+            1,
+            INSTANT,
+            num_kv_blocks=everything,
+            block_size=self.block_size,
+            max_num_batched_tokens=budget,
+            max_num_seqs=len(self.requests),
+            max_model_len=self.max_model_len,
+        )
+
+    def shapes(self, kind: NodeKind, max_devices: int) -> list[tuple[int, int]]:
+        """Every TP x PP that divides the model, fits its weights with room for KV, and fits the
+        devices. PP only where no TP alone fits: our engine runs a step's stages one after
+        another, so PP adds memory, not speed, and a PP shape is dominated by its TP-only twin."""
+        longest = max(r.prompt_len + r.output_len for r in self.requests)
+        fitting = [
+            (tp, pp)
+            for pp in (1, 2, 4, 8)
+            for tp in (1, 2, 4, 8, 16)
+            if tp <= kind.devices_per_node and tp * pp <= max_devices and kind.profile.has(tp, pp)
+            if memory.fits(self.model_config, kind.hardware, tp, pp, kv_tokens=4 * longest)
+        ]
+        smallest_pp = min((pp for _, pp in fitting), default=1)
+        return [(tp, pp) for tp, pp in fitting if pp == smallest_pp]
+
+    # ---- the candidates --------------------------------------------------------------------------
+    def run(
+        self, target_rate: float | None = None, progress: Callable[[str], None] = lambda _: None
+    ) -> list[Candidate]:
+        candidates = []
+        for kind in self.kinds:
+            candidates += self.colocated(kind, target_rate)
+            progress(f"colocated on {kind.hardware.name}: {len(candidates)} candidates")
+        candidates += self.disaggregated(target_rate, progress)
+        candidates.sort(key=lambda c: (-c.goodput_per_device, c.devices))
+        unique = {}  # Algorithms 1 and 2 often arrive at the same plan: keep its first
+        for c in candidates:
+            unique.setdefault((c.mode, tuple(sorted((r, p) for r, p in c.pools.items()))), c)
+        return list(unique.values())
+
+    def colocated(self, kind: NodeKind, target_rate: float | None) -> list[Candidate]:
+        out = []
+        for tp, pp in self.shapes(kind, kind.num_nodes * kind.devices_per_node):
+            variants = [("chunked", b) for b in CHUNKED_BUDGETS] + [("prefill_first", 16384)]
+            for policy, budget in variants:
+                pool = self.pool("colocated", kind, tp, pp, scheduling_policy=policy, max_num_batched_tokens=budget)
+                rate = self.max_rate([pool], kind.hardware.kv_transfer())
+                plan = PoolPlan(tp, pp, 1, kind.hardware.name, policy, budget, pool.num_kv_blocks)
+                out.append(
+                    self._replicated(Candidate("colocated", {"colocated": plan}, rate, "colocated"), target_rate)
+                )
+        return out
+
+    def disaggregated(self, target_rate: float | None, progress) -> list[Candidate]:
+        out = []
+        for affinity in ("high", "low"):
+            prefills, decodes = self._best_phase("prefill", affinity), self._best_phase("decode", affinity)
+            progress(f"disaggregated ({affinity} affinity): {len(prefills)} prefill and {len(decodes)} decode shapes")
+            for p in prefills[:2]:
+                for d in decodes[:2]:
+                    if affinity == "low" and (p.kind is not d.kind or p.pp != d.pp):
+                        continue  # Algorithm 2: a segment's prefill and decode stages share a node
+                    candidate = self._pair(p, d, affinity, target_rate)
+                    if candidate is not None:
+                        out.append(candidate)
+        return out
+
+    def _best_phase(self, role: str, affinity: str) -> list[PhaseOption]:
+        """One instance of each shape of this phase, the other phase ideal; best per device first."""
+        other = self.ideal("decode" if role == "prefill" else "prefill")
+        options = []
+        for kind in self.kinds:
+            transfer = kind.hardware.kv_transfer(inter_node=affinity == "high")
+            limit = kind.devices_per_node if affinity == "low" else kind.num_nodes * kind.devices_per_node
+            for tp, pp in self.shapes(kind, limit):
+                pools = [self.pool(role, kind, tp, pp), other]
+                rate = self.max_rate(pools, transfer, check_ttft=role == "prefill", check_tpot=role == "decode")
+                if rate > 0:
+                    options.append(PhaseOption(tp, pp, kind, rate))
+        return sorted(options, key=lambda o: (-o.rate_per_device, o.devices))
+
+    def _pair(self, p: PhaseOption, d: PhaseOption, affinity: str, target_rate: float | None) -> Candidate | None:
+        n_p, n_d = _ratio(p, d, target_rate, self.total_devices)
+        if n_p * p.devices + n_d * d.devices > self.total_devices and not target_rate:
+            return None
+        pools = [self.pool("prefill", p.kind, p.tp, p.pp, n_p), self.pool("decode", d.kind, d.tp, d.pp, n_d)]
+        rate = self.max_rate(pools, p.kind.hardware.kv_transfer(inter_node=affinity == "high"))
+        plans = {
+            "prefill": PoolPlan(p.tp, p.pp, n_p, p.kind.hardware.name, "prefill_first", 16384, pools[0].num_kv_blocks),
+            "decode": PoolPlan(d.tp, d.pp, n_d, d.kind.hardware.name, "chunked", 2048, pools[1].num_kv_blocks),
+        }
+        algorithm = "distserve-alg1" if affinity == "high" else "distserve-alg2"
+        notes = {"prefill_rate_per_instance": round(p.rate, 4), "decode_rate_per_instance": round(d.rate, 4)}
+        return Candidate("disaggregated", plans, rate, algorithm, notes)
+
+    def _replicated(self, candidate: Candidate, target_rate: float | None) -> Candidate:
+        """With a target rate: as many replicas as it needs (goodput per device is unchanged)."""
+        if not target_rate or candidate.max_rate <= 0:
+            return candidate
+        replicas = math.ceil(target_rate / candidate.max_rate)
+        pools = {role: replace(p, instances=p.instances * replicas) for role, p in candidate.pools.items()}
+        return replace(candidate, pools=pools, max_rate=candidate.max_rate * replicas)
+
+
+def _ratio(p: PhaseOption, d: PhaseOption, target_rate: float | None, devices: int) -> tuple[int, int]:
+    """Instance counts of the two phases: for a target rate, enough of each; otherwise the counts
+    within the cluster's devices with the most matched rate per device, the fewest devices first."""
+    if target_rate:
+        return max(1, math.ceil(target_rate / p.rate)), max(1, math.ceil(target_rate / d.rate))
+    counts = [
+        (n_p, n_d)
+        for n_p in range(1, devices // p.devices + 1)
+        for n_d in range(1, devices // d.devices + 1)
+        if n_p * p.devices + n_d * d.devices <= devices
+    ] or [(1, 1)]
+
+    def score(n: tuple[int, int]) -> tuple[float, int]:
+        devices = n[0] * p.devices + n[1] * d.devices
+        return -min(n[0] * p.rate, n[1] * d.rate) / devices, devices
+
+    return min(counts, key=score)
