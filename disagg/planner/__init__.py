@@ -1,0 +1,1 @@
+"""Plans a deployment: profiles, the simulator and the TP/PP search."""
