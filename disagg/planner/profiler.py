@@ -38,6 +38,7 @@ from disagg.request import Request, SamplingParams
 
 GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 DECODE_WARM_UP_STEPS = 2  # the first decode steps of a new batch build kernels for its shapes
+DECODE_TIMED_STEPS = 3
 
 
 # ---- the ranks of one instance, in this process -----------------------------------------------------
@@ -94,47 +95,36 @@ def instance(config: EngineConfig, tp: int, pp: int) -> Iterator[LLMEngine]:
 class StepBench:
     """Puts an engine into the state of a grid point, times its steps and tears the state down."""
 
-    def __init__(self, engine: LLMEngine, repeats: int, seed: int = 0):
+    def __init__(self, engine: LLMEngine, seed: int = 0):
         self.engine = engine
-        self.repeats = repeats
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size
         self._ids = iter(range(1 << 62))
 
-    # ---- grid points ------------------------------------------------------------------------
-    def prefill(self, lengths: tuple[int, ...]) -> StepSample:
+    # ---- one run of a grid point: its steps, the engine left empty ----------------------------
+    def prefill(self, lengths: tuple[int, ...]) -> list[StepSample]:
         """One step of whole prompts (and nothing else)."""
+        for n in lengths:
+            self._add_prompt(n)
+        return self._cleared([self.timed_step(sum(lengths))])
 
-        def once() -> list[StepSample]:
-            for n in lengths:
-                self._add_prompt(n)
-            return [self.timed_step(sum(lengths))]
-
-        return self._median_of(once)[0]
-
-    def decode(self, batch: int, context: int) -> StepSample:
-        """Decode steps of `batch` requests with contexts around `context` (the median step)."""
+    def decode(self, batch: int, context: int) -> list[StepSample]:
+        """Decode steps of `batch` requests with contexts around `context`: the median step."""
         self._import_decodes(batch, context)
         for _ in range(DECODE_WARM_UP_STEPS):
             self.timed_step(batch)
-        steps = [self.timed_step(batch) for _ in range(max(3, self.repeats))]
-        self._clear()
+        steps = [self.timed_step(batch) for _ in range(DECODE_TIMED_STEPS)]
         middle = steps[len(steps) // 2]  # contexts grow a token a step: the middle one is the median's
-        return StepSample(middle.chunks, batch, middle.decode_context_sum, statistics.median(s.ms for s in steps))
+        return self._cleared([_with_ms(middle, statistics.median(s.ms for s in steps))])
 
     def mixed(self, decodes: int, context: int, start: int, num_tokens: int) -> list[StepSample]:
         """`decodes` running plus a prompt chunk of `num_tokens` after `start` computed ones; with
-        start > 0 the step that computes the first `start` tokens (with the decodes) comes too."""
+        start > 0 the step that computes the first `start` tokens (with the decodes) comes first."""
+        self._import_decodes(decodes, context)
+        self._add_prompt(start + num_tokens)
+        first = [self.timed_step(decodes + start)] if start else []
+        return self._cleared(first + [self.timed_step(decodes + num_tokens)])
 
-        def once() -> list[StepSample]:
-            self._import_decodes(decodes, context)
-            self._add_prompt(start + num_tokens)
-            first = [self.timed_step(decodes + start)] if start else []
-            return first + [self.timed_step(decodes + num_tokens)]
-
-        return self._median_of(once)
-
-    # ---- steps ------------------------------------------------------------------------------
     def timed_step(self, budget: int) -> StepSample:
         """One whole engine step under a token budget of `budget`: what it held and how long it took."""
         scheduler = self.engine.scheduler
@@ -146,22 +136,6 @@ class StepBench:
         self.engine.step()
         ms = (time.perf_counter() - started) * 1e3
         return describe_step(before, ms)
-
-    def _median_of(self, once: Callable[[], list[StepSample]]) -> list[StepSample]:
-        """Run `once` to warm up, then `repeats` times; the median time of each of its steps."""
-        once()
-        self._clear()
-        runs = []
-        for _ in range(self.repeats):
-            runs.append(once())
-            self._clear()
-        shapes = {tuple((s.chunks, s.num_decodes, s.decode_context_sum) for s in run) for run in runs}
-        if len(shapes) != 1:
-            raise RuntimeError(f"profile: the scheduler made different steps of the same grid point: {shapes}")
-        return [
-            StepSample(s.chunks, s.num_decodes, s.decode_context_sum, statistics.median(r[i].ms for r in runs))
-            for i, s in enumerate(runs[0])
-        ]
 
     # ---- state ------------------------------------------------------------------------------
     def _add_prompt(self, n: int) -> Request:
@@ -183,6 +157,10 @@ class StepBench:
 
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def _cleared(self, steps: list[StepSample]) -> list[StepSample]:
+        self._clear()
+        return steps
 
     def _clear(self) -> None:
         for rid in list(self.engine.scheduler.requests):
@@ -208,16 +186,35 @@ def describe_step(before: list[tuple[Request, int]], ms: float) -> StepSample:
 
 
 def measure_shape(engine: LLMEngine, grid: Grid, repeats: int, log: Callable[[str], None]) -> list[StepSample]:
-    """Every grid point on this engine, in the grid's order (small to large within each kind)."""
-    bench = StepBench(engine, repeats)
-    samples = [bench.prefill(lengths) for lengths in grid.prefill]
-    log(f"  prefill: {len(samples)} steps")
-    samples += [bench.decode(batch, context) for batch, context in grid.decode]
-    log(f"  decode: {len(grid.decode)} steps")
-    for point in grid.mixed:
-        samples += bench.mixed(*point)
-    log(f"  mixed grid: {len(samples) - len(grid.prefill) - len(grid.decode)} steps")
-    return samples
+    """Every grid point on this engine, in the grid's order (small to large within each kind).
+    The whole grid is walked once to warm up, then `repeats` times: a burst of load from
+    elsewhere on the machine then spoils one run of a few points, which their medians discard,
+    rather than every run of one point."""
+    bench = StepBench(engine)
+    points = [(bench.prefill, (p,)) for p in grid.prefill] + [(bench.decode, p) for p in grid.decode]
+    points += [(bench.mixed, p) for p in grid.mixed]
+    runs = []
+    for i in range(1 + repeats):
+        started = time.perf_counter()
+        runs.append([step for run, args in points for step in run(*args)])
+        log(f"  pass {i + 1}/{1 + repeats}{' (warm-up)' if i == 0 else ''}: {time.perf_counter() - started:.1f} s")
+    return median_steps(runs[1:] if repeats else runs)
+
+
+def median_steps(runs: list[list[StepSample]]) -> list[StepSample]:
+    """Step i of every run held the same work; its median time."""
+    for run in runs[1:]:
+        if [_work(s) for s in run] != [_work(s) for s in runs[0]]:
+            raise RuntimeError("profile: the scheduler made different steps of the same grid point in two runs")
+    return [_with_ms(step, statistics.median(run[i].ms for run in runs)) for i, step in enumerate(runs[0])]
+
+
+def _work(step: StepSample) -> tuple:
+    return step.chunks, step.num_decodes, step.decode_context_sum
+
+
+def _with_ms(step: StepSample, ms: float) -> StepSample:
+    return StepSample(step.chunks, step.num_decodes, step.decode_context_sum, ms)
 
 
 # ---- the KV transfer on this host -------------------------------------------------------------------
@@ -283,7 +280,7 @@ def default_shapes(model: ModelConfig, cores: int) -> list[tuple[int, int]]:
 
 
 def run_profile(req: ProfileRequest, log: Callable[[str], None] = print) -> Profile:
-    started = time.perf_counter()
+    started, load_before = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(req.threads)
     source = load_model_source(req.model, cache_dir=EngineConfig().cache_dir)
     grid = make_grid(req.max_prompt_len, req.max_batch, req.quick)
@@ -302,6 +299,8 @@ def run_profile(req: ProfileRequest, log: Callable[[str], None] = print) -> Prof
         report["shapes"][shape_key(tp, pp)] = shape_report
     kv_transfer, kv_notes = measure_kv_transfer(source.config, dtype, req.repeats)
     report.update(_context(req, kv_notes, time.perf_counter() - started))
+    # Other processes' load spoils the figures (two threads on two cores most of all): keep it with them.
+    report["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return Profile(
         model=req.model,
         hardware=f"cpu-{req.threads}t",

@@ -13,7 +13,9 @@ from disagg.engine.model_shapes import named_shapes
 from disagg.placement.profile import load_profile
 from disagg.planner import profiler
 from disagg.planner.grid import make_grid
-from disagg.planner.profiler import StepBench, default_shapes, parse_shapes
+from disagg.placement.latency_model import Chunk
+from disagg.planner.profile_fit import StepSample
+from disagg.planner.profiler import StepBench, default_shapes, median_steps, parse_shapes
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def bench():
     config = EngineConfig(
         model="random:tiny", dtype="float32", device="cpu", num_kv_blocks=64, enable_prefix_caching=False
     )
-    return StepBench(LLMEngine(config), repeats=1)
+    return StepBench(LLMEngine(config))
 
 
 def test_a_decode_context_is_the_tokens_the_request_knows(bench):
@@ -43,7 +45,7 @@ def test_a_chunk_after_a_first_chunk_starts_where_that_one_ended(bench):
 
 
 def test_a_prefill_batch_is_one_step_of_whole_prompts(bench):
-    step = bench.prefill((5, 17, 3))
+    (step,) = bench.prefill((5, 17, 3))
     assert sorted((c.start, c.num_tokens) for c in step.chunks) == [(0, 3), (0, 5), (0, 17)]
     assert step.kind == "prefill" and step.ms > 0
     assert bench.engine.num_free_blocks == bench.engine.num_total_blocks
@@ -96,3 +98,15 @@ def test_grid_fits_its_steps_in_the_budget_and_cache():
     assert grid.max_batch == 32
     with pytest.raises(ValueError):
         make_grid(8, 32)
+
+
+def test_runs_of_a_grid_that_made_different_steps_are_refused():
+    one = StepSample((Chunk(0, 8),), 0, 0, 1.0)
+    other = StepSample((Chunk(0, 9),), 0, 0, 1.0)
+    assert median_steps([[one], [_ms(one, 3.0)], [_ms(one, 2.0)]])[0].ms == 2.0
+    with pytest.raises(RuntimeError, match="different steps"):
+        median_steps([[one], [other]])
+
+
+def _ms(step: StepSample, ms: float) -> StepSample:
+    return StepSample(step.chunks, step.num_decodes, step.decode_context_sum, ms)
