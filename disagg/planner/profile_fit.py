@@ -1,0 +1,164 @@
+"""Measured steps -> one shape's `StepModel`, with its error on steps held out of the fit.
+
+A quarter of each kind of step is held out (deterministically, spread over the grid); the
+forms are compared and the decode split chosen on those, then every coefficient is refitted on
+all the steps. Pure Python, like the latency model it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from disagg.placement.fitting import fit_decode, fit_mixed, fit_prefill, median, relative_errors
+from disagg.placement.latency_model import Chunk, Coefficients, StepModel
+
+HOLD_OUT_EVERY = 4  # every 4th step of a kind is held out: ~25%
+MIN_POINTS_PER_TRIPLE = 4  # a decode triple fitted on fewer than this is not trusted to split on
+MIN_MIXED_TRAIN = 8  # the mixed fit has five terms: fewer steps than this would fit the noise
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One engine step as `StepModel.step_ms` is called for it, and its measured time."""
+
+    chunks: tuple[Chunk, ...]
+    num_decodes: int
+    decode_context_sum: int  # each decode's context: its known tokens (the KV cached + the one computed)
+    ms: float
+
+    @property
+    def kind(self) -> str:
+        if not self.chunks:
+            return "decode"
+        if self.num_decodes == 0 and all(c.start == 0 for c in self.chunks):
+            return "prefill"
+        return "mixed"
+
+    def as_tuple(self) -> tuple[tuple[Chunk, ...], int, int, float]:
+        return self.chunks, self.num_decodes, self.decode_context_sum, self.ms
+
+    def to_dict(self) -> dict:
+        return {
+            "chunks": [[c.start, c.num_tokens] for c in self.chunks],
+            "decodes": self.num_decodes,
+            "decode_context_sum": self.decode_context_sum,
+            "ms": round(self.ms, 4),
+        }
+
+
+def split_held_out(samples: Sequence[StepSample]) -> tuple[list[StepSample], list[StepSample]]:
+    """(train, test): the 3rd of every 4 in the given order is held out, so that a grid walked
+    from small to large is tested over its whole range, not only at one end."""
+    train = [s for i, s in enumerate(samples) if i % HOLD_OUT_EVERY != 2]
+    test = [s for i, s in enumerate(samples) if i % HOLD_OUT_EVERY == 2]
+    return train, test
+
+
+def by_kind(samples: Sequence[StepSample]) -> dict[str, list[StepSample]]:
+    kinds: dict[str, list[StepSample]] = {"prefill": [], "decode": [], "mixed": []}
+    for s in samples:
+        kinds[s.kind].append(s)
+    return kinds
+
+
+def error_pct(model: StepModel, samples: Sequence[StepSample]) -> float:
+    """Median absolute relative error of the model on these steps, in percent."""
+    return 100 * median(relative_errors(model, [s.as_tuple() for s in samples]))
+
+
+# ---- each kind ----------------------------------------------------------------------------------
+def prefill_coefficients(samples: Sequence[StepSample]) -> Coefficients:
+    return fit_prefill([([c.num_tokens for c in s.chunks], s.ms) for s in samples])
+
+
+def decode_split(samples: Sequence[StepSample], threshold: int) -> tuple[Coefficients, Coefficients]:
+    """(small, large) triples; with no batch at or above `threshold` both are the one triple."""
+    small = [s for s in samples if s.num_decodes < threshold]
+    large = [s for s in samples if s.num_decodes >= threshold]
+    if not large:
+        one = _decode_triple(small)
+        return one, one
+    return _decode_triple(small), _decode_triple(large)
+
+
+def _decode_triple(samples: Sequence[StepSample]) -> Coefficients:
+    return fit_decode([(s.num_decodes, s.decode_context_sum, s.ms) for s in samples])
+
+
+def threshold_candidates(samples: Sequence[StepSample]) -> list[int]:
+    """Batch sizes to split at that leave both sides enough steps, then 'no split' (above the largest)."""
+    batches = sorted({s.num_decodes for s in samples})
+    ok = [
+        b
+        for b in batches
+        if sum(s.num_decodes < b for s in samples) >= MIN_POINTS_PER_TRIPLE
+        and sum(s.num_decodes >= b for s in samples) >= MIN_POINTS_PER_TRIPLE
+    ]
+    return ok + [batches[-1] + 1]
+
+
+def mixed_coefficients(samples: Sequence[StepSample]) -> tuple[float, ...]:
+    return fit_mixed([s.as_tuple() for s in samples])
+
+
+# ---- one shape ----------------------------------------------------------------------------------
+def fit_shape(samples: Sequence[StepSample]) -> tuple[StepModel, dict]:
+    """Fit on ~75% of each kind, measure on the rest, choose the decode split and the mixed form
+    there; the returned model is refitted on every step with those choices."""
+    kinds = by_kind(samples)
+    for kind in ("prefill", "decode"):
+        if len(kinds[kind]) < 2 * MIN_POINTS_PER_TRIPLE:
+            raise ValueError(f"profile: {len(kinds[kind])} {kind} steps are too few to fit and test")
+    split = {kind: split_held_out(steps) for kind, steps in kinds.items()}
+    prefill = prefill_coefficients(split["prefill"][0])
+    threshold, decode_errors = _choose_threshold(prefill, *split["decode"])
+    small, large = decode_split(split["decode"][0], threshold)
+    train_model = StepModel(prefill, small, large, threshold)
+    report = {
+        "prefill": _error_entry(train_model, *split["prefill"]),
+        "decode": {
+            **_error_entry(train_model, *split["decode"]),
+            "threshold": threshold,
+            "thresholds_tried_pct": decode_errors,
+        },
+    }
+    form, mixed_report = _choose_mixed(train_model, *split["mixed"])
+    report["mixed"] = mixed_report
+    return _refit_all(kinds, threshold, form), report
+
+
+def _choose_threshold(
+    prefill: Coefficients, train: Sequence[StepSample], test: Sequence[StepSample]
+) -> tuple[int, dict[str, float]]:
+    errors = {}
+    for threshold in threshold_candidates(train):
+        small, large = decode_split(train, threshold)
+        errors[threshold] = error_pct(StepModel(prefill, small, large, threshold), test)
+    best = min(errors, key=lambda t: (errors[t], -t))  # a tie goes to fewer coefficients: no split
+    return best, {str(t): round(e, 2) for t, e in errors.items()}
+
+
+def _choose_mixed(model: StepModel, train: Sequence[StepSample], test: Sequence[StepSample]) -> tuple[str, dict]:
+    entry = {"n_train": len(train), "n_test": len(test)}
+    if len(train) < MIN_MIXED_TRAIN or not test:
+        # too few mixed steps to fit five terms: the sum of the parts needs none of its own
+        return "sum", {**entry, "sum": round(error_pct(model, test), 2) if test else None, "chosen": "sum"}
+    fitted = _with_mixed(model, mixed_coefficients(train))
+    errors = {"sum": error_pct(model, test), "fit": error_pct(fitted, test)}
+    chosen = min(errors, key=lambda f: (errors[f], f != "sum"))  # a tie goes to the form with no extra terms
+    return chosen, {**entry, **{f: round(e, 2) for f, e in errors.items()}, "chosen": chosen}
+
+
+def _with_mixed(model: StepModel, mixed: tuple[float, ...]) -> StepModel:
+    return StepModel(model.prefill, model.decode_small, model.decode_large, model.decode_threshold, "fit", mixed)
+
+
+def _error_entry(model: StepModel, train: Sequence[StepSample], test: Sequence[StepSample]) -> dict:
+    return {"median_abs_error_pct": round(error_pct(model, test), 2), "n_train": len(train), "n_test": len(test)}
+
+
+def _refit_all(kinds: dict[str, list[StepSample]], threshold: int, form: str) -> StepModel:
+    small, large = decode_split(kinds["decode"], threshold)
+    model = StepModel(prefill_coefficients(kinds["prefill"]), small, large, threshold)
+    return _with_mixed(model, mixed_coefficients(kinds["mixed"])) if form == "fit" else model

@@ -1,0 +1,112 @@
+"""`disagg profile` on a tiny random model: what each timed step is recorded as, and the file it writes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from disagg.config import EngineConfig
+from disagg.engine.engine import LLMEngine
+from disagg.engine.model_shapes import named_shapes
+from disagg.placement.profile import load_profile
+from disagg.planner import profiler
+from disagg.planner.grid import make_grid
+from disagg.placement.latency_model import Chunk
+from disagg.planner.profile_fit import StepSample
+from disagg.planner.profiler import StepBench, default_shapes, median_steps, parse_shapes
+
+
+@pytest.fixture(scope="module")
+def bench():
+    config = EngineConfig(
+        model="random:tiny", dtype="float32", device="cpu", num_kv_blocks=64, enable_prefix_caching=False
+    )
+    return StepBench(LLMEngine(config))
+
+
+def test_a_decode_context_is_the_tokens_the_request_knows(bench):
+    # Two requests of 10 and 20 prompt tokens, their KV in place and a first token each: the
+    # next step computes token 11 and 21, attending to 11 and 21 tokens.
+    bench._import_decodes(2, 20)
+    step = bench.timed_step(budget=64)
+    bench._clear()
+    assert (step.chunks, step.num_decodes, step.decode_context_sum) == ((), 2, 11 + 21)
+
+
+def test_a_chunk_after_a_first_chunk_starts_where_that_one_ended(bench):
+    first, second = bench.mixed(decodes=1, context=8, start=24, num_tokens=16)
+    assert [(c.start, c.num_tokens) for c in first.chunks] == [(0, 24)]
+    assert [(c.start, c.num_tokens) for c in second.chunks] == [(24, 16)]
+    # the decode (prompt 4, one token out) knows 5 tokens, then 6 a step later
+    assert (first.num_decodes, first.decode_context_sum, second.decode_context_sum) == (1, 5, 6)
+    assert first.kind == second.kind == "mixed"
+
+
+def test_a_prefill_batch_is_one_step_of_whole_prompts(bench):
+    (step,) = bench.prefill((5, 17, 3))
+    assert sorted((c.start, c.num_tokens) for c in step.chunks) == [(0, 3), (0, 5), (0, 17)]
+    assert step.kind == "prefill" and step.ms > 0
+    assert bench.engine.num_free_blocks == bench.engine.num_total_blocks
+
+
+def test_quick_profile_writes_a_file_that_loads(tmp_path):
+    out = tmp_path / "tiny.json"
+    args = argparse.Namespace(
+        model="random:tiny",
+        tp_pp="1x1,2x1,1x2",
+        threads=1,
+        max_prompt_len=None,
+        max_batch=None,
+        repeats=None,
+        dtype="float32",
+        quick=True,
+        output=str(out),
+    )
+    assert profiler.main(args) == 0
+    profile = load_profile(str(out))
+    assert profile.source == "measured" and profile.hardware == "cpu-1t"
+    assert profile.shapes == [(1, 1), (1, 2), (2, 1)]
+    tiny = named_shapes()["tiny"]
+    assert profile.num_layers == tiny.num_hidden_layers
+    assert profile.kv_bytes_per_token == 2 * tiny.num_hidden_layers * tiny.num_key_value_heads * tiny.head_dim * 4
+    assert profile.kv_transfer.bandwidth_bytes_per_s < float("inf")
+    errors = json.loads(out.read_text())["fit"]["shapes"]
+    assert sorted(errors) == ["tp1-pp1", "tp1-pp2", "tp2-pp1"]
+    for entry in errors.values():
+        for kind in ("prefill", "decode"):
+            assert entry[kind]["median_abs_error_pct"] >= 0 and entry[kind]["n_test"] >= 2
+        assert entry["mixed"]["chosen"] in ("sum", "fit") and entry["mixed"][entry["mixed"]["chosen"]] >= 0
+
+
+def test_default_shapes_split_heads_and_layers_evenly():
+    smollm2 = named_shapes()["smollm2-135m"]  # 9 heads, 3 KV heads, 30 layers: TP 2 cannot split it
+    assert default_shapes(smollm2, cores=2) == [(1, 1), (1, 2)]
+    assert default_shapes(named_shapes()["tiny"], cores=2) == [(1, 1), (1, 2), (2, 1)]
+
+
+def test_shapes_parse_and_bad_ones_are_refused():
+    assert parse_shapes("1x1, 2x1,1X2") == [(1, 1), (2, 1), (1, 2)]
+    with pytest.raises(ValueError, match="TPxPP"):
+        parse_shapes("2")
+
+
+def test_grid_fits_its_steps_in_the_budget_and_cache():
+    grid = make_grid(1024, 32)
+    assert grid.max_step_tokens >= max(sum(p) for p in grid.prefill)
+    assert grid.max_batch == 32
+    with pytest.raises(ValueError):
+        make_grid(8, 32)
+
+
+def test_runs_of_a_grid_that_made_different_steps_are_refused():
+    one = StepSample((Chunk(0, 8),), 0, 0, 1.0)
+    other = StepSample((Chunk(0, 9),), 0, 0, 1.0)
+    assert median_steps([[one], [_ms(one, 3.0)], [_ms(one, 2.0)]])[0].ms == 2.0
+    with pytest.raises(RuntimeError, match="different steps"):
+        median_steps([[one], [other]])
+
+
+def _ms(step: StepSample, ms: float) -> StepSample:
+    return StepSample(step.chunks, step.num_decodes, step.decode_context_sum, ms)
