@@ -1,0 +1,132 @@
+"""The planner against a real GPU system (DistServe's measured A100 runs) and against the clock.
+
+    .venv/bin/python loadtest/bench_planner.py [--data ../shared/data/distserve] [--skip-search]
+
+Prints:
+1. each measured run in the data directory replayed through the simulator with the matching
+   DistServe profile (`disagg simulate --trace` does the same per run): SLO attainment and TTFT /
+   TPOT p50 and p90, simulated against measured, and the errors (targets: attainment within 3
+   points, percentiles within 10%);
+2. OPT-13B on A100-80GB for the runs' ShareGPT lengths at TTFT 200 / TPOT 100 ms (P90, 90%):
+   the plan's simulated goodput per GPU next to DistServe's deployed configuration (prefill TP 2,
+   decode TP 1), both by the same simulator;
+3. search time for one 8-GPU node and for 4 nodes x 8, and the simulator's speed in simulated
+   requests per minute on one core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from disagg.placement.profile import load_profile  # noqa: E402
+from disagg.planner.deployment import Deployment, trace_config  # noqa: E402
+from disagg.planner.hardware import hardware_spec  # noqa: E402
+from disagg.planner.models import model_spec  # noqa: E402
+from disagg.planner.search import SLO, NodeKind, Search  # noqa: E402
+from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
+from disagg.planner.workload import SimRequest, load_trace, poisson_arrivals  # noqa: E402
+
+MODEL = "facebook/opt-13b"
+
+
+def profile_for(data: Path, trace_name: str):
+    system = "vllm" if trace_name.startswith("vllm") else "distserve"
+    return load_profile(str(data / f"profiler-a100-80g.{system}.json"), model=MODEL)
+
+
+def replay(data: Path) -> None:
+    print("1. DistServe's measured runs replayed (simulated / measured, error)")
+    print(
+        f"{'run':26} {'attainment %':>20} {'TTFT p50 ms':>22} {'TTFT p90 ms':>22} {'TPOT p50 ms':>20} {'TPOT p90 ms':>20}"
+    )
+    for path in sorted(data.glob("*-*.json")):
+        if path.name.startswith("profiler"):
+            continue
+        trace = load_trace(str(path))
+        profile = profile_for(data, path.name)
+        config = trace_config(trace.config, trace.model)
+        deployment = Deployment(config, {role: profile for role, _ in config.pools()}, from_hardware=True)
+        records = deployment.simulator().run(trace.requests)
+        slo = trace.slo
+        sim_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
+        real_att = 100 * sum(m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured)
+        real_att /= len(trace.measured)
+        cells = [f"{sim_att:5.1f} / {real_att:5.1f} ({sim_att - real_att:+5.1f})"]
+        for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
+            sim = [getattr(r, attr) * 1e3 for r in records]
+            real = [m[key] for m in trace.measured]
+            for pct in (50, 90):
+                s, m = percentile(sim, pct), percentile(real, pct)
+                cells.append(f"{s:6.1f} / {m:6.1f} ({(s - m) / m:+4.0%})")
+        print(f"{path.stem:26} " + " ".join(f"{c:>22}" for c in cells))
+
+
+def trace_lengths(data: Path) -> list[SimRequest]:
+    trace = load_trace(str(data / "distserve-c21d11-300-3.json"))
+    return [SimRequest(i, 0.0, r.prompt_len, r.output_len) for i, r in enumerate(trace.requests)]
+
+
+def plan_vs_distserve(data: Path, skip_search: bool) -> None:
+    print("\n2. OPT-13B on A100-80GB, ShareGPT lengths, TTFT 200 / TPOT 100 ms at P90, 90% attainment")
+    profile = load_profile(str(data / "profiler-a100-80g.distserve.json"), model=MODEL)
+    for nodes, devices in ((1, 8), (4, 8)):
+        kind = NodeKind(hardware_spec("a100-80gb"), profile, nodes, devices)
+        search = Search(model_spec(MODEL), [kind], trace_lengths(data), SLO(200.0, 100.0), max_model_len=2048)
+        if nodes == 1:
+            pools = [search.pool("prefill", kind, 2, 1), search.pool("decode", kind, 1, 1)]
+            rate = search.max_rate(pools, kind.hardware.kv_transfer())
+            print(
+                f"   DistServe's deployment (prefill TP2 x1, decode TP1 x1, 3 GPUs): {rate:.2f} req/s, "
+                f"{rate / 3:.3f} req/s per GPU"
+            )
+        if skip_search:
+            continue
+        started = time.perf_counter()
+        best = search.run()[0]
+        elapsed = time.perf_counter() - started
+        print(f"   plan on {nodes}x{devices}: {best.to_dict()}  ({search.simulations} simulations, {elapsed:.1f} s)")
+
+
+def simulator_speed(data: Path, num_requests: int = 100_000) -> None:
+    print("\n3. simulator speed")
+    profile = load_profile(str(data / "profiler-a100-80g.distserve.json"), model=MODEL)
+    lengths = trace_lengths(data)
+    times = poisson_arrivals(num_requests, rate=20.0)
+    requests = [
+        SimRequest(i, t, lengths[i % len(lengths)].prompt_len, lengths[i % len(lengths)].output_len)
+        for i, t in enumerate(times)
+    ]
+    config = trace_config(
+        {"mode": "disaggregated", "prefill": {"tp": 2, "instances": 4}, "decode": {"tp": 1, "instances": 4}}, MODEL
+    )
+    deployment = Deployment(config, {"prefill": profile, "decode": profile}, from_hardware=True)
+    started = time.perf_counter()
+    records = deployment.simulator().run(requests)
+    elapsed = time.perf_counter() - started
+    print(
+        f"   {num_requests} requests (4 prefill TP2 + 4 decode TP1, 20 req/s, ShareGPT lengths): {elapsed:.1f} s, "
+        f"{num_requests / elapsed * 60:,.0f} simulated requests per minute; attainment "
+        f"{slo_attainment(records, 200, 100):.1f}%"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
+    parser.add_argument("--skip-search", action="store_true")
+    parser.add_argument("--speed-requests", type=int, default=100_000)
+    args = parser.parse_args()
+    data = Path(args.data)
+    replay(data)
+    plan_vs_distserve(data, args.skip_search)
+    simulator_speed(data, args.speed_requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
