@@ -185,6 +185,8 @@ def verdict(meas: dict, sim: dict) -> dict:
     saturated = meas["attainment_pct"] < SATURATED_BELOW_PCT
     return {
         **checks,
+        # Requests the server failed (e.g. a worker killed by Ray's memory monitor) are not load: not compared.
+        "server_failures": meas["failed"],
         "ttft_p50_err_pct": 100 * rel("ttft_p50_ms"),
         "tpot_p50_err_pct": 100 * rel("tpot_p50_ms"),
         "saturated": saturated,
@@ -219,8 +221,9 @@ def compare_mode(measured: Path, sim_dir: Path, mode: str, args: argparse.Namesp
         sim_fig = figures(sim["summary"])
         out["rates"][_rate_of(run_path)] = {"measured": meas_fig, "simulated": sim_fig, **verdict(meas_fig, sim_fig)}
         out["prompt_len_mismatches"] += prompt_len_mismatches(records)
+    valid = {r: v for r, v in out["rates"].items() if not v["server_failures"]}
     for side in ("measured", "simulated"):
-        out[f"drop_below_90_{side}"] = drop_rate([(r, v[side]["attainment_pct"]) for r, v in out["rates"].items()])
+        out[f"drop_below_90_{side}"] = drop_rate([(r, v[side]["attainment_pct"]) for r, v in valid.items()])
     return out
 
 
@@ -256,13 +259,15 @@ def print_table(results: dict) -> None:
     print()
     for mode, res in results.items():
         m, s = res["drop_below_90_measured"], res["drop_below_90_simulated"]
-        print(f"{mode:<24} attainment < 90% from: measured {_drop(m)}, simulated {_drop(s)}")
+        print(f"{mode:<24} attainment < 90% from: measured {_drop(m)}, simulated {_drop(s)} (valid runs only)")
 
 
 def _row(mode: str, rate: float, row: dict) -> str:
     m, s = row["measured"], row["simulated"]
     pair = lambda key, fmt=".0f": f"{m[key]:{fmt}}/{s[key]:{fmt}}"  # noqa: E731
     mark = "saturated" if row["saturated"] else ("ok" if row["ok"] else "MISS " + _misses(row))
+    if row["server_failures"]:
+        mark = f"INVALID: {row['server_failures']} requests failed on the server"
     return (
         f"{mode:<24} {rate:>5g}  {pair('attainment_pct', '.1f'):>13}  {pair('ttft_p50_ms'):>13} {pair('ttft_p90_ms'):>13}"
         f"  {pair('tpot_p50_ms'):>11} {pair('tpot_p90_ms'):>9}"
@@ -281,13 +286,17 @@ def _drop(d: dict) -> str:
 
 
 def targets_met(results: dict) -> bool:
-    """Every unsaturated (mode, rate) meets all three targets."""
-    return all(row["ok"] for res in results.values() for row in res["rates"].values() if not row["saturated"])
+    """Every unsaturated (mode, rate) whose measurement is valid meets all three targets."""
+    rows = [row for res in results.values() for row in res["rates"].values()]
+    return all(row["ok"] for row in rows if not row["saturated"] and not row["server_failures"])
 
 
 # ---- main ----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    for path in (args.profile_1t, args.profile_2t):  # fail before an experiment, not after it
+        if not Path(path).is_file():
+            sys.exit(f"no profile {path}: measure it with `disagg profile --tp-pp 1x1 --threads N -o {path}`")
     out = Path(args.out_dir)
     slo = parse_slo(args.slo)
     started = time.monotonic()
