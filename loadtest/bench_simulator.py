@@ -20,6 +20,11 @@ attainment within 5 points of the measured one, simulated TTFT and TPOT medians 
     PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py                  # 4 rates x 24 requests, ~15 minutes
     PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --reuse loadtest/results/issue5   # simulate old runs
 
+Not modelled (seen 2026-11-24 on 2 cores): CPU the frontend, router, Ray and the benchmark client
+take from the engines. The colocated 2-thread worker then ran near the 1-thread profile's speed
+(unloaded TPOT 25 ms against 13 ms profiled at 2 threads, 20 ms at 1), and other agents' load on
+the machine inflates the loaded runs, which the unloaded calibration does not see.
+
 Output directory: measured/ (the experiment's own output: runs, unloaded, configs, logs),
 simulated/<mode>_rate<r>.json (bench-format, label "<mode> (sim)"), report/ (`disagg report`
 of both, plotted together), comparison.json (calibration, every figure, the verdicts).
