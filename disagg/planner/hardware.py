@@ -10,7 +10,7 @@ Pure Python: the planner runs on any laptop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from disagg.placement.latency_model import TransferModel
 
@@ -83,8 +83,19 @@ def known_hardware() -> dict[str, Hardware]:
 
 
 def hardware_spec(name: str) -> Hardware:
+    """A catalogued kind, or a measured variant of one: `cpu-2t` is the CPU at 2 threads per rank
+    (the name `disagg profile` gives its CPU profiles)."""
+    key = name.strip().lower()
     catalogue = known_hardware()
-    hardware = catalogue.get(name.strip().lower())
-    if hardware is None:
-        raise ValueError(f"unknown hardware {name!r}; known: {', '.join(sorted(catalogue))}")
-    return hardware
+    if key in catalogue:
+        return catalogue[key]
+    base, _, threads = key.rpartition("-")
+    if base in catalogue and threads.endswith("t") and threads[:-1].isdigit() and int(threads[:-1]) >= 1:
+        return replace(catalogue[base], name=key)
+    raise ValueError(f"unknown hardware {name!r}; known: {', '.join(sorted(catalogue))}")
+
+
+def threads_per_rank(hardware_name: str) -> int | None:
+    """The threads a measured CPU variant was profiled at (`cpu-2t` -> 2); None for the catalogue's kinds."""
+    _, _, threads = hardware_name.rpartition("-")
+    return int(threads[:-1]) if threads.endswith("t") and threads[:-1].isdigit() else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from disagg.planner.hardware import threads_per_rank
 from disagg.planner.memory import kv_bytes_per_token_per_device
 from disagg.planner.models import model_spec
 
@@ -30,5 +31,8 @@ def serving_config_dict(candidate, model: str, slo_ms: dict, kinds) -> dict:
                 "kv_cache_memory_bytes": int(kv_bytes),
             },
         }
+        threads = threads_per_rank(pool.hardware)
+        if threads is not None:  # a CPU profile holds at the threads it was measured with
+            plan["threads_per_worker"] = threads
     plan["slo"] = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
     return plan

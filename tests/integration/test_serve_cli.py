@@ -18,6 +18,7 @@ import pytest
 
 BIN = Path(sys.executable).parent / "disagg"
 START_TIMEOUT_S = 180
+PROFILE_1T = Path(__file__).parents[2] / "deploy" / "profiles" / "smollm2-135m-cpu-1t.json"
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +106,41 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
     assert prefill == [{engine_cpu}], f"one thread of the prefill worker, and only on its CPU: {on_it}"
     assert decode == [cpus], f"the decode engine thread, anywhere: {on_it}"
     assert sum(len(sets) for sets in on_it.values()) == 2, f"nothing else may run there: {on_it}"
+
+
+def test_a_plan_written_by_disagg_plan_starts_under_disagg_serve(tmp_path):
+    """`disagg plan -o` on this machine's measured profile, then `disagg serve --config` on its output:
+    the planned mode and pools come up and answer."""
+    import yaml
+
+    from disagg.bench.experiment import free_port
+
+    plan = tmp_path / "plan.yaml"
+    planned = subprocess.run(
+        [str(BIN), "plan", "--model", "smollm2-135m-instruct", "--profile", str(PROFILE_1T), "--cluster", "1x2",
+         "--workload", "chat", "--slo", "ttft_ms=2000,tpot_ms=200", "--num-requests", "100", "-o", str(plan)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert planned.returncode == 0, planned.stdout + planned.stderr
+    config = yaml.safe_load(plan.read_text())
+    assert config["threads_per_worker"] == 1, "a 1-thread profile plans 1-thread workers"
+    proc, address, _ = _serve(tmp_path, "--config", str(plan), "--port", str(free_port()))
+    try:
+        status = subprocess.run([str(BIN), "status", "--server", address], capture_output=True, text=True, timeout=60)
+        answer = subprocess.run(
+            [str(BIN), "generate", "--server", address, "What is the capital of France?"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert status.returncode == 0, status.stderr
+    assert config["mode"] in status.stdout, status.stdout
+    for role in ("prefill", "decode", "colocated"):
+        if role in config:
+            assert status.stdout.count(role) >= config[role]["num_instances"], status.stdout
+    assert answer.returncode == 0, answer.stderr
+    assert "Paris" in answer.stdout
 
 
 def _affinities(session: int) -> dict[str, list[set[int]]]:

@@ -58,6 +58,17 @@ def test_unknown_names_raise_value_error_listing_known_ones():
         hardware_spec("tpu-v9")
 
 
+def test_a_measured_cpu_variant_is_the_cpu_under_its_own_name():
+    from disagg.planner.hardware import threads_per_rank
+
+    variant = hardware_spec("cpu-2t")
+    assert variant.name == "cpu-2t" and variant.peak_flops == hardware_spec("cpu").peak_flops
+    assert threads_per_rank("cpu-2t") == 2 and threads_per_rank("a100-80gb") is None
+    for bad in ("cpu-0t", "cpu-t", "tpu-2t"):
+        with pytest.raises(ValueError, match="unknown hardware"):
+            hardware_spec(bad)
+
+
 def test_kv_transfer_uses_the_node_link_and_across_nodes_is_slower():
     a100 = hardware_spec("a100-80gb")
     profile = roofline_profile("opt-13b", a100)
