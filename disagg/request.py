@@ -61,6 +61,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: chosen token only; n: chosen + top n
     include_stop_str_in_output: bool = False
+    # Tokens of this request generated before it came here (a request migrated from a failed
+    # instance resumes with them appended to its prompt): its seeded stream continues at this index.
+    resumed_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +90,11 @@ class SamplingParams:
             f"must be an integer >= 1, got {self.max_tokens!r}",
         )
         _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(
+            _is_int(self.resumed_tokens) and self.resumed_tokens >= 0,
+            "resumed_tokens",
+            f"must be an integer >= 0, got {self.resumed_tokens!r}",
+        )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers"

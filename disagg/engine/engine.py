@@ -25,7 +25,7 @@ from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput
-from disagg.engine.sampler import Sampler, make_generator
+from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.errors import InvalidRequestError
@@ -105,7 +105,6 @@ class LLMEngine:
             pipe=groups.pipe if groups is not None else None,
             returns_logits=groups is None or groups.place.tp_rank == 0,
         )
-        self._generators: dict[str, torch.Generator] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._num_reported: dict[str, int] = {}
@@ -216,9 +215,6 @@ class LLMEngine:
         rid = request.request_id
         self._prompts[rid] = prompt
         self._num_reported[rid] = 0
-        generator = make_generator(request.sampling_params.seed, self.device)
-        if generator is not None:
-            self._generators[rid] = generator
         if self.tokenizer is not None:
             self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
 
@@ -228,7 +224,7 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._generators, self._detokenizers, self._prompts, self._num_reported):
+        for table in (self._detokenizers, self._prompts, self._num_reported):
             table.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
@@ -241,10 +237,15 @@ class LLMEngine:
         if plan.is_empty:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(plan, self._generators.get)
+        sampled = self.runner.execute(plan, self._token_generator)
         self.last_step_seconds = time.perf_counter() - started
         updated = self.scheduler.update_from_output(plan, sampled)
         return [self._output(r) for r in updated]
+
+    def _token_generator(self, request: Request):
+        """The generator for the token a seeded request samples now (disagg.engine.sampler)."""
+        params = request.sampling_params
+        return token_generator(params.seed, params.resumed_tokens + request.num_output_tokens, self.device)
 
     def _output(self, request: Request) -> RequestOutput:
         rid = request.request_id

@@ -19,6 +19,7 @@ from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, Prefi
 from disagg.engine.layers.cpu_kernels import DecodeKernel
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from disagg.request import Request
 
 
 class ModelRunner:
@@ -53,7 +54,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, generator_of: Callable[[str], torch.Generator | None]
+        self, out: SchedulerOutput, generator_of: Callable[[Request], torch.Generator | None]
     ) -> dict[str, SampledToken]:
         chunks = _decodes_first(out.chunks)
         # A multi-worker instance: the other ranks start the same step before this one computes.
@@ -67,7 +68,7 @@ class ModelRunner:
             return {}
         requests = [c.request for c in sampling]
         tokens, logprobs = self.sampler(
-            logits, [r.sampling_params for r in requests], [generator_of(r.request_id) for r in requests]
+            logits, [r.sampling_params for r in requests], [generator_of(r) for r in requests]
         )
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, tokens, logprobs)}
 

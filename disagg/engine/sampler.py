@@ -82,8 +82,20 @@ class Sampler:
         return result
 
 
-def make_generator(seed: int | None, device: torch.device) -> torch.Generator | None:
-    return None if seed is None else torch.Generator(device=device).manual_seed(seed)
+_MASK64 = (1 << 64) - 1
+
+
+def token_generator(seed: int | None, index: int, device: torch.device) -> torch.Generator | None:
+    """The generator of a seeded request's `index`-th output token: a function of (seed, index)
+    alone, not of the tokens drawn before, so that the stream is the same wherever each token is
+    sampled (a prefill instance the first, a decode instance the rest, another one after a
+    migration). The pair is mixed by SplitMix64 so that nearby seeds give unrelated streams."""
+    if seed is None:
+        return None
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return torch.Generator(device=device).manual_seed((z ^ (z >> 31)) >> 1)
 
 
 def _apply_top_k(logits: torch.Tensor, top_ks: torch.Tensor) -> torch.Tensor:

@@ -185,6 +185,21 @@ def test_same_seed_same_tokens_different_seed_different(llm, engine):
     assert alone == a
 
 
+def test_a_resumed_request_continues_its_seeded_stream(llm, engine):
+    """What a migration does: prompt + the tokens so far, `resumed_tokens` of them, on a fresh
+    request: the rest equals the uninterrupted run."""
+    prompt = _prompt(20, seed=5)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True)
+    (whole,) = _tokens(llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False))
+    done = whole[:6]
+    rest = dataclasses.replace(params, max_tokens=10, resumed_tokens=6)
+    (tail,) = _tokens(llm.generate([{"prompt_token_ids": prompt + done}], rest, use_tqdm=False))
+    assert done + tail == whole
+    fresh = dataclasses.replace(params, max_tokens=10)  # without the index, the stream restarts
+    (restarted,) = _tokens(llm.generate([{"prompt_token_ids": prompt + done}], fresh, use_tqdm=False))
+    assert restarted != tail
+
+
 def test_unseeded_sampling_varies(llm, engine):
     prompt = {"prompt_token_ids": _prompt(20, seed=5)}
     outs = _tokens(

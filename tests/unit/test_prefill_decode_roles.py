@@ -158,6 +158,21 @@ def test_disaggregated_equals_colocated_tiny(request, kind):
     _assert_all_free(prefill, decode)
 
 
+def test_seeded_sampling_disaggregated_equals_colocated(tiny_gqa_dir):
+    """A seeded request samples the same stream whether its first token comes from a prefill
+    instance and the rest from a decode instance, or all from one engine."""
+    prompts = random_prompts([9, 40], 512, seed=4)
+    params = SamplingParams(temperature=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    llm = LLM(model=tiny_gqa_dir, dtype="float32", num_kv_blocks=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    expected = [list(o.outputs[0].token_ids) for o in outs]
+    assert expected[0] != expected[1]
+    prefill, decode = _engines(tiny_gqa_dir, prefill_budget=64, num_kv_blocks=64)
+    got = run_disaggregated(prefill, decode, {f"s{i}": p for i, p in enumerate(prompts)}, params)
+    assert [got["s0"], got["s1"]] == expected
+    _assert_all_free(prefill, decode)
+
+
 def test_abandoned_transfers_free_their_blocks(tiny_gqa_dir):
     """A handshake that never completes, or a prefill whose KV is never taken, frees everything."""
     prefill, decode = _engines(tiny_gqa_dir, prefill_budget=64, num_kv_blocks=64)
