@@ -234,6 +234,9 @@ class ServingConfig:
     max_inflight_requests: int = 256  # admission bound: more are refused with RESOURCE_EXHAUSTED
     admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
     request_timeout_s: float = 600.0
+    max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
+    recovery_timeout_s: float = 60.0  # how long a migrating request waits for a healthy instance (a relaunch)
+    max_worker_restarts: int = -1  # Ray relaunches a dead single-worker instance this often; -1: always, 0: never
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
@@ -258,8 +261,11 @@ class ServingConfig:
             "must be an address peers can connect to, not a wildcard",
         )
         _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
+        _require(self.max_migrations >= 0, "max_migrations", "must be >= 0")
+        _require(self.max_worker_restarts >= -1, "max_worker_restarts", "must be >= -1 (-1: always)")
         for name in (
             "admission_timeout_s",
+            "recovery_timeout_s",
             "request_timeout_s",
             "kv_timeout_s",
             "heartbeat_interval_s",

@@ -61,7 +61,11 @@ class RemoteError(DisaggError):
 
 
 class WorkerLinkError(UnavailableError):
-    """The router's link to a worker broke (the worker died or stopped reading)."""
+    """The router's link to a worker broke (the worker died or stopped reading); `peer` names it."""
+
+    def __init__(self, message: str, peer: str = ""):
+        super().__init__(message)
+        self.peer = peer
 
 
 def grpc_code_name(exc: BaseException) -> str:

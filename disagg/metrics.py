@@ -77,6 +77,9 @@ class ServingMetrics:
         self.request_decode_time = h("disagg:request_decode_time_seconds", "First token to last token.")
         self.request_success = c("disagg:request_success_total", "Finished requests.", ("finish_reason",))
         self.request_failure = c("disagg:request_failure_total", "Failed requests by gRPC status code.", ("code",))
+        self.request_migrations = c(
+            "disagg:request_migrations_total", "Requests moved on after an instance failed under them.", ("cause",)
+        )
         self.prompt_tokens = c("disagg:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = c("disagg:generation_tokens_total", "Generated tokens of finished requests.")
 
@@ -121,6 +124,10 @@ class ServingMetrics:
     def observe_transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_transfer_time.observe(seconds)
         self.kv_transfer_bytes.inc(num_bytes)
+
+    def observe_migration(self, cause: str) -> None:
+        """A request continued on other instances; `cause` names the failure (e.g. "WorkerLinkError")."""
+        self.request_migrations.labels(cause=cause).inc()
 
     def observe_failure(self, code: str) -> None:
         """A request that ended in an error; `code` is the gRPC status name (e.g. "UNAVAILABLE")."""

@@ -142,15 +142,22 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
-        directory = InstanceDirectory(registry, NAMESPACE)
+        directory = InstanceDirectory(registry, NAMESPACE, heartbeat_ttl_s=config.heartbeat_ttl_s)
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
         limits = await _model_limits(config, model, directory)
-        streams = DecodeStreams()
-        orchestrator = Orchestrator(config, directory, LeastOutstandingWork(), streams, config.engine.block_size)
+        streams = DecodeStreams(on_lost=directory.mark_failed)
+        metrics = ServingMetrics()
+        orchestrator = Orchestrator(
+            config,
+            directory,
+            LeastOutstandingWork(),
+            streams,
+            config.engine.block_size,
+            on_migration=metrics.observe_migration,
+        )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
-        metrics = ServingMetrics()
         records = RequestRecords(registry)
         self.servicer = ServingServicer(
             orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model

@@ -73,3 +73,17 @@ def describe_mismatches(prompts, expected, got, margins=None) -> str:
             f"prompt #{i} (len {len(p)}): first mismatch at output {k}: expected {e[k : k + 4]} got {g[k : k + 4]}{gap}"
         )
     return "\n".join(lines)
+
+
+def listed(client) -> set[str]:
+    """Instance ids the server's ClusterStatus lists (those in placement)."""
+    return {i.instance_id for pool in client.cluster_status().pools for i in pool.instances}
+
+
+def wait_listed(client, instance_id: str, present: bool, timeout_s: float = 10) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while (instance_id in listed(client)) != present:
+        assert time.monotonic() < deadline, f"{instance_id} {'never came back' if present else 'still listed'}"
+        time.sleep(0.1)

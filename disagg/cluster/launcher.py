@@ -83,6 +83,11 @@ class PoolLauncher:
         actor_name = f"{NAMESPACE}-{instance_id}"
         options = self._worker_options(pool, group, 0)
         options["name"], options["namespace"] = actor_name, NAMESPACE
+        if pool.workers_per_instance == 1:
+            # Ray relaunches a dead worker with the same config: it reloads, re-registers (at a new
+            # link address) and routers use it again. A TP x PP instance is not relaunched: its
+            # process groups would need every rank rebuilt; a lost rank takes it out of service.
+            options["max_restarts"] = self.config.max_worker_restarts
         engine_cpus = self.cpu_plan.engine_cpus(role, index) if self.cpu_plan else None
         config = WorkerConfig(
             instance_id=instance_id,

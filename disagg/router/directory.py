@@ -1,9 +1,12 @@
 """The router's view of the live instances: discovered from Redis, kept fresh by a background
 task, with the router's own count of the work it has sent each one since.
 
-An instance is healthy while its heartbeat key exists. When Redis cannot be reached the last
-view is kept (requests in flight never touch Redis), and an instance that comes back simply
-reappears. Each instance's request link (disagg.rpc) is dialled on first use and kept; its
+An instance is healthy while its heartbeat key exists and no link to it has broken since: a
+broken link takes it out of placement at once (`mark_failed`), not a heartbeat TTL later. It
+returns when it registers at a new link address (relaunched), or when it still heartbeats at the
+old one a TTL after the failure (it was alive: a dead process's key lapses within a TTL). When
+Redis cannot be reached the last view is kept (requests in flight never touch Redis), and an
+instance that comes back simply reappears. Each instance's request link (disagg.rpc) is dialled on first use and kept; its
 Ray actor handle is looked up by name once, for lifecycle calls only.
 """
 
@@ -76,8 +79,12 @@ class Instance:
 
 
 class InstanceDirectory:
-    def __init__(self, registry: Registry, namespace: str, refresh_interval_s: float = 0.5):
+    def __init__(
+        self, registry: Registry, namespace: str, refresh_interval_s: float = 0.5, heartbeat_ttl_s: float = 3.0
+    ):
         self.registry = registry
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self._failed: dict[str, tuple[str, float]] = {}  # instance id -> (its failed link address, until when)
         self.namespace = namespace
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, Instance] = {}
@@ -93,6 +100,26 @@ class InstanceDirectory:
 
     def all(self) -> list[Instance]:
         return list(self._instances.values())
+
+    def mark_failed(self, instance_id: str) -> None:
+        """A link to it broke: out of placement until it is back (see the module's docstring)."""
+        inst = self._instances.pop(instance_id, None)
+        if inst is not None:
+            logger.warning("instance %s failed (its link broke); out of placement", instance_id)
+            self._failed[instance_id] = (inst.view.info.rpc_address, time.monotonic() + self.heartbeat_ttl_s)
+
+    def is_failed(self, instance: Instance) -> bool:
+        failed = self._failed.get(instance.instance_id)
+        return failed is not None and failed[0] == instance.view.info.rpc_address
+
+    async def wait_healthy(self, role: str, timeout_s: float) -> bool:
+        """Until an instance of `role` is in placement (False: none within timeout_s)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy(role):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(min(self.refresh_interval_s, max(0.0, deadline - time.monotonic())))
+        return True
 
     async def start(self) -> None:
         await self.refresh()
@@ -125,6 +152,12 @@ class InstanceDirectory:
             del self._instances[gone]
 
     def _update(self, view: InstanceView) -> None:
+        failed = self._failed.get(view.info.instance_id)
+        if failed is not None:
+            address, until = failed
+            if view.info.rpc_address == address and time.monotonic() < until:
+                return  # the dead process's last heartbeat, still in Redis
+            del self._failed[view.info.instance_id]
         known = self._instances.get(view.info.instance_id)
         if known is not None and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:

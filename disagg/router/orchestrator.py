@@ -9,6 +9,10 @@ Whatever else ends the request (client cancel, deadline, error), both instances 
 drop it, so no block stays allocated. A request that finished has nothing left on either side
 (the decode side freed its blocks, the prefill side frees its own on the decode side's ack), so
 its end costs no calls.
+
+An instance that fails under a request (its link breaks, the KV never arrives) does not end it:
+the request migrates (disagg.router.migration), up to `max_migrations` times, waiting up to
+`recovery_timeout_s` for a healthy instance where none is left (a relaunch takes seconds).
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from disagg.config import ServingConfig
-from disagg.errors import KVTransferError, OverloadedError, UnavailableError
+from disagg.errors import KVTransferError, OverloadedError, UnavailableError, WorkerLinkError
 from disagg.placement.policies import PlacementPolicy
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
+from disagg.router.migration import MIGRATABLE, Progress
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
 
@@ -52,8 +57,10 @@ class Orchestrator:
         policy: PlacementPolicy,
         streams: DecodeStreams,
         block_size: int,
+        on_migration=lambda reason: None,
     ):
         self.config = config
+        self.on_migration = on_migration  # a request moved on after a failure (a metric counts them)
         self.directory = directory
         self.policy = policy
         self.streams = streams
@@ -68,6 +75,36 @@ class Orchestrator:
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[TokenDelta]:
         """Deltas of the request, the first token first; the last one has finished=True."""
+        progress = Progress(list(prompt_token_ids), params)
+        while True:
+            try:
+                async for delta in self._attempt(request_id, progress.attempt_prompt(), progress.attempt_params()):
+                    yield progress.record(delta)
+                return
+            except MIGRATABLE as exc:
+                await self._migrate(request_id, progress, exc)
+
+    async def _migrate(self, request_id: str, progress: Progress, exc: Exception) -> None:
+        """Before the next attempt: within the limit, and once the pools it needs have an instance."""
+        if progress.migrations >= self.config.max_migrations:
+            raise UnavailableError(f"request failed on {progress.migrations + 1} instances; last: {exc}") from exc
+        progress.migrations += 1
+        logger.warning(
+            "request %s migrates (%d/%d) after %d tokens: %s",
+            request_id, progress.migrations, self.config.max_migrations, len(progress.streamed), exc,
+        )  # fmt: skip
+        self.on_migration(type(exc).__name__)
+        roles = ("prefill", "decode") if self.disaggregated else ("colocated",)
+        for role in roles:
+            if not await self.directory.wait_healthy(role, self.config.recovery_timeout_s):
+                raise UnavailableError(
+                    f"no healthy {role} instance within {self.config.recovery_timeout_s:.0f}s after: {exc}"
+                ) from exc
+
+    async def _attempt(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenDelta]:
+        """One try on one placement."""
         placement, mailbox = None, None
         try:
             if self.disaggregated:
@@ -103,9 +140,10 @@ class Orchestrator:
             # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
             self._background(self._send_targets(prefill, request_id, reservation, mailbox))
             result = await asyncio.wait_for(prefill_call, self.config.request_timeout_s)
-        except BaseException:
+        except BaseException as exc:
             if prefill_call is not None:
                 prefill_call.cancel()
+            self._note_failure(exc)
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
         finally:
@@ -122,8 +160,14 @@ class Orchestrator:
                 return
             error = f"prefill instance {prefill.instance_id} dropped the request"
         except Exception as exc:  # the prefill worker died or failed
+            self._note_failure(exc)
             error = f"prefill instance {prefill.instance_id}: {exc}"
         mailbox.put(TokenDelta.failed(request_id, error))
+
+    def _note_failure(self, exc: BaseException) -> None:
+        """A broken link means a failed instance: keep it out of placement until it is back."""
+        if isinstance(exc, WorkerLinkError) and exc.peer:
+            self.directory.mark_failed(exc.peer)
 
     def _background(self, coroutine) -> None:
         task = asyncio.ensure_future(coroutine)
@@ -167,7 +211,8 @@ class Orchestrator:
             await instance.decode_service.submit(
                 request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s
             )
-        except BaseException:
+        except BaseException as exc:
+            self._note_failure(exc)
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
         return placement, mailbox
@@ -194,10 +239,9 @@ class Orchestrator:
             decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
         if placement.finished:
             return
-        if decode is not None:
-            aborts.append(decode.decode_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
-        if placement.prefill is not None:
-            aborts.append(placement.prefill.prefill_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
+        for instance, service in ((decode, "decode_service"), (placement.prefill, "prefill_service")):
+            if instance is not None and not self.directory.is_failed(instance):  # a dead one has nothing to drop
+                aborts.append(getattr(instance, service).abort(request_id, timeout_s=ABORT_TIMEOUT_S))
         try:
             await asyncio.shield(asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S))
         except (asyncio.TimeoutError, asyncio.CancelledError):

@@ -36,7 +36,8 @@ class Mailbox:
 
 
 class DecodeStreams:
-    def __init__(self):
+    def __init__(self, on_lost=lambda instance_id: None):
+        self.on_lost = on_lost  # an instance's link broke (the directory takes it out of placement)
         self._mailboxes: dict[str, dict[str, Mailbox]] = {}  # instance id -> request id -> mailbox
         self._hooked: dict[str, object] = {}  # instance id -> the link client that delivers into its mailboxes
 
@@ -45,7 +46,7 @@ class DecodeStreams:
         if self._hooked.get(instance.instance_id) is not instance.rpc:  # a new instance, or one back at a new address
             self._hooked[instance.instance_id] = instance.rpc
             instance.rpc.on_event = lambda topic, deltas: self._deliver(boxes, deltas)
-            instance.rpc.on_disconnect = lambda: self._fail_all(instance.instance_id, boxes)
+            instance.rpc.on_disconnect = lambda: self._lost(instance.instance_id, boxes)
         box = boxes[request_id] = Mailbox(request_id)
         return box
 
@@ -65,8 +66,8 @@ class DecodeStreams:
             if box is not None:  # else the request ended here already
                 box.put(delta)
 
-    @staticmethod
-    def _fail_all(instance_id: str, boxes: dict[str, Mailbox]) -> None:
-        """The link broke (the worker died): every request streaming from it has failed."""
+    def _lost(self, instance_id: str, boxes: dict[str, Mailbox]) -> None:
+        """The link broke (the worker died): every request streaming from it has failed here."""
+        self.on_lost(instance_id)
         for request_id, box in list(boxes.items()):
             box.put(TokenDelta.failed(request_id, f"instance {instance_id} failed"))

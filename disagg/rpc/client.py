@@ -48,7 +48,7 @@ class RpcClient:
             await writer.drain()  # returns at once unless the worker stopped reading
         except (ConnectionError, OSError) as exc:
             reply.cancel()
-            raise WorkerLinkError(f"link to {self.name} broke: {exc}") from exc
+            raise WorkerLinkError(f"link to {self.name} broke: {exc}", self.name) from exc
         except BaseException:
             reply.cancel()
             raise
@@ -74,7 +74,7 @@ class RpcClient:
                 try:
                     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT_S)
                 except (OSError, asyncio.TimeoutError) as exc:
-                    raise WorkerLinkError(f"cannot reach {self.name} at {self.address}: {exc}") from exc
+                    raise WorkerLinkError(f"cannot reach {self.name} at {self.address}: {exc}", self.name) from exc
                 writer.write(self._token)
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-read-{self.name}")
@@ -110,5 +110,5 @@ class RpcClient:
         (logger.info if reason == "closed" else logger.warning)("request link to %s lost (%s)", self.name, reason)
         for reply in self._pending.values():
             if not reply.done():
-                reply.set_exception(WorkerLinkError(f"link to {self.name} lost: {reason}"))
+                reply.set_exception(WorkerLinkError(f"link to {self.name} lost: {reason}", self.name))
         self.on_disconnect()

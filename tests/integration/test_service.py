@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import ray
+from support import listed, wait_listed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from disagg import LLM, SamplingParams
@@ -211,17 +212,6 @@ def test_full_admission_queue_is_resource_exhausted_then_serving_resumes(server,
 
 def decode_instances(server) -> list:
     return sorted((i for i in server.launcher.instances if i.role == "decode"), key=lambda i: i.instance_id)
-
-
-def listed(client) -> set[str]:
-    return {i.instance_id for pool in client.cluster_status().pools for i in pool.instances}
-
-
-def wait_listed(client, instance_id: str, present: bool, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (instance_id in listed(client)) != present:
-        assert time.monotonic() < deadline, f"{instance_id} {'never came back' if present else 'still listed'}"
-        time.sleep(0.1)
 
 
 def test_decode_worker_whose_heartbeat_stops_is_not_chosen_until_it_returns(server, client):

@@ -1,0 +1,50 @@
+"""A request that outlives its instances: what a client has been sent so far, and the request
+that continues it elsewhere when an instance fails.
+
+When the decode instance streaming a request dies (its link breaks, its KV never arrives), or
+the prefill instance computing its prompt does, the router starts the request again on healthy
+instances with the prompt plus every token already streamed, asking only for the tokens still
+due. The new prefill recomputes that context (Dynamo's approach), so no KV has to survive the
+failure. Greedy output is unchanged; a seeded request continues its random stream, because each
+token's noise depends on (seed, token index) alone (`SamplingParams.resumed_tokens`). The client
+sees one stream: no token repeated or missing, counts as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from disagg.errors import KVTransferError, WorkerLinkError
+from disagg.request import SamplingParams
+from disagg.rpc.messages import TokenDelta
+
+# Failures that say nothing about the request itself: another instance may well serve it.
+MIGRATABLE = (WorkerLinkError, KVTransferError)
+
+
+@dataclass
+class Progress:
+    """One request across its attempts."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    streamed: list[int] = field(default_factory=list)  # output tokens the client has been sent
+    migrations: int = 0
+
+    def attempt_prompt(self) -> list[int]:
+        return self.prompt_token_ids + self.streamed
+
+    def attempt_params(self) -> SamplingParams:
+        if not self.streamed:
+            return self.params
+        done = len(self.streamed)
+        return dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done, resumed_tokens=done)
+
+    def record(self, delta: TokenDelta) -> TokenDelta:
+        """Count a delta of the current attempt as streamed; its counts as of the whole request."""
+        self.streamed.extend(delta.token_ids)
+        if self.migrations:
+            delta.num_prompt_tokens = len(self.prompt_token_ids)
+            delta.num_output_tokens = len(self.streamed)
+        return delta
