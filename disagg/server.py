@@ -162,16 +162,19 @@ class Server:
         self.servicer = ServingServicer(
             orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model
         )
-        server, port = await _start_grpc(config, self.servicer)
+        server, port, health_servicer = await _start_grpc(config, self.servicer)
         metrics_server = (
             metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
         )
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
+        health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
         self._started.set()
         await self._stop.wait()
         gauges.cancel()
+        health_task.cancel()
+        await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
         await self.servicer.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
         await streams.stop()
@@ -283,9 +286,28 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     else:
         port = server.add_insecure_port(address)
     await server.start()
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
+    return server, port, health_servicer
+
+
+async def _set_health(health_servicer, status) -> None:
+    for service in (SERVICE_NAME, ""):
+        await health_servicer.set(service, status)
+
+
+async def _report_health(config: ServingConfig, directory: InstanceDirectory, health_servicer) -> None:
+    """SERVING while every pool has an instance in placement; NOT_SERVING while one is empty
+    (requests would wait for a relaunch or fail), so that load balancers look elsewhere."""
+    roles = [role for role, _ in config.pools()]
+    serving = True
+    while True:
+        await asyncio.sleep(directory.refresh_interval_s)
+        now = all(directory.healthy(role) for role in roles)
+        if now != serving:
+            serving = now
+            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
+            logger.warning("health: %s", "SERVING" if now else "NOT_SERVING (a pool has no instance)")
+            await _set_health(health_servicer, status)
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None) -> int:

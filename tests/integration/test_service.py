@@ -229,7 +229,21 @@ def test_decode_worker_whose_heartbeat_stops_is_not_chosen_until_it_returns(serv
     assert silent.instance_id in {f.timings.decode_instance for f in finals}
 
 
-def test_no_healthy_decode_instance_is_unavailable(server, client):
+def health_status(client, wait_for=None, timeout_s: float = 5):
+    """The server's health; with `wait_for`, polled until it is that status (or timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = (
+            health_pb2_grpc.HealthStub(client.channel)
+            .Check(health_pb2.HealthCheckRequest(service="disagg.v1.Serving"), timeout=5)
+            .status
+        )
+        if wait_for is None or status == wait_for or time.monotonic() > deadline:
+            return status
+        time.sleep(0.1)
+
+
+def test_no_healthy_decode_instance_is_unavailable_and_not_serving(server, client):
     instances = decode_instances(server)
     for inst in instances:
         ray.get(inst.actor.set_heartbeat_enabled.remote(False))
@@ -239,12 +253,16 @@ def test_no_healthy_decode_instance_is_unavailable(server, client):
         with pytest.raises(grpc.RpcError) as err:
             client.generate(chat("hi", max_tokens=2), timeout=30)
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        assert health_status(client, wait_for=not_serving) == not_serving, "a pool is empty"
     finally:
         for inst in instances:
             ray.get(inst.actor.set_heartbeat_enabled.remote(True))
     for inst in instances:
         wait_listed(client, inst.instance_id, present=True)
     assert client.generate(chat("hi", max_tokens=2), timeout=60)[0]
+    serving = health_pb2.HealthCheckResponse.SERVING
+    assert health_status(client, wait_for=serving) == serving
 
 
 def test_cluster_status_health_and_reflection(server, client):
@@ -254,10 +272,7 @@ def test_cluster_status_health_and_reflection(server, client):
     for pool in status.pools:
         for inst in pool.instances:
             assert inst.num_total_blocks == 400 and inst.tensor_parallel_size == 1
-    health = health_pb2_grpc.HealthStub(client.channel).Check(
-        health_pb2.HealthCheckRequest(service="disagg.v1.Serving"), timeout=5
-    )
-    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert health_status(client) == health_pb2.HealthCheckResponse.SERVING
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
