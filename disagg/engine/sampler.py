@@ -38,7 +38,8 @@ class Sampler:
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
         logits = logits / temps.unsqueeze(1)
-        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        # top_k beyond the vocabulary keeps every token (an offline caller's, unchecked against the model)
+        top_ks = [min(p.top_k, logits.shape[1]) if p.top_k > 0 else logits.shape[1] for p in params]
         if min(top_ks) < logits.shape[1]:
             logits = _apply_top_k(logits, torch.tensor(top_ks, device=logits.device))
         top_ps = torch.tensor([p.top_p for p in params], dtype=logits.dtype, device=logits.device)

@@ -20,7 +20,14 @@ from disagg.metrics import ServingMetrics
 from disagg.router.directory import InstanceDirectory
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
-from disagg.router.validation import ModelLimits, check_fits, prompt_token_ids, sampling_params
+from disagg.router.validation import (
+    ModelLimits,
+    check_fits,
+    check_model_bounds,
+    check_text_size,
+    prompt_token_ids,
+    sampling_params,
+)
 from disagg.v1 import serving_pb2, serving_pb2_grpc
 from disagg.rpc.messages import TokenDelta
 
@@ -55,7 +62,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         await self._admit(context)
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            prompt_ids, params = self._parse(request)
+            prompt_ids, params = await self._parse(request)
         except InvalidRequestError as exc:
             self.metrics.observe_failure("INVALID_ARGUMENT")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -100,9 +107,12 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.max_inflight} requests in flight; try again later"
             )
 
-    def _parse(self, request) -> tuple[list[int], object]:
+    async def _parse(self, request) -> tuple[list[int], object]:
         params = sampling_params(request.sampling, self.tokenizer)
-        ids = prompt_token_ids(request, self.tokenizer, self.limits.vocab_size)
+        check_model_bounds(params, self.limits)
+        check_text_size(request, self.limits)
+        # Tokenizing grows with the text: off the event loop that streams everyone's tokens.
+        ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer, self.limits.vocab_size)
         check_fits(len(ids), params, self.limits)
         return ids, params
 

@@ -15,7 +15,9 @@ from disagg.request import check_fits as check_prompt_fits
 from disagg.v1 import serving_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-MAX_PROMPT_CHARS = 4_000_000  # tokenizing more than this would stall the frontend
+# Text longer than this many characters per token of context cannot fit (real tokens are far
+# shorter): refused before the tokenizer spends seconds on it.
+MAX_CHARS_PER_TOKEN = 32
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,25 @@ def sampling_params(proto: serving_pb2.SamplingParams, tokenizer: Tokenizer | No
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
 
 
+def check_model_bounds(params: SamplingParams, limits: ModelLimits) -> None:
+    """What SamplingParams cannot check alone: the fields bounded by the model's vocabulary."""
+    if params.top_k > limits.vocab_size:
+        raise InvalidRequestError("sampling.top_k", f"must be at most the vocabulary size {limits.vocab_size}")
+    if any(t >= limits.vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError("sampling.stop_token_ids", f"must be in [0, {limits.vocab_size})")
+
+
+def check_text_size(request: serving_pb2.GenerateRequest, limits: ModelLimits) -> None:
+    """Before tokenizing: text that could not fit the context however it tokenized is refused."""
+    kind = request.WhichOneof("input")
+    texts = (
+        [request.prompt] if kind == "prompt" else [m.content for m in request.chat.messages] if kind == "chat" else []
+    )
+    most = limits.max_model_len * MAX_CHARS_PER_TOKEN
+    if sum(len(t) for t in texts) > most:
+        raise InvalidRequestError(kind, f"longer than {most} characters: it cannot fit the model's context")
+
+
 def prompt_token_ids(request: serving_pb2.GenerateRequest, tokenizer: Tokenizer | None, vocab_size: int) -> list[int]:
     kind = request.WhichOneof("input")
     if kind is None:
@@ -64,8 +85,6 @@ def prompt_token_ids(request: serving_pb2.GenerateRequest, tokenizer: Tokenizer 
     if kind == "prompt":
         if not request.prompt.strip():
             raise InvalidRequestError("prompt", "must not be empty")
-        if len(request.prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError("prompt", f"longer than {MAX_PROMPT_CHARS} characters")
         return tokenizer.encode(request.prompt)
     return tokenizer.apply_chat_template(_chat_messages(request.chat))
 
@@ -77,8 +96,6 @@ def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
             raise InvalidRequestError(f"chat.messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}")
-        if len(m.content) > MAX_PROMPT_CHARS:
-            raise InvalidRequestError(f"chat.messages[{i}].content", "too long")
         messages.append({"role": m.role, "content": m.content})
     return messages
 

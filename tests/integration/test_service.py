@@ -162,12 +162,18 @@ BAD_REQUESTS = {
     "max_tokens < 1": generate_request("hi", max_tokens=0),
     "prompt too long": generate_request(prompt_token_ids=[1] * 9000),
     "prompt + max_tokens too long": generate_request(prompt_token_ids=[1] * 8000, max_tokens=500),
+    "top_k > vocabulary": generate_request("hi", top_k=2**31 - 1),
+    "stop token beyond vocabulary": generate_request("hi", stop_token_ids=[10**6]),
+    "text that cannot fit": generate_request("word " * 60_000),
 }
 FIELD_NAMED = {
     "temperature < 0": "temperature",
     "top_p = 0": "top_p",
     "top_p > 1": "top_p",
     "top_k < -1": "top_k",
+    "top_k > vocabulary": "top_k",
+    "stop token beyond vocabulary": "stop_token_ids",
+    "text that cannot fit": "prompt",
     "max_tokens < 1": "max_tokens",
     "bad chat role": "role",
     "token id out of range": "prompt_token_ids",

@@ -225,6 +225,18 @@ def test_top_k_1_and_tiny_top_p_equal_greedy(llm, engine):
     assert top_p == greedy
 
 
+def test_top_k_beyond_the_vocabulary_samples_from_all_of_it(llm, engine):
+    """Not a crash of the step (and of the batch with it): top_k of 2^31 - 1 is no top-k."""
+    prompt = {"prompt_token_ids": _prompt(12, seed=4)}
+
+    def sp(top_k):
+        return SamplingParams(temperature=0.8, top_k=top_k, max_tokens=12, ignore_eos=True, seed=9)
+
+    (huge,) = _tokens(llm.generate([prompt], sp(2**31 - 1), use_tqdm=False))
+    (off,) = _tokens(llm.generate([prompt], sp(-1), use_tqdm=False))
+    assert huge == off
+
+
 def test_stop_token_ids_finish_with_stop(llm, engine):
     prompt = {"prompt_token_ids": _prompt(15, seed=2)}
     (full,) = _tokens(llm.generate([prompt], _greedy(24), use_tqdm=False))
