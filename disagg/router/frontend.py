@@ -55,6 +55,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self.max_inflight = orchestrator.config.max_inflight_requests
         self.api_key = orchestrator.config.api_key
         self._active: dict[str, asyncio.Task] = {}
+        self._aborted: set[str] = set()  # ended by the Abort RPC: their streams end with finish_reason "abort"
         self.draining = False
 
     # ---- Generate --------------------------------------------------------------------------------
@@ -80,8 +81,13 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                 await headers  # done long before: a prompt takes milliseconds at least
                 yield stream.response(request_id, delta)
         except asyncio.CancelledError:
-            self.metrics.observe_failure("CANCELLED")
-            raise
+            self._active.pop(request_id, None)  # no longer counts against admission, whatever cleanup is left
+            if request_id not in self._aborted:
+                self.metrics.observe_failure("CANCELLED")
+                raise
+            # Ended by Abort: the client's stream ends now, with a last message saying so.
+            self._aborted.discard(request_id)
+            yield stream.response(request_id, TokenDelta(request_id, [], finished=True, finish_reason="abort"))
         except (DisaggError, ValueError, asyncio.TimeoutError) as exc:
             code = "DEADLINE_EXCEEDED" if isinstance(exc, asyncio.TimeoutError) else grpc_code_name(exc)
             self.metrics.observe_failure(code)
@@ -154,6 +160,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         await self._check_key(context)
         task = self._active.get(request.request_id)
         if task is not None:
+            self._aborted.add(request.request_id)
             task.cancel()
         return serving_pb2.AbortResponse(found=task is not None)
 

@@ -32,6 +32,11 @@ class Progress:
     streamed: list[int] = field(default_factory=list)  # output tokens the client has been sent
     migrations: int = 0
 
+    def attempt_id(self, request_id: str) -> str:
+        """The id the workers know this attempt by: a new one after each migration, so that what
+        is left of an earlier attempt (an abort still on its way) never meets the next one."""
+        return request_id if not self.migrations else f"{request_id}~{self.migrations}"
+
     def attempt_prompt(self) -> list[int]:
         return self.prompt_token_ids + self.streamed
 

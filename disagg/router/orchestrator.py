@@ -78,7 +78,10 @@ class Orchestrator:
         progress = Progress(list(prompt_token_ids), params)
         while True:
             try:
-                async for delta in self._attempt(request_id, progress.attempt_prompt(), progress.attempt_params()):
+                attempt = self._attempt(
+                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params()
+                )
+                async for delta in attempt:
                     yield progress.record(delta)
                 return
             except MIGRATABLE as exc:
@@ -242,7 +245,12 @@ class Orchestrator:
         for instance, service in ((decode, "decode_service"), (placement.prefill, "prefill_service")):
             if instance is not None and not self.directory.is_failed(instance):  # a dead one has nothing to drop
                 aborts.append(getattr(instance, service).abort(request_id, timeout_s=ABORT_TIMEOUT_S))
+        if aborts:  # sent now, awaited in the background: the request's end waits for no worker
+            self._background(self._await_aborts(request_id, aborts))
+
+    @staticmethod
+    async def _await_aborts(request_id: str, aborts: list) -> None:
         try:
-            await asyncio.shield(asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S))
-        except (asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.gather(*aborts, return_exceptions=True), ABORT_TIMEOUT_S)
+        except asyncio.TimeoutError:
             logger.warning("abort of %s did not complete within %.0fs", request_id, ABORT_TIMEOUT_S)

@@ -142,6 +142,25 @@ def test_client_cancel_mid_stream_frees_every_block_within_a_second(server, clie
     assert wait_all_blocks_free(server, 1.5) < 1.5
 
 
+def test_abort_ends_the_stream_at_once_with_finish_reason_abort_and_frees_the_id(server, client):
+    for when in ("decoding", "prefilling"):
+        request = chat("Tell me a very long story about dragons.", max_tokens=300, ignore_eos=True)
+        request.request_id = f"abort-me-{when}"
+        call = client.stream(request, timeout=60)
+        if when == "decoding":
+            next(call)
+        else:
+            time.sleep(0.05)
+        started = time.monotonic()
+        assert client.abort(request.request_id)
+        last = list(call)[-1]
+        assert time.monotonic() - started < 2.0, "the stream ends when the request is aborted"
+        assert last.finished and last.finish_reason == "abort"
+        wait_all_blocks_free(server, 1.5)
+        tokens, _, _ = client.generate(chat("What is 2 + 2?", max_tokens=2, request_id=request.request_id), timeout=60)
+        assert tokens, "an aborted request's id is free again at once"
+
+
 def test_deadline_exceeded_aborts_and_frees_blocks(server, client):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(chat("Tell me a very long story about castles.", max_tokens=300, ignore_eos=True), timeout=1.0)

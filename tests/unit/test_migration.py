@@ -12,6 +12,7 @@ def test_before_any_token_the_attempt_is_the_request_itself():
     progress = Progress([1, 2, 3], params)
     assert progress.attempt_prompt() == [1, 2, 3]
     assert progress.attempt_params() is params
+    assert progress.attempt_id("r") == "r"
 
 
 def test_after_tokens_the_next_attempt_asks_only_for_the_rest_and_counts_as_the_whole():
@@ -19,6 +20,7 @@ def test_after_tokens_the_next_attempt_asks_only_for_the_rest_and_counts_as_the_
     progress.record(TokenDelta("r", [10]))
     progress.record(TokenDelta("r", [11, 12]))
     progress.migrations = 1
+    assert progress.attempt_id("r") == "r~1", "workers see each attempt under its own id"
     assert progress.attempt_prompt() == [1, 2, 3, 10, 11, 12]
     params = progress.attempt_params()
     assert (params.max_tokens, params.resumed_tokens, params.seed) == (5, 3, 5)
