@@ -142,7 +142,9 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
-        directory = InstanceDirectory(registry, NAMESPACE, heartbeat_ttl_s=config.heartbeat_ttl_s)
+        directory = InstanceDirectory(
+            registry, NAMESPACE, heartbeat_ttl_s=config.heartbeat_ttl_s, recovery_timeout_s=config.recovery_timeout_s
+        )
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
         limits = await _model_limits(config, model, directory)

@@ -78,13 +78,26 @@ class Instance:
         return self.view.load.num_running + self.outstanding_requests
 
 
+@dataclass(frozen=True)
+class _Failure:
+    role: str
+    rpc_address: str  # the link that broke
+    at: float  # time.monotonic() when it broke
+
+
 class InstanceDirectory:
     def __init__(
-        self, registry: Registry, namespace: str, refresh_interval_s: float = 0.5, heartbeat_ttl_s: float = 3.0
+        self,
+        registry: Registry,
+        namespace: str,
+        refresh_interval_s: float = 0.5,
+        heartbeat_ttl_s: float = 3.0,
+        recovery_timeout_s: float = 60.0,
     ):
         self.registry = registry
         self.heartbeat_ttl_s = heartbeat_ttl_s
-        self._failed: dict[str, tuple[str, float]] = {}  # instance id -> (its failed link address, until when)
+        self.recovery_timeout_s = recovery_timeout_s
+        self._failed: dict[str, _Failure] = {}
         self.namespace = namespace
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, Instance] = {}
@@ -106,11 +119,17 @@ class InstanceDirectory:
         inst = self._instances.pop(instance_id, None)
         if inst is not None:
             logger.warning("instance %s failed (its link broke); out of placement", instance_id)
-            self._failed[instance_id] = (inst.view.info.rpc_address, time.monotonic() + self.heartbeat_ttl_s)
+            self._failed[instance_id] = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic())
 
     def is_failed(self, instance: Instance) -> bool:
         failed = self._failed.get(instance.instance_id)
-        return failed is not None and failed[0] == instance.view.info.rpc_address
+        return failed is not None and failed.rpc_address == instance.view.info.rpc_address
+
+    def recovering(self, role: str) -> bool:
+        """An instance of `role` failed less than `recovery_timeout_s` ago and may come back
+        (relaunched): worth waiting for rather than refusing requests."""
+        now = time.monotonic()
+        return any(f.role == role and now - f.at < self.recovery_timeout_s for f in self._failed.values())
 
     async def wait_healthy(self, role: str, timeout_s: float) -> bool:
         """Until an instance of `role` is in placement (False: none within timeout_s)."""
@@ -154,8 +173,7 @@ class InstanceDirectory:
     def _update(self, view: InstanceView) -> None:
         failed = self._failed.get(view.info.instance_id)
         if failed is not None:
-            address, until = failed
-            if view.info.rpc_address == address and time.monotonic() < until:
+            if view.info.rpc_address == failed.rpc_address and time.monotonic() - failed.at < self.heartbeat_ttl_s:
                 return  # the dead process's last heartbeat, still in Redis
             del self._failed[view.info.instance_id]
         known = self._instances.get(view.info.instance_id)

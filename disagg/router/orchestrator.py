@@ -125,8 +125,15 @@ class Orchestrator:
                 await self._cleanup(request_id, placement, len(prompt_token_ids))
 
     # ---- disaggregated ---------------------------------------------------------------------------
+    async def _available(self, role: str) -> list[Instance]:
+        """The role's instances in placement; while it has none but one is being relaunched,
+        waits for it (up to recovery_timeout_s) instead of refusing the request."""
+        if not self.directory.healthy(role) and self.directory.recovering(role):
+            await self.directory.wait_healthy(role, self.config.recovery_timeout_s)
+        return self.directory.healthy(role)
+
     async def _start_disaggregated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox, TokenDelta]:
-        prefill = self.policy.choose_prefill(self.directory.healthy("prefill"), len(prompt_token_ids))
+        prefill = self.policy.choose_prefill(await self._available("prefill"), len(prompt_token_ids))
         if prefill is None:
             raise UnavailableError("no healthy prefill instance")
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
@@ -183,7 +190,7 @@ class Orchestrator:
         deadline = time.monotonic() + self.config.admission_timeout_s
         backoff = RESERVE_RETRY_S
         while True:
-            decode = self.policy.choose_decode(self.directory.healthy("decode"), blocks_needed)
+            decode = self.policy.choose_decode(await self._available("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
             reservation = await decode.decode_service.reserve(
@@ -203,7 +210,7 @@ class Orchestrator:
     # ---- colocated -------------------------------------------------------------------------------
     async def _start_colocated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox]:
         instance = self.policy.choose_decode(
-            self.directory.healthy("colocated"), -(-len(prompt_token_ids) // self.block_size)
+            await self._available("colocated"), -(-len(prompt_token_ids) // self.block_size)
         )
         if instance is None:
             raise UnavailableError("no healthy colocated instance")

@@ -1,0 +1,246 @@
+"""Chaos: steady traffic while worker processes are killed, and what it cost.
+
+Starts `disagg serve` (the default deployment, 1 prefill + 1 decode worker, its own Ray and
+redis-server, gRPC on 127.0.0.1), computes each prompt's fault-free greedy output, then runs
+`--concurrency` clients in a closed loop for `--minutes` while a random prefill or decode
+worker process is SIGKILLed every `--kill-every` seconds. Every request's output is compared
+with the fault-free one. After the load stops: KV blocks still allocated on every instance,
+RSS of each process at start and end, recovery time per kill (kill -> the instance listed
+again and a request served).
+
+    PYTHONPATH=. .venv/bin/python loadtest/chaos.py --minutes 5 --kill-every 30
+
+The last lines are `lost: N`, `wrong outputs: N`, `leaked blocks: N`, `recovery p50 s: X`.
+Not done yet: killing Redis (a worker relaunched while Redis is down cannot register).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import grpc
+import psutil
+import yaml
+
+from disagg.bench.experiment import free_port
+from disagg.client import DisaggClient, generate_request
+
+PROMPTS = [
+    "Write a story about a dragon.",
+    "Describe the ocean in detail.",
+    "Explain how rain forms.",
+    "Tell me about ancient Rome.",
+    "List some uses of copper.",
+    "Why is the sky blue?",
+    "Describe a busy market.",
+    "How do bees make honey?",
+]
+WORKER_KINDS = ("PrefillActor", "DecodeActor")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=5.0)
+    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="loadtest/out/chaos.json")
+    return p.parse_args(argv)
+
+
+class Deployment:
+    """`disagg serve` in its own session; its processes found by their session id."""
+
+    def __init__(self, workdir: Path):
+        config = {"port": free_port(), "metrics_port": free_port()}
+        (workdir / "chaos.yaml").write_text(yaml.safe_dump(config))
+        self.metrics_url = f"http://127.0.0.1:{config['metrics_port']}/metrics"
+        self.ready, self.log = workdir / "ready", workdir / "serve.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "disagg.cli", "serve", "--config", str(workdir / "chaos.yaml"),
+                 "--ready-file", str(self.ready)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not self.ready.exists() or not self.ready.read_text().strip():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                sys.exit(f"disagg serve did not start:\n{self.log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        self.address = self.ready.read_text().strip()
+
+    def processes(self) -> dict[int, str]:
+        """pid -> a short name, every live process of the deployment."""
+        found = {}
+        for p in psutil.process_iter(["pid", "cmdline", "name"]):
+            try:
+                if os.getsid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                    found[p.pid] = " ".join(p.info["cmdline"] or [p.info["name"]])[:80]
+            except (psutil.Error, OSError):
+                continue
+        return found
+
+    def workers(self) -> dict[int, str]:
+        return {pid: name for pid, name in self.processes().items() if any(k in name for k in WORKER_KINDS)}
+
+    def rss_mb(self) -> dict[str, float]:
+        rss = {}
+        for pid, name in self.processes().items():
+            try:
+                rss[f"{pid} {name}"] = psutil.Process(pid).memory_info().rss / 2**20
+            except psutil.Error:
+                continue
+        return rss
+
+    def migrations(self) -> float:
+        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
+        lines = [line for line in text.splitlines() if line.startswith("disagg:request_migrations_total{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def request(i: int, max_tokens: int):
+    return generate_request(
+        chat=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+    )  # fmt: skip
+
+
+class Load:
+    """Closed-loop clients; every outcome counted, every output checked."""
+
+    def __init__(self, client: DisaggClient, reference: list[list[int]], args):
+        self.client, self.reference, self.args = client, reference, args
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.sent, self.completed, self.wrong = 0, 0, 0
+        self.failed: Counter[str] = Counter()
+
+    def run(self, worker: int) -> None:
+        i = worker
+        while not self.stop.is_set():
+            with self.lock:
+                self.sent += 1
+            try:
+                tokens, _, _ = self.client.generate(request(i, self.args.max_tokens), timeout=300)
+            except grpc.RpcError as exc:
+                with self.lock:
+                    self.failed[exc.code().name] += 1
+            else:
+                with self.lock:
+                    self.completed += 1
+                    self.wrong += tokens != self.reference[i % len(PROMPTS)]
+            i += self.args.concurrency
+
+
+def listed(client: DisaggClient) -> int:
+    return sum(len(pool.instances) for pool in client.cluster_status().pools)
+
+
+def kill_and_time_recovery(dep: Deployment, client: DisaggClient, rng: random.Random, expected: int) -> dict:
+    pid, name = rng.choice(sorted(dep.workers().items()))
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    while listed(client) >= expected and time.monotonic() - killed_at < 10:
+        time.sleep(0.1)  # the router notices (a broken link, or the heartbeat's lapse)
+    while time.monotonic() - killed_at < 300:
+        try:
+            if listed(client) >= expected and client.generate(request(0, 2), timeout=30)[0]:
+                break
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    return {"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)}
+
+
+def leaked_blocks(client: DisaggClient, timeout_s: float = 30) -> int:
+    """KV blocks still allocated on every instance once nothing runs (waits for idle)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(
+            i.num_total_blocks - i.num_free_blocks for pool in client.cluster_status().pools for i in pool.instances
+        )
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
+        dep = Deployment(Path(tmp))
+        try:
+            return run(args, dep, rng)
+        finally:
+            dep.stop()
+
+
+def run(args, dep: Deployment, rng: random.Random) -> int:
+    with DisaggClient(dep.address) as client:
+        expected = listed(client)
+        reference = [client.generate(request(i, args.max_tokens), timeout=300)[0] for i in range(len(PROMPTS))]
+        rss_start = dep.rss_mb()
+        load = Load(client, reference, args)
+        threads = [threading.Thread(target=load.run, args=(w,), daemon=True) for w in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        kills, end = [], time.monotonic() + args.minutes * 60
+        while time.monotonic() + args.kill_every <= end:
+            time.sleep(args.kill_every)
+            kills.append(kill_and_time_recovery(dep, client, rng, expected))
+            print(
+                f"killed {kills[-1]['worker'][:40]} (pid {kills[-1]['pid']}): recovered in {kills[-1]['recovery_s']} s",
+                flush=True,
+            )
+        time.sleep(max(0.0, end - time.monotonic()))
+        load.stop.set()
+        for t in threads:
+            t.join(timeout=320)
+        leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.migrations()
+    recoveries = [k["recovery_s"] for k in kills]
+    result = {
+        "args": vars(args), "sent": load.sent, "completed": load.completed, "failed": dict(load.failed),
+        "migrated": migrated, "wrong_outputs": load.wrong, "leaked_blocks": leaked, "kills": kills,
+        "rss_mb_start": rss_start, "rss_mb_end": rss_end,
+        "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
+    }  # fmt: skip
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(f"sent {load.sent}, completed {load.completed}, failed {dict(load.failed) or 0}, migrated {migrated:.0f}")
+    for name, mb in rss_start.items():
+        print(f"RSS start {mb:7.0f} MB  {name}")
+    for name, mb in rss_end.items():
+        print(f"RSS end   {mb:7.0f} MB  {name}")
+    print(f"wrote {args.out}")
+    print(f"lost: {sum(load.failed.values())}")
+    print(f"wrong outputs: {load.wrong}")
+    print(f"leaked blocks: {leaked}")
+    print(f"recovery p50 s: {result['recovery_p50_s']}")
+    return 0 if not load.failed and not load.wrong and not leaked else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
