@@ -9,6 +9,7 @@ no worker UNAVAILABLE, deadline DEADLINE_EXCEEDED, cancel CANCELLED.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 import uuid
@@ -103,8 +104,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self._record(request_id, stream)
 
     async def _admit(self, context) -> None:
-        if self.api_key and dict(context.invocation_metadata()).get("x-api-key") != self.api_key:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
+        await self._check_key(context)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
         if len(self._active) >= self.max_inflight:
@@ -195,7 +195,11 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         )
 
     async def _check_key(self, context) -> None:
-        if self.api_key and dict(context.invocation_metadata()).get("x-api-key") != self.api_key:
+        if not self.api_key:
+            return
+        given = dict(context.invocation_metadata()).get("x-api-key", "")
+        # Constant time: how long a refusal takes says nothing about how much of the key matched.
+        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
 
     async def drain(self, timeout_s: float) -> None:
