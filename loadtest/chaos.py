@@ -22,21 +22,17 @@ import os
 import random
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
 import grpc
-import psutil
-import yaml
 
-from disagg.bench.experiment import free_port
 from disagg.client import DisaggClient, generate_request
+from served import Deployment
 
 PROMPTS = [
     "Write a story about a dragon.",
@@ -48,7 +44,6 @@ PROMPTS = [
     "Describe a busy market.",
     "How do bees make honey?",
 ]
-WORKER_KINDS = ("PrefillActor", "DecodeActor")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,65 +55,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtest/out/chaos.json")
     return p.parse_args(argv)
-
-
-class Deployment:
-    """`disagg serve` in its own session; its processes found by their session id."""
-
-    def __init__(self, workdir: Path):
-        config = {"port": free_port(), "metrics_port": free_port()}
-        (workdir / "chaos.yaml").write_text(yaml.safe_dump(config))
-        self.metrics_url = f"http://127.0.0.1:{config['metrics_port']}/metrics"
-        self.ready, self.log = workdir / "ready", workdir / "serve.log"
-        with open(self.log, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "disagg.cli", "serve", "--config", str(workdir / "chaos.yaml"),
-                 "--ready-file", str(self.ready)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + 300
-        while not self.ready.exists() or not self.ready.read_text().strip():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                sys.exit(f"disagg serve did not start:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        self.address = self.ready.read_text().strip()
-
-    def processes(self) -> dict[int, str]:
-        """pid -> a short name, every live process of the deployment."""
-        found = {}
-        for p in psutil.process_iter(["pid", "cmdline", "name"]):
-            try:
-                if os.getsid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
-                    found[p.pid] = " ".join(p.info["cmdline"] or [p.info["name"]])[:80]
-            except (psutil.Error, OSError):
-                continue
-        return found
-
-    def workers(self) -> dict[int, str]:
-        return {pid: name for pid, name in self.processes().items() if any(k in name for k in WORKER_KINDS)}
-
-    def rss_mb(self) -> dict[str, float]:
-        rss = {}
-        for pid, name in self.processes().items():
-            try:
-                rss[f"{pid} {name}"] = psutil.Process(pid).memory_info().rss / 2**20
-            except psutil.Error:
-                continue
-        return rss
-
-    def migrations(self) -> float:
-        text = urllib.request.urlopen(self.metrics_url, timeout=10).read().decode()
-        lines = [line for line in text.splitlines() if line.startswith("disagg:request_migrations_total{")]
-        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 def request(i: int, max_tokens: int):
