@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from disagg.client import DisaggClient, generate_request
-from served import Deployment
+from served import Deployment, leaked_blocks, listed
 
 PROMPTS = [
     "Write a story about a dragon.",
@@ -91,10 +91,6 @@ class Load:
             i += self.args.concurrency
 
 
-def listed(client: DisaggClient) -> int:
-    return sum(len(pool.instances) for pool in client.cluster_status().pools)
-
-
 def kill_and_time_recovery(dep: Deployment, client: DisaggClient, rng: random.Random, expected: int) -> dict:
     pid, name = rng.choice(sorted(dep.workers().items()))
     killed_at = time.monotonic()
@@ -109,18 +105,6 @@ def kill_and_time_recovery(dep: Deployment, client: DisaggClient, rng: random.Ra
             pass
         time.sleep(0.2)
     return {"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)}
-
-
-def leaked_blocks(client: DisaggClient, timeout_s: float = 30) -> int:
-    """KV blocks still allocated on every instance once nothing runs (waits for idle)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held = sum(
-            i.num_total_blocks - i.num_free_blocks for pool in client.cluster_status().pools for i in pool.instances
-        )
-        if held == 0 or time.monotonic() > deadline:
-            return held
-        time.sleep(0.5)
 
 
 def main(argv=None) -> int:

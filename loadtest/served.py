@@ -18,6 +18,7 @@ import psutil
 import yaml
 
 from disagg.bench.experiment import free_port
+from disagg.client import DisaggClient
 
 WORKER_KINDS = ("PrefillActor", "DecodeActor")
 
@@ -79,3 +80,19 @@ class Deployment:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def listed(client: DisaggClient) -> int:
+    return sum(len(pool.instances) for pool in client.cluster_status().pools)
+
+
+def leaked_blocks(client: DisaggClient, timeout_s: float = 30) -> int:
+    """KV blocks still allocated on every instance once nothing runs (waits for idle)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = sum(
+            i.num_total_blocks - i.num_free_blocks for pool in client.cluster_status().pools for i in pool.instances
+        )
+        if held == 0 or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
