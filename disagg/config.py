@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -160,6 +161,9 @@ class WorkerConfig:
     engine_cpus: tuple[int, ...] | None = (
         None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
     )
+    # The deployment's key (disagg.auth): routers and KV peers must prove they hold it. Ray carries
+    # it in the actor's arguments; it is never on a command line, in Redis, or in a repr.
+    link_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
@@ -168,6 +172,7 @@ class WorkerConfig:
             isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string"
         )
         _require(self.kv_timeout_s > 0, "kv_timeout_s", "must be > 0")
+        _require(isinstance(self.link_key, bytes) and len(self.link_key) >= 16, "link_key", "must be >= 16 bytes")
         _require(self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(
             self.heartbeat_ttl_s > self.heartbeat_interval_s > 0,

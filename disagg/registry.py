@@ -43,7 +43,6 @@ class InstanceInfo:
         default_factory=list
     )  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
     rpc_address: str = ""  # host:port of the request link (disagg.rpc) on rank 0
-    rpc_token: str = ""  # the secret a router presents on that link (hex)
 
 
 @dataclass

@@ -25,7 +25,8 @@ import ray
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from disagg.hosts.addressing import check_redis_reachable, num_alive_nodes, resolve_host, worker_host
+from disagg.auth import new_key
+from disagg.hosts.addressing import LOOPBACK, check_redis_reachable, num_alive_nodes, resolve_host, worker_host
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher
 from disagg.cluster.redis_server import LocalRedis
@@ -65,6 +66,7 @@ class Server:
         self.servicer: ServingServicer | None = None
         self.launcher: PoolLauncher | None = None
         self.redis: LocalRedis | None = None
+        self._link_key = new_key()  # this deployment's (disagg.auth): workers get it in their actor arguments
         self._stack = contextlib.ExitStack()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -95,7 +97,9 @@ class Server:
         model = load_model_source(
             config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer
         )
-        self.launcher = PoolLauncher(config, redis_url, worker_host(config.worker_host, num_nodes), cpu_plan)
+        self.launcher = PoolLauncher(
+            config, redis_url, self._link_key, worker_host(config.worker_host, num_nodes), cpu_plan
+        )
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
@@ -119,12 +123,14 @@ class Server:
         return plan
 
     def _redis_url(self, num_nodes: int) -> str:
-        """The configured Redis, or a local redis-server: on loopback for a one-node cluster, else on
-        this node's IP behind a password, since workers on the other nodes heartbeat to it."""
+        """The configured Redis, or a local redis-server behind a fresh password: on loopback for a
+        one-node cluster, else on this node's IP, since workers on the other nodes heartbeat to it.
+        The password travels only inside the URL that workers get in their actor arguments."""
         if self.config.redis_url is not None:
             check_redis_reachable(self.config.redis_url, num_nodes)
             return self.config.redis_url
-        redis = LocalRedis() if num_nodes <= 1 else LocalRedis(host=resolve_host(None), password=secrets.token_hex(16))
+        host = LOOPBACK if num_nodes <= 1 else resolve_host(None)
+        redis = LocalRedis(host=host, password=secrets.token_hex(16))
         self.redis = self._stack.enter_context(redis)
         return self.redis.url
 
@@ -143,7 +149,11 @@ class Server:
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
         directory = InstanceDirectory(
-            registry, NAMESPACE, heartbeat_ttl_s=config.heartbeat_ttl_s, recovery_timeout_s=config.recovery_timeout_s
+            registry,
+            NAMESPACE,
+            self._link_key,
+            heartbeat_ttl_s=config.heartbeat_ttl_s,
+            recovery_timeout_s=config.recovery_timeout_s,
         )
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None

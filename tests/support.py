@@ -87,3 +87,21 @@ def wait_listed(client, instance_id: str, present: bool, timeout_s: float = 10) 
     while (instance_id in listed(client)) != present:
         assert time.monotonic() < deadline, f"{instance_id} {'never came back' if present else 'still listed'}"
         time.sleep(0.1)
+
+
+# The tests' deployment key (disagg.auth). Fixed, not random: Ray actors import this module in
+# processes of their own, and every side of a test must hold the same key.
+LINK_KEY = bytes(range(32))
+
+
+def authenticated_socket(address: str, key: bytes = LINK_KEY):
+    """A raw connection to a request link that has passed the handshake, for sending it bytes by hand."""
+    import socket
+
+    from disagg.auth import caller_handshake
+    from disagg.rpc.framing import LINK_PURPOSE
+
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    caller_handshake(sock, key, LINK_PURPOSE, timeout_s=5)
+    return sock

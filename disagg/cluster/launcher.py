@@ -42,6 +42,7 @@ class PoolLauncher:
         self,
         config: ServingConfig,
         registry_url: str | None,
+        link_key: bytes,
         worker_host: str | None = LOOPBACK,
         cpu_plan: CpuPlan | None = None,
     ):
@@ -50,6 +51,7 @@ class PoolLauncher:
         self.config = config
         self.cpu_plan = cpu_plan
         self.registry_url = registry_url
+        self.link_key = link_key
         self.worker_host = worker_host
         self.instances: list[LaunchedInstance] = []
 
@@ -101,6 +103,7 @@ class PoolLauncher:
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             actor_name=actor_name,
             engine_cpus=tuple(sorted(engine_cpus)) if engine_cpus is not None else None,
+            link_key=self.link_key,
         )
         shards = self._launch_shards(pool, group, config)
         if role == "prefill":

@@ -62,7 +62,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         if config.role not in (Role.DECODE, Role.COLOCATED):
             raise ValueError(f"role: a decode actor runs the decode or colocated role, not {config.role}")
         super().__init__(config)
-        transport = TorchDistTransport(self.instance_id, self.host) if config.role is Role.DECODE else None
+        transport = (
+            TorchDistTransport(self.instance_id, config.link_key, self.host) if config.role is Role.DECODE else None
+        )
         groups, wait_for_ranks = self._start_ranks(followers)
         self.worker = DecodeWorker(
             config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards

@@ -18,7 +18,6 @@ from disagg.kv_transfer.endpoint import KVEndpoint
 from disagg.kv_transfer.layout import KVLayout, KVRank
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
-from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.kv_transfer.transport import Transport
 
 
@@ -34,17 +33,16 @@ def assemble(
     *,
     kv_timeout: float,
     transport: Transport | None = None,
-    peer_id: str = "",
-    host: str = "127.0.0.1",
     groups: InstanceGroups | None = None,
     followers: Followers | None = None,
 ) -> EngineWithKV:
-    """The engine of `role` with its KV endpoint. The endpoint talks over `transport`, or (None)
-    a torch.distributed transport of `peer_id` listening on `host`. `groups`: this rank's
+    """The engine of `role` with its KV endpoint, which talks over `transport` (None only for a
+    colocated instance, which moves no KV). `groups`: this rank's
     process groups in a TP x PP instance; `followers`: rank 0's handle on the other ranks."""
     endpoint = None
     if role is not Role.COLOCATED:
-        transport = transport if transport is not None else TorchDistTransport(peer_id, host)
+        if transport is None:
+            raise ValueError(f"transport: a {role} engine moves KV and needs one")
         if role is Role.PREFILL:
             endpoint = KVSender(transport, timeout=kv_timeout)
         else:

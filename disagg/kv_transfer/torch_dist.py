@@ -1,7 +1,9 @@
 """Transport over torch.distributed: one 2-rank process group per pair of workers, built lazily.
 
-Each worker hosts its own TCPStore. The pair (a, b), a < b, meets on a's store (a is rank 0) under
-a prefix that names both workers, both addresses and a generation number kept in that store. A
+Each worker hosts its own rendezvous store (disagg.kv_transfer.rendezvous: only a peer of the same
+deployment, for a pair that includes this worker, can use it). The pair (a, b), a < b, meets on a's
+store (a is rank 0), in a table of its own named by both workers and both addresses, under a
+prefix that holds a generation number kept in that table. A
 side that discards a broken pair bumps the generation (compare-and-set, so two sides that both saw
 the failure bump it once), and closes its connection, so the other side's pair breaks at once
 (torch_dist_pair); the next `connect` of either side meets under the new prefix: a rebuilt pair
@@ -37,15 +39,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disagg.auth import AuthenticationError
 from disagg.errors import KVTransferError
-from disagg.engine.distributed import serve_store
 from disagg.engine.shared_memory import host_key
+from disagg.kv_transfer.rendezvous import PairStore, Rendezvous, RendezvousClosed, connect_pair_store
 from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
 
 BACKENDS = ("gloo", "nccl")
-# Operations on this worker's own store are local; this only bounds a wedged store.
-OWN_STORE_TIMEOUT = timedelta(seconds=30)
 # gloo's (and NCCL's) own bound on any operation of a pair, the idle watcher's recv included (so an idle
 # pair is never closed by it); every call waits only until its own deadline.
 PAIR_OP_TIMEOUT = timedelta(days=7)
@@ -72,7 +73,7 @@ _HEADER_BYTES = (3 + _MAX_DIMS) * 8
 _INLINE_MAX_BYTES = 64 * 1024
 _INBOX_BYTES = _HEADER_BYTES + _INLINE_MAX_BYTES
 _HEADER, _PAYLOAD = 0, 1  # tag = 2 * sender rank + kind
-_CLOSED_KEY = "kv/closed"
+_GENERATION_KEY = "gen"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # A gloo or NCCL failure (timeout, closed connection, store error) surfaces as RuntimeError;
 # reaching a peer's store that is gone, as OSError.
@@ -80,13 +81,15 @@ _TRANSPORT_ERRORS = (RuntimeError, OSError)
 
 
 class TorchDistTransport(Transport):
-    def __init__(self, worker_id: str, host: str = "127.0.0.1", backend: str | None = None):
+    def __init__(self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None):
+        """`key`: the deployment's (disagg.auth): a peer must hold it to meet this worker."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         self.worker_id = worker_id
         self.backend = backend
-        self._store, port = serve_store(host, OWN_STORE_TIMEOUT)
-        self._address = _format_address(host, port)
+        self._key = key
+        self._rendezvous: Rendezvous | None = Rendezvous(worker_id, key, host)
+        self._address = self._rendezvous.own_address = _format_address(host, self._rendezvous.port)
         self._gloo_device = _gloo_device(host)
         self._pairs: dict[str, Pair] = {}
         self._connect_locks: dict[str, threading.Lock] = {}
@@ -112,17 +115,17 @@ class TorchDistTransport(Transport):
             if pair is not None:
                 self._discard(pair, bump=pair.broken.done())  # a new address is a new pair name
             try:
-                store = self._owner_store(peer_id, peer_address, deadline)
-                generation_key = f"kv/gen/{self._pair_name(peer_id, peer_address)}"
-                generation = int(store.add(generation_key, 0))
-                peer_closed = store.check([_CLOSED_KEY])
+                store = self._pair_store(peer_id, peer_address, deadline)
+                generation = int(store.add(_GENERATION_KEY, 0))
+            except RendezvousClosed as exc:
+                raise self._error(peer_id, "the peer has closed its transport") from exc
+            except AuthenticationError as exc:
+                raise self._error(peer_id, "the peer's rendezvous is not of this deployment", exc) from exc
             except _TRANSPORT_ERRORS as exc:
                 raise self._error(
                     peer_id, f"cannot reach the rendezvous store at {self._owner_address(peer_id, peer_address)}", exc
                 ) from exc
-            if peer_closed:
-                raise self._error(peer_id, "the peer has closed its transport")
-            pair = self._build_pair(peer_id, peer_address, store, generation_key, generation, deadline)
+            pair = self._build_pair(peer_id, peer_address, store, _GENERATION_KEY, generation, deadline)
             with self._lock:
                 self._pairs[peer_id] = pair
 
@@ -182,12 +185,10 @@ class TorchDistTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
-            store, self._store = self._store, None
-        if store is None:
+            rendezvous, self._rendezvous = self._rendezvous, None
+        if rendezvous is None:
             return
-        # Our store lives on while anything holds it (a traceback's frame will): tell peers that
-        # connect to it meanwhile that nobody is coming.
-        store.set(_CLOSED_KEY, "1")
+        rendezvous.close()  # peers that connect meanwhile learn that nobody is coming
         self._close_pairs()
 
     # ---- pairs ----------------------------------------------------------------------------------
@@ -196,7 +197,7 @@ class TorchDistTransport(Transport):
             return self._connect_locks.setdefault(peer_id, threading.Lock())
 
     def _check_open(self, peer_id: str) -> None:
-        if self._store is None:
+        if self._rendezvous is None:
             raise KVTransferError(f"kv transfer {self.worker_id} <-> {peer_id}: this transport is closed")
 
     def _live_pair(self, peer_id: str) -> Pair:
@@ -218,22 +219,20 @@ class TorchDistTransport(Transport):
     def _owner_address(self, peer_id: str, peer_address: str) -> str:
         return self.address() if self.worker_id < peer_id else peer_address
 
-    def _owner_store(self, peer_id: str, peer_address: str, deadline: float) -> dist.Store:
-        """Our own store when we are rank 0, else a client of the peer's store."""
+    def _pair_store(self, peer_id: str, peer_address: str, deadline: float) -> PairStore:
+        """The pair's table: in our own rendezvous when we are rank 0, else over a connection to the peer's."""
+        pair_name = self._pair_name(peer_id, peer_address)
+        rendezvous = self._rendezvous
+        if rendezvous is None:
+            raise RendezvousClosed("this transport is closed")
         if self.worker_id < peer_id:
-            return self._store
+            return rendezvous.pair_store(pair_name, remaining(deadline))
         host, port = _split_address(peer_address)
-        # A refused connection means the peer is gone (its address exists only while its store
-        # listens); fail at once instead of letting the store client retry until the deadline.
-        with socket.create_connection((host, port), timeout=remaining(deadline)):
-            pass
-        return dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=remaining(deadline)), wait_for_workers=False
-        )
+        return connect_pair_store(host, port, pair_name, self._key, remaining(deadline))
 
     def _build_pair(self, peer_id, peer_address, store, generation_key, generation, deadline) -> Pair:
         rank = 0 if self.worker_id < peer_id else 1
-        prefix = f"kv/pair/{self._pair_name(peer_id, peer_address)}/{generation}"
+        prefix = f"pair/{generation}"
         # The group's timeout is also gloo's timeout for every later operation, so it must not be
         # what is left of this connect call: meet through the store first, bounded by the connect
         # deadline, then build the group with the fixed operation timeout (each call still waits

@@ -24,6 +24,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disagg.kv_transfer.rendezvous import PairStore
+
 # How long past its deadline a caller waits for gloo to report the timeout of its operation.
 _TIMEOUT_GRACE_S = 1.0
 # After the pair breaks, how long a caller waits for its operation to report its own, clearer error.
@@ -43,7 +45,7 @@ class Pair:
     generation: int
     generation_key: str
     prefix: str
-    store: dist.Store  # the owner's store: ours, or a client of the peer's
+    store: PairStore  # the pair's table: in our rendezvous, or over a connection to the peer's
     timeout: timedelta
     gloo: dist.ProcessGroupGloo
     inbox: torch.Tensor  # the first message of each recv lands here (gloo); under recv_lock
@@ -114,6 +116,7 @@ class Pair:
             except RuntimeError:
                 pass
         self.waiters.shutdown(wait=False)
+        self.store.close()
 
 
 def _wait_work(work, deadline: float) -> None:

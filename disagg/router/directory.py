@@ -90,11 +90,13 @@ class InstanceDirectory:
         self,
         registry: Registry,
         namespace: str,
+        link_key: bytes,
         refresh_interval_s: float = 0.5,
         heartbeat_ttl_s: float = 3.0,
         recovery_timeout_s: float = 60.0,
     ):
         self.registry = registry
+        self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.recovery_timeout_s = recovery_timeout_s
         self._failed: dict[str, _Failure] = {}
@@ -192,5 +194,5 @@ class InstanceDirectory:
         info = view.info
         link = self._links.get(info.rpc_address)
         if link is None:
-            link = self._links[info.rpc_address] = RpcClient(info.rpc_address, info.rpc_token, name=info.instance_id)
+            link = self._links[info.rpc_address] = RpcClient(info.rpc_address, self._link_key, name=info.instance_id)
         self._instances[info.instance_id] = Instance(info.instance_id, info.role, actor, view, link)

@@ -14,18 +14,20 @@ import itertools
 import logging
 from collections.abc import Callable
 
+from disagg.auth import NONCE_BYTES, PROOF_BYTES, AuthenticationError, new_nonce, proof, verify
 from disagg.errors import RemoteError, WorkerLinkError
-from disagg.rpc.framing import ERROR, EVENT, REPLY, encode, read_frame
+from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, encode, read_frame
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 
 
 class RpcClient:
-    def __init__(self, address: str, token_hex: str, name: str = ""):
+    def __init__(self, address: str, key: bytes, name: str = ""):
+        """`key`: the deployment's (disagg.auth); the worker must prove it holds it too."""
         self.address = address
         self.name = name or address
-        self._token = bytes.fromhex(token_hex)
+        self._key = key
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._dialing = asyncio.Lock()
@@ -72,13 +74,30 @@ class RpcClient:
             if self._writer is None:
                 host, port = self.address.rsplit(":", 1)
                 try:
-                    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT_S)
-                except (OSError, asyncio.TimeoutError) as exc:
+                    reader, writer = await asyncio.wait_for(self._dial(host, int(port)), CONNECT_TIMEOUT_S)
+                except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
                     raise WorkerLinkError(f"cannot reach {self.name} at {self.address}: {exc}", self.name) from exc
-                writer.write(self._token)
+                except AuthenticationError as exc:  # a fake registration, or another deployment's worker
+                    raise WorkerLinkError(f"refusing {self.name} at {self.address}: {exc}", self.name) from exc
                 self._writer = writer
                 self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-read-{self.name}")
         return self._writer
+
+    async def _dial(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        """Connect and run the mutual handshake (disagg.auth): nothing is sent to a worker that
+        has not proved the key."""
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            caller_nonce = new_nonce()
+            writer.write(caller_nonce)
+            reply = await reader.readexactly(NONCE_BYTES + PROOF_BYTES)
+            worker_nonce, worker_proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+            verify(proof(self._key, "listener", caller_nonce, worker_nonce, LINK_PURPOSE), worker_proof, "the worker")
+            writer.write(proof(self._key, "caller", caller_nonce, worker_nonce, LINK_PURPOSE))
+        except BaseException:
+            writer.close()
+            raise
+        return reader, writer
 
     async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         reason = "closed"

@@ -1,6 +1,7 @@
 """Frames on a request link: a 4-byte big-endian length, then a 3-element array in the link's
 fixed-schema encoding (disagg.rpc.codec; the message classes are disagg.rpc.messages'). A peer
-must also present the instance's secret (`hello`) before any frame of theirs is read.
+and the worker must first prove to each other that they hold the deployment key
+(disagg.auth, purpose LINK_PURPOSE): no frame is read from, or sent to, anyone else.
 
     router -> worker   (call_id, method, args)
     worker -> router   (REPLY, call_id, value) | (ERROR, call_id, exception) | (EVENT, topic, payload)
@@ -16,7 +17,7 @@ from disagg.rpc.messages import MESSAGE_TYPES
 
 REPLY, ERROR, EVENT = 0, 1, 2
 MAX_FRAME_BYTES = 64 << 20  # a step's token deltas or a long prompt are far below this
-TOKEN_BYTES = 32
+LINK_PURPOSE = "request-link"
 _HEADER = struct.Struct(">I")
 CODEC = Codec(MESSAGE_TYPES)
 

@@ -14,19 +14,20 @@ that long loses its link (and learns it from the closed socket), the engine neve
 
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from disagg.auth import listener_handshake
 from disagg.errors import grpc_code_name
-from disagg.rpc.framing import ERROR, EVENT, REPLY, TOKEN_BYTES, FrameError, encode, recv_exactly, recv_frame
+from disagg.logs import ThrottledLog
+from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, FrameError, encode, recv_frame
 from disagg.rpc.services import method_names
 
 logger = logging.getLogger(__name__)
+_refusals = ThrottledLog(logger)  # anyone who reaches the port can make one
 HELLO_TIMEOUT_S = 5.0
 
 
@@ -101,11 +102,18 @@ class RpcServer:
     there returns its reply, or a concurrent Future of it."""
 
     def __init__(
-        self, service: object, interface: type, host: str = "127.0.0.1", name: str = "", send_timeout_s: float = 10.0
+        self,
+        service: object,
+        interface: type,
+        key: bytes,
+        host: str = "127.0.0.1",
+        name: str = "",
+        send_timeout_s: float = 10.0,
     ):
+        """`key`: the deployment's (disagg.auth); only a caller that proves it gets a frame read."""
         self.handlers: dict[str, Callable] = {method: getattr(service, method) for method in method_names(interface)}
         self._calling = threading.local()  # the link whose call runs on this thread
-        self.token = secrets.token_bytes(TOKEN_BYTES)
+        self._key = key
         self.name = name
         self.send_timeout_s = send_timeout_s
         self._listener = socket.create_server((host, 0))
@@ -115,10 +123,6 @@ class RpcServer:
         self._stopped = False
         self.on_link_closed: Callable[[Link], None] | None = None
         threading.Thread(target=self._accept_loop, name=f"rpc-accept-{name}", daemon=True).start()
-
-    @property
-    def token_hex(self) -> str:
-        return self.token.hex()
 
     def caller(self) -> Link:
         """Inside a method: the link of the router that called it (its tokens and replies go there)."""
@@ -148,14 +152,10 @@ class RpcServer:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(HELLO_TIMEOUT_S)
         try:
-            hello = recv_exactly(sock, TOKEN_BYTES, is_open=lambda: False)
-        except (ConnectionError, OSError):
-            sock.close()
-            return
-        if not hmac.compare_digest(hello, self.token):
-            logger.warning("request link from %s refused: wrong token", peer)
+            listener_handshake(sock, self._key, LINK_PURPOSE, HELLO_TIMEOUT_S)
+        except (ConnectionError, OSError) as exc:
+            _refusals.warning("request link from %s refused: %s", peer, exc)
             sock.close()
             return
         sock.settimeout(self.send_timeout_s)

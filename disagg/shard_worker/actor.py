@@ -13,13 +13,14 @@ import threading
 
 import torch
 
-from disagg.config import WorkerConfig
+from disagg.config import Role, WorkerConfig
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine, resolve_device
 from disagg.hosts.addressing import resolve_host
 from disagg.kv_transfer.connector import assemble
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
+from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardCommand, ShardReply, ShardService
 
 
@@ -41,8 +42,9 @@ class ShardActor(ShardService):
             self.config.engine,
             self.config.role,
             kv_timeout=self.config.kv_timeout_s,
-            peer_id=self.peer_id,
-            host=self.host,
+            transport=None
+            if self.config.role is Role.COLOCATED
+            else TorchDistTransport(self.peer_id, self.config.link_key, self.host),
             groups=groups,
         )
         self.engine, self.endpoint = built.engine, built.endpoint

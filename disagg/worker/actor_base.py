@@ -128,7 +128,6 @@ class WorkerActorBase:
             p.pipeline_parallel_size,
             kv_ranks=layout.to_list() if layout else [],
             rpc_address=self.rpc.address,
-            rpc_token=self.rpc.token_hex,
         )
 
     def kv_layout(self) -> KVLayout | None:
@@ -159,7 +158,7 @@ class WorkerActorBase:
     # ---- lifecycle ---------------------------------------------------------------------------
     def _start(self) -> None:
         self.loop.start()
-        self.rpc = RpcServer(self, self.service, self.host, name=self.instance_id)
+        self.rpc = RpcServer(self, self.service, self.config.link_key, self.host, name=self.instance_id)
         self.rpc.on_link_closed = self._link_closed
         if self._registry_url:
             threading.Thread(target=self._heartbeat_loop, name=f"heartbeat-{self.instance_id}", daemon=True).start()

@@ -19,6 +19,7 @@ from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.layout import KVLayout, KVTarget
 from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.torch_dist import TorchDistTransport
+from tests.support import LINK_KEY
 
 KV_TIMEOUT = 10.0
 
@@ -30,7 +31,7 @@ class PrefillActor:
         from disagg.prefill_worker.worker import PrefillWorker
 
         self.worker = PrefillWorker(
-            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT
+            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id, LINK_KEY), kv_timeout=KV_TIMEOUT
         )
         self.failures: list[str] = []
 
@@ -65,7 +66,7 @@ class DecodeActor:
         from disagg.decode_worker.worker import DecodeWorker
 
         self.worker = DecodeWorker(
-            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id), kv_timeout=KV_TIMEOUT
+            EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id, LINK_KEY), kv_timeout=KV_TIMEOUT
         )
         self.received_bytes = 0
 
@@ -170,7 +171,7 @@ class CacheActor:
             self.cache.tensor.copy_(
                 torch.randn(self.cache.tensor.shape, generator=torch.Generator().manual_seed(fill_seed))
             )
-        transport = TorchDistTransport(worker_id)
+        transport = TorchDistTransport(worker_id, LINK_KEY)
         self.sender = KVSender(transport, timeout=KV_TIMEOUT)
         self.receiver = KVReceiver(transport, timeout=KV_TIMEOUT)
         for endpoint in (self.sender, self.receiver):

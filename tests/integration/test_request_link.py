@@ -47,7 +47,7 @@ def test_a_router_that_goes_away_mid_stream_leaves_no_block_behind(colocated):
     total = engine.num_total_blocks
 
     async def scenario():
-        stays, leaves = (RpcClient(colocated.rpc.address, colocated.rpc.token_hex) for _ in range(2))
+        stays, leaves = (RpcClient(colocated.rpc.address, colocated.config.link_key) for _ in range(2))
         tokens = {"stays": 0, "leaves": 0}
         finished = asyncio.Event()
 
@@ -82,7 +82,7 @@ def test_a_prefill_whose_router_went_away_is_aborted(prefill):
     total = engine.num_total_blocks
 
     async def scenario():
-        client = RpcClient(prefill.rpc.address, prefill.rpc.token_hex)
+        client = RpcClient(prefill.rpc.address, prefill.config.link_key)
         params = SamplingParams(temperature=0.0, max_tokens=8)
         first = await PrefillStub(client).prefill("p1", list(range(1, 200)), params)  # 13 steps of 16 tokens
         while not engine.scheduler.requests:

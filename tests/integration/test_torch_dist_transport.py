@@ -11,6 +11,7 @@ import torch
 
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
+from tests.support import LINK_KEY
 
 SLACK = 2.0  # seconds an error may come after its timeout on a loaded 2-core machine
 CONNECT_TIMEOUT = 20.0
@@ -33,7 +34,7 @@ class TransportPeer:
 
     def __init__(self, worker_id: str):
         torch.set_num_threads(1)
-        self.transport = TorchDistTransport(worker_id)
+        self.transport = TorchDistTransport(worker_id, LINK_KEY)
 
     def address(self) -> str:
         return self.transport.address()

@@ -16,6 +16,7 @@ from disagg.rpc.client import RpcClient
 from disagg.rpc.server import RpcServer
 from disagg.rpc.services import PrefillService
 from disagg.rpc.stubs import PrefillStub
+from tests.support import LINK_KEY
 
 
 def prefill_server(outcome) -> RpcServer:
@@ -25,7 +26,7 @@ def prefill_server(outcome) -> RpcServer:
                 raise outcome
             return outcome
 
-    return RpcServer(Prefill(), PrefillService, "127.0.0.1")
+    return RpcServer(Prefill(), PrefillService, LINK_KEY, "127.0.0.1")
 
 
 @pytest.mark.parametrize(
@@ -37,7 +38,7 @@ def test_targets_call_outcome_reaches_the_stream(outcome, error):
     async def scenario():
         orchestrator = Orchestrator(ServingConfig(), directory=None, policy=None, streams=None, block_size=16)
         mailbox = Mailbox("r1")
-        link = RpcClient(server.address, server.token_hex)
+        link = RpcClient(server.address, LINK_KEY)
         prefill = SimpleNamespace(instance_id="prefill-0", prefill_service=PrefillStub(link))
         await orchestrator._send_targets(prefill, "r1", reservation=None, mailbox=mailbox)
         await link.close()

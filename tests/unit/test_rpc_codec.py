@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
-import socket
 import struct
 
 import msgpack
@@ -19,6 +18,7 @@ from disagg.rpc.framing import CODEC, decode, encode
 from disagg.rpc.messages import PrefillResult, Reservation, TokenDelta
 from disagg.rpc.server import RpcServer
 from disagg.rpc.services import PrefillService
+from tests.support import LINK_KEY, authenticated_socket
 
 
 def roundtrip(value):
@@ -87,11 +87,11 @@ def test_a_pickle_sent_on_a_link_is_never_unpickled(tmp_path):
     class Prefill(PrefillService):
         pass
 
-    server = RpcServer(Prefill(), PrefillService, "127.0.0.1", name="pickle")
+    server = RpcServer(Prefill(), PrefillService, LINK_KEY, "127.0.0.1", name="pickle")
     body = pickle.dumps((1, "prefill", (Exploit(),)))
     try:
-        with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as raw:
-            raw.sendall(server.token + struct.pack(">I", len(body)) + body)
+        with authenticated_socket(server.address) as raw:
+            raw.sendall(struct.pack(">I", len(body)) + body)
             raw.settimeout(5)
             assert raw.recv(1) == b""  # the worker hung up on a frame it could not read
     finally:
@@ -109,7 +109,7 @@ def test_the_server_dispatches_only_what_its_service_declares():
         def debug_dump(self):  # public, but not part of the service
             return "secret"
 
-    server = RpcServer(Prefill(), PrefillService, "127.0.0.1", name="dispatch")
+    server = RpcServer(Prefill(), PrefillService, LINK_KEY, "127.0.0.1", name="dispatch")
     assert set(server.handlers) == {"prefill", "set_kv_targets", "abort"}
 
     async def scenario():
@@ -117,7 +117,7 @@ def test_the_server_dispatches_only_what_its_service_declares():
         from disagg.rpc.client import RpcClient
         from disagg.rpc.stubs import PrefillStub
 
-        link = RpcClient(server.address, server.token_hex)
+        link = RpcClient(server.address, LINK_KEY)
         assert await PrefillStub(link).abort("known", timeout_s=5) is True
 
         def debug_dump(): ...

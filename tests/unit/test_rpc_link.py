@@ -4,8 +4,8 @@ a worker-side server with threads and a router-side asyncio client, as in the se
 from __future__ import annotations
 
 import asyncio
-import socket
 import struct
+import socket
 import threading
 import time
 from concurrent.futures import Future
@@ -15,7 +15,8 @@ import pytest
 from disagg.errors import RemoteError, WorkerLinkError
 from disagg.rpc.client import RpcClient
 from disagg.rpc.framing import MAX_FRAME_BYTES
-from disagg.rpc.server import RpcServer
+from disagg.rpc.server import HELLO_TIMEOUT_S, RpcServer
+from tests.support import LINK_KEY, authenticated_socket
 
 
 class Arithmetic:
@@ -56,7 +57,7 @@ class ArithmeticWorker(Arithmetic):
 def server():
     worker = ArithmeticWorker()
     closed_links = []
-    srv = worker.rpc = RpcServer(worker, Arithmetic, "127.0.0.1", name="test")
+    srv = worker.rpc = RpcServer(worker, Arithmetic, LINK_KEY, "127.0.0.1", name="test")
     srv.pending = worker.pending
     srv.on_link_closed = closed_links.append
     srv.closed_links = closed_links
@@ -73,8 +74,8 @@ async def settled(predicate, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def client_of(srv: RpcServer, token: str | None = None) -> RpcClient:
-    return RpcClient(srv.address, token or srv.token_hex, name="worker")
+def client_of(srv: RpcServer, key: bytes = LINK_KEY) -> RpcClient:
+    return RpcClient(srv.address, key, name="worker")
 
 
 def test_calls_are_answered_and_replies_do_not_wait_for_each_other(server):
@@ -141,9 +142,9 @@ def test_a_wait_times_out_and_leaves_nothing_pending(server):
     asyncio.run(scenario())
 
 
-def test_a_wrong_token_is_refused_and_others_are_unaffected(server):
+def test_a_wrong_key_is_refused_and_others_are_unaffected(server):
     async def scenario():
-        intruder = client_of(server, token="00" * 32)
+        intruder = client_of(server, key=bytes(32))
         with pytest.raises(WorkerLinkError):
             await intruder.call(Arithmetic.add, 1, 2, timeout_s=5)
         client = client_of(server)
@@ -153,9 +154,9 @@ def test_a_wrong_token_is_refused_and_others_are_unaffected(server):
     asyncio.run(scenario())
 
 
-def test_garbage_after_the_token_closes_that_link_only(server):
-    with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as raw:
-        raw.sendall(server.token + struct.pack(">I", MAX_FRAME_BYTES + 1))
+def test_garbage_after_the_handshake_closes_that_link_only(server):
+    with authenticated_socket(server.address) as raw:
+        raw.sendall(struct.pack(">I", MAX_FRAME_BYTES + 1))
         raw.settimeout(5)
         assert raw.recv(1) == b""  # the worker hung up on a frame it will not read
     assert asyncio.run(settled(lambda: len(server.closed_links) == 1))
@@ -201,3 +202,42 @@ def test_a_dead_worker_is_a_link_error(server):
         await client.close()
 
     asyncio.run(scenario())
+
+
+def test_a_worker_that_cannot_prove_the_key_is_refused_before_anything_is_sent():
+    """A fake instance registered in Redis: the router checks its proof and sends it no call."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    received = []
+
+    def fake_worker():
+        sock, _ = listener.accept()
+        with sock:
+            sock.settimeout(5)
+            received.append(sock.recv(32))  # the router's nonce
+            sock.sendall(bytes(64))  # a nonce and a proof it cannot make
+            try:
+                while chunk := sock.recv(1 << 16):
+                    received.append(chunk)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=fake_worker, daemon=True)
+    thread.start()
+
+    async def scenario():
+        client = RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", LINK_KEY, name="fake")
+        with pytest.raises(WorkerLinkError, match="does not hold"):
+            await client.call(Arithmetic.add, 1, 2, timeout_s=5)
+
+    asyncio.run(scenario())
+    thread.join(timeout=5)
+    listener.close()
+    assert [len(chunk) for chunk in received] == [32]  # the nonce, then nothing: no frame was sent
+
+
+def test_a_caller_that_says_nothing_is_dropped_after_the_hello_timeout(server):
+    with socket.create_connection(("127.0.0.1", int(server.address.rsplit(":", 1)[1]))) as raw:
+        raw.settimeout(HELLO_TIMEOUT_S + 5)
+        started = time.monotonic()
+        assert raw.recv(1) == b""
+        assert time.monotonic() - started < HELLO_TIMEOUT_S + 2
