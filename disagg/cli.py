@@ -66,13 +66,14 @@ def _serve(args) -> int:
 def _add_status(sub) -> None:
     p = sub.add_parser("status", help="pools and instances of a running server")
     p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--tls-ca", help="PEM CA file: connect with TLS (the API key comes from $DISAGG_API_KEY)")
     p.set_defaults(func=_status)
 
 
 def _status(args) -> int:
     from disagg.client import DisaggClient
 
-    with DisaggClient(args.server) as client:
+    with DisaggClient(args.server, tls_ca=args.tls_ca) as client:
         status = client.cluster_status()
     print(f"{status.model} ({status.mode})")
     for pool in status.pools:
@@ -92,6 +93,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="GGUF file, Hugging Face directory, random:<shape> or the default model"
     )
+    p.add_argument("--tls-ca", help="with --server: PEM CA file, connect with TLS (API key: $DISAGG_API_KEY)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -154,7 +156,7 @@ def _generate_remote(args) -> int:
         else generate_request(chat=[{"role": "user", "content": args.prompt}], **sampling)
     )
     try:
-        with DisaggClient(args.server) as client:
+        with DisaggClient(args.server, tls_ca=args.tls_ca) as client:
             for msg in client.stream(request, timeout=600):
                 print(msg.text, end="", flush=True)
                 final = msg

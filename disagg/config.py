@@ -236,7 +236,7 @@ class ServingConfig:
     redis_url: str | None = None  # None: start a local redis-server
     ray_address: str | None = None  # None: start a local Ray
     slo: SLOConfig = field(default_factory=SLOConfig)
-    max_inflight_requests: int = 256  # admission bound: more are refused with RESOURCE_EXHAUSTED
+    max_inflight_requests: int | None = None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
     request_timeout_s: float = 600.0
     max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
@@ -265,7 +265,9 @@ class ServingConfig:
             "worker_host",
             "must be an address peers can connect to, not a wildcard",
         )
-        _require(self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1")
+        _require(
+            self.max_inflight_requests is None or self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1"
+        )
         _require(self.max_migrations >= 0, "max_migrations", "must be >= 0")
         _require(self.max_worker_restarts >= -1, "max_worker_restarts", "must be >= -1 (-1: always)")
         for name in (
@@ -297,6 +299,15 @@ class ServingConfig:
         if self.mode == "colocated":
             return [("colocated", self.colocated)]
         return [("prefill", self.prefill), ("decode", self.decode)]
+
+    def inflight_limit(self) -> int:
+        """`max_inflight_requests`, or (None) as many requests as the decode (or colocated) pool
+        runs at once: more would only queue, and refusing them at once is better than letting
+        every request wait and miss its SLOs together."""
+        if self.max_inflight_requests is not None:
+            return self.max_inflight_requests
+        _, pool = self.pools()[-1]
+        return pool.num_instances * self.pool_engine_config(pool).max_num_seqs
 
     def pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
         """The engine settings of the pool's rank-0 workers (the others differ only in their ranks)."""

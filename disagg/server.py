@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import ray
@@ -38,16 +39,15 @@ from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
 from disagg.router.frontend import ServingServicer
+from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.orchestrator import Orchestrator
 from disagg.placement.policies import LeastOutstandingWork
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.warm_up import warm_up
-from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 logger = logging.getLogger(__name__)
-SERVICE_NAME = serving_pb2.DESCRIPTOR.services_by_name["Serving"].full_name
 DRAIN_GRACE_S = 10.0
 
 
@@ -247,7 +247,23 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     return 0
 
 
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the cluster's auth token
+
+
 def _start_ray(config: ServingConfig) -> None:
+    _protect_ray_token()
+    try:
+        _init_ray(config)
+    finally:
+        _protect_ray_token()  # Ray writes a new token with the default umask: readable by every user
+
+
+def _protect_ray_token() -> None:
+    with contextlib.suppress(FileNotFoundError):
+        RAY_TOKEN_FILE.chmod(0o600)
+
+
+def _init_ray(config: ServingConfig) -> None:
     if config.ray_address:
         ray.init(address=config.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
     else:
@@ -287,7 +303,7 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     server = grpc.aio.server()
-    serving_pb2_grpc.add_ServingServicer_to_server(servicer, server)
+    add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -105,3 +105,18 @@ def authenticated_socket(address: str, key: bytes = LINK_KEY):
     sock = socket.create_connection((host, int(port)), timeout=5)
     caller_handshake(sock, key, LINK_PURPOSE, timeout_s=5)
     return sock
+
+
+def self_signed_certificate(directory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key (PEM files in `directory`); the certificate is its own CA."""
+    import subprocess
+    from pathlib import Path
+
+    cert, key = Path(directory) / "server.crt", Path(directory) / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return str(cert), str(key)

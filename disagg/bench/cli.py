@@ -78,7 +78,7 @@ def _add_bench(sub) -> None:
     )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
-    p.add_argument("--api-key")
+    p.add_argument("--tls-ca", help="PEM CA file: connect with TLS (the API key comes from $DISAGG_API_KEY)")
     p.add_argument("--label", help="name of this run in reports (default: the workload)")
     p.add_argument("--result-file", "-o", help="JSON to write (default: disagg-bench-<workload>-<rate>-<time>.json)")
     _add_workload_args(p)
@@ -109,7 +109,7 @@ def bench_command(args) -> int:
     result = {
         "label": args.label or args.workload,
         "workload": workload,
-        **run_benchmark(args.server, requests, load, slo, args.api_key),
+        **run_benchmark(args.server, requests, load, slo, tls_ca=args.tls_ca),
     }
     path = (
         args.result_file or f"disagg-bench-{args.workload}-{args.request_rate:g}-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -21,7 +21,7 @@ import numpy as np
 
 from disagg.bench.metrics import RequestRecord, TokenTimer, summarize
 from disagg.bench.workloads import BenchRequest
-from disagg.client import generate_request
+from disagg.client import api_key_metadata, generate_request, tls_credentials
 from disagg.v1 import serving_pb2_grpc
 
 
@@ -69,11 +69,12 @@ def run_benchmark(
     load: LoadConfig,
     slo: dict[str, float] | None = None,
     api_key: str | None = None,
+    tls_ca: str | None = None,
 ) -> dict:
     """Send `requests` on `load`'s schedule (cycling through them for a duration); the result
     dict (metadata, summary and every request's record), ready to save as JSON."""
     arrivals = arrival_times(load)
-    records, duration = asyncio.run(_run(address, requests, arrivals, load, api_key))
+    records, duration = asyncio.run(_run(address, requests, arrivals, load, api_key, tls_ca))
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "address": address,
@@ -93,14 +94,25 @@ def run_benchmark(
 
 
 async def _run(
-    address: str, requests: list[BenchRequest], arrivals: list[float], load: LoadConfig, api_key: str | None
+    address: str,
+    requests: list[BenchRequest],
+    arrivals: list[float],
+    load: LoadConfig,
+    api_key: str | None,
+    tls_ca: str | None,
 ) -> tuple[list[RequestRecord], float]:
     if not requests and arrivals:
         raise ValueError("the workload is empty")
     options = [("grpc.max_receive_message_length", 64 << 20)]
-    metadata = (("x-api-key", api_key),) if api_key else ()
+    metadata = api_key_metadata(api_key)
+    credentials = tls_credentials(tls_ca)
     slots = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
+    channel = (
+        grpc.aio.insecure_channel(address, options=options)
+        if credentials is None
+        else grpc.aio.secure_channel(address, credentials, options=options)
+    )
+    async with channel:
         await asyncio.wait_for(channel.channel_ready(), timeout=30)
         stub = serving_pb2_grpc.ServingStub(channel)
         started = time.perf_counter()

@@ -19,9 +19,11 @@ import grpc
 from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.metrics import ServingMetrics
 from disagg.router.directory import InstanceDirectory
+from disagg.router.grpc_service import Undecodable
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
 from disagg.router.validation import (
+    check_request_id,
     ModelLimits,
     check_fits,
     check_model_bounds,
@@ -53,7 +55,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self.metrics = metrics
         self.records = records
         self.model_name = model_name
-        self.max_inflight = orchestrator.config.max_inflight_requests
+        self.max_inflight = orchestrator.config.inflight_limit()
         self.api_key = orchestrator.config.api_key
         self._active: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()  # ended by the Abort RPC: their streams end with finish_reason "abort"
@@ -62,8 +64,10 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
         await self._admit(context)
+        await self._refuse_undecodable(request, context)
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            check_request_id(request_id)
             prompt_ids, params = await self._parse(request)
         except InvalidRequestError as exc:
             self.metrics.observe_failure("INVALID_ARGUMENT")
@@ -158,6 +162,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
     # ---- Abort, ClusterStatus --------------------------------------------------------------------
     async def Abort(self, request, context):
         await self._check_key(context)
+        await self._refuse_undecodable(request, context)
         task = self._active.get(request.request_id)
         if task is not None:
             self._aborted.add(request.request_id)
@@ -166,6 +171,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     async def ClusterStatus(self, request, context):
         await self._check_key(context)
+        await self._refuse_undecodable(request, context)
         pools: dict[str, list] = {}
         for inst in sorted(self.directory.all(), key=lambda i: i.instance_id):
             load, info = inst.view.load, inst.view.info
@@ -201,6 +207,11 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # Constant time: how long a refusal takes says nothing about how much of the key matched.
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
+
+    async def _refuse_undecodable(self, request, context) -> None:
+        if isinstance(request, Undecodable):
+            self.metrics.observe_failure("INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request could not be decoded: {request.reason}")
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new requests; give those in flight `timeout_s` to finish, then cancel them."""

@@ -6,6 +6,7 @@ downstream and gets INVALID_ARGUMENT at once.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from disagg.engine.tokenizer import Tokenizer
@@ -18,6 +19,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Text longer than this many characters per token of context cannot fit (real tokens are far
 # shorter): refused before the tokenizer spends seconds on it.
 MAX_CHARS_PER_TOKEN = 32
+MAX_REQUEST_ID_CHARS = 256
+# The router names a migrated request's later attempts "<id>~N" on the workers (router.migration).
+_ATTEMPT_SUFFIX = re.compile(r"~\d+$")
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,16 @@ def sampling_params(proto: serving_pb2.SamplingParams, tokenizer: Tokenizer | No
         )
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+
+
+def check_request_id(request_id: str) -> None:
+    """An id a client chooses: short, printable, and never one the router uses for a later attempt."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+    if not request_id.isprintable():
+        raise InvalidRequestError("request_id", "must be printable")
+    if _ATTEMPT_SUFFIX.search(request_id):
+        raise InvalidRequestError("request_id", "must not end in '~' and digits (reserved for retries)")
 
 
 def check_model_bounds(params: SamplingParams, limits: ModelLimits) -> None:

@@ -16,6 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+
+from disagg.server import RAY_TOKEN_FILE
+
 BIN = Path(sys.executable).parent / "disagg"
 START_TIMEOUT_S = 180
 PROFILE_1T = Path(__file__).parents[2] / "deploy" / "profiles" / "smollm2-135m-cpu-1t.json"
@@ -62,6 +65,12 @@ def test_generate_against_the_default_server_answers_sensibly(default_server):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="what the default does on a machine of two CPUs")
+def test_rays_token_file_is_readable_by_its_owner_only(default_server):
+    if not RAY_TOKEN_FILE.exists():
+        pytest.skip("this Ray keeps no token file")
+    assert RAY_TOKEN_FILE.stat().st_mode & 0o077 == 0, f"{RAY_TOKEN_FILE} is readable by other users"
+
+
 def test_on_two_cpus_the_default_binds_no_thread(default_server):
     """cpu_binding auto leaves two CPUs to everything but the engines: with two there are none to give."""
     proc, _, _ = default_server

@@ -12,8 +12,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import psutil
 import pytest
 import ray
+import redis
 from support import listed, wait_listed
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -182,6 +184,8 @@ BAD_REQUESTS = {
     "prompt too long": generate_request(prompt_token_ids=[1] * 9000),
     "prompt + max_tokens too long": generate_request(prompt_token_ids=[1] * 8000, max_tokens=500),
     "top_k > vocabulary": generate_request("hi", top_k=2**31 - 1),
+    "request_id like a retry's": generate_request("hi", request_id="mine~1"),
+    "request_id unprintable": generate_request("hi", request_id="a\nb"),
     "stop token beyond vocabulary": generate_request("hi", stop_token_ids=[10**6]),
     "text that cannot fit": generate_request("word " * 60_000),
 }
@@ -196,7 +200,24 @@ FIELD_NAMED = {
     "max_tokens < 1": "max_tokens",
     "bad chat role": "role",
     "token id out of range": "prompt_token_ids",
+    "request_id like a retry's": "request_id",
+    "request_id unprintable": "request_id",
 }
+
+
+def test_undecodable_bytes_are_invalid_argument_on_every_method(server, client):
+    for method, stream in (("Generate", True), ("Abort", False), ("ClusterStatus", False)):
+        path = f"/disagg.v1.Serving/{method}"
+        call = (client.channel.unary_stream if stream else client.channel.unary_unary)(
+            path, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            reply = call(b"\xff\xff\xff\xff", timeout=10)
+            list(reply) if stream else reply
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT, method
+        assert "could not be decoded" in err.value.details()
+    tokens, _, _ = client.generate(chat("What is 2 + 2?", max_tokens=2), timeout=60)
+    assert tokens
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
@@ -350,6 +371,39 @@ def test_finished_request_is_recorded_and_leaves_no_block_held(server, client):
             time.sleep(0.1)
     assert found[0]["completion_tokens"] == 6 and found[0]["finish_reason"] == "length"
     assert 0 < found[0]["ttft_s"] < found[0]["e2e_s"]
+
+
+LOOPBACK_ADDRESSES = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+RAY_DASHBOARD_PORT = 8265
+
+
+def test_no_secret_on_a_command_line_or_in_redis_and_our_ports_on_loopback(server):
+    secrets = {"the Redis password": server.redis.password, "the link key": server._link_key.hex()}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        command = " ".join(proc.info["cmdline"] or [])
+        for name, secret in secrets.items():
+            assert secret not in command, f"{name} is on the command line of pid {proc.info['pid']}"
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(host="127.0.0.1", port=server.redis.port, socket_timeout=5).ping()
+    client = redis.Redis.from_url(server.redis.url, socket_timeout=5)
+    stored = b" ".join(client.get(key) or b"" for key in client.scan_iter(count=1000) if client.type(key) == b"string")
+    assert stored and server._link_key.hex().encode() not in stored and b"rpc_token" not in stored
+    client.close()
+    with Registry(server.redis.url) as registry:
+        infos = [view.info for view in registry.instances()]
+    ours = {
+        int(server.address.rsplit(":", 1)[1]),
+        int(server.metrics_url.split(":")[2].split("/")[0]),
+        server.redis.port,
+    }
+    for info in infos:
+        ours |= {int(info.rpc_address.rsplit(":", 1)[1]), int(info.kv_address.rsplit(":", 1)[1])}
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    for conn in listening:
+        if conn.laddr.port in ours:
+            assert conn.laddr.ip in LOOPBACK_ADDRESSES, f"port {conn.laddr.port} listens on {conn.laddr.ip}"
+    assert len(ours) == 3 + 2 * len(infos) and {c.laddr.port for c in listening} >= ours
+    assert RAY_DASHBOARD_PORT not in {c.laddr.port for c in listening}, "Ray's dashboard is up"
 
 
 def test_losing_redis_does_not_fail_requests_in_flight(server, client):

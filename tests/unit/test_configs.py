@@ -80,3 +80,11 @@ def test_a_worker_config_takes_the_services_kv_timeout_default_and_validates():
     ]:
         with pytest.raises(ValueError, match=field):
             config.replace(**bad)
+
+
+def test_the_default_admission_bound_is_what_the_decode_pool_runs_at_once():
+    config = ServingConfig.from_dict({"engine": {"max_num_seqs": 32}, "decode": {"num_instances": 3}})
+    assert config.inflight_limit() == 96
+    colocated = ServingConfig.from_dict({"mode": "colocated", "colocated": {"num_instances": 2}})
+    assert colocated.inflight_limit() == 2 * colocated.engine.max_num_seqs
+    assert ServingConfig.from_dict({"max_inflight_requests": 7}).inflight_limit() == 7
