@@ -236,7 +236,9 @@ class ServingConfig:
     redis_url: str | None = None  # None: start a local redis-server
     ray_address: str | None = None  # None: start a local Ray
     slo: SLOConfig = field(default_factory=SLOConfig)
-    max_inflight_requests: int | None = None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
+    max_inflight_requests: int | None = (
+        None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
+    )
     admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
     request_timeout_s: float = 600.0
     max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
@@ -266,7 +268,9 @@ class ServingConfig:
             "must be an address peers can connect to, not a wildcard",
         )
         _require(
-            self.max_inflight_requests is None or self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1"
+            self.max_inflight_requests is None or self.max_inflight_requests >= 1,
+            "max_inflight_requests",
+            "must be >= 1",
         )
         _require(self.max_migrations >= 0, "max_migrations", "must be >= 0")
         _require(self.max_worker_restarts >= -1, "max_worker_restarts", "must be >= -1 (-1: always)")

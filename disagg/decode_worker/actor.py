@@ -30,6 +30,7 @@ class Reserve:
     prompt_token_ids: list[int]
     params: SamplingParams
     prefill: KVLayout
+    kv_wait_s: float
     stream_to: Link
 
 
@@ -90,9 +91,14 @@ class DecodeActor(WorkerActorBase, DecodeService):
 
     # ---- DecodeService (on the link's thread) --------------------------------------------------
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill: KVLayout,
+        kv_wait_s: float,
     ) -> Future:
-        return self.loop.submit(Reserve(request_id, prompt_token_ids, params, prefill, self.rpc.caller()))
+        return self.loop.submit(Reserve(request_id, prompt_token_ids, params, prefill, kv_wait_s, self.rpc.caller()))
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
         return self.loop.submit(Submit(request_id, prompt_token_ids, params, self.rpc.caller()))
@@ -113,7 +119,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         }
 
     def _reserve(self, command: Reserve) -> Reservation | None:
-        reservation = self.worker.reserve(command.request_id, command.prompt_token_ids, command.params, command.prefill)
+        reservation = self.worker.reserve(
+            command.request_id, command.prompt_token_ids, command.params, command.prefill, command.kv_wait_s
+        )
         if reservation is not None:
             self._first_token_pending.add(command.request_id)
             self._streams[command.request_id] = command.stream_to

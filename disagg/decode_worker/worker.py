@@ -69,12 +69,18 @@ class DecodeWorker:
         self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, prefill: KVLayout
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        prefill: KVLayout,
+        kv_wait_s: float | None = None,
     ) -> Reservation | None:
         """The handshake with the prefill instance whose ranks are `prefill` (any parallel plan):
         pre-allocate the prompt's blocks and have every rank of this instance listen to the
-        prefill ranks that hold its slice of the KV; None when there is no room now. The KV
-        must be in within the kv timeout, else the request fails."""
+        prefill ranks that hold its slice of the KV; None when there is no room now. The first
+        KV must arrive within `kv_wait_s` (None: the kv timeout), and each later arrival within
+        the kv timeout of the one before, else the request fails."""
         block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
         if block_ids is None:
             return None
@@ -83,9 +89,9 @@ class DecodeWorker:
         for index, rank in enumerate(layout.ranks):
             sources = sources_for(rank.place, prefill, layout.plan, cfg.num_hidden_layers, cfg.num_key_value_heads)
             if index == 0:
-                transfer_ids[rank.peer_id] = self.receiver.expect(request_id, block_ids, sources)
+                transfer_ids[rank.peer_id] = self.receiver.expect(request_id, block_ids, sources, kv_wait_s)
             else:
-                transfer_ids[rank.peer_id] = self.followers.expect(index - 1, request_id, block_ids, sources, None)
+                transfer_ids[rank.peer_id] = self.followers.expect(index - 1, request_id, block_ids, sources, kv_wait_s)
         self.tally.expect(request_id, len(layout.ranks))
         return Reservation(transfer_ids[layout.ranks[0].peer_id], block_ids, transfer_ids, layout)
 

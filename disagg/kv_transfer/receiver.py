@@ -78,7 +78,9 @@ class KVReceiver(KVEndpoint):
         self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None = None
     ) -> int:
         """Register a transfer into `block_ids` from `sources` (peer id -> address); returns its id.
-        It fails unless complete within `timeout` seconds (default: the receiver's)."""
+        Its first bytes must arrive within `timeout` seconds (default: the receiver's), and each
+        later arrival within the receiver's timeout of the one before: a deadline of progress, so
+        a long prompt whose KV keeps coming is never cut off by a fixed span."""
         with self._lock:
             transfer_id = next(self._ids)
             index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv_cache.tensor.device)
@@ -118,7 +120,17 @@ class KVReceiver(KVEndpoint):
         )
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
+        if header.type in (MsgType.KV, MsgType.KV_REF):
+            self._progressed(header.transfer_id)
         self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
+
+    def _progressed(self, transfer_id: int) -> None:
+        """KV arrived: the transfer's wait starts over. Here, on the channel thread, before its next
+        recv takes the deadline (the import comes later, on the importer's thread)."""
+        with self._lock:
+            tr = self._transfers.get(transfer_id)
+            if tr is not None:
+                tr.deadline = max(tr.deadline, time.monotonic() + self.timeout)
 
     def _import_loop(self) -> None:
         while (item := self._imports.get()) is not None:
@@ -240,7 +252,8 @@ class KVReceiver(KVEndpoint):
     def _expire(self, now: float) -> None:
         for tr in list(self._transfers.values()):
             if now > tr.deadline:
-                self._fail(tr, f"KV did not arrive within {self.timeout:.1f}s")
+                waited = "no KV arrived" if tr.first_byte_at is None else "the KV stopped arriving"
+                self._fail(tr, f"{waited} within the deadline ({now - tr.started:.1f}s after the handshake)")
 
     def _fail(self, tr: _Incoming, error: str) -> None:
         tr.state = TransferState.FAILED

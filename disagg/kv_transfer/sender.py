@@ -245,6 +245,10 @@ class KVSender(KVEndpoint):
                 self._fail(tr, "aborted")
 
     def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
+        if header.type is not MsgType.DONE:
+            # KV computed now gets a whole timeout to go out: the deadline measures lack of
+            # progress, not the prompt's length (a long prefill would outgrow any fixed span).
+            tr.deadline = max(tr.deadline, time.monotonic() + self.timeout)
         try:
             self._channel(tr.target.peer_id, tr.target.peer_address).post(
                 header, payload, timeout=max(0.0, tr.deadline - time.monotonic())

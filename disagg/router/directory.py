@@ -21,6 +21,7 @@ import ray
 
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
+from disagg.placement.prefill_rate import PrefillRate
 from disagg.registry import InstanceView, Registry
 from disagg.rpc.client import RpcClient
 from disagg.rpc.stubs import DecodeStub, PrefillStub
@@ -39,6 +40,7 @@ class Instance:
     outstanding_prefill_tokens: int = 0
     outstanding_requests: int = 0
     reserved_blocks: int = 0  # blocks reserved by the router since the last load report
+    prefill_rate: PrefillRate = field(default_factory=PrefillRate)  # a prefill instance's pace, as measured here
     extra: dict = field(default_factory=dict)
 
     @property

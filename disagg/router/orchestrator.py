@@ -35,6 +35,7 @@ from disagg.rpc.messages import TokenDelta
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
 RESERVE_RETRY_S = 0.02  # first back-off while no decode instance has room; doubles up to 0.5 s
+KV_WAIT_MARGIN = 2.0  # the decode side waits this many times the predicted prefill queue for the first KV
 
 
 @dataclass
@@ -139,17 +140,22 @@ class Orchestrator:
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
+        queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()
+        # The decode side waits for the first KV as long as the prefill's queue is predicted to take
+        # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
+        kv_wait_s = self.config.kv_timeout_s + KV_WAIT_MARGIN * prefill.prefill_rate.predict(queued)
         placement = Placement(prefill, None)
         prefill_call = None
         try:
             prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
-            decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill)
+            decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill, kv_wait_s)
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
             # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
             self._background(self._send_targets(prefill, request_id, reservation, mailbox))
             result = await asyncio.wait_for(prefill_call, self.config.request_timeout_s)
+            prefill.prefill_rate.observe(queued, time.monotonic() - sent_at)
         except BaseException as exc:
             if prefill_call is not None:
                 prefill_call.cancel()
@@ -184,7 +190,7 @@ class Orchestrator:
         self._tasks.add(task)  # a reference until it ends (the loop keeps only weak ones)
         task.add_done_callback(self._tasks.discard)
 
-    async def _reserve(self, request_id, prompt_token_ids, params, prefill: Instance):
+    async def _reserve(self, request_id, prompt_token_ids, params, prefill: Instance, kv_wait_s: float):
         """The handshake, retried with back-off while no decode instance has room."""
         blocks_needed = -(-len(prompt_token_ids) // self.block_size)
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -194,7 +200,12 @@ class Orchestrator:
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
             reservation = await decode.decode_service.reserve(
-                request_id, prompt_token_ids, params, prefill.kv_layout, timeout_s=self.config.admission_timeout_s
+                request_id,
+                prompt_token_ids,
+                params,
+                prefill.kv_layout,
+                kv_wait_s,
+                timeout_s=self.config.admission_timeout_s,
             )
             if reservation is not None:
                 decode.outstanding_requests += 1

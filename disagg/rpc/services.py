@@ -42,10 +42,17 @@ class DecodeService:
     one TOKENS_TOPIC event per engine step with the new tokens of all that link's requests."""
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prefill: KVLayout
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prefill: KVLayout,
+        kv_wait_s: float,
     ) -> Reservation | None:
         """The handshake: allocate the prompt's blocks on every rank and listen to the prefill
-        ranks that hold each slice of its KV. None when there is no room now."""
+        ranks that hold each slice of its KV. None when there is no room now. The first KV must
+        arrive within `kv_wait_s` (the router's prediction of the prefill's queue, plus margin);
+        after that, each arrival extends the wait (disagg.kv_transfer.receiver)."""
         raise NotImplementedError
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -42,11 +42,12 @@ class DecodeStub(DecodeService):
         prompt_token_ids: list[int],
         params: SamplingParams,
         prefill: KVLayout,
+        kv_wait_s: float,
         *,
         timeout_s: float,
     ) -> Reservation | None:
         return await self.link.call(
-            DecodeService.reserve, request_id, prompt_token_ids, params, prefill, timeout_s=timeout_s
+            DecodeService.reserve, request_id, prompt_token_ids, params, prefill, kv_wait_s, timeout_s=timeout_s
         )
 
     async def submit(

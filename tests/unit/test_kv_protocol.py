@@ -454,3 +454,59 @@ def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
     finally:
         prefill.close()
         decode.close()
+
+
+def slow_run(
+    prefill: PrefillWorker, decode: DecodeWorker, step_gap_s: float, failed: list, timeout: float = 30.0
+) -> dict:
+    """`run`, with each prefill step `step_gap_s` apart: a prefill far slower than the kv timeout.
+    The decode side's transfer failures go to `failed`."""
+    finished: dict[str, list[int]] = {}
+    deadline, next_prefill = time.monotonic() + timeout, 0.0
+    while not (prefill.is_idle() and decode.is_idle()):
+        assert time.monotonic() < deadline, "transfer did not complete"
+        if time.monotonic() >= next_prefill:
+            prefill.step()
+            next_prefill = time.monotonic() + step_gap_s
+        for out in decode.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        failed += decode.failed
+        time.sleep(0.005)
+    return finished
+
+
+def test_kv_that_keeps_arriving_is_waited_for_however_long_the_prefill(pair, colocated_tokens):
+    """The deadline measures lack of progress: a chunked prefill (5 steps here) that takes far
+    longer than the kv timeout, each chunk's KV arriving within it, completes."""
+    _, prefill, decode = pair
+    prefill.sender.timeout = decode.receiver.timeout = 0.4
+    submit(prefill, decode, "long", prompts()[-1], greedy())
+    started, failed = time.monotonic(), []
+    finished = slow_run(prefill, decode, step_gap_s=0.3, failed=failed)
+    assert time.monotonic() - started > 0.8  # twice the kv timeout at least (4 chunks, 3 gaps)
+    assert not failed, failed
+    assert finished["long"] == colocated_tokens[-1]
+
+
+@pytest.mark.parametrize("kv_wait_s", [None, 2.0], ids=["fixed-timeout", "predicted-queue"])
+def test_the_first_kv_is_waited_for_as_long_as_the_router_predicts(pair, kv_wait_s):
+    """A request queued behind others on its prefill instance: its first KV comes late. With the
+    router's prediction it is waited for; with only the kv timeout, it fails and frees its blocks."""
+    _, prefill, decode = pair
+    prefill.sender.timeout = decode.receiver.timeout = 0.4
+    prompt = prompts()[3]
+    reservation = decode.reserve("queued", prompt, greedy(), prefill.kv_layout(), kv_wait_s)
+    busy_until, failed = time.monotonic() + 0.8, []  # the prefill instance is busy with the requests ahead
+    while time.monotonic() < busy_until:
+        decode.step()  # the decode engine polls its transfers meanwhile
+        failed += decode.failed
+        time.sleep(0.01)
+    prefill.add_request("queued", prompt, greedy())
+    prefill.set_kv_targets("queued", reservation)
+    finished = slow_run(prefill, decode, step_gap_s=0.0, failed=failed)
+    if kv_wait_s is None:
+        assert [f.request_id for f in failed] == ["queued"], failed  # by its deadline or its recv's
+    else:
+        assert list(finished) == ["queued"] and not failed
+    assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
