@@ -30,9 +30,10 @@ def generate_request(
     chat: list[dict] | None = None,
     prompt_token_ids: list[int] | None = None,
     request_id: str = "",
+    slo: serving_pb2.Slo | None = None,
     **sampling,
 ) -> serving_pb2.GenerateRequest:
-    request = serving_pb2.GenerateRequest(request_id=request_id, sampling=sampling_proto(**sampling))
+    request = serving_pb2.GenerateRequest(request_id=request_id, sampling=sampling_proto(**sampling), slo=slo)
     if chat is not None:
         request.chat.CopyFrom(serving_pb2.Chat(messages=[serving_pb2.ChatMessage(**m) for m in chat]))
     elif prompt_token_ids is not None:

@@ -6,10 +6,15 @@ Names follow vLLM (SamplingParams, RequestStatus, FinishReason) so that users fe
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 from disagg.errors import InvalidRequestError
+
+MAX_STOP_STRINGS = 64  # vLLM and SGLang set no bound; a stop list costs engine time per token
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class FinishReason(str, enum.Enum):
@@ -96,6 +101,14 @@ class SamplingParams:
             f"must be an integer >= 0, got {self.resumed_tokens!r}",
         )
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        # Stop-string matching costs grow with their number and length, on the engine thread.
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} strings")
+        _check(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            "stop",
+            f"each at most {MAX_STOP_STRING_CHARS} characters",
+        )
+        _check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS, "stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS}")
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers"
         )
@@ -115,7 +128,8 @@ def _is_int(x) -> bool:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN fails
+    """A finite real number (NaN and infinities fail)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

@@ -24,6 +24,7 @@ from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
 from disagg.router.validation import (
     check_request_id,
+    check_slo,
     ModelLimits,
     check_fits,
     check_model_bounds,
@@ -68,6 +69,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             check_request_id(request_id)
+            check_slo(request.slo)
             prompt_ids, params = await self._parse(request)
         except InvalidRequestError as exc:
             self.metrics.observe_failure("INVALID_ARGUMENT")
@@ -99,6 +101,9 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await asyncio.wait([headers])  # the status follows the headers, never races them
             await context.abort(getattr(grpc.StatusCode, code), str(exc) or type(exc).__name__)
         except Exception as exc:  # a worker died mid-request (RayActorError and friends)
+            if context.cancelled():  # no: the client went away (before the headers went out, say)
+                self.metrics.observe_failure("CANCELLED")
+                return
             logger.exception("request %s failed", request_id)
             self.metrics.observe_failure("UNAVAILABLE")
             await asyncio.wait([headers])

@@ -43,6 +43,9 @@ class Placement:
     prefill: Instance | None
     decode: Instance | None  # None until the handshake found one
     finished: bool = False  # the decode side sent the last delta: nothing is left to abort
+    # A decode instance asked to reserve, whose answer has not come: if the request ends now, it
+    # may hold blocks that only an abort frees (else they wait out the KV deadline).
+    reserving: Instance | None = None
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
@@ -148,7 +151,9 @@ class Orchestrator:
         prefill_call = None
         try:
             prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
-            decode, reservation = await self._reserve(request_id, prompt_token_ids, params, prefill, kv_wait_s)
+            decode, reservation = await self._reserve(
+                request_id, prompt_token_ids, params, prefill, kv_wait_s, placement
+            )
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
@@ -190,7 +195,9 @@ class Orchestrator:
         self._tasks.add(task)  # a reference until it ends (the loop keeps only weak ones)
         task.add_done_callback(self._tasks.discard)
 
-    async def _reserve(self, request_id, prompt_token_ids, params, prefill: Instance, kv_wait_s: float):
+    async def _reserve(
+        self, request_id, prompt_token_ids, params, prefill: Instance, kv_wait_s: float, placement: Placement
+    ):
         """The handshake, retried with back-off while no decode instance has room."""
         blocks_needed = -(-len(prompt_token_ids) // self.block_size)
         deadline = time.monotonic() + self.config.admission_timeout_s
@@ -199,6 +206,7 @@ class Orchestrator:
             decode = self.policy.choose_decode(await self._available("decode"), blocks_needed)
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
+            placement.reserving = decode
             reservation = await decode.decode_service.reserve(
                 request_id,
                 prompt_token_ids,
@@ -207,6 +215,7 @@ class Orchestrator:
                 kv_wait_s,
                 timeout_s=self.config.admission_timeout_s,
             )
+            placement.reserving = None
             if reservation is not None:
                 decode.outstanding_requests += 1
                 decode.reserved_blocks += len(reservation.block_ids)
@@ -260,7 +269,8 @@ class Orchestrator:
             decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
         if placement.finished:
             return
-        for instance, service in ((decode, "decode_service"), (placement.prefill, "prefill_service")):
+        holders = ((decode or placement.reserving, "decode_service"), (placement.prefill, "prefill_service"))
+        for instance, service in holders:
             if instance is not None and not self.directory.is_failed(instance):  # a dead one has nothing to drop
                 aborts.append(getattr(instance, service).abort(request_id, timeout_s=ABORT_TIMEOUT_S))
         if aborts:  # sent now, awaited in the background: the request's end waits for no worker

@@ -6,6 +6,7 @@ downstream and gets INVALID_ARGUMENT at once.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -62,6 +63,14 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequestError("request_id", "must be printable")
     if _ATTEMPT_SUFFIX.search(request_id):
         raise InvalidRequestError("request_id", "must not end in '~' and digits (reserved for retries)")
+
+
+def check_slo(slo: serving_pb2.Slo) -> None:
+    """A request's own SLO targets (0: the server's default)."""
+    for name in ("ttft_ms", "tpot_ms"):
+        value = getattr(slo, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise InvalidRequestError(f"slo.{name}", f"must be a finite number >= 0 (0: the server's), got {value}")
 
 
 def check_model_bounds(params: SamplingParams, limits: ModelLimits) -> None:

@@ -26,6 +26,7 @@ from disagg.cluster.redis_server import LocalRedis
 from disagg.server import Server
 from disagg.config import ServingConfig
 from disagg.registry import Registry
+from disagg.v1 import serving_pb2
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -170,6 +171,21 @@ def test_deadline_exceeded_aborts_and_frees_blocks(server, client):
     wait_all_blocks_free(server, 1.5)
 
 
+def test_requests_cancelled_during_the_handshake_free_their_blocks_at_once(server, client):
+    """Deadlines so short that many requests end while the decode side is still reserving: the
+    reservation it makes is aborted, not left to wait out the KV deadline."""
+    busy = [client.stream(chat("Write a long story.", max_tokens=120, ignore_eos=True)) for _ in range(4)]
+    for call in busy:
+        next(call)  # the decode engines are stepping: a reservation waits for the step under way
+    for deadline_s in (0.001, 0.003, 0.01, 0.03):
+        for i in range(25):
+            with pytest.raises(grpc.RpcError):
+                client.generate(chat(f"Tell me about {i}.", max_tokens=50, ignore_eos=True), timeout=deadline_s)
+    for call in busy:
+        call.cancel()
+    wait_all_blocks_free(server, 3.0)
+
+
 BAD_REQUESTS = {
     "empty prompt": generate_request(""),
     "no input": generate_request(),
@@ -186,6 +202,10 @@ BAD_REQUESTS = {
     "top_k > vocabulary": generate_request("hi", top_k=2**31 - 1),
     "request_id like a retry's": generate_request("hi", request_id="mine~1"),
     "request_id unprintable": generate_request("hi", request_id="a\nb"),
+    "request_id too long": generate_request("hi", request_id="x" * 10_000),
+    "temperature infinite": generate_request("hi", temperature=float("inf")),
+    "slo negative": generate_request("hi", slo=serving_pb2.Slo(ttft_ms=-1)),
+    "slo not a number": generate_request("hi", slo=serving_pb2.Slo(tpot_ms=float("nan"))),
     "stop token beyond vocabulary": generate_request("hi", stop_token_ids=[10**6]),
     "text that cannot fit": generate_request("word " * 60_000),
 }
@@ -202,6 +222,10 @@ FIELD_NAMED = {
     "token id out of range": "prompt_token_ids",
     "request_id like a retry's": "request_id",
     "request_id unprintable": "request_id",
+    "request_id too long": "request_id",
+    "temperature infinite": "temperature",
+    "slo negative": "slo.ttft_ms",
+    "slo not a number": "slo.tpot_ms",
 }
 
 

@@ -116,6 +116,11 @@ def test_bad_request_is_refused_and_engine_keeps_serving(engine, tag):
         ("top_k", -2),
         ("logprobs", 21),
         ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("stop", ["x"] * 65),
+        ("stop", ["x" * 1025]),
+        ("stop_token_ids", list(range(1025))),
     ],
 )
 def test_sampling_params_constructor_validates(field, value):
