@@ -131,7 +131,7 @@ class Server:
             return self.config.redis_url
         host = LOOPBACK if num_nodes <= 1 else resolve_host(None)
         redis = LocalRedis(host=host, password=secrets.token_hex(16))
-        self.redis = self._stack.enter_context(redis)
+        self.redis = self._stack.enter_context(redis).supervise()
         return self.redis.url
 
     def _run_frontend(self, redis_url: str, model) -> None:

@@ -3,15 +3,16 @@
 Starts `disagg serve` (the default deployment, 1 prefill + 1 decode worker, its own Ray and
 redis-server, gRPC on 127.0.0.1), computes each prompt's fault-free greedy output, then runs
 `--concurrency` clients in a closed loop for `--minutes` while a random prefill or decode
-worker process is SIGKILLed every `--kill-every` seconds. Every request's output is compared
-with the fault-free one. After the load stops: KV blocks still allocated on every instance,
-RSS of each process at start and end, recovery time per kill (kill -> the instance listed
-again and a request served).
+worker process is SIGKILLed every `--kill-every` seconds, and redis-server once, halfway.
+Every request's output is compared with the fault-free one. After the load stops: KV blocks
+still allocated on every instance, RSS of each process after the warm-up and at the end,
+recovery time per kill (kill -> the process back, every instance listed and a request served).
 
     PYTHONPATH=. .venv/bin/python loadtest/chaos.py --minutes 5 --kill-every 30
 
-The last lines are `lost: N`, `wrong outputs: N`, `leaked blocks: N`, `recovery p50 s: X`.
-Not done yet: killing Redis (a worker relaunched while Redis is down cannot register).
+The last lines are `lost: N`, `wrong outputs: N`, `leaked blocks: N`, `recovery p50 s: X`,
+`rss drift %: X` (the largest growth of a process's RSS from the warm-up's end to the end).
+With `--kill-every 0` nothing is killed: a soak (`--minutes 30 --kill-every 0`).
 """
 
 from __future__ import annotations
@@ -49,12 +50,18 @@ PROMPTS = [
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=5.0)
-    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills")
+    p.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0: none (a soak)")
+    p.add_argument(
+        "--warm-up", type=float, help="seconds of load before the RSS baseline (default: 60 for a soak, else 0)"
+    )
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtest/out/chaos.json")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.warm_up is None:
+        args.warm_up = 60.0 if args.kill_every <= 0 else 0.0
+    return args
 
 
 def request(i: int, max_tokens: int):
@@ -91,20 +98,44 @@ class Load:
             i += self.args.concurrency
 
 
-def kill_and_time_recovery(dep: Deployment, client: DisaggClient, rng: random.Random, expected: int) -> dict:
-    pid, name = rng.choice(sorted(dep.workers().items()))
+def kill_on_schedule(args, dep: Deployment, client: DisaggClient, rng, expected: int, started: float, end: float):
+    """A random worker every `--kill-every` seconds; redis-server instead at the first kill past halfway."""
+    kills, redis_killed = [], False
+    while time.monotonic() + args.kill_every <= end:
+        time.sleep(args.kill_every)
+        redis = not redis_killed and time.monotonic() - started >= (end - started) / 2
+        redis_killed |= redis
+        kills.append(kill_and_time_recovery(dep, client, rng, expected, redis=redis))
+        last = kills[-1]
+        print(f"killed {last['worker'][:40]} (pid {last['pid']}): recovered in {last['recovery_s']} s", flush=True)
+    return kills
+
+
+def kill_and_time_recovery(
+    dep: Deployment, client: DisaggClient, rng: random.Random, expected: int, redis: bool = False
+) -> dict:
+    victims = dep.redis() if redis else dep.workers()
+    pid, name = rng.choice(sorted(victims.items()))
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    while listed(client) >= expected and time.monotonic() - killed_at < 10:
+    while not redis and listed(client) >= expected and time.monotonic() - killed_at < 10:
         time.sleep(0.1)  # the router notices (a broken link, or the heartbeat's lapse)
     while time.monotonic() - killed_at < 300:
         try:
-            if listed(client) >= expected and client.generate(request(0, 2), timeout=30)[0]:
+            back = not redis or dep.redis()  # the router's view outlives Redis: wait for the process
+            if back and listed(client) >= expected and client.generate(request(0, 2), timeout=30)[0]:
                 break
         except grpc.RpcError:
             pass
         time.sleep(0.2)
     return {"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)}
+
+
+def rss_drift_pct(start: dict[str, float], end: dict[str, float], min_mb: float = 50.0) -> float:
+    """The largest RSS growth, in percent, of a process alive at both times (a relaunched worker
+    is a new process) and big enough to matter."""
+    common = [name for name in start if name in end and start[name] >= min_mb]
+    return max((100.0 * (end[n] - start[n]) / start[n] for n in common), default=0.0)
 
 
 def main(argv=None) -> int:
@@ -122,19 +153,15 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     with DisaggClient(dep.address) as client:
         expected = listed(client)
         reference = [client.generate(request(i, args.max_tokens), timeout=300)[0] for i in range(len(PROMPTS))]
-        rss_start = dep.rss_mb()
         load = Load(client, reference, args)
         threads = [threading.Thread(target=load.run, args=(w,), daemon=True) for w in range(args.concurrency)]
         for t in threads:
             t.start()
-        kills, end = [], time.monotonic() + args.minutes * 60
-        while time.monotonic() + args.kill_every <= end:
-            time.sleep(args.kill_every)
-            kills.append(kill_and_time_recovery(dep, client, rng, expected))
-            print(
-                f"killed {kills[-1]['worker'][:40]} (pid {kills[-1]['pid']}): recovered in {kills[-1]['recovery_s']} s",
-                flush=True,
-            )
+        started = time.monotonic()
+        end = started + args.minutes * 60
+        time.sleep(min(args.warm_up, args.minutes * 60))
+        rss_start = dep.rss_mb()
+        kills = kill_on_schedule(args, dep, client, rng, expected, started, end) if args.kill_every > 0 else []
         time.sleep(max(0.0, end - time.monotonic()))
         load.stop.set()
         for t in threads:
@@ -146,6 +173,7 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         "migrated": migrated, "wrong_outputs": load.wrong, "leaked_blocks": leaked, "kills": kills,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
+        "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -159,6 +187,7 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     print(f"wrong outputs: {load.wrong}")
     print(f"leaked blocks: {leaked}")
     print(f"recovery p50 s: {result['recovery_p50_s']}")
+    print(f"rss drift %: {result['rss_drift_pct']:.1f}")
     return 0 if not load.failed and not load.wrong and not leaked else 1
 
 

@@ -56,6 +56,9 @@ class Deployment:
                 continue
         return found
 
+    def redis(self) -> dict[int, str]:
+        return {pid: name for pid, name in self.processes().items() if "redis-server" in name}
+
     def workers(self) -> dict[int, str]:
         return {pid: name for pid, name in self.processes().items() if any(k in name for k in WORKER_KINDS)}
 

@@ -7,6 +7,7 @@ the owner is killed outright).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -24,6 +25,7 @@ import redis
 from disagg.errors import RegistryUnavailable
 from disagg.registry import redact_url
 
+logger = logging.getLogger(__name__)
 REDIS_BINARY = "redis-server"
 _STOP_TIMEOUT_S = 5.0
 _PORT_ATTEMPTS = 3
@@ -104,6 +106,8 @@ class LocalRedis:
         self.proc: subprocess.Popen | None = None
         self._work_dir: str | None = None
         self._finalizer: weakref.finalize | None = None
+        self._stopping = threading.Event()
+        self.restarts = 0
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -126,6 +130,28 @@ class LocalRedis:
                     raise
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def supervise(self, interval_s: float = 0.5) -> LocalRedis:
+        """Restart redis-server on the same port, with the same password, whenever it dies. What
+        it holds is soft state: the workers' next heartbeats write it all again."""
+        thread = threading.Thread(target=self._supervise, args=(interval_s,), name="redis-supervisor", daemon=True)
+        thread.start()
+        return self
+
+    def _supervise(self, interval_s: float) -> None:
+        while not self._stopping.wait(interval_s):
+            proc = self.proc
+            if proc is None or proc.poll() is None:
+                continue
+            logger.warning(
+                "redis-server on %s:%s exited (code %s); restarting it", self.host, self.port, proc.returncode
+            )
+            self._finalizer()  # its temp dir goes
+            try:
+                self._start_on(shutil.which(self.binary) or self.binary, self.port, from_supervisor=True)
+                self.restarts += 1
+            except (RegistryUnavailable, OSError) as exc:
+                logger.error("could not restart redis-server: %s; trying again", exc)
+
     def _checked_port(self) -> int:
         # Without this, a PING to a taken port would reach whoever holds it and mislead us.
         try:
@@ -134,7 +160,7 @@ class LocalRedis:
             where = f"{self.host}:{self._requested_port}"
             raise RegistryUnavailable(f"cannot start {self.binary} on {where}: {exc}") from exc
 
-    def _start_on(self, binary_path: str, port: int) -> None:
+    def _start_on(self, binary_path: str, port: int, from_supervisor: bool = False) -> None:
         work_dir = tempfile.mkdtemp(prefix="disagg-redis-")
         config_path = Path(work_dir) / "redis.conf"
         # The password goes in a 0600 file, not on the command line where `ps` would show it.
@@ -143,7 +169,7 @@ class LocalRedis:
         log = open(Path(work_dir) / "redis.log", "wb")
         try:
             self.proc = subprocess.Popen(
-                [*self._parent_death_prefix(), binary_path, str(config_path)],
+                [*self._parent_death_prefix(from_supervisor), binary_path, str(config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -173,12 +199,12 @@ class LocalRedis:
         return "\n".join(lines) + "\n"
 
     @staticmethod
-    def _parent_death_prefix() -> list[str]:
+    def _parent_death_prefix(from_supervisor: bool = False) -> list[str]:
         # The kernel sends SIGTERM to redis-server when the thread that started it dies, even by
-        # SIGKILL, where atexit never runs. Only from the main thread: a worker thread may exit
-        # long before its process does.
+        # SIGKILL, where atexit never runs. Only from the main thread, or the supervisor (which
+        # lives until stop()): another thread may exit long before its process does.
         setpriv = shutil.which("setpriv")
-        if setpriv is None or threading.current_thread() is not threading.main_thread():
+        if setpriv is None or not (from_supervisor or threading.current_thread() is threading.main_thread()):
             return []
         return [setpriv, "--pdeathsig", "TERM", "--"]
 
@@ -202,6 +228,7 @@ class LocalRedis:
 
     def stop(self) -> None:
         """Terminate redis-server (kill after a timeout) and remove its temp dir. Idempotent."""
+        self._stopping.set()
         if self._finalizer is not None:
             self._finalizer()  # runs _stop_process at most once, here or at interpreter exit
         self.proc = None
