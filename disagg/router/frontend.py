@@ -69,14 +69,21 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             check_request_id(request_id)
-            check_slo(request.slo)
-            prompt_ids, params = await self._parse(request)
         except InvalidRequestError as exc:
-            self.metrics.observe_failure("INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._invalid(context, exc)
         if request_id in self._active:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {request_id!r} is already in flight")
+        # Counted against admission from here on, with no await since the check: tokenizing
+        # (below, on a thread) must not let more requests in than the bound.
         self._active[request_id] = asyncio.current_task()
+        try:
+            check_slo(request.slo)
+            prompt_ids, params = await self._parse(request)
+        except BaseException as exc:
+            self._active.pop(request_id, None)
+            if isinstance(exc, InvalidRequestError):
+                await self._invalid(context, exc)
+            raise
         stream = _StreamStats(time.perf_counter(), len(prompt_ids))
         # The response headers go out while the prompt computes, so that at the first token only
         # its message is left to send: one write and one wake-up of the client fewer on the TTFT
@@ -212,6 +219,10 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # Constant time: how long a refusal takes says nothing about how much of the key matched.
         if not hmac.compare_digest(given.encode(), self.api_key.encode()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
+
+    async def _invalid(self, context, exc: InvalidRequestError) -> None:
+        self.metrics.observe_failure("INVALID_ARGUMENT")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def _refuse_undecodable(self, request, context) -> None:
         if isinstance(request, Undecodable):
