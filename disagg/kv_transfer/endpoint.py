@@ -65,7 +65,12 @@ class KVEndpoint(KVConnector):
         return messages  # see KVSender.coalesce
 
     def has_finished(self) -> bool:
-        return bool(self._finished)  # a lock-free peek, for a loop deciding whether to wake
+        """A lock-free peek, for a loop deciding whether to step: a transfer ended, or one is past
+        its deadline (an idle engine would otherwise never poll, and never free its blocks)."""
+        return bool(self._finished) or self._overdue(time.monotonic())
+
+    def _overdue(self, now: float) -> bool:
+        return False
 
     def _report(self, result: TransferResult) -> None:
         self._finished.append(result)

@@ -248,6 +248,9 @@ class KVReceiver(KVEndpoint):
                 if peer_id in tr.sources:
                     self._fail(tr, f"{peer_id}: {error}")
 
+    def _overdue(self, now: float) -> bool:
+        return any(now > tr.deadline for tr in list(self._transfers.values()))
+
     # ---- bookkeeping (lock held) ---------------------------------------------------------------
     def _expire(self, now: float) -> None:
         for tr in list(self._transfers.values()):

@@ -2,7 +2,7 @@
 per worker that only a pair it belongs to can use.
 
 A TCPStore answers anyone who reaches its port. This store first hears which pair the caller
-comes for (`a@address/b@address`, which must name the store's own worker), then runs the
+comes for (`a@address/b@address`, a < b, which must start with the store's own worker), then runs the
 deployment's handshake bound to that pair (disagg.auth): a process without the deployment key
 never gets a key read or written, and an authenticated peer sees only its own pair's keys. The
 pair's lowest worker owns the store: it uses it in-process (`Rendezvous.pair_store`), the other
@@ -185,8 +185,9 @@ class Rendezvous:
             with sock:
                 sock.settimeout(HANDSHAKE_TIMEOUT_S)
                 pair_name = _recv_frame(sock)
-                if not isinstance(pair_name, str) or f"{self.worker_id}@{self.own_address}" not in pair_name.split("/"):
-                    raise AuthenticationError(f"pair {pair_name!r} does not include this worker")
+                # The owner is the pair's lower worker id, so the name starts with it (ids may hold "/").
+                if not isinstance(pair_name, str) or not pair_name.startswith(f"{self.worker_id}@{self.own_address}/"):
+                    raise AuthenticationError(f"pair {pair_name[:200]!r} does not start with this worker")
                 listener_handshake(sock, self._key, f"kv-rendezvous/{pair_name}", HANDSHAKE_TIMEOUT_S)
                 sock.sendall(b"\0" if self.closed else b"\1")
                 if not self.closed:

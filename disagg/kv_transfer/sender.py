@@ -308,6 +308,9 @@ class KVSender(KVEndpoint):
                 if tr.target.peer_id == peer_id:
                     self._fail(tr, str(error))
 
+    def _overdue(self, now: float) -> bool:
+        return any(tr.state is TransferState.AWAITING_ACK and now > tr.deadline for tr in list(self._by_key.values()))
+
     # ---- bookkeeping (lock held) ---------------------------------------------------------------
     def _expire(self, now: float) -> None:
         for tr in list(self._by_key.values()):

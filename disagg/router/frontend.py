@@ -90,11 +90,17 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # path.
         headers = asyncio.ensure_future(context.send_initial_metadata(()))
         headers.add_done_callback(_retrieve)
+        deltas = self.orchestrator.generate(request_id, prompt_ids, params)
         try:
-            async for delta in self.orchestrator.generate(request_id, prompt_ids, params):
+            async for delta in deltas:
+                if request_id in self._aborted:
+                    # Abort's cancel can be lost (it may land while gRPC writes, outside this
+                    # generator): the next delta ends the stream instead.
+                    raise asyncio.CancelledError
                 await headers  # done long before: a prompt takes milliseconds at least
                 yield stream.response(request_id, delta)
         except asyncio.CancelledError:
+            await deltas.aclose()  # the attempt's cleanup (aborts on the workers) runs now
             self._active.pop(request_id, None)  # no longer counts against admission, whatever cleanup is left
             if request_id not in self._aborted:
                 self.metrics.observe_failure("CANCELLED")
@@ -117,6 +123,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"worker failed: {type(exc).__name__}: {exc}")
         finally:
             self._active.pop(request_id, None)
+            self._aborted.discard(request_id)  # an Abort that came as the stream ended must not outlive it
         self._record(request_id, stream)
 
     async def _admit(self, context) -> None:

@@ -29,7 +29,9 @@ class Mailbox:
         self._ready.set()
 
     async def get(self, timeout_s: float) -> TokenDelta:
-        await asyncio.wait_for(self._ready.wait(), timeout_s)
+        # Not wait_for: on Python 3.11 it can swallow a cancel that lands as the delta arrives.
+        async with asyncio.timeout(timeout_s):
+            await self._ready.wait()
         self._ready.clear()
         delta, self._pending = self._pending, None
         return delta

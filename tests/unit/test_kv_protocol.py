@@ -510,3 +510,14 @@ def test_the_first_kv_is_waited_for_as_long_as_the_router_predicts(pair, kv_wait
     else:
         assert list(finished) == ["queued"] and not failed
     assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
+
+
+def test_an_overdue_transfer_wakes_an_idle_engine(pair):
+    """Nothing else to do on the decode side: the engine loop steps (and frees the blocks) only
+    if the receiver says something is due, so a transfer past its deadline must say so."""
+    _, prefill, decode = pair
+    decode.receiver.expect("idle", [0, 1], {"prefill-0": prefill.address()}, timeout=0.2)
+    assert not decode.receiver.has_finished()
+    time.sleep(0.3)
+    assert decode.receiver.has_finished()
+    assert [r.request_id for r in decode.receiver.poll()] == ["idle"]

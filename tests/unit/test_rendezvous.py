@@ -46,9 +46,21 @@ def test_a_caller_without_the_key_reads_and_writes_nothing(rendezvous):
     remote.close()
 
 
-def test_a_pair_that_does_not_include_the_owner_is_refused(rendezvous):
-    with pytest.raises(ConnectionError):
-        connect_pair_store("127.0.0.1", rendezvous.port, "c@127.0.0.1:3/d@127.0.0.1:4", LINK_KEY, timeout_s=5)
+def test_a_pair_that_does_not_start_with_the_owner_is_refused(rendezvous):
+    for name in ("c@127.0.0.1:3/d@127.0.0.1:4", "0@127.0.0.1:0/a@127.0.0.1:1"):
+        with pytest.raises(ConnectionError):
+            connect_pair_store("127.0.0.1", rendezvous.port, name, LINK_KEY, timeout_s=5)
+
+
+def test_worker_ids_may_hold_slashes():
+    owner = Rendezvous("p-0/rank1", LINK_KEY, "127.0.0.1")
+    owner.own_address = "127.0.0.1:1"
+    name = "p-0/rank1@127.0.0.1:1/q-0/rank1@127.0.0.1:2"
+    try:
+        connect_pair_store("127.0.0.1", owner.port, name, LINK_KEY, timeout_s=5).set("x", b"1")
+        assert owner.pair_store(name, timeout_s=5).get("x") == b"1"
+    finally:
+        owner.close()
 
 
 def test_pairs_do_not_see_each_others_keys(rendezvous):
