@@ -46,11 +46,17 @@ class Deployment:
         self.address = self.ready.read_text().strip()
 
     def processes(self) -> dict[int, str]:
-        """pid -> a short name, every live process of the deployment."""
+        """pid -> a short name, every live process of the deployment: its session, and its
+        children that start sessions of their own (redis-server)."""
         found = {}
+        try:
+            children = {c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            children = set()
         for p in psutil.process_iter(["pid", "cmdline", "name"]):
             try:
-                if os.getsid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
+                ours = os.getsid(p.pid) == self.proc.pid or p.pid in children
+                if ours and p.status() != psutil.STATUS_ZOMBIE:
                     found[p.pid] = " ".join(p.info["cmdline"] or [p.info["name"]])[:80]
             except (psutil.Error, OSError):
                 continue
