@@ -80,6 +80,7 @@ class Load:
         self.lock = threading.Lock()
         self.sent, self.completed, self.wrong = 0, 0, 0
         self.failed: Counter[str] = Counter()
+        self.messages: dict[str, int] = {}  # error details -> count
 
     def run(self, worker: int) -> None:
         i = worker
@@ -91,6 +92,8 @@ class Load:
             except grpc.RpcError as exc:
                 with self.lock:
                     self.failed[exc.code().name] += 1
+                    self.messages.setdefault(exc.details()[:160], 0)
+                    self.messages[exc.details()[:160]] += 1
             else:
                 with self.lock:
                     self.completed += 1
@@ -170,7 +173,7 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     recoveries = [k["recovery_s"] for k in kills]
     result = {
         "args": vars(args), "sent": load.sent, "completed": load.completed, "failed": dict(load.failed),
-        "migrated": migrated, "wrong_outputs": load.wrong, "leaked_blocks": leaked, "kills": kills,
+        "migrated": migrated, "wrong_outputs": load.wrong, "errors": load.messages, "leaked_blocks": leaked, "kills": kills,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
