@@ -85,6 +85,7 @@ class _Failure:
     role: str
     rpc_address: str  # the link that broke
     at: float  # time.monotonic() when it broke
+    link_broke: bool = True  # False: its heartbeat lapsed (it, or Redis, may be back at the same address)
 
 
 class InstanceDirectory:
@@ -172,12 +173,15 @@ class InstanceDirectory:
             self._update(view)
         for gone in set(self._instances) - seen:
             logger.info("instance %s left (heartbeat lapsed)", gone)
-            del self._instances[gone]
+            inst = self._instances.pop(gone)
+            # It may come back (a relaunch, or Redis restarted empty): new requests wait for it.
+            self._failed.setdefault(gone, _Failure(inst.role, inst.view.info.rpc_address, time.monotonic(), False))
 
     def _update(self, view: InstanceView) -> None:
         failed = self._failed.get(view.info.instance_id)
         if failed is not None:
-            if view.info.rpc_address == failed.rpc_address and time.monotonic() - failed.at < self.heartbeat_ttl_s:
+            same_address = view.info.rpc_address == failed.rpc_address
+            if failed.link_broke and same_address and time.monotonic() - failed.at < self.heartbeat_ttl_s:
                 return  # the dead process's last heartbeat, still in Redis
             del self._failed[view.info.instance_id]
         known = self._instances.get(view.info.instance_id)

@@ -63,6 +63,7 @@ def server(ray_session):
             "admission_timeout_s": 5,
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
+            "recovery_timeout_s": 3.0,  # how long requests wait for a pool that emptied to refill
         }
     )
     with Server(config) as srv:
@@ -321,9 +322,11 @@ def test_no_healthy_decode_instance_is_unavailable_and_not_serving(server, clien
     try:
         for inst in instances:
             wait_listed(client, inst.instance_id, present=False)
+        started = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             client.generate(chat("hi", max_tokens=2), timeout=30)
         assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started > 2.0, "it waited recovery_timeout_s for the pool to refill"
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
         assert health_status(client, wait_for=not_serving) == not_serving, "a pool is empty"
     finally:
