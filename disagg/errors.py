@@ -52,6 +52,13 @@ class KVTransferError(DisaggError):
     grpc_code_name = "UNAVAILABLE"
 
 
+class RequestFailedError(DisaggError):
+    """The request's own computation failed on a worker (its batch went on without it). It is not
+    retried elsewhere: it would fail there too."""
+
+    grpc_code_name = "INTERNAL"
+
+
 class RemoteError(DisaggError):
     """A worker raised this while serving a router's call; carries the status code it maps to."""
 

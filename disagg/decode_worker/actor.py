@@ -152,6 +152,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         self._publish(deltas)
 
     def _delta(self, out) -> TokenDelta:
+        if out.error is not None:
+            self._first_token_pending.discard(out.request_id)
+            return TokenDelta.failed(out.request_id, f"decode step failed on this request: {out.error}", True)
         completion = out.outputs[0]
         token_ids, text = list(out.new_token_ids), out.new_text
         if out.request_id in self._first_token_pending:  # DECODE: token 1 was streamed by the prefill worker

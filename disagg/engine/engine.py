@@ -26,10 +26,10 @@ from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, token_generator
-from disagg.engine.scheduler import Scheduler
+from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.errors import InvalidRequestError
-from disagg.request import Request, RequestStatus, SamplingParams, check_fits
+from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
 
@@ -232,15 +232,69 @@ class LLMEngine:
 
     # ---- the loop ----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one batch; returns outputs of requests with new tokens or that finished."""
+        """Schedule and run one batch; returns outputs of requests with new tokens or that finished.
+
+        An error is confined to the request that caused it: that request ends with `error` set
+        and the others of its batch go on (see `_isolate`)."""
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         started = time.perf_counter()
-        sampled = self.runner.execute(plan, self._token_generator)
+        sampled, failed = self._execute(plan)
         self.last_step_seconds = time.perf_counter() - started
-        updated = self.scheduler.update_from_output(plan, sampled)
-        return [self._output(r) for r in updated]
+        if failed:
+            plan.chunks = [c for c in plan.chunks if c.request.request_id not in failed]
+        outputs = [self._fail(request, error) for request, error in failed.values()]
+        for request in self.scheduler.update_from_output(plan, sampled):
+            try:
+                outputs.append(self._output(request))
+            except Exception as exc:  # e.g. detokenizing: this request's fault, not its batch's
+                outputs.append(self._fail(request, exc))
+        return outputs
+
+    def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, SampledToken], dict[str, tuple[Request, Exception]]]:
+        try:
+            return self.runner.execute(plan, self._token_generator), {}
+        except Exception as exc:
+            if self.groups is not None:  # the other ranks ran it in lockstep: no rank may retry alone
+                raise
+            logger.warning("a step of %d requests failed (%s); retrying them in halves", len(plan.chunks), exc)
+            return self._isolate(plan.chunks, exc)
+
+    def _isolate(self, chunks: list[ScheduledChunk], exc: Exception):
+        """Run the chunks of a failed step again, in halves, until each failure is pinned on one
+        request. Rerunning a chunk is harmless: it writes the same KV to the same slots, and a
+        seeded request draws the same token (the generator is a function of its position)."""
+        if self.kv_connector is not None:
+            self.kv_connector.step_failed(chunks)
+        if len(chunks) == 1:
+            return {}, {chunks[0].request.request_id: (chunks[0].request, exc)}
+        sampled, failed = {}, {}
+        middle = len(chunks) // 2
+        for half in (chunks[:middle], chunks[middle:]):
+            try:
+                sampled.update(self.runner.execute(SchedulerOutput(half), self._token_generator))
+            except Exception as half_exc:
+                half_sampled, half_failed = self._isolate(half, half_exc)
+                sampled.update(half_sampled)
+                failed.update(half_failed)
+        return sampled, failed
+
+    def _fail(self, request: Request, exc: Exception) -> RequestOutput:
+        """End a request that failed in a step; its output carries the error."""
+        logger.error("request %s failed in a step: %s: %s", request.request_id, type(exc).__name__, exc)
+        self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
+        self._forget(request.request_id)
+        out = RequestOutput(
+            request.request_id,
+            None,
+            request.prompt_token_ids,
+            [CompletionOutput(0, "", list(request.output_token_ids), str(FinishReason.ABORT))],
+            finished=True,
+            metrics=request.timings,
+        )
+        out.error = f"{type(exc).__name__}: {exc}"
+        return out
 
     def _token_generator(self, request: Request):
         """The generator for the token a seeded request samples now (disagg.engine.sampler)."""

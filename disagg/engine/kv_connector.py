@@ -50,6 +50,9 @@ class KVConnector(abc.ABC):
     def forward_done(self, chunks: Sequence[Any]) -> None:
         """Every layer of this step is computed."""
 
+    def step_failed(self, chunks: Sequence[Any]) -> None:
+        """The step raised part way: forget what it half sent of these chunks (they run again)."""
+
     # ---- scheduler side: the worker's loop, between steps ----------------------------------------
     @abc.abstractmethod
     def poll(self) -> list[TransferResult]:

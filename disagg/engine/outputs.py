@@ -29,3 +29,4 @@ class RequestOutput:
     new_text: str = ""
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    error: str | None = None  # set when a step failed on this request (it ended with finish_reason "abort")

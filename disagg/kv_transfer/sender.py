@@ -229,6 +229,15 @@ class KVSender(KVEndpoint):
                 tr.step_layer = tr.target.layers[0]  # next step: from the range's first layer
                 tr.batch = None  # always sent by now: batches end at the range's last layer
 
+    def step_failed(self, chunks) -> None:
+        """A step raised part way: its chunks run again, from their range's first layer (the
+        layers that went out are sent again; the receiver's copy of them is overwritten)."""
+        self._next_due_layer = 0
+        for chunk in chunks:
+            for tr in self._by_request.get(chunk.request.request_id, ()):
+                tr.step_layer = tr.target.layers[0]
+                tr.batch = None
+
     def finish(self, request_id: str, first_token: int) -> None:
         """The prompt is done and its first token sampled: tell every target, then await ACKs."""
         for tr in self._by_request.get(request_id, ()):
@@ -239,10 +248,21 @@ class KVSender(KVEndpoint):
                 self._channel(tr.target.peer_id, tr.target.peer_address).wake_receiver()
 
     def abort(self, request_id: str) -> None:
-        """Give up on a request's transfers (e.g. the request was cancelled)."""
+        """Give up on a request's transfers (e.g. the request was cancelled, or its step failed).
+        A receiver that already got some of the KV is told, so that it frees its blocks now
+        rather than at its deadline."""
         with self._lock:
             for tr in self._by_request.get(request_id, ()):
+                if tr.state in (TransferState.TRANSFERRING, TransferState.AWAITING_ACK):
+                    self._tell_receiver(tr, Header(MsgType.ABORT, tr.target.transfer_id))
                 self._fail(tr, "aborted")
+
+    def _tell_receiver(self, tr: _Outgoing, header: Header) -> None:
+        """Best effort, without waiting: with its queue full the pair is in trouble anyway."""
+        try:
+            self._channel(tr.target.peer_id, tr.target.peer_address).post(header, None, timeout=0.0)
+        except KVTransferError:
+            pass
 
     def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
         if header.type is not MsgType.DONE:
@@ -268,6 +288,8 @@ class KVSender(KVEndpoint):
         return max(waiting, default=None)  # the latest: see KVReceiver.recv_deadline
 
     def send_deadline(self, peer_id: str, header: Header) -> float | None:
+        if header.type is MsgType.ABORT:  # posted as its transfer ended: small, always worth sending
+            return time.monotonic() + self.timeout
         with self._lock:
             tr = self._by_key.get((peer_id, header.transfer_id))
             live = tr is not None and tr.state not in (TransferState.DONE, TransferState.FAILED)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import Role, WorkerConfig
-from disagg.errors import KVTransferError
+from disagg.errors import KVTransferError, RequestFailedError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.prefill_worker.worker import PrefillWorker
 from disagg.registry import LoadReport
@@ -107,7 +107,9 @@ class PrefillActor(WorkerActorBase, PrefillService):
 
     def _handle_outputs(self, outputs) -> None:
         for out in outputs:
-            if out.finished:
+            if out.error is not None:
+                self._reject(out.request_id, RequestFailedError(f"prefill step failed on this request: {out.error}"))
+            elif out.finished:
                 self._resolve(out.request_id, _first_token_result(out))
         for result in self.worker.transfer_results:
             if not result.ok:  # failed before the first token went out: the caller must know

@@ -141,7 +141,9 @@ class PrefillWorker:
         computes = bool(scheduler.running or scheduler.waiting)
         outputs = self.engine.step()
         for out in outputs:
-            if out.finished:
+            if out.error is not None:  # the engine ended it: drop its transfer state too
+                self.abort(out.request_id)
+            elif out.finished:
                 self._prompt_done(out.request_id, out.outputs[0].token_ids[0])
         self._apply_arrivals()
         self._expire_awaiting_targets()

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from disagg.config import ServingConfig
-from disagg.errors import KVTransferError, OverloadedError, UnavailableError, WorkerLinkError
+from disagg.errors import KVTransferError, OverloadedError, RequestFailedError, UnavailableError, WorkerLinkError
 from disagg.placement.policies import PlacementPolicy
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
@@ -256,7 +256,7 @@ class Orchestrator:
                 raise asyncio.TimeoutError(f"request exceeded request_timeout_s={self.config.request_timeout_s}")
             delta = await mailbox.get(remaining)
             if delta.error:
-                raise KVTransferError(delta.error)
+                raise (RequestFailedError if delta.request_fault else KVTransferError)(delta.error)
             yield delta
             if delta.finished:
                 return

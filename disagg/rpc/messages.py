@@ -21,6 +21,7 @@ class TokenDelta:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed on the worker (e.g. its KV never arrived)
+    request_fault: bool = False  # the error is the request's own (a step failed on it): not migrated
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
@@ -42,9 +43,9 @@ class TokenDelta:
                 setattr(self, f.name, getattr(later, f.name))
 
     @classmethod
-    def failed(cls, request_id: str, error: str) -> "TokenDelta":
+    def failed(cls, request_id: str, error: str, request_fault: bool = False) -> "TokenDelta":
         """The last delta of a request that failed."""
-        return cls(request_id, [], finished=True, finish_reason="abort", error=error)
+        return cls(request_id, [], finished=True, finish_reason="abort", error=error, request_fault=request_fault)
 
     @classmethod
     def first(cls, result: "PrefillResult") -> "TokenDelta":

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from disagg.auth import listener_handshake
-from disagg.errors import grpc_code_name
+from disagg.errors import RequestFailedError, grpc_code_name
 from disagg.logs import ThrottledLog
 from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, FrameError, encode, recv_frame
 from disagg.rpc.services import method_names
@@ -68,8 +68,8 @@ class Link:
 
     def reply_error(self, call_id: int, exc: BaseException) -> None:
         code = grpc_code_name(exc)
-        if code == "INTERNAL":  # the worker failed, not the request: the router may retry elsewhere
-            code = "UNAVAILABLE"
+        if code == "INTERNAL" and not isinstance(exc, RequestFailedError):
+            code = "UNAVAILABLE"  # the worker failed, not the request: the router may retry elsewhere
         self.send((ERROR, call_id, (code, f"{type(exc).__name__}: {exc}")))
 
     def reply_when_done(self, call_id: int, future: Future) -> None:

@@ -332,6 +332,34 @@ def test_abort_mid_generation_frees_blocks(engine):
     assert engine.num_free_blocks == engine.num_total_blocks
 
 
+def test_a_step_error_fails_only_the_request_that_caused_it(engine):
+    """A request that passed validation and still breaks the step (here: logprobs beyond the
+    vocabulary, set behind validation's back) ends with an error; its batch goes on as if it
+    had never been there, seeded sampling included."""
+    innocents = {
+        "ok-greedy": _greedy(12),
+        "ok-seeded": SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        "ok-long": _greedy(20),
+    }
+
+    def add_innocents(tag):
+        for i, (rid, params) in enumerate(innocents.items()):
+            engine.add_request(f"{rid}-{tag}", prompt_token_ids=_prompt(10 + i, seed=i), sampling_params=params)
+
+    add_innocents("alone")
+    alone = _run(engine, [f"{rid}-alone" for rid in innocents])
+    add_innocents("beside")
+    engine.add_request("culprit", prompt_token_ids=_prompt(15, seed=9), sampling_params=_greedy(12))
+    engine.step()  # every request's prompt runs in this first step
+    engine.scheduler.requests["culprit"].sampling_params.logprobs = 10**6  # topk() past the vocabulary raises
+    beside = _run(engine, [f"{rid}-beside" for rid in innocents] + ["culprit"])
+    culprit = beside["culprit"]
+    assert culprit.error and "RuntimeError" in culprit.error and culprit.outputs[0].finish_reason == "abort"
+    for rid in innocents:
+        assert beside[f"{rid}-beside"].error is None
+        assert beside[f"{rid}-beside"].outputs[0].token_ids == alone[f"{rid}-alone"].outputs[0].token_ids, rid
+
+
 # --- stop strings need a tokenizer: the default model --------------------------------------------
 
 

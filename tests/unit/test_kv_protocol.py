@@ -120,6 +120,43 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
     assert (MsgType.KV_REF in kinds, MsgType.KV in kinds) == (by_reference, not by_reference)
 
 
+@pytest.mark.parametrize("pair", [True, False], indirect=True, ids=["by-reference", "packed"])
+def test_a_prefill_step_that_fails_on_one_request_streams_the_others_intact(pair, colocated_tokens, monkeypatch):
+    """The step fails after layer 0 went out, whenever one request is in it: that request fails
+    alone (both sides free its blocks at once) and the others, rerun from their first layer, decode
+    exactly the colocated tokens."""
+    monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1)  # layer 0 goes out on its own
+    _, prefill, decode = pair
+    hook = prefill.sender.save_kv_layer
+
+    def save_kv_layer(local_layer, chunks):
+        hook(local_layer, chunks)
+        if local_layer == 0 and any(c.request.request_id == "bad" for c in chunks):
+            raise RuntimeError("this request breaks the step")
+
+    monkeypatch.setattr(prefill.sender, "save_kv_layer", save_kv_layer)
+    for i, p in enumerate(prompts()[:3]):
+        submit(prefill, decode, f"r{i}", p, greedy())
+    submit(prefill, decode, "bad", prompts()[3], greedy())
+    failed = []
+    step = prefill.engine.step
+
+    def recording_step():
+        outputs = step()
+        failed.extend(o.request_id for o in outputs if o.error)
+        return outputs
+
+    monkeypatch.setattr(prefill.engine, "step", recording_step)
+    started = time.monotonic()
+    finished = run(prefill, decode)
+    assert failed == ["bad"] and "bad" not in finished
+    # Its receiver was told (ABORT) and freed the reservation, not left waiting for its 5 s deadline.
+    assert time.monotonic() - started < 4.0
+    assert [finished[f"r{i}"] for i in range(3)] == colocated_tokens[:3]
+    for engine in (prefill.engine, decode.engine):
+        assert engine.num_free_blocks == engine.num_total_blocks
+
+
 def late_reservation(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]):
     reservation = decode.reserve(request_id, prompt, greedy(), prefill.kv_layout())
     assert reservation is not None and reservation.layout == KVLayout.single("decode-0", decode.address())

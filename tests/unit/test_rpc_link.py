@@ -12,7 +12,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from disagg.errors import RemoteError, WorkerLinkError
+from disagg.errors import RemoteError, RequestFailedError, WorkerLinkError
 from disagg.rpc.client import RpcClient
 from disagg.rpc.framing import MAX_FRAME_BYTES
 from disagg.rpc.server import HELLO_TIMEOUT_S, RpcServer
@@ -42,7 +42,11 @@ class ArithmeticWorker(Arithmetic):
         return self.pending[key]
 
     def fail(self, kind):
-        raise {"value": ValueError("prompt: empty"), "runtime": RuntimeError("engine broke")}[kind]
+        raise {
+            "value": ValueError("prompt: empty"),
+            "runtime": RuntimeError("engine broke"),
+            "request": RequestFailedError("step failed on this request"),
+        }[kind]
 
     def stream(self, n):
         for i in range(n):
@@ -101,6 +105,9 @@ def test_errors_keep_their_status_code_and_the_link_keeps_serving(server):
         with pytest.raises(RemoteError, match="engine broke") as broken:
             await client.call(Arithmetic.fail, "runtime", timeout_s=5)
         assert broken.value.grpc_code_name == "UNAVAILABLE"  # the worker failed, not the request
+        with pytest.raises(RemoteError, match="on this request") as own:
+            await client.call(Arithmetic.fail, "request", timeout_s=5)
+        assert own.value.grpc_code_name == "INTERNAL"  # the request's own fault: not retried elsewhere
 
         def no_such_method(): ...
 
