@@ -13,7 +13,7 @@ import contextlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -140,11 +140,32 @@ class Registry:
             raise ValueError(f"ttl_s must be at least 0.001, got {ttl_s}")
         value = json.dumps({"info": asdict(info), "load": asdict(load), "ttl_ms": ttl_ms})
         with self._redis_errors("heartbeat"):
-            self._client.set(self._instance_key(info.instance_id), value, px=ttl_ms)
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(self._instance_key(info.instance_id), value, px=ttl_ms)
+            pipe.delete(self._left_key(info.instance_id))  # back after leaving: no longer departed
+            pipe.execute()
 
-    def deregister(self, instance_id: str) -> None:
+    def _left_key(self, instance_id: str) -> str:
+        return f"{self.namespace}:left:{instance_id}"
+
+    def deregister(self, instance_id: str, remember_s: float = 600.0) -> None:
+        """Leave on purpose: the key goes, and a note that it left stays for `remember_s`, so that
+        routers tell a departure (nothing to wait for) from a lapsed heartbeat (it may come back)."""
         with self._redis_errors("deregister"):
-            self._client.delete(self._instance_key(instance_id))
+            pipe = self._client.pipeline(transaction=True)
+            pipe.delete(self._instance_key(instance_id))
+            pipe.set(self._left_key(instance_id), "1", px=int(remember_s * 1000))
+            pipe.execute()
+
+    def departed(self, instance_ids: Iterable[str]) -> set[str]:
+        """Those of `instance_ids` that deregistered (within the note's lifetime) and have not
+        registered again since."""
+        ids = list(instance_ids)
+        if not ids:
+            return set()
+        with self._redis_errors("departed"):
+            notes = self._client.mget([self._left_key(i) for i in ids])
+        return {i for i, note in zip(ids, notes) if note is not None}
 
     def instances(self, role: str | None = None) -> list[InstanceView]:
         """Live instances (optionally of one role), sorted by id."""

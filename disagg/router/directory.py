@@ -171,11 +171,26 @@ class InstanceDirectory:
         for view in views:
             seen.add(view.info.instance_id)
             self._update(view)
-        for gone in set(self._instances) - seen:
-            logger.info("instance %s left (heartbeat lapsed)", gone)
-            inst = self._instances.pop(gone)
+        for instance_id in set(self._instances) - seen:
+            logger.info("instance %s left (heartbeat lapsed, or deregistered)", instance_id)
+            inst = self._instances.pop(instance_id)
             # It may come back (a relaunch, or Redis restarted empty): new requests wait for it.
-            self._failed.setdefault(gone, _Failure(inst.role, inst.view.info.rpc_address, time.monotonic(), False))
+            failure = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic(), link_broke=False)
+            self._failed.setdefault(instance_id, failure)
+        awaited = set(self._failed) - seen
+        if awaited:
+            await self._forget_departed(awaited)
+
+    async def _forget_departed(self, awaited: set[str]) -> None:
+        """Of the failed instances awaited, those that deregistered left on purpose (drained, or
+        lost a rank): nothing to wait for."""
+        try:
+            departed = await asyncio.to_thread(self.registry.departed, awaited)
+        except RegistryUnavailable:
+            return
+        for instance_id in departed:
+            logger.info("instance %s left service (deregistered): not waited for", instance_id)
+            del self._failed[instance_id]
 
     def _update(self, view: InstanceView) -> None:
         failed = self._failed.get(view.info.instance_id)

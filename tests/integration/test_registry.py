@@ -112,6 +112,20 @@ def test_deregister(registry):
     assert [v.info.instance_id for v in registry.instances()] == ["d0"]
 
 
+def test_a_departure_is_told_from_a_lapse_until_the_instance_is_back(registry):
+    registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
+    registry.heartbeat(_info("lapsing"), LoadReport(), ttl_s=0.05)
+    registry.deregister("p0")
+    time.sleep(0.1)
+    assert registry.instances() == []
+    assert registry.departed(["p0", "lapsing", "never-seen"]) == {"p0"}
+    registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)  # back (e.g. resumed after a drain)
+    assert registry.departed(["p0"]) == set()
+    registry.deregister("p0", remember_s=0.05)
+    time.sleep(0.1)
+    assert registry.departed(["p0"]) == set()  # the note is bounded in time too
+
+
 def test_namespaces_are_isolated(redis_url, registry):
     registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
     with Registry(redis_url, namespace=f"other-{uuid.uuid4().hex[:8]}") as other:
