@@ -270,6 +270,7 @@ class Innocent:
         self.failed: Counter[str] = Counter()
         self.examples: list[str] = []  # the first few failures' details
         self.max_stall, self.max_ttft = 0.0, 0.0
+        self.max_stall_after = 0  # how many messages the stream had had before its longest stall
 
     def run(self, worker: int) -> None:
         channel = grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -292,7 +293,8 @@ class Innocent:
                 self.completed += 1
                 self.wrong += tokens != self.reference[i % 2]
                 self.max_ttft = max(self.max_ttft, stamps[1] - stamps[0])
-                self.max_stall = max([self.max_stall, *gaps])
+                if gaps and max(gaps) > self.max_stall:
+                    self.max_stall, self.max_stall_after = max(gaps), 1 + gaps.index(max(gaps))
                 self.stalled += any(g > STALL_S for g in gaps)
             i += 1
         channel.close()
@@ -389,13 +391,15 @@ def report(args, seen, examples, innocent: Innocent, answers, blocks: tuple, ali
         "cases": cases, "innocent_completed": innocent.completed, "innocent_failed": dict(innocent.failed),
         "innocent_failures": innocent.examples,
         "innocent_wrong": innocent.wrong, "innocent_streams_stalled": innocent.stalled,
-        "innocent_max_stall_s": round(innocent.max_stall, 3), "innocent_max_ttft_s": round(innocent.max_ttft, 3),
+        "innocent_max_stall_s": round(innocent.max_stall, 3),
+        "innocent_max_stall_after_messages": innocent.max_stall_after, "innocent_max_ttft_s": round(innocent.max_ttft, 3),
         "answers_after": answers, "blocks_held_after": blocks[0], "leaked_blocks": blocks[1], "serve_alive": alive,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"fuzz took {fuzz_s:.0f} s; innocent: {innocent.completed} completed, {innocent.wrong} wrong,")
-    print(f"  {innocent.stalled} streams stalled over {STALL_S} s, max TTFT {innocent.max_ttft:.2f} s")
+    print(f"  {innocent.stalled} streams stalled over {STALL_S} s (the longest after message {innocent.max_stall_after}),")
+    print(f"  max TTFT {innocent.max_ttft:.2f} s")
     print(
         f"KV blocks held after: {blocks[0]}, a minute on (leaked): {blocks[1]}; serve alive: {'yes' if alive else 'no'}"
     )

@@ -156,6 +156,7 @@ class KVSender(KVEndpoint):
         if batch.filled < batch.num_layers:
             return
         tr.batch = None
+        self._extend_deadline(tr)  # before a reference is made: it is valid until the deadline
         num_bytes = batch.num_layers * self._layer_bytes(tr, last - first)
         tr.num_bytes += num_bytes
         self.num_bytes_total += num_bytes
@@ -264,11 +265,15 @@ class KVSender(KVEndpoint):
         except KVTransferError:
             pass
 
+    def _extend_deadline(self, tr: _Outgoing) -> None:
+        """KV computed now gets a whole timeout to go out (and its blocks are held that long): the
+        deadline measures lack of progress, not how long the request queued or how long its
+        prompt is (a long prefill would outgrow any fixed span)."""
+        tr.deadline = max(tr.deadline, time.monotonic() + self.timeout)
+
     def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
         if header.type is not MsgType.DONE:
-            # KV computed now gets a whole timeout to go out: the deadline measures lack of
-            # progress, not the prompt's length (a long prefill would outgrow any fixed span).
-            tr.deadline = max(tr.deadline, time.monotonic() + self.timeout)
+            self._extend_deadline(tr)
         try:
             self._channel(tr.target.peer_id, tr.target.peer_address).post(
                 header, payload, timeout=max(0.0, tr.deadline - time.monotonic())

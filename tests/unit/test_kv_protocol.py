@@ -549,6 +549,24 @@ def test_the_first_kv_is_waited_for_as_long_as_the_router_predicts(pair, kv_wait
     assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
 
 
+def test_a_request_queued_longer_than_the_kv_timeout_lends_its_blocks_for_long_enough(pair, colocated_tokens):
+    """Its targets are in force from the first step, but its prefill starts only after a long
+    prompt's chunks, later than the sender's timeout. The blocks it lends by reference must stay
+    valid from when they are sent, not from when its targets came: else the receiver's copy is
+    refused ("copied after the sender stopped holding it") and the request fails over."""
+    _, prefill, decode = pair
+    prefill.sender.timeout = decode.receiver.timeout = 0.4
+    submit(prefill, decode, "long", prompts()[-1], greedy())  # 250 tokens: 4 steps of 64
+    reservation = decode.reserve("queued", prompts()[3], greedy(), prefill.kv_layout(), 5.0)
+    prefill.add_request("queued", prompts()[3], greedy())
+    prefill.set_kv_targets("queued", reservation)
+    failed = []
+    finished = slow_run(prefill, decode, step_gap_s=0.3, failed=failed)
+    assert not failed, failed
+    assert finished == {"long": colocated_tokens[-1], "queued": colocated_tokens[3]}
+    assert decode.engine.num_free_blocks == decode.engine.num_total_blocks
+
+
 def test_an_overdue_transfer_wakes_an_idle_engine(pair):
     """Nothing else to do on the decode side: the engine loop steps (and frees the blocks) only
     if the receiver says something is due, so a transfer past its deadline must say so."""
