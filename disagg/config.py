@@ -161,6 +161,7 @@ class WorkerConfig:
     engine_cpus: tuple[int, ...] | None = (
         None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
     )
+    relaunched: bool = False  # the launcher brings it back should it leave service (routers wait for it)
     # The deployment's key (disagg.auth): routers and KV peers must prove they hold it. Ray carries
     # it in the actor's arguments; it is never on a command line, in Redis, or in a repr.
     link_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
@@ -243,7 +244,7 @@ class ServingConfig:
     request_timeout_s: float = 600.0
     max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
     recovery_timeout_s: float = 60.0  # how long a migrating request waits for a healthy instance (a relaunch)
-    max_worker_restarts: int = -1  # Ray relaunches a dead single-worker instance this often; -1: always, 0: never
+    max_worker_restarts: int = -1  # a dead instance is relaunched this often (per instance); -1: always, 0: never
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S

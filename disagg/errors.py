@@ -62,9 +62,10 @@ class RequestFailedError(DisaggError):
 class RemoteError(DisaggError):
     """A worker raised this while serving a router's call; carries the status code it maps to."""
 
-    def __init__(self, message: str, grpc_code_name: str = "UNAVAILABLE"):
+    def __init__(self, message: str, grpc_code_name: str = "UNAVAILABLE", peer: str = ""):
         super().__init__(message)
         self.grpc_code_name = grpc_code_name
+        self.peer = peer  # the instance that raised it
 
 
 class WorkerLinkError(UnavailableError):

@@ -148,13 +148,15 @@ class Registry:
     def _left_key(self, instance_id: str) -> str:
         return f"{self.namespace}:left:{instance_id}"
 
-    def deregister(self, instance_id: str, remember_s: float = 600.0) -> None:
-        """Leave on purpose: the key goes, and a note that it left stays for `remember_s`, so that
-        routers tell a departure (nothing to wait for) from a lapsed heartbeat (it may come back)."""
+    def deregister(self, instance_id: str, coming_back: bool = False, remember_s: float = 600.0) -> None:
+        """The key goes. Unless the instance is `coming_back` (relaunched), a note that it left
+        stays for `remember_s`, so that routers tell a departure (nothing to wait for) from a
+        lapsed heartbeat or a relaunch (worth waiting for)."""
         with self._redis_errors("deregister"):
             pipe = self._client.pipeline(transaction=True)
             pipe.delete(self._instance_key(instance_id))
-            pipe.set(self._left_key(instance_id), "1", px=int(remember_s * 1000))
+            if not coming_back:
+                pipe.set(self._left_key(instance_id), "1", px=int(remember_s * 1000))
             pipe.execute()
 
     def departed(self, instance_ids: Iterable[str]) -> set[str]:

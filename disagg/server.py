@@ -103,6 +103,7 @@ class Server:
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
+        self.launcher.supervise()
         self._thread = threading.Thread(
             target=self._run_frontend, args=(redis_url, model), name="frontend", daemon=True
         )

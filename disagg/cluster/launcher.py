@@ -1,8 +1,14 @@
-"""Starts the pools of worker actors on Ray, one placement group per instance.
+"""Starts the pools of worker actors on Ray, one placement group per instance, and relaunches
+those that die.
 
 A placement group holds the instance's TP x PP workers together. When the cluster has nodes
 labelled with a custom resource named after the pool (`prefill`, `decode`, `colocated`), the
 pool is pinned to them; on a single machine it goes anywhere.
+
+Relaunch: Ray restarts a dead single-worker instance itself (`max_restarts`). A TP x PP instance
+cannot be restarted rank by rank (its process groups need every rank anew), so `supervise()`
+watches them: one that lost a rank (it takes itself out of service) or whose rank 0 died is
+stopped whole and launched again under the same id, in a new placement group.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ class LaunchedInstance:
     actor: "ray.actor.ActorHandle"  # rank 0: schedules, and is what the router talks to
     placement_group: PlacementGroup
     shard_actors: list = field(default_factory=list)  # the other ranks of a TP x PP instance
+    pool: PoolConfig | None = None
+    index: int = 0  # within its pool
+    relaunches: int = 0  # by the supervisor (Ray's own restarts of single workers not counted)
 
 
 class PoolLauncher:
@@ -54,6 +63,8 @@ class PoolLauncher:
         self.link_key = link_key
         self.worker_host = worker_host
         self.instances: list[LaunchedInstance] = []
+        self._lock = threading.Lock()  # self.instances, between the supervisor and shutdown
+        self._stopping = threading.Event()
 
     def launch(self, ready_timeout_s: float = 600.0) -> list[LaunchedInstance]:
         run_id = uuid.uuid4().hex[:6]
@@ -90,6 +101,7 @@ class PoolLauncher:
             # link address) and routers use it again. A TP x PP instance is not relaunched: its
             # process groups would need every rank rebuilt; a lost rank takes it out of service.
             options["max_restarts"] = self.config.max_worker_restarts
+        relaunched = pool.workers_per_instance > 1 and self.config.max_worker_restarts != 0
         engine_cpus = self.cpu_plan.engine_cpus(role, index) if self.cpu_plan else None
         config = WorkerConfig(
             instance_id=instance_id,
@@ -104,6 +116,7 @@ class PoolLauncher:
             actor_name=actor_name,
             engine_cpus=tuple(sorted(engine_cpus)) if engine_cpus is not None else None,
             link_key=self.link_key,
+            relaunched=relaunched,
         )
         shards = self._launch_shards(pool, group, config)
         if role == "prefill":
@@ -115,7 +128,9 @@ class PoolLauncher:
 
             actor = ray.remote(DecodeActor).options(**options).remote(config, followers=shards or None)
         logger.info("launched %s (%d workers)", instance_id, pool.workers_per_instance)
-        return LaunchedInstance(instance_id, role, actor_name, actor, group, [handle for _, handle in shards])
+        return LaunchedInstance(
+            instance_id, role, actor_name, actor, group, [handle for _, handle in shards], pool, index
+        )
 
     def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig) -> list:
         """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
@@ -146,13 +161,61 @@ class PoolLauncher:
     def _pin(role: str) -> dict:
         return {role: PIN_RESOURCE_AMOUNT} if ray.cluster_resources().get(role, 0) > 0 else {}
 
+    # ---- relaunching TP x PP instances ----------------------------------------------------------
+    def supervise(self, interval_s: float = 2.0, ready_timeout_s: float = 600.0) -> None:
+        """Watch the multi-worker instances from a thread; relaunch one that is out of service,
+        at most `max_worker_restarts` times each (-1: always)."""
+        if self.config.max_worker_restarts == 0 or not any(i.shard_actors for i in self.instances):
+            return
+        args = (interval_s, ready_timeout_s)
+        threading.Thread(target=self._supervise, args=args, name="instance-supervisor", daemon=True).start()
+
+    def _supervise(self, interval_s: float, ready_timeout_s: float) -> None:
+        while not self._stopping.wait(interval_s):
+            with self._lock:
+                watched = [i for i in self.instances if i.shard_actors]
+            for inst in watched:
+                if self._stopping.is_set() or self._in_service(inst) or not self._may_relaunch(inst):
+                    continue
+                try:
+                    self._relaunch(inst, ready_timeout_s)
+                except Exception as exc:  # keep watching the others; this one is retried next round
+                    logger.error("relaunch of %s failed: %s", inst.instance_id, exc)
+
+    @staticmethod
+    def _in_service(inst: LaunchedInstance) -> bool:
+        try:
+            return ray.get(inst.actor.in_service.remote(), timeout=10)
+        except Exception:  # rank 0 died (or hangs): out of service too
+            return False
+
+    def _may_relaunch(self, inst: LaunchedInstance) -> bool:
+        limit = self.config.max_worker_restarts
+        return limit < 0 or inst.relaunches < limit
+
+    def _relaunch(self, inst: LaunchedInstance, ready_timeout_s: float) -> None:
+        logger.warning("instance %s is out of service; relaunching it (all %d ranks)", inst.instance_id,
+                       1 + len(inst.shard_actors))  # fmt: skip
+        _kill(inst, remove_group=True)  # no shutdown(): that would deregister it for good
+        fresh = self._launch_one(inst.role, inst.pool, inst.index, inst.instance_id)
+        fresh.relaunches = inst.relaunches + 1
+        with self._lock:
+            if self._stopping.is_set():  # shut down meanwhile: this one is ours to stop
+                _kill(fresh, remove_group=True)
+                return
+            self.instances[self.instances.index(inst)] = fresh
+        ray.get(fresh.actor.ready.remote(), timeout=ready_timeout_s)
+        logger.info("instance %s is back (relaunch %d)", inst.instance_id, fresh.relaunches)
+
     def shutdown(self, timeout_s: float = 15.0, remove_groups: bool = True) -> None:
         """Stop every actor (deregistering it) and release its placement group.
 
         Bounded: after Ctrl-C the terminal's SIGINT may already have taken Ray's own processes
         down, and then Ray calls can block; the teardown runs on a thread we stop waiting for.
         """
-        instances, self.instances = self.instances, []
+        self._stopping.set()
+        with self._lock:
+            instances, self.instances = self.instances, []
         worker = threading.Thread(target=self._stop_all, args=(instances, timeout_s, remove_groups), daemon=True)
         worker.start()
         worker.join(timeout_s + 5)
@@ -166,7 +229,11 @@ class PoolLauncher:
         except Exception as exc:  # dead or stuck actors are killed below anyway
             logger.warning("some workers did not shut down cleanly: %s", exc)
         for inst in instances:
-            for actor in [inst.actor, *inst.shard_actors]:
-                ray.kill(actor, no_restart=True)
-            if remove_groups:
-                remove_placement_group(inst.placement_group)
+            _kill(inst, remove_groups)
+
+
+def _kill(inst: LaunchedInstance, remove_group: bool) -> None:
+    for actor in [inst.actor, *inst.shard_actors]:
+        ray.kill(actor, no_restart=True)
+    if remove_group:
+        remove_placement_group(inst.placement_group)

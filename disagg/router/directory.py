@@ -123,7 +123,7 @@ class InstanceDirectory:
         """A link to it broke: out of placement until it is back (see the module's docstring)."""
         inst = self._instances.pop(instance_id, None)
         if inst is not None:
-            logger.warning("instance %s failed (its link broke); out of placement", instance_id)
+            logger.warning("instance %s failed (its link broke, or it said so); out of placement", instance_id)
             self._failed[instance_id] = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic())
 
     def is_failed(self, instance: Instance) -> bool:
@@ -137,10 +137,11 @@ class InstanceDirectory:
         return any(f.role == role and now - f.at < self.recovery_timeout_s for f in self._failed.values())
 
     async def wait_healthy(self, role: str, timeout_s: float) -> bool:
-        """Until an instance of `role` is in placement (False: none within timeout_s)."""
+        """Until an instance of `role` is in placement. False after timeout_s, or as soon as none
+        is and none may come back (every one that failed left for good)."""
         deadline = time.monotonic() + timeout_s
         while not self.healthy(role):
-            if time.monotonic() >= deadline:
+            if time.monotonic() >= deadline or not self.recovering(role):
                 return False
             await asyncio.sleep(min(self.refresh_interval_s, max(0.0, deadline - time.monotonic())))
         return True

@@ -15,12 +15,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from disagg.errors import KVTransferError, WorkerLinkError
+from disagg.errors import KVTransferError, RemoteError, WorkerLinkError
 from disagg.request import SamplingParams
 from disagg.rpc.messages import TokenDelta
 
-# Failures that say nothing about the request itself: another instance may well serve it.
-MIGRATABLE = (WorkerLinkError, KVTransferError)
+
+def is_migratable(exc: BaseException) -> bool:
+    """Failures that say nothing about the request itself: another instance may well serve it.
+    A worker's UNAVAILABLE is one (it failed, not the request: disagg.rpc.server)."""
+    if isinstance(exc, (WorkerLinkError, KVTransferError)):
+        return True
+    return isinstance(exc, RemoteError) and exc.grpc_code_name == "UNAVAILABLE"
 
 
 @dataclass

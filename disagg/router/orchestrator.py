@@ -24,11 +24,18 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from disagg.config import ServingConfig
-from disagg.errors import KVTransferError, OverloadedError, RequestFailedError, UnavailableError, WorkerLinkError
+from disagg.errors import (
+    KVTransferError,
+    OverloadedError,
+    RemoteError,
+    RequestFailedError,
+    UnavailableError,
+    WorkerLinkError,
+)
 from disagg.placement.policies import PlacementPolicy
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
-from disagg.router.migration import MIGRATABLE, Progress
+from disagg.router.migration import Progress, is_migratable
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
 
@@ -88,7 +95,9 @@ class Orchestrator:
                 async for delta in attempt:
                     yield progress.record(delta)
                 return
-            except MIGRATABLE as exc:
+            except Exception as exc:
+                if not is_migratable(exc):
+                    raise
                 await self._migrate(request_id, progress, exc)
 
     async def _migrate(self, request_id: str, progress: Progress, exc: Exception) -> None:
@@ -186,8 +195,9 @@ class Orchestrator:
         mailbox.put(TokenDelta.failed(request_id, error))
 
     def _note_failure(self, exc: BaseException) -> None:
-        """A broken link means a failed instance: keep it out of placement until it is back."""
-        if isinstance(exc, WorkerLinkError) and exc.peer:
+        """A broken link, or a worker that says it failed, means a failed instance: keep it out
+        of placement until it is back (its next registration)."""
+        if isinstance(exc, (WorkerLinkError, RemoteError)) and exc.peer and is_migratable(exc):
             self.directory.mark_failed(exc.peer)
 
     def _background(self, coroutine) -> None:

@@ -114,7 +114,7 @@ class RpcClient:
                     reply.set_result(value)
                 elif kind == ERROR:
                     code, message = value
-                    reply.set_exception(RemoteError(message, code))
+                    reply.set_exception(RemoteError(message, code, peer=self.name))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - end of stream, reset, or a frame we cannot read

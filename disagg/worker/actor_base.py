@@ -58,6 +58,7 @@ class WorkerActorBase:
         self._heartbeat_enabled.set()
         self._heartbeat_lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
+        self._in_service = True
         self.loop = StepLoop(
             self._step, self._has_work, self._engine_commands(), name=f"engine-{self.instance_id}", cpus=engine_cpus
         )
@@ -107,9 +108,14 @@ class WorkerActorBase:
         trust any later step. Stop heartbeating and deregister, so that the router places
         nothing more here; its requests end with an error."""
         logger.error("instance %s leaves service: %s", self.instance_id, reason)
+        self._in_service = False  # the launcher's supervisor relaunches it (when configured to)
         with self._heartbeat_lock:  # a beat under way would otherwise re-register it
             self._heartbeat_enabled.clear()
-            self._deregister()
+            self._deregister(coming_back=self.config.relaunched)
+
+    async def in_service(self) -> bool:
+        """False once a lost rank took the instance out of service (asked by the launcher)."""
+        return self._in_service
 
     def load(self) -> LoadReport:
         raise NotImplementedError
@@ -200,12 +206,12 @@ class WorkerActorBase:
                     logger.warning("heartbeat failed: %s", exc)
         registry.close()
 
-    def _deregister(self) -> None:
+    def _deregister(self, coming_back: bool = False) -> None:
         if not self._registry_url:
             return
         try:
             registry = Registry(self._registry_url)
-            registry.deregister(self.instance_id)
+            registry.deregister(self.instance_id, coming_back)
             registry.close()
         except RegistryUnavailable:
             pass

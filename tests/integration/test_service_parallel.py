@@ -5,6 +5,7 @@ unsharded offline engine's, and every rank's blocks are free afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import grpc
@@ -83,12 +84,33 @@ def test_prefill_tp2_to_decode_pp2(disaggregated, tiny_untied_dir):
     assert_all_blocks_free(disaggregated)
 
 
-def test_dead_rank_takes_its_instance_out_of_service(disaggregated):
-    """Runs last on this server: a decode instance that lost a rank fails its requests at once
-    (no hang) and leaves the registry; with no decode instance left, requests get UNAVAILABLE."""
+def test_an_instance_that_lost_a_rank_is_relaunched_whole(disaggregated, tiny_untied_dir):
+    """Runs last on this server: a decode rank dies. Its instance leaves service, the launcher
+    relaunches all its ranks under the same id, and a request sent after the kill is served in
+    full by the new instance (it waits for the relaunch instead of failing)."""
+    expected = offline_tokens(tiny_untied_dir)[0]
     decode = next(inst for inst in disaggregated.launcher.instances if inst.role == "decode")
     ray.kill(decode.shard_actors[0], no_restart=True)
     with DisaggClient(disaggregated.address) as client:
+        tokens = []
+        request = generate_request(prompt_token_ids=PROMPTS[0], temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        for message in client.stream(request, timeout=120):
+            tokens.extend(message.token_ids)
+        assert tokens == expected
+    relaunched = next(inst for inst in disaggregated.launcher.instances if inst.role == "decode")
+    assert relaunched.instance_id == decode.instance_id and relaunched.relaunches == 1
+    assert_all_blocks_free(disaggregated)
+
+
+def test_an_instance_not_to_be_relaunched_leaves_at_once(ray_session, tiny_untied_dir):
+    """max_worker_restarts 0: a decode instance that lost a rank fails its requests at once (no
+    hang) and deregisters for good; with no decode instance left, requests get UNAVAILABLE at
+    once, not after recovery_timeout_s."""
+    pools = {"prefill": {"tensor_parallel_size": 2}, "decode": {"pipeline_parallel_size": 2}}
+    cfg = dataclasses.replace(config(tiny_untied_dir, pools, "disaggregated"), max_worker_restarts=0)
+    with Server(cfg) as server, DisaggClient(server.address) as client:
+        decode = next(inst for inst in server.launcher.instances if inst.role == "decode")
+        ray.kill(decode.shard_actors[0], no_restart=True)
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as first:
             client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS), timeout=60)
@@ -98,12 +120,11 @@ def test_dead_rank_takes_its_instance_out_of_service(disaggregated):
         while any(p.role == "decode" and p.instances for p in client.cluster_status().pools):
             assert time.monotonic() < deadline, "the broken decode instance is still listed"
             time.sleep(0.2)
-        # It deregistered (left on purpose): nothing to wait for, unlike a lapsed heartbeat.
         started = time.monotonic()
         with pytest.raises(grpc.RpcError) as failure:
             client.generate(generate_request(prompt_token_ids=PROMPTS[0], max_tokens=MAX_TOKENS), timeout=60)
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - started < 10, "waited for an instance that left on purpose"
+        assert time.monotonic() - started < 10, "waited for an instance that left for good"
 
 
 def test_colocated_tp2_pp2(ray_session, tiny_untied_dir):
