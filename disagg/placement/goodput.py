@@ -1,0 +1,107 @@
+"""The goodput-aware policy: place each request on the (prefill, decode) pair predicted to serve
+it with the most room against its SLOs, and refuse at once what no pair can serve in time.
+
+Headroom of a pair is the smaller of (SLO - predicted) / SLO over TTFT and TPOT (a target of 0
+is no target). The pair with the most headroom wins; pairs within `TIE` of the best are told
+apart by load, so an idle cluster still spreads its requests. A request whose best headroom is
+below what its priority needs is refused (or, with `best_effort`, placed anyway): a request that
+will miss anyway only slows the others down (DistServe's goodput argument). Priorities shed in
+order under pressure: sheddable needs a margin of `SHEDDABLE_MARGIN`, standard needs none,
+critical is never refused on a prediction.
+
+The router runs this class on its live instances, the simulator on simulated ones.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeVar
+
+from disagg.placement.predictor import DecodeSide, PrefillSide, tpot_ms, ttft_ms
+
+PRIORITIES = ("critical", "standard", "sheddable")
+SHEDDABLE_MARGIN = 0.2
+TIE = 0.02
+_REQUIRED_HEADROOM = {"critical": -math.inf, "standard": 0.0, "sheddable": SHEDDABLE_MARGIN}
+
+P = TypeVar("P", bound=PrefillSide)
+D = TypeVar("D", bound=DecodeSide)
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float = 0.0  # 0: no target
+    tpot_ms: float = 0.0
+
+    def headroom(self, ttft: float, tpot: float) -> float:
+        return min(_room(self.ttft_ms, ttft), _room(self.tpot_ms, tpot))
+
+
+def _room(target: float, predicted: float) -> float:
+    return math.inf if target <= 0 else (target - predicted) / target
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_tokens: int
+    max_tokens: int
+    slo: Slo
+    priority: str = "standard"
+    blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority: must be one of {PRIORITIES}, got {self.priority!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a request goes and what is predicted for it there; `admitted` False: refuse it."""
+
+    prefill: object
+    decode: object
+    ttft_ms: float
+    tpot_ms: float
+    headroom: float
+    admitted: bool
+
+    def refusal(self, slo: Slo) -> str:
+        return (
+            f"no instance is predicted to meet the SLO (TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms): "
+            f"best predicted TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms"
+        )
+
+
+class GoodputPolicy:
+    def __init__(self, best_effort: bool = False):
+        """`best_effort`: place a request no pair can serve in time instead of refusing it."""
+        self.best_effort = best_effort
+
+    def choose_pair(self, prefills: list[P], decodes: list[D], request: RequestShape) -> Choice | None:
+        """None when a pool is empty. For a colocated pool pass the same list twice: a pair is
+        then one instance (both predictions on it)."""
+        colocated = prefills is decodes
+        roomy = [d for d in decodes if d.free_blocks >= request.blocks_needed] or decodes
+        pairs = [(p, p) for p in roomy] if colocated else [(p, d) for p in prefills for d in roomy]
+        if not pairs:
+            return None
+        ttfts = {id(p): ttft_ms(p, request.prompt_tokens) for p, _ in pairs}
+        tpots = {id(d): tpot_ms(d, request.prompt_tokens, request.max_tokens) for _, d in pairs}
+        scored = [(request.slo.headroom(ttfts[id(p)], tpots[id(d)]), p, d) for p, d in pairs]
+        best = max(h for h, _, _ in scored)
+        close = [s for s in scored if _tied(s[0], best)]
+        headroom, prefill, decode = min(close, key=lambda s: _load(s[1], s[2]))
+        admitted = self.best_effort or headroom >= _REQUIRED_HEADROOM[request.priority]
+        return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted)
+
+
+def _tied(headroom: float, best: float) -> bool:
+    if math.isinf(best):
+        return math.isinf(headroom)
+    return headroom >= best - TIE
+
+
+def _load(prefill, decode) -> tuple:
+    """Least outstanding work first: prompt tokens queued, then requests decoding."""
+    return (prefill.queued_prefill_tokens, decode.num_requests, prefill.instance_id, decode.instance_id)

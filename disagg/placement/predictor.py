@@ -1,0 +1,87 @@
+"""A request's TTFT and TPOT on a given pair of instances, predicted from their step models.
+
+TTFT on prefill instance P: the prompt tokens queued at P are computed first, then this prompt,
+in steps of at most P's token budget (chunked prefill); each step costs P's prefill form
+a + b*tokens + c*attention, where a prompt of l tokens cut into chunks has attention l^2 in all
+(the chunks' n(2s + n) add up to it). What the step model does not see (the router's and the
+link's own time, the KV's last layer on its way) is the instance's measured residual.
+
+TPOT on decode instance D: one decode step of D's batch with this request added, every context
+grown by half of this request's output (its average over the request's life), plus D's residual.
+
+Pure: the router predicts with live instances, the simulator with simulated ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from disagg.placement.latency_model import StepModel
+
+
+class PrefillSide(Protocol):
+    instance_id: str
+    step_model: StepModel
+    prefill_budget: int  # max tokens a step computes
+    ttft_residual_ms: float
+
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+
+
+class DecodeSide(Protocol):
+    instance_id: str
+    step_model: StepModel
+    tpot_residual_ms: float
+
+    @property
+    def num_requests(self) -> int: ...
+
+    @property
+    def decode_context_tokens(self) -> int: ...
+
+    @property
+    def free_blocks(self) -> int: ...
+
+
+def ttft_ms(prefill: PrefillSide, prompt_tokens: int) -> float:
+    """From now until the prompt's first token is back, on `prefill`."""
+    return prefill_compute_ms(prefill.step_model, prefill.queued_prefill_tokens, prompt_tokens,
+                              prefill.prefill_budget) + prefill.ttft_residual_ms  # fmt: skip
+
+
+def prefill_compute_ms(model: StepModel, queued_tokens: int, prompt_tokens: int, budget: int) -> float:
+    """The queue, then this prompt, in steps of at most `budget` tokens. The queued prompts'
+    own lengths are not known here: they are taken to be like this one (attention l per token)."""
+    queued, total = max(0, queued_tokens), max(0, queued_tokens) + prompt_tokens
+    steps = max(1, math.ceil(total / max(1, budget)))
+    p = model.prefill
+    attention = prompt_tokens * prompt_tokens + queued * prompt_tokens
+    return steps * p.a + p.b * total + p.c * attention
+
+
+def tpot_ms(decode: DecodeSide, prompt_tokens: int, max_tokens: int) -> float:
+    """Time per output token of a request joining `decode`'s batch now."""
+    batch = decode.num_requests + 1
+    context = decode.decode_context_tokens + prompt_tokens + batch * max_tokens // 2
+    return decode.step_model.decode_ms(batch, context) + decode.tpot_residual_ms
+
+
+class Residual:
+    """Measured minus predicted, smoothed: what a prediction misses on one instance (ms)."""
+
+    def __init__(self, smoothing: float = 0.1):
+        self.smoothing = smoothing
+        self.value = 0.0
+        self._seen = False
+
+    def observe(self, measured_ms: float, predicted_ms: float) -> None:
+        """`predicted_ms` without the residual itself."""
+        error = measured_ms - predicted_ms
+        if not math.isfinite(error):
+            return
+        if not self._seen:
+            self.value, self._seen = error, True
+        else:
+            self.value += self.smoothing * (error - self.value)

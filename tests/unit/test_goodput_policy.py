@@ -1,0 +1,183 @@
+"""The goodput-aware policy's choices on constructed cluster states, and the online fit of a
+step model converging on synthetic step times (pure: no server)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from disagg.placement.goodput import GoodputPolicy, RequestShape, Slo
+from disagg.placement.latency_model import Coefficients, StepModel
+from disagg.placement.online_fit import OnlineStepModel, StepSample, predict
+from disagg.placement.predictor import Residual, prefill_compute_ms, tpot_ms, ttft_ms
+
+# ms: prefill 5 + 0.1/token + 1e-4 * attention; decode 3 + 0.001/context token + 0.2/request
+TRUE = StepModel(Coefficients(5.0, 0.1, 1e-4), Coefficients(3.0, 0.001, 0.2), Coefficients(3.0, 0.001, 0.2))
+
+
+@dataclass
+class Inst:
+    instance_id: str
+    step_model: StepModel = TRUE
+    queued_prefill_tokens: int = 0
+    num_requests: int = 0
+    decode_context_tokens: int = 0
+    free_blocks: int = 1000
+    prefill_budget: int = 512
+    ttft_residual_ms: float = 0.0
+    tpot_residual_ms: float = 0.0
+
+
+def shape(prompt=100, max_tokens=50, ttft=1000.0, tpot=50.0, priority="standard") -> RequestShape:
+    return RequestShape(prompt, max_tokens, Slo(ttft, tpot), priority)
+
+
+# ---- predictions ---------------------------------------------------------------------------------
+def test_a_chunked_prompt_costs_its_steps_and_its_whole_attention():
+    # 1000 tokens in steps of 512: two intercepts, 1000 tokens, attention 1000^2 (chunks add up to l^2)
+    assert prefill_compute_ms(TRUE, 0, 1000, 512) == pytest.approx(2 * 5 + 0.1 * 1000 + 1e-4 * 1000**2)
+    # tokens queued ahead come first: more steps and more tokens
+    assert prefill_compute_ms(TRUE, 1000, 1000, 512) > prefill_compute_ms(TRUE, 0, 1000, 512) + 100
+
+
+def test_tpot_counts_the_batch_with_the_request_added():
+    idle, busy = Inst("idle"), Inst("busy", num_requests=40, decode_context_tokens=40 * 500)
+    assert tpot_ms(idle, 100, 50) == pytest.approx(3 + 0.001 * (100 + 25) + 0.2)
+    assert tpot_ms(busy, 100, 50) == pytest.approx(3 + 0.001 * (20000 + 100 + 41 * 25) + 0.2 * 41)
+
+
+def test_the_residual_learns_what_the_model_misses():
+    residual = Residual(smoothing=0.5)
+    for _ in range(20):
+        residual.observe(measured_ms=130.0, predicted_ms=100.0)
+    assert residual.value == pytest.approx(30.0)
+
+
+# ---- placement ---------------------------------------------------------------------------------
+def test_the_prefill_with_the_shorter_queue_wins():
+    policy = GoodputPolicy()
+    fast, queued = Inst("p-idle"), Inst("p-queued", queued_prefill_tokens=4000)
+    choice = policy.choose_pair([queued, fast], [Inst("d0")], shape())
+    assert choice.prefill is fast and choice.admitted
+    assert choice.ttft_ms == pytest.approx(ttft_ms(fast, 100))
+
+
+def test_a_slower_instance_is_chosen_only_when_the_faster_one_is_predicted_later():
+    slow_model = StepModel(Coefficients(10.0, 0.2, 2e-4), TRUE.decode_small, TRUE.decode_large)
+    fast, slow = Inst("p-fast", queued_prefill_tokens=1000), Inst("p-slow", step_model=slow_model)
+    decode = [Inst("d0")]
+    assert GoodputPolicy().choose_pair([fast, slow], decode, shape(ttft=200)).prefill is slow
+    fast.queued_prefill_tokens = 100
+    assert GoodputPolicy().choose_pair([fast, slow], decode, shape(ttft=200)).prefill is fast
+
+
+def test_the_decode_whose_batch_keeps_the_tpot_wins_over_the_less_loaded_prefill_pairing():
+    crowded = Inst("d-crowded", num_requests=200, decode_context_tokens=200 * 1000)  # ~243 ms a token
+    light = Inst("d-light", num_requests=100, decode_context_tokens=100 * 100)
+    choice = GoodputPolicy().choose_pair([Inst("p0")], [crowded, light], shape(tpot=100))
+    assert choice.decode is light and choice.tpot_ms < 100
+
+
+def test_a_decode_without_room_for_the_prompt_is_passed_over():
+    full, roomy = Inst("d-full", free_blocks=2), Inst("d-roomy", num_requests=50, free_blocks=100)
+    request = RequestShape(100, 50, Slo(), blocks_needed=7)
+    assert GoodputPolicy().choose_pair([Inst("p0")], [full, roomy], request).decode is roomy
+
+
+def test_without_slos_the_least_loaded_pair_wins():
+    prefills = [Inst("p0", queued_prefill_tokens=300), Inst("p1", queued_prefill_tokens=100)]
+    decodes = [Inst("d0", num_requests=5), Inst("d1", num_requests=2)]
+    choice = GoodputPolicy().choose_pair(prefills, decodes, RequestShape(100, 50, Slo()))
+    assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p1", "d1")
+
+
+def test_what_no_pair_can_serve_in_time_is_refused_with_its_prediction():
+    swamped = Inst("p0", queued_prefill_tokens=50_000)
+    choice = GoodputPolicy().choose_pair([swamped], [Inst("d0")], shape(ttft=500))
+    assert not choice.admitted and choice.headroom < 0
+    assert f"best predicted TTFT {choice.ttft_ms:.0f} ms" in choice.refusal(Slo(500, 50))
+    assert GoodputPolicy(best_effort=True).choose_pair([swamped], [Inst("d0")], shape(ttft=500)).admitted
+
+
+@pytest.mark.parametrize(
+    "queued, admitted",
+    [
+        (0, {"critical", "standard", "sheddable"}),  # plenty of room
+        (7_500, {"critical", "standard"}),  # ~910 ms: within the SLO, less than the sheddable margin left
+        (20_000, {"critical"}),  # predicted to miss: only critical goes on
+    ],
+)
+def test_priorities_shed_sheddable_first_and_critical_last(queued, admitted):
+    prefill = [Inst("p0", queued_prefill_tokens=queued)]
+    got = {
+        priority
+        for priority in ("critical", "standard", "sheddable")
+        if GoodputPolicy().choose_pair(prefill, [Inst("d0")], shape(ttft=1000, priority=priority)).admitted
+    }
+    assert got == admitted
+
+
+def test_a_colocated_pool_pairs_each_instance_with_itself():
+    pool = [Inst("c0", queued_prefill_tokens=5000), Inst("c1")]
+    choice = GoodputPolicy().choose_pair(pool, pool, shape())
+    assert choice.prefill is choice.decode is pool[1]
+
+
+def test_an_empty_pool_gives_no_choice():
+    assert GoodputPolicy().choose_pair([], [Inst("d0")], shape()) is None
+    assert GoodputPolicy().choose_pair([Inst("p0")], [], shape()) is None
+
+
+def test_an_unknown_priority_is_a_value_error():
+    with pytest.raises(ValueError, match="priority"):
+        shape(priority="urgent")
+
+
+# ---- the online fit ------------------------------------------------------------------------------
+def _synthetic_steps(n: int, seed: int = 0) -> list[StepSample]:
+    rng, samples = random.Random(seed), []
+    for _ in range(n):
+        if rng.random() < 0.5:
+            tokens = rng.randint(16, 512)
+            start = rng.choice([0, 0, 512, 1024])
+            attention = tokens * (2 * start + tokens)
+            true_ms = TRUE.prefill(tokens, attention)
+            samples.append(StepSample(tokens, attention, 0, 0, true_ms * rng.uniform(0.98, 1.02)))
+        else:
+            batch = rng.randint(1, 64)
+            context = batch * rng.randint(50, 2000)
+            samples.append(StepSample(0, 0, batch, context, TRUE.decode_ms(batch, context) * rng.uniform(0.98, 1.02)))
+    return samples
+
+
+def test_the_online_fit_converges_from_a_wrong_seed():
+    wrong = TRUE.scaled(3.0)
+    online = OnlineStepModel(wrong, refit_every=8)
+    steps = _synthetic_steps(200)
+    for sample in steps[:16]:
+        online.observe(sample)
+    assert online.recent_error() > 0.5  # the seed is 3x off
+    for sample in steps[16:]:
+        online.observe(sample)
+    assert online.recent_error() < 0.05
+    for sample in _synthetic_steps(50, seed=1):  # held out
+        assert predict(online.model, sample) == pytest.approx(sample.ms, rel=0.06)
+
+
+def test_too_few_samples_keep_the_seed():
+    online = OnlineStepModel(TRUE.scaled(2.0), refit_every=1)
+    for sample in _synthetic_steps(5):
+        online.observe(sample)
+    assert online.model == TRUE.scaled(2.0)
+
+
+def test_a_step_sample_travels_as_a_list():
+    sample = StepSample(100, 10_000, 4, 800, 12.3456)
+    assert StepSample.from_list(sample.to_list()) == StepSample(100, 10_000, 4, 800, 12.346)
+    assert (sample.kind, StepSample(0, 0, 4, 800, 1.0).kind, StepSample(5, 25, 0, 0, 1.0).kind) == (
+        "mixed",
+        "decode",
+        "prefill",
+    )
