@@ -31,9 +31,16 @@ def generate_request(
     prompt_token_ids: list[int] | None = None,
     request_id: str = "",
     slo: serving_pb2.Slo | None = None,
+    priority: str = "standard",
     **sampling,
 ) -> serving_pb2.GenerateRequest:
-    request = serving_pb2.GenerateRequest(request_id=request_id, sampling=sampling_proto(**sampling), slo=slo)
+    """`priority`: critical | standard | sheddable (who is refused first under pressure)."""
+    request = serving_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=sampling_proto(**sampling),
+        slo=slo,
+        priority=serving_pb2.Priority.Value(f"PRIORITY_{priority.upper()}"),
+    )
     if chat is not None:
         request.chat.CopyFrom(serving_pb2.Chat(messages=[serving_pb2.ChatMessage(**m) for m in chat]))
     elif prompt_token_ids is not None:

@@ -218,6 +218,8 @@ class SLOConfig:
 
 
 MODES = ("disaggregated", "colocated")
+PLACEMENTS = ("goodput", "least_work")
+SLO_ADMISSIONS = ("reject", "best_effort")
 CPU_BINDINGS = ("auto", "on", "off")
 
 
@@ -236,7 +238,10 @@ class ServingConfig:
     metrics_port: int | None = None  # Prometheus /metrics; None: off
     redis_url: str | None = None  # None: start a local redis-server
     ray_address: str | None = None  # None: start a local Ray
-    slo: SLOConfig = field(default_factory=SLOConfig)
+    slo: SLOConfig = field(default_factory=SLOConfig)  # every request's targets unless it sets its own
+    placement: str = "goodput"  # goodput: by predicted TTFT/TPOT against the SLO; least_work (disagg.placement)
+    slo_admission: str = "reject"  # a request no instance is predicted to serve in time: reject | best_effort
+    profile: str | None = None  # a profile file (`disagg profile`) seeding each instance's latency model
     max_inflight_requests: int | None = (
         None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     )
@@ -257,6 +262,8 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
+        _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
+        _require(self.slo_admission in SLO_ADMISSIONS, "slo_admission", f"must be one of {', '.join(SLO_ADMISSIONS)}")
         _require(
             self.cpu_binding in CPU_BINDINGS,
             "cpu_binding",

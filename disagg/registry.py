@@ -57,6 +57,10 @@ class LoadReport:
     num_total_blocks: int = 0
     kv_cache_usage: float = 0.0
     updated_at: float = 0.0
+    decode_context_tokens: int = 0  # the running requests' contexts, summed
+    # Engine steps since the last report, each [prefill tokens, attention, decode batch, decode
+    # context, ms] (disagg.placement.online_fit.StepSample): what the router's model learns from.
+    steps: list = field(default_factory=list)
 
 
 @dataclass

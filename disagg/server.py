@@ -41,7 +41,9 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.orchestrator import Orchestrator
-from disagg.placement.policies import LeastOutstandingWork
+from disagg.placement.goodput import GoodputPolicy
+from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
+from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
@@ -155,6 +157,8 @@ class Server:
             self._link_key,
             heartbeat_ttl_s=config.heartbeat_ttl_s,
             recovery_timeout_s=config.recovery_timeout_s,
+            profile=load_profile(config.profile) if config.profile else None,
+            prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
         )
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
@@ -164,7 +168,7 @@ class Server:
         orchestrator = Orchestrator(
             config,
             directory,
-            LeastOutstandingWork(),
+            _placement_policy(config),
             streams,
             config.engine.block_size,
             on_migration=metrics.observe_migration,
@@ -357,3 +361,9 @@ def _as_dict(config_path: str | None) -> dict:
 
 if __name__ == "__main__":
     sys.exit(main_serve(None, {}))
+
+
+def _placement_policy(config: ServingConfig) -> PlacementPolicy:
+    if config.placement == "least_work":
+        return LeastOutstandingWork()
+    return GoodputPolicy(best_effort=config.slo_admission == "best_effort")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 import torch
 
@@ -24,7 +25,7 @@ from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
-from disagg.engine.outputs import CompletionOutput, RequestOutput
+from disagg.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -32,6 +33,7 @@ from disagg.errors import InvalidRequestError
 from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits
 
 logger = logging.getLogger(__name__)
+STEP_STATS_KEPT = 512
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,6 +111,8 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._num_reported: dict[str, int] = {}
         self.last_step_seconds = 0.0
+        # The latest steps, for the worker's reports (appended here, drained from another thread).
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
 
     # ---- construction ------------------------------------------------------------------------
     def _build_model(self, source) -> LlamaForCausalLM:
@@ -242,6 +246,7 @@ class LLMEngine:
         started = time.perf_counter()
         sampled, failed = self._execute(plan)
         self.last_step_seconds = time.perf_counter() - started
+        self.step_stats.append(_stats(plan, self.last_step_seconds))
         if failed:
             plan.chunks = [c for c in plan.chunks if c.request.request_id not in failed]
         outputs = [self._fail(request, error) for request, error in failed.values()]
@@ -393,3 +398,15 @@ class LLMEngine:
     @property
     def peak_num_used_blocks(self) -> int:
         return self.block_manager.peak_num_used_blocks
+
+
+def _stats(plan: SchedulerOutput, seconds: float) -> StepStats:
+    decodes = [c for c in plan.chunks if c.num_new_tokens == 1 and c.start > 0]
+    prefills = [c for c in plan.chunks if not (c.num_new_tokens == 1 and c.start > 0)]
+    return StepStats(
+        sum(c.num_new_tokens for c in prefills),
+        sum(c.num_new_tokens * (2 * c.start + c.num_new_tokens) for c in prefills),
+        len(decodes),
+        sum(c.start + 1 for c in decodes),
+        seconds,
+    )

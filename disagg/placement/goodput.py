@@ -15,12 +15,11 @@ The router runs this class on its live instances, the simulator on simulated one
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import TypeVar
 
+from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape
 from disagg.placement.predictor import DecodeSide, PrefillSide, tpot_ms, ttft_ms
 
-PRIORITIES = ("critical", "standard", "sheddable")
 SHEDDABLE_MARGIN = 0.2
 TIE = 0.02
 _REQUIRED_HEADROOM = {"critical": -math.inf, "standard": 0.0, "sheddable": SHEDDABLE_MARGIN}
@@ -29,51 +28,10 @@ P = TypeVar("P", bound=PrefillSide)
 D = TypeVar("D", bound=DecodeSide)
 
 
-@dataclass(frozen=True)
-class Slo:
-    ttft_ms: float = 0.0  # 0: no target
-    tpot_ms: float = 0.0
+class GoodputPolicy(LeastOutstandingWork):
+    """`choose_pair` places by prediction; `choose_decode` (a retry when the chosen decode
+    instance had no room after all) is least-work's."""
 
-    def headroom(self, ttft: float, tpot: float) -> float:
-        return min(_room(self.ttft_ms, ttft), _room(self.tpot_ms, tpot))
-
-
-def _room(target: float, predicted: float) -> float:
-    return math.inf if target <= 0 else (target - predicted) / target
-
-
-@dataclass(frozen=True)
-class RequestShape:
-    prompt_tokens: int
-    max_tokens: int
-    slo: Slo
-    priority: str = "standard"
-    blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
-
-    def __post_init__(self) -> None:
-        if self.priority not in PRIORITIES:
-            raise ValueError(f"priority: must be one of {PRIORITIES}, got {self.priority!r}")
-
-
-@dataclass(frozen=True)
-class Choice:
-    """Where a request goes and what is predicted for it there; `admitted` False: refuse it."""
-
-    prefill: object
-    decode: object
-    ttft_ms: float
-    tpot_ms: float
-    headroom: float
-    admitted: bool
-
-    def refusal(self, slo: Slo) -> str:
-        return (
-            f"no instance is predicted to meet the SLO (TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms): "
-            f"best predicted TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms"
-        )
-
-
-class GoodputPolicy:
     def __init__(self, best_effort: bool = False):
         """`best_effort`: place a request no pair can serve in time instead of refusing it."""
         self.best_effort = best_effort
@@ -92,7 +50,8 @@ class GoodputPolicy:
         best = max(h for h, _, _ in scored)
         close = [s for s in scored if _tied(s[0], best)]
         headroom, prefill, decode = min(close, key=lambda s: _load(s[1], s[2]))
-        admitted = self.best_effort or headroom >= _REQUIRED_HEADROOM[request.priority]
+        guessed = not (prefill.prefill_calibrated and decode.decode_calibrated)  # a guess refuses nothing
+        admitted = self.best_effort or guessed or headroom >= _REQUIRED_HEADROOM[request.priority]
         return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted)
 
 
@@ -104,4 +63,4 @@ def _tied(headroom: float, best: float) -> bool:
 
 def _load(prefill, decode) -> tuple:
     """Least outstanding work first: prompt tokens queued, then requests decoding."""
-    return (prefill.queued_prefill_tokens, decode.num_requests, prefill.instance_id, decode.instance_id)
+    return (prefill.queued_prefill_tokens, decode.decode_batch, prefill.instance_id, decode.instance_id)

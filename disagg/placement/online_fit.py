@@ -18,6 +18,9 @@ from disagg.placement.fitting import least_squares, median
 from disagg.placement.latency_model import Coefficients, StepModel
 
 MIN_SAMPLES = 8  # of one kind, before its fit replaces the seed's coefficients
+# Before an instance has reported anything: a guess of the right order for a small model on a
+# CPU, used only until the first fit (the router does not refuse requests on it, see `calibrated`).
+NEUTRAL_SEED = StepModel(Coefficients(10.0, 0.2, 1e-5), Coefficients(10.0, 0.005, 0.5), Coefficients(10.0, 0.005, 0.5))
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,16 @@ def predict(model: StepModel, sample: StepSample) -> float:
 
 
 class OnlineStepModel:
-    def __init__(self, seed: StepModel, window: int = 256, refit_every: int = 8, error_window: int = 64):
+    def __init__(
+        self,
+        seed: StepModel = NEUTRAL_SEED,
+        window: int = 256,
+        refit_every: int = 8,
+        error_window: int = 64,
+        seeded_from_profile: bool = False,
+    ):
         self.seed = seed
+        self.seeded_from_profile = seeded_from_profile
         self.model = seed
         self.refit_every = refit_every
         self._samples: dict[str, deque[StepSample]] = {k: deque(maxlen=window) for k in ("prefill", "decode")}
@@ -77,6 +88,11 @@ class OnlineStepModel:
         if self._since_refit >= self.refit_every:
             self._since_refit = 0
             self.model = self._refit()
+
+    def calibrated(self, kind: str) -> bool:
+        """Whether steps of `kind` ("prefill" or "decode") are predicted from this instance's own
+        measurements (or from a profile given as the seed, `seeded_from_profile`)."""
+        return self.seeded_from_profile or len(self._samples[kind]) >= MIN_SAMPLES
 
     def recent_error(self) -> float | None:
         """Median relative error of the last predictions (None before any)."""

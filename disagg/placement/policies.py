@@ -3,13 +3,16 @@
 The router runs these on its live `Instance`s, the simulator on its simulated ones: both offer
 the `InstanceLoad` attributes, so the simulator exercises the class the server runs, not a copy.
 
-The default, least outstanding work, picks the prefill instance with the fewest prompt tokens
+The baseline, least outstanding work, picks the prefill instance with the fewest prompt tokens
 queued and the decode instance with the fewest requests among those with room for the prompt's
-blocks. The goodput-aware policy (predicted TTFT/TPOT against the SLO) implements the same interface.
+blocks. The goodput-aware policy (disagg.placement.goodput: predicted TTFT/TPOT against the
+request's SLO) implements the same interface.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 
@@ -27,15 +30,71 @@ class InstanceLoad(Protocol):
 
 
 I = TypeVar("I", bound=InstanceLoad)
+PRIORITIES = ("critical", "standard", "sheddable")
+
+
+@dataclass(frozen=True)
+class Slo:
+    ttft_ms: float = 0.0  # 0: no target
+    tpot_ms: float = 0.0
+
+    def headroom(self, ttft: float, tpot: float) -> float:
+        return min(_room(self.ttft_ms, ttft), _room(self.tpot_ms, tpot))
+
+
+def _room(target: float, predicted: float) -> float:
+    return math.inf if target <= 0 else (target - predicted) / target
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    prompt_tokens: int
+    max_tokens: int
+    slo: Slo
+    priority: str = "standard"
+    blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise ValueError(f"priority: must be one of {PRIORITIES}, got {self.priority!r}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Where a request goes and what is predicted for it there; `admitted` False: refuse it."""
+
+    prefill: object
+    decode: object
+    ttft_ms: float
+    tpot_ms: float
+    headroom: float
+    admitted: bool
+
+    def refusal(self, slo: Slo) -> str:
+        return (
+            f"no instance is predicted to meet the SLO (TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms): "
+            f"best predicted TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms"
+        )
 
 
 class PlacementPolicy(Protocol):
+    def choose_pair(self, prefills: list[I], decodes: list[I], request: RequestShape) -> Choice | None:
+        """Both instances of a request at once (None: a pool is empty). A colocated pool is
+        passed as both lists (the same list object): the pair is then one instance."""
+
     def choose_prefill(self, instances: list[I], num_prompt_tokens: int) -> I | None: ...
 
     def choose_decode(self, instances: list[I], num_blocks_needed: int) -> I | None: ...
 
 
 class LeastOutstandingWork:
+    def choose_pair(self, prefills: list[I], decodes: list[I], request: RequestShape) -> Choice | None:
+        decode = self.choose_decode(decodes, request.blocks_needed)
+        prefill = decode if prefills is decodes else self.choose_prefill(prefills, request.prompt_tokens)
+        if prefill is None or decode is None:
+            return None
+        return Choice(prefill, decode, math.nan, math.nan, math.inf, admitted=True)
+
     def choose_prefill(self, instances: list[I], num_prompt_tokens: int) -> I | None:
         return min(instances, key=lambda i: (i.queued_prefill_tokens, i.instance_id), default=None)
 

@@ -25,6 +25,7 @@ class PrefillSide(Protocol):
     step_model: StepModel
     prefill_budget: int  # max tokens a step computes
     ttft_residual_ms: float
+    prefill_calibrated: bool  # predicted from its own measurements (else a guess: refuse nothing on it)
 
     @property
     def queued_prefill_tokens(self) -> int: ...
@@ -34,9 +35,10 @@ class DecodeSide(Protocol):
     instance_id: str
     step_model: StepModel
     tpot_residual_ms: float
+    decode_calibrated: bool
 
     @property
-    def num_requests(self) -> int: ...
+    def decode_batch(self) -> int: ...  # requests decoding, or about to
 
     @property
     def decode_context_tokens(self) -> int: ...
@@ -63,7 +65,7 @@ def prefill_compute_ms(model: StepModel, queued_tokens: int, prompt_tokens: int,
 
 def tpot_ms(decode: DecodeSide, prompt_tokens: int, max_tokens: int) -> float:
     """Time per output token of a request joining `decode`'s batch now."""
-    batch = decode.num_requests + 1
+    batch = decode.decode_batch + 1
     context = decode.decode_context_tokens + prompt_tokens + batch * max_tokens // 2
     return decode.step_model.decode_ms(batch, context) + decode.tpot_residual_ms
 

@@ -21,8 +21,12 @@ import ray
 
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
+from disagg.placement.latency_model import StepModel
+from disagg.placement.online_fit import NEUTRAL_SEED, OnlineStepModel, StepSample
+from disagg.placement.profile import Profile
+from disagg.placement.predictor import Residual
 from disagg.placement.prefill_rate import PrefillRate
-from disagg.registry import InstanceView, Registry
+from disagg.registry import InstanceView, LoadReport, Registry
 from disagg.rpc.client import RpcClient
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 
@@ -42,6 +46,13 @@ class Instance:
     reserved_blocks: int = 0  # blocks reserved by the router since the last load report
     prefill_rate: PrefillRate = field(default_factory=PrefillRate)  # a prefill instance's pace, as measured here
     extra: dict = field(default_factory=dict)
+    # The latency model (disagg.placement): its steps, fitted online from its reports; and what
+    # its predictions missed of the requests' TTFT and TPOT as measured here.
+    online: OnlineStepModel = field(default_factory=OnlineStepModel)
+    ttft_residual: Residual = field(default_factory=Residual)
+    tpot_residual: Residual = field(default_factory=Residual)
+    prefill_budget: int = 512  # its engine's max_num_batched_tokens
+    outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
 
     @property
     def prefill_service(self) -> PrefillStub:
@@ -79,6 +90,44 @@ class Instance:
     def num_requests(self) -> int:
         return self.view.load.num_running + self.outstanding_requests
 
+    # ---- what the latency model reads (disagg.placement.predictor) -------------------------------
+    @property
+    def step_model(self) -> StepModel:
+        return self.online.model
+
+    @property
+    def ttft_residual_ms(self) -> float:
+        return self.ttft_residual.value
+
+    @property
+    def tpot_residual_ms(self) -> float:
+        return self.tpot_residual.value
+
+    @property
+    def prefill_calibrated(self) -> bool:
+        return self.online.calibrated("prefill")
+
+    @property
+    def decode_calibrated(self) -> bool:
+        return self.online.calibrated("decode")
+
+    @property
+    def decode_batch(self) -> int:
+        """Requests decoding here or about to: its report, or what this router placed, if more."""
+        load = self.view.load
+        return max(load.num_running + load.num_waiting_for_kv, self.outstanding_requests)
+
+    @property
+    def decode_context_tokens(self) -> int:
+        return max(self.view.load.decode_context_tokens, self.outstanding_context_tokens)
+
+    def learn_steps(self, report: LoadReport) -> None:
+        for values in report.steps:
+            try:
+                self.online.observe(StepSample.from_list(values))
+            except (TypeError, ValueError):
+                continue  # a malformed entry teaches nothing
+
 
 @dataclass(frozen=True)
 class _Failure:
@@ -97,7 +146,13 @@ class InstanceDirectory:
         refresh_interval_s: float = 0.5,
         heartbeat_ttl_s: float = 3.0,
         recovery_timeout_s: float = 60.0,
+        profile: Profile | None = None,
+        prefill_budget: int = 512,
     ):
+        """`profile`: seeds each instance's latency model (its TP x PP entry) until the
+        instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step."""
+        self.profile = profile
+        self.prefill_budget = prefill_budget
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -193,6 +248,11 @@ class InstanceDirectory:
             logger.info("instance %s left service (deregistered): not waited for", instance_id)
             del self._failed[instance_id]
 
+    def _new_model(self, tp: int, pp: int) -> OnlineStepModel:
+        if self.profile is not None and self.profile.has(tp, pp):
+            return OnlineStepModel(self.profile.step_model(tp, pp), seeded_from_profile=True)
+        return OnlineStepModel(NEUTRAL_SEED)
+
     def _update(self, view: InstanceView) -> None:
         failed = self._failed.get(view.info.instance_id)
         if failed is not None:
@@ -204,6 +264,7 @@ class InstanceDirectory:
         if known is not None and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
                 known.reserved_blocks = 0  # the new report already counts earlier reservations
+                known.learn_steps(view.load)
             known.view = view
             return
         try:
@@ -217,4 +278,14 @@ class InstanceDirectory:
         link = self._links.get(info.rpc_address)
         if link is None:
             link = self._links[info.rpc_address] = RpcClient(info.rpc_address, self._link_key, name=info.instance_id)
-        self._instances[info.instance_id] = Instance(info.instance_id, info.role, actor, view, link)
+        instance = Instance(info.instance_id, info.role, actor, view, link, prefill_budget=self.prefill_budget)
+        if known is not None:  # the same instance back at a new address: what was learnt of it holds
+            instance.online, instance.ttft_residual, instance.tpot_residual = (
+                known.online,
+                known.ttft_residual,
+                known.tpot_residual,
+            )
+        else:
+            instance.online = self._new_model(info.tensor_parallel_size, info.pipeline_parallel_size)
+        instance.learn_steps(view.load)
+        self._instances[info.instance_id] = instance

@@ -18,11 +18,14 @@ import grpc
 
 from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.metrics import ServingMetrics
+from disagg.placement.policies import Slo
 from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
 from disagg.router.validation import (
+    PRIORITY_NAMES,
+    check_priority,
     check_request_id,
     check_slo,
     ModelLimits,
@@ -78,6 +81,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self._active[request_id] = asyncio.current_task()
         try:
             check_slo(request.slo)
+            check_priority(request.priority)
             prompt_ids, params = await self._parse(request)
         except BaseException as exc:
             self._active.pop(request_id, None)
@@ -90,7 +94,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # path.
         headers = asyncio.ensure_future(context.send_initial_metadata(()))
         headers.add_done_callback(_retrieve)
-        deltas = self.orchestrator.generate(request_id, prompt_ids, params)
+        deltas = self.orchestrator.generate(request_id, prompt_ids, params, *self._demand(request))
         try:
             async for delta in deltas:
                 if request_id in self._aborted:
@@ -125,6 +129,12 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             self._active.pop(request_id, None)
             self._aborted.discard(request_id)  # an Abort that came as the stream ended must not outlive it
         self._record(request_id, stream)
+
+    def _demand(self, request) -> tuple[Slo, str]:
+        """The request's SLO (each target 0: the server's) and priority."""
+        default = self.orchestrator.default_slo
+        slo = Slo(request.slo.ttft_ms or default.ttft_ms, request.slo.tpot_ms or default.tpot_ms)
+        return slo, PRIORITY_NAMES.get(request.priority, "standard")
 
     async def _admit(self, context) -> None:
         await self._check_key(context)
@@ -300,6 +310,8 @@ class _StreamStats:
                     e2e_s=now - self.started,
                     prefill_instance=delta.prefill_instance,
                     decode_instance=delta.decode_instance,
+                    predicted_ttft_s=delta.predicted_ttft_s,
+                    predicted_tpot_s=delta.predicted_tpot_s,
                 )
             )
             self.final = msg

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.config import ServingConfig
 from disagg.errors import (
@@ -32,7 +33,7 @@ from disagg.errors import (
     UnavailableError,
     WorkerLinkError,
 )
-from disagg.placement.policies import PlacementPolicy
+from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.migration import Progress, is_migratable
@@ -53,11 +54,31 @@ class Placement:
     # A decode instance asked to reserve, whose answer has not come: if the request ends now, it
     # may hold blocks that only an abort frees (else they wait out the KV deadline).
     reserving: Instance | None = None
+    choice: Choice | None = None  # the policy's, with its predictions
+    started: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    num_tokens: int = 0
+    # The residuals the predictions included: the model's own part is the prediction minus them.
+    ttft_residual_then: float = 0.0
+    tpot_residual_then: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.ttft_residual_then = self.choice.prefill.ttft_residual_ms
+            self.tpot_residual_then = self.choice.decode.tpot_residual_ms
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
         delta.decode_instance = self.decode.instance_id
+        if self.choice is not None and math.isfinite(self.choice.ttft_ms):
+            delta.predicted_ttft_s, delta.predicted_tpot_s = self.choice.ttft_ms / 1e3, self.choice.tpot_ms / 1e3
         return delta
+
+    def observe(self, delta: TokenDelta) -> None:
+        """The measured side of the predictions: when the first token came, how many followed."""
+        if self.first_token_at is None and delta.token_ids:
+            self.first_token_at = time.monotonic()
+        self.num_tokens += len(delta.token_ids)
 
 
 class Orchestrator:
@@ -71,6 +92,7 @@ class Orchestrator:
         on_migration=lambda reason: None,
     ):
         self.config = config
+        self.default_slo = Slo(config.slo.ttft_ms, config.slo.tpot_ms)
         self.on_migration = on_migration  # a request moved on after a failure (a metric counts them)
         self.directory = directory
         self.policy = policy
@@ -83,14 +105,23 @@ class Orchestrator:
         return self.config.mode == "disaggregated"
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        slo: Slo | None = None,
+        priority: str = "standard",
     ) -> AsyncIterator[TokenDelta]:
-        """Deltas of the request, the first token first; the last one has finished=True."""
+        """Deltas of the request, the first token first; the last one has finished=True. `slo`:
+        the request's targets (None: the server's); `priority`: who is refused first."""
         progress = Progress(list(prompt_token_ids), params)
+        slo = slo or self.default_slo
         while True:
+            # Once admitted, a request is not refused again: its later attempts are critical.
+            demand = (slo, priority if not progress.migrations else "critical")
             try:
                 attempt = self._attempt(
-                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params()
+                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(), demand
                 )
                 async for delta in attempt:
                     yield progress.record(delta)
@@ -118,24 +149,55 @@ class Orchestrator:
                 ) from exc
 
     async def _attempt(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, demand: tuple[Slo, str]
     ) -> AsyncIterator[TokenDelta]:
         """One try on one placement."""
         placement, mailbox = None, None
+        request = RequestShape(len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids))
         try:
             if self.disaggregated:
-                placement, mailbox, first = await self._start_disaggregated(request_id, prompt_token_ids, params)
+                placement, mailbox, first = await self._start_disaggregated(
+                    request_id, prompt_token_ids, params, request
+                )
+                placement.observe(first)
                 yield placement.label(first)
                 if first.finished:
                     return
             else:
-                placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params)
+                placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params, request)
             async for delta in self._drain(mailbox):
                 placement.finished = delta.finished
+                placement.observe(delta)
                 yield placement.label(delta)
+            self._learn(placement)
         finally:
             if placement is not None:
                 await self._cleanup(request_id, placement, len(prompt_token_ids))
+
+    def _blocks(self, prompt_token_ids: list[int]) -> int:
+        return -(-len(prompt_token_ids) // self.block_size)
+
+    def _place(self, prefills: list[Instance], decodes: list[Instance], request: RequestShape) -> Choice:
+        choice = self.policy.choose_pair(prefills, decodes, request)
+        if choice is None:
+            missing = "prefill" if not prefills else "decode" if self.disaggregated else "colocated"
+            raise UnavailableError(f"no healthy {missing} instance")
+        if not choice.admitted:
+            raise OverloadedError(choice.refusal(request.slo))
+        return choice
+
+    @staticmethod
+    def _learn(placement: Placement) -> None:
+        """A request that ran to its end: what its predictions missed, for the next ones."""
+        choice, first = placement.choice, placement.first_token_at
+        if choice is None or first is None or not math.isfinite(choice.ttft_ms):
+            return
+        prefill, decode = choice.prefill, choice.decode
+        ttft_ms = (first - placement.started) * 1e3
+        prefill.ttft_residual.observe(ttft_ms, choice.ttft_ms - placement.ttft_residual_then)
+        if placement.num_tokens > 1:
+            tpot_ms = (time.monotonic() - first) * 1e3 / (placement.num_tokens - 1)
+            decode.tpot_residual.observe(tpot_ms, choice.tpot_ms - placement.tpot_residual_then)
 
     # ---- disaggregated ---------------------------------------------------------------------------
     async def _available(self, role: str) -> list[Instance]:
@@ -145,10 +207,11 @@ class Orchestrator:
             await self.directory.wait_healthy(role, self.config.recovery_timeout_s)
         return self.directory.healthy(role)
 
-    async def _start_disaggregated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox, TokenDelta]:
-        prefill = self.policy.choose_prefill(await self._available("prefill"), len(prompt_token_ids))
-        if prefill is None:
-            raise UnavailableError("no healthy prefill instance")
+    async def _start_disaggregated(
+        self, request_id, prompt_token_ids, params, request: RequestShape
+    ) -> tuple[Placement, Mailbox, TokenDelta]:
+        choice = self._place(await self._available("prefill"), await self._available("decode"), request)
+        prefill = choice.prefill
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
@@ -156,7 +219,7 @@ class Orchestrator:
         # The decode side waits for the first KV as long as the prefill's queue is predicted to take
         # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
         kv_wait_s = self.config.kv_timeout_s + KV_WAIT_MARGIN * prefill.prefill_rate.predict(queued)
-        placement = Placement(prefill, None)
+        placement = Placement(prefill, None, choice=choice)
         prefill_call = None
         try:
             prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
@@ -208,12 +271,15 @@ class Orchestrator:
     async def _reserve(
         self, request_id, prompt_token_ids, params, prefill: Instance, kv_wait_s: float, placement: Placement
     ):
-        """The handshake, retried with back-off while no decode instance has room."""
-        blocks_needed = -(-len(prompt_token_ids) // self.block_size)
+        """The handshake, retried with back-off while no decode instance has room: first on the
+        policy's choice, then on whichever has room."""
+        blocks_needed = self._blocks(prompt_token_ids)
         deadline = time.monotonic() + self.config.admission_timeout_s
         backoff = RESERVE_RETRY_S
+        chosen = placement.choice.decode if placement.choice is not None else None
         while True:
-            decode = self.policy.choose_decode(await self._available("decode"), blocks_needed)
+            decode = chosen or self.policy.choose_decode(await self._available("decode"), blocks_needed)
+            chosen = None
             if decode is None:
                 raise UnavailableError("no healthy decode instance")
             placement.reserving = decode
@@ -228,7 +294,10 @@ class Orchestrator:
             placement.reserving = None
             if reservation is not None:
                 decode.outstanding_requests += 1
+                decode.outstanding_context_tokens += len(prompt_token_ids)
                 decode.reserved_blocks += len(reservation.block_ids)
+                if placement.choice is not None and placement.choice.decode is not decode:  # placed elsewhere after all
+                    placement.choice = None
                 return decode, reservation
             if time.monotonic() + backoff > deadline:
                 raise OverloadedError(
@@ -238,15 +307,16 @@ class Orchestrator:
             backoff = min(backoff * 2, 0.5)
 
     # ---- colocated -------------------------------------------------------------------------------
-    async def _start_colocated(self, request_id, prompt_token_ids, params) -> tuple[Placement, Mailbox]:
-        instance = self.policy.choose_decode(
-            await self._available("colocated"), -(-len(prompt_token_ids) // self.block_size)
-        )
-        if instance is None:
-            raise UnavailableError("no healthy colocated instance")
-        placement = Placement(None, instance)
+    async def _start_colocated(
+        self, request_id, prompt_token_ids, params, request: RequestShape
+    ) -> tuple[Placement, Mailbox]:
+        pool = await self._available("colocated")
+        choice = self._place(pool, pool, request)
+        instance = choice.decode
+        placement = Placement(None, instance, choice=choice)
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
+        instance.outstanding_context_tokens += len(prompt_token_ids)
         try:
             await instance.decode_service.submit(
                 request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s
@@ -277,6 +347,7 @@ class Orchestrator:
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
             decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
+            decode.outstanding_context_tokens = max(0, decode.outstanding_context_tokens - num_prompt_tokens)
         if placement.finished:
             return
         holders = ((decode or placement.reserving, "decode_service"), (placement.prefill, "prefill_service"))

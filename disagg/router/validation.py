@@ -73,6 +73,18 @@ def check_slo(slo: serving_pb2.Slo) -> None:
             raise InvalidRequestError(f"slo.{name}", f"must be a finite number >= 0 (0: the server's), got {value}")
 
 
+PRIORITY_NAMES = {
+    serving_pb2.PRIORITY_STANDARD: "standard",
+    serving_pb2.PRIORITY_CRITICAL: "critical",
+    serving_pb2.PRIORITY_SHEDDABLE: "sheddable",
+}
+
+
+def check_priority(priority: int) -> None:
+    if priority not in PRIORITY_NAMES:
+        raise InvalidRequestError("priority", f"unknown value {priority}")
+
+
 def check_model_bounds(params: SamplingParams, limits: ModelLimits) -> None:
     """What SamplingParams cannot check alone: the fields bounded by the model's vocabulary."""
     if params.top_k > limits.vocab_size:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 from disagg.config import ServingConfig
+from disagg.placement.policies import LeastOutstandingWork
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.orchestrator import Orchestrator
@@ -25,8 +26,8 @@ PROMPT_TOKENS = 64  # long enough for full KV blocks and a real prefill GEMM
 WARM_UP_TIMEOUT_S = 120.0
 
 
-class _Pinned:
-    """A placement policy that always answers the same two instances."""
+class _Pinned(LeastOutstandingWork):
+    """A placement policy that always answers the same two instances (and admits everything)."""
 
     def __init__(self, prefill: Instance | None, decode: Instance):
         self.prefill, self.decode = prefill, decode

@@ -32,6 +32,8 @@ class TokenDelta:
     decode_s: float = 0.0
     prefill_instance: str = ""  # set by the router: where the request ran
     decode_instance: str = ""
+    predicted_ttft_s: float = 0.0  # set by the router: what it predicted there (0: no prediction)
+    predicted_tpot_s: float = 0.0
 
     def merge(self, later: "TokenDelta") -> None:
         """Fold a later delta of the same request into this one (the consumer was slow): tokens
@@ -66,7 +68,7 @@ class TokenDelta:
 
 
 _ADDED_UP = {"token_ids", "text", "logprobs"}
-_ROUTER_SET = {"request_id", "prefill_instance", "decode_instance"}
+_ROUTER_SET = {"request_id", "prefill_instance", "decode_instance", "predicted_ttft_s", "predicted_tpot_s"}
 
 
 @dataclass

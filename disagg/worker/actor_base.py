@@ -26,11 +26,13 @@ from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
 from disagg.config import WorkerConfig
 from disagg.kv_transfer.layout import KVLayout
+from disagg.placement.online_fit import StepSample
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.rpc.server import Link, RpcServer
 from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
+MAX_REPORTED_STEPS = 128  # per heartbeat: bounds what one report weighs in Redis
 
 
 class WorkerActorBase:
@@ -200,11 +202,25 @@ class WorkerActorBase:
             with self._heartbeat_lock:
                 if not self._heartbeat_enabled.is_set():
                     continue
+                load = self.load()
+                load.steps = self._steps_since_last_report()
                 try:
-                    registry.heartbeat(self.instance_info(), self.load(), self._heartbeat_ttl_s)
+                    registry.heartbeat(self.instance_info(), load, self._heartbeat_ttl_s)
                 except RegistryUnavailable as exc:  # keep serving; the next beat retries
                     logger.warning("heartbeat failed: %s", exc)
         registry.close()
+
+    def _steps_since_last_report(self) -> list[list]:
+        """The engine's steps since the last heartbeat (at most MAX_REPORTED_STEPS, the latest)."""
+        history, steps = self.worker.engine.step_stats, []
+        while history:
+            try:
+                s = history.popleft()  # appended by the engine thread meanwhile: no lock needed
+            except IndexError:
+                break
+            steps.append(StepSample(s.prefill_tokens, s.prefill_attention, s.decode_batch, s.decode_context,
+                                    s.seconds * 1e3).to_list())  # fmt: skip
+        return steps[-MAX_REPORTED_STEPS:]
 
     def _deregister(self, coming_back: bool = False) -> None:
         if not self._registry_url:
@@ -226,6 +242,7 @@ def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
         if r.num_computed_tokens < r.num_prompt_tokens
     )
     free, total = engine.num_free_blocks, engine.num_total_blocks
+    context = sum(r.num_tokens for r in list(scheduler.running))
     return LoadReport(
         num_running=len(scheduler.running),
         num_waiting=len(scheduler.waiting),
@@ -235,4 +252,5 @@ def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
         num_total_blocks=total,
         kv_cache_usage=1.0 - free / total,
         updated_at=time.time(),
+        decode_context_tokens=context,
     )

@@ -452,3 +452,21 @@ def test_losing_redis_fails_no_request_and_it_comes_back_by_itself(server, clien
         time.sleep(0.2)
     with Registry(server.redis.url) as registry:
         assert len(registry.instances()) == 3
+
+
+def test_a_request_no_instance_can_serve_in_time_is_refused_at_once_with_the_prediction(client):
+    """SLO admission over real gRPC: once the instances' models are fitted from their own steps,
+    a request whose TTFT target no pair can meet gets RESOURCE_EXHAUSTED at once, naming the
+    predicted TTFT; the same request as critical is served."""
+    for i in range(10):  # steps for every instance's online fit (a prefill step and decode steps each)
+        client.generate(chat(f"Count to {i}.", max_tokens=12, ignore_eos=True))
+    time.sleep(1.0)  # the steps reach the router with the workers' next heartbeats
+    impossible = serving_pb2.Slo(ttft_ms=0.01)
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        client.generate(chat("Say hi.", slo=impossible))
+    assert time.monotonic() - started < 2.0
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "predicted TTFT" in refused.value.details()
+    _, _, last = client.generate(chat("Say hi.", slo=impossible, priority="critical"))
+    assert last.finished and last.timings.predicted_ttft_s > 0

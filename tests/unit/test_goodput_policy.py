@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagg.placement.goodput import GoodputPolicy, RequestShape, Slo
+from disagg.placement.goodput import GoodputPolicy
+from disagg.placement.policies import RequestShape, Slo
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.online_fit import OnlineStepModel, StepSample, predict
 from disagg.placement.predictor import Residual, prefill_compute_ms, tpot_ms, ttft_ms
@@ -22,12 +23,14 @@ class Inst:
     instance_id: str
     step_model: StepModel = TRUE
     queued_prefill_tokens: int = 0
-    num_requests: int = 0
+    decode_batch: int = 0
     decode_context_tokens: int = 0
     free_blocks: int = 1000
     prefill_budget: int = 512
     ttft_residual_ms: float = 0.0
     tpot_residual_ms: float = 0.0
+    prefill_calibrated: bool = True
+    decode_calibrated: bool = True
 
 
 def shape(prompt=100, max_tokens=50, ttft=1000.0, tpot=50.0, priority="standard") -> RequestShape:
@@ -43,7 +46,7 @@ def test_a_chunked_prompt_costs_its_steps_and_its_whole_attention():
 
 
 def test_tpot_counts_the_batch_with_the_request_added():
-    idle, busy = Inst("idle"), Inst("busy", num_requests=40, decode_context_tokens=40 * 500)
+    idle, busy = Inst("idle"), Inst("busy", decode_batch=40, decode_context_tokens=40 * 500)
     assert tpot_ms(idle, 100, 50) == pytest.approx(3 + 0.001 * (100 + 25) + 0.2)
     assert tpot_ms(busy, 100, 50) == pytest.approx(3 + 0.001 * (20000 + 100 + 41 * 25) + 0.2 * 41)
 
@@ -74,21 +77,21 @@ def test_a_slower_instance_is_chosen_only_when_the_faster_one_is_predicted_later
 
 
 def test_the_decode_whose_batch_keeps_the_tpot_wins_over_the_less_loaded_prefill_pairing():
-    crowded = Inst("d-crowded", num_requests=200, decode_context_tokens=200 * 1000)  # ~243 ms a token
-    light = Inst("d-light", num_requests=100, decode_context_tokens=100 * 100)
+    crowded = Inst("d-crowded", decode_batch=200, decode_context_tokens=200 * 1000)  # ~243 ms a token
+    light = Inst("d-light", decode_batch=100, decode_context_tokens=100 * 100)
     choice = GoodputPolicy().choose_pair([Inst("p0")], [crowded, light], shape(tpot=100))
     assert choice.decode is light and choice.tpot_ms < 100
 
 
 def test_a_decode_without_room_for_the_prompt_is_passed_over():
-    full, roomy = Inst("d-full", free_blocks=2), Inst("d-roomy", num_requests=50, free_blocks=100)
+    full, roomy = Inst("d-full", free_blocks=2), Inst("d-roomy", decode_batch=50, free_blocks=100)
     request = RequestShape(100, 50, Slo(), blocks_needed=7)
     assert GoodputPolicy().choose_pair([Inst("p0")], [full, roomy], request).decode is roomy
 
 
 def test_without_slos_the_least_loaded_pair_wins():
     prefills = [Inst("p0", queued_prefill_tokens=300), Inst("p1", queued_prefill_tokens=100)]
-    decodes = [Inst("d0", num_requests=5), Inst("d1", num_requests=2)]
+    decodes = [Inst("d0", decode_batch=5), Inst("d1", decode_batch=2)]
     choice = GoodputPolicy().choose_pair(prefills, decodes, RequestShape(100, 50, Slo()))
     assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p1", "d1")
 
@@ -99,6 +102,8 @@ def test_what_no_pair_can_serve_in_time_is_refused_with_its_prediction():
     assert not choice.admitted and choice.headroom < 0
     assert f"best predicted TTFT {choice.ttft_ms:.0f} ms" in choice.refusal(Slo(500, 50))
     assert GoodputPolicy(best_effort=True).choose_pair([swamped], [Inst("d0")], shape(ttft=500)).admitted
+    swamped.prefill_calibrated = False  # its model is still a guess: nothing is refused on it
+    assert GoodputPolicy().choose_pair([swamped], [Inst("d0")], shape(ttft=500)).admitted
 
 
 @pytest.mark.parametrize(

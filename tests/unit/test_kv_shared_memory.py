@@ -98,9 +98,10 @@ def test_copy_blocks_matches_gather_then_scatter(src_ids, dst_ids, backend):
         copy_blocks(src, [SHAPE[3]], dst, [0], ops)  # out of range: refused, nothing written past the cache
 
 
-def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
-    """The sender keeps its blocks only until its deadline: a copy that ends later may hold
-    another request's KV, so the receiver must not accept it."""
+def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer(monkeypatch):
+    """The sender keeps its blocks only until its deadline (a timeout from when the reference
+    went out): a copy that ends later may hold another request's KV, so the receiver must not
+    accept it."""
     hub = InProcessHub()
     src_cache = KVCache(
         SHAPE[0], SHAPE[3], SHAPE[4], SHAPE[2], SHAPE[5], torch.float32, torch.device("cpu"), shared=True
@@ -110,7 +111,9 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
     receiver = connected(KVReceiver(InProcessTransport("d", hub), timeout=5), dst_cache)
     transfer_id = receiver.expect("r", [3, 4], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [3, 4], (0, SHAPE[0]), (0, SHAPE[2]))])
-    time.sleep(0.6)  # past the sender's deadline before anything is sent
+    # The copy ends a second after it does: past the 0.5 s the sender holds its blocks.
+    late = SimpleNamespace(monotonic=time.monotonic, monotonic_ns=lambda: time.monotonic_ns() + 10**9)
+    monkeypatch.setattr("disagg.kv_transfer.receiver.time", late)
     chunk = SimpleNamespace(
         request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4]
     )
@@ -123,7 +126,9 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer():
     while not results and time.monotonic() < deadline:
         results = receiver.poll()
         time.sleep(0.005)
-    assert [(r.ok, "after the sender stopped holding it" in (r.error or "")) for r in results] == [(False, True)]
+    assert [(r.ok, "after the sender stopped holding it" in (r.error or "")) for r in results] == [(False, True)], (
+        results
+    )
     sender.close()
     receiver.close()
 
