@@ -81,7 +81,18 @@ def _status(args) -> int:
             print(
                 f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago"
             )
+            print(f"  {'':9} {_model_line(i.latency_model)}")
     return 0
+
+
+def _model_line(m) -> str:
+    """An instance's latency model as `disagg status` shows it."""
+    numbers = lambda values: ", ".join(f"{v:.3g}" for v in values)  # noqa: E731
+    state = "fitted" if m.calibrated else "guessed"
+    return (
+        f"model ({state}, {m.num_steps} steps, recent error {m.recent_error:.0%}): "
+        f"prefill ms = [{numbers(m.prefill)}] . [1, tokens, attention]; decode ms = [{numbers(m.decode)}] . [1, context, batch]"
+    )
 
 
 def _add_generate(sub) -> None:

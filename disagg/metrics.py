@@ -94,6 +94,10 @@ class ServingMetrics:
         self.kv_cache_usage = gauge("disagg:kv_cache_usage_perc", "KV-cache usage, 0..1 (1 = 100 percent).")
         self.num_requests_running = gauge("disagg:num_requests_running", "Requests in the running batch.")
         self.num_requests_waiting = gauge("disagg:num_requests_waiting", "Requests waiting (incl. for KV).")
+        self.latency_model_error = gauge(
+            "disagg:latency_model_error_ratio",
+            "Median relative error of the router's step-time predictions for the instance (its last steps).",
+        )
 
     # -- observations -------------------------------------------------------------------------------
 
@@ -138,9 +142,17 @@ class ServingMetrics:
         self.num_requests_waiting.labels(instance=instance, role=role).set(waiting)
         self.kv_cache_usage.labels(instance=instance, role=role).set(kv_usage)
 
+    def set_model_error(self, instance: str, role: str, error: float) -> None:
+        self.latency_model_error.labels(instance=instance, role=role).set(error)
+
     def remove_instance(self, instance: str, role: str) -> None:
         """Drop an instance's series (it left the cluster), so dashboards don't show a stale value."""
-        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+        for gauge in (
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.kv_cache_usage,
+            self.latency_model_error,
+        ):
             try:
                 gauge.remove(instance, role)
             except KeyError:

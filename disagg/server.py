@@ -212,6 +212,9 @@ class Server:
                 metrics.set_instance_load(
                     inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
                 )
+                error = inst.online.recent_error()
+                if error is not None:
+                    metrics.set_model_error(inst.instance_id, inst.role, error)
                 current.add((inst.instance_id, inst.role))
             for instance_id, role in shown - current:
                 metrics.remove_instance(instance_id, role)

@@ -174,6 +174,8 @@ def server_fields(msg) -> dict:
         "e2e_s": t.e2e_s,
         "prefill_instance": t.prefill_instance,
         "decode_instance": t.decode_instance,
+        "predicted_ttft_s": t.predicted_ttft_s,
+        "predicted_tpot_s": t.predicted_tpot_s,
     }
 
 

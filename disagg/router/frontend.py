@@ -218,6 +218,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     heartbeat_age_s=inst.view.heartbeat_age_s,
                     num_free_blocks=load.num_free_blocks,
                     num_total_blocks=load.num_total_blocks,
+                    latency_model=_latency_model(inst),
                 )
             )
             self.metrics.set_instance_load(
@@ -322,3 +323,15 @@ def _retrieve(task: asyncio.Future) -> None:
     """Consume the outcome of a task nobody may await (a cancelled request's headers)."""
     if not task.cancelled():
         task.exception()
+
+
+def _latency_model(inst) -> serving_pb2.LatencyModel:
+    model, online = inst.step_model, inst.online
+    kind = "prefill" if inst.role == "prefill" else "decode"
+    return serving_pb2.LatencyModel(
+        prefill=model.prefill.to_list(),
+        decode=model.decode_small.to_list(),
+        recent_error=online.recent_error() or 0.0,
+        num_steps=online.num_samples,
+        calibrated=online.calibrated(kind),
+    )

@@ -155,7 +155,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks")
+    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks", "latency_model")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class Instance(_message.Message):
     HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     kv_address: str
@@ -180,7 +181,22 @@ class Instance(_message.Message):
     heartbeat_age_s: float
     num_free_blocks: int
     num_total_blocks: int
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
+    latency_model: LatencyModel
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., latency_model: _Optional[_Union[LatencyModel, _Mapping]] = ...) -> None: ...
+
+class LatencyModel(_message.Message):
+    __slots__ = ("prefill", "decode", "recent_error", "num_steps", "calibrated")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ERROR_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CALIBRATED_FIELD_NUMBER: _ClassVar[int]
+    prefill: _containers.RepeatedScalarFieldContainer[float]
+    decode: _containers.RepeatedScalarFieldContainer[float]
+    recent_error: float
+    num_steps: int
+    calibrated: bool
+    def __init__(self, prefill: _Optional[_Iterable[float]] = ..., decode: _Optional[_Iterable[float]] = ..., recent_error: _Optional[float] = ..., num_steps: _Optional[int] = ..., calibrated: _Optional[bool] = ...) -> None: ...
 
 class Pool(_message.Message):
     __slots__ = ("role", "instances")

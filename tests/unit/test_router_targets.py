@@ -36,9 +36,11 @@ def test_targets_call_outcome_reaches_the_stream(outcome, error):
     server = prefill_server(outcome)
 
     async def scenario():
-        orchestrator = Orchestrator(ServingConfig(), directory=None, policy=None, streams=None, block_size=16)
+        failed = []  # the instances the router takes out of placement
+        directory = SimpleNamespace(mark_failed=failed.append)
+        orchestrator = Orchestrator(ServingConfig(), directory=directory, policy=None, streams=None, block_size=16)
         mailbox = Mailbox("r1")
-        link = RpcClient(server.address, LINK_KEY)
+        link = RpcClient(server.address, LINK_KEY, name="prefill-0")
         prefill = SimpleNamespace(instance_id="prefill-0", prefill_service=PrefillStub(link))
         await orchestrator._send_targets(prefill, "r1", reservation=None, mailbox=mailbox)
         await link.close()
@@ -48,6 +50,8 @@ def test_targets_call_outcome_reaches_the_stream(outcome, error):
             return
         delta = await mailbox.get(1.0)
         assert delta.finished and error in delta.error
+        # A worker that failed (UNAVAILABLE) is out of placement; one that merely dropped the request is not.
+        assert failed == (["prefill-0"] if isinstance(outcome, Exception) else [])
 
     try:
         asyncio.run(scenario())

@@ -1,0 +1,156 @@
+"""The goodput-aware router against least outstanding work, on the real server (issue 25).
+
+Phases, each on a fresh `disagg serve` (the default deployment: 1 prefill + 1 decode worker,
+SmolLM2-135M, the chat workload's lengths scaled to this CPU):
+
+1. goodput policy, no SLO: calibrate (the instances' models fit from their own steps), measure
+   the unloaded TTFT/TPOT and the capacity (req/s at saturation), then an open-loop run at half
+   the capacity: predicted (the router's, in each response's Timings) against measured TTFT and
+   TPOT -> `ttft mape`, `tpot mape`.
+2. the SLO is set from the unloaded figures (TTFT x SLO_TTFT_FACTOR, TPOT x SLO_TPOT_FACTOR);
+   each policy on its own server at 2x and 3x the capacity, open loop: goodput (requests meeting
+   both SLOs per second) -> `overload 2x goodput ratio`, `overload 3x goodput ratio` (goodput
+   policy / least work), `admitted attainment` (goodput policy, both rates), and how fast
+   refusals answer.
+
+Figures the router does not have yet (prefix-aware placement, conditional disaggregation, two
+prefill instances of unequal speed) are printed as "not measured" with the reason.
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_router.py          # ~10 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from served import Deployment  # noqa: E402
+
+from disagg.bench.metrics import meets_slo  # noqa: E402
+from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
+from disagg.bench.workloads import WorkloadConfig, make_workload  # noqa: E402
+from disagg.config import DEFAULT_MODEL  # noqa: E402
+from disagg.engine.loader import load_model_source  # noqa: E402
+
+SLO_TTFT_FACTOR, SLO_TPOT_FACTOR = 4.0, 2.0
+MAX_OUTPUT = 24
+
+
+def workload(num: int, seed: int):
+    tokenizer = load_model_source(DEFAULT_MODEL).tokenizer
+    requests = make_workload(WorkloadConfig("chat", num, seed=seed, length_scale=0.5), tokenizer)
+    return [r.__class__(r.prompt, r.prompt_len, min(r.output_len, MAX_OUTPUT)) for r in requests]
+
+
+def run(address, requests, rate, duration_s=None, num=None, concurrency=None, slo=None) -> dict:
+    load = LoadConfig(request_rate=rate, num_requests=num, duration_s=duration_s, max_concurrency=concurrency,
+                      timeout_s=120.0)  # fmt: skip
+    return run_benchmark(address, requests, load, slo)
+
+
+def mape(pairs: list[tuple[float, float]]) -> float:
+    errors = [abs(p - m) / m for p, m in pairs if m > 0 and p > 0]
+    return 100.0 * float(np.median(errors)) if errors else math.nan  # median absolute percentage error
+
+
+def prediction_phase(requests, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        dep = Deployment(Path(tmp), placement="goodput")
+        try:
+            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
+            base = run(dep.address, requests, math.inf, num=12, concurrency=1)["summary"]
+            sat = run(dep.address, requests, math.inf, num=args.capacity_requests, concurrency=16)["summary"]
+            capacity = sat["request_throughput"]
+            moderate = run(dep.address, requests, capacity / 2, duration_s=args.seconds)
+        finally:
+            dep.stop()
+    ok = [r for r in moderate["requests"] if r["success"]]
+    ttft = [(r["server"].get("predicted_ttft_s", 0.0), r["ttft"]) for r in ok]
+    tpot = [(r["server"].get("predicted_tpot_s", 0.0), r["tpot"]) for r in ok if r["output_len"] > 1]
+    return {
+        "base_ttft_ms": base["ttft_ms"]["p50"], "base_tpot_ms": base["tpot_ms"]["p50"],
+        "capacity_rps": capacity, "moderate_rps": capacity / 2, "moderate_completed": len(ok),
+        "ttft_mape": mape(ttft), "tpot_mape": mape(tpot),
+    }  # fmt: skip
+
+
+def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, args) -> dict:
+    results = {}
+    slo = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        dep = Deployment(Path(tmp), placement=policy, slo=slo)
+        try:
+            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration, as above
+            for factor in (2, 3):
+                out = run(dep.address, requests, factor * capacity, duration_s=args.seconds, slo=slo)
+                records = out["requests"]
+                admitted = [r for r in records if r["error_code"] != "RESOURCE_EXHAUSTED"]
+                refused = [r for r in records if r["error_code"] == "RESOURCE_EXHAUSTED"]
+                met = [r for r in admitted if meets_slo(_Record(r), slo)]
+                results[f"{factor}x"] = {
+                    "sent": len(records), "admitted": len(admitted), "refused": len(refused),
+                    "met_slo": len(met), "goodput_rps": out["summary"]["goodput"],
+                    "duration_s": out["summary"]["duration_s"],
+                    "refusal_ms_p50": _p(refused, 50), "refusal_ms_p99": _p(refused, 99),
+                    "failures": out["summary"]["failures_by_code"],
+                }  # fmt: skip
+        finally:
+            dep.stop()
+    return results
+
+
+class _Record:
+    """The fields meets_slo reads, from a record's dict."""
+
+    def __init__(self, r: dict):
+        self.success, self.ttft, self.e2el, self.output_len = r["success"], r["ttft"], r["e2el"], r["output_len"]
+        self.tpot = r["tpot"]
+
+
+def _p(records: list[dict], q: float) -> float:
+    return float(np.percentile([r["e2el"] * 1e3 for r in records], q)) if records else math.nan
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop run")
+    parser.add_argument("--capacity-requests", type=int, default=48)
+    parser.add_argument("--out", default="loadtest/results/bench_router.json")
+    args = parser.parse_args()
+    requests = workload(200, seed=0)
+    prediction = prediction_phase(requests, args)
+    print(json.dumps(prediction, indent=1), flush=True)
+    slo = {
+        "ttft_ms": SLO_TTFT_FACTOR * prediction["base_ttft_ms"],
+        "tpot_ms": SLO_TPOT_FACTOR * prediction["base_tpot_ms"],
+    }
+    overload = {
+        p: overload_phase(requests, p, slo, prediction["capacity_rps"], args) for p in ("least_work", "goodput")
+    }
+    print(json.dumps({"slo": slo, "overload": overload}, indent=1), flush=True)
+    good, least = overload["goodput"], overload["least_work"]
+    admitted = sum(good[k]["admitted"] for k in good)
+    attainment = 100.0 * sum(good[k]["met_slo"] for k in good) / admitted if admitted else math.nan
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"prediction": prediction, "slo": slo, "overload": overload}, indent=1) + "\n")
+    ratio = lambda k: good[k]["goodput_rps"] / least[k]["goodput_rps"] if least[k]["goodput_rps"] else math.inf  # noqa: E731
+    print(f"ttft mape: {prediction['ttft_mape']:.1f}")
+    print(f"tpot mape: {prediction['tpot_mape']:.1f}")
+    print(f"overload 2x goodput ratio: {ratio('2x'):.2f}")
+    print(f"overload 3x goodput ratio: {ratio('3x'):.2f}")
+    print(f"admitted attainment: {attainment:.1f}")
+    print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
+    print("heterogeneity goodput ratio: not measured (needs two prefill instances of unequal speed; next step)")
+    print("prefix ttft ratio: not measured (prefix-aware placement is not built yet)")
+    print("conditional ttft ratio: not measured (conditional disaggregation is not built yet)")
+
+
+if __name__ == "__main__":
+    main()
