@@ -61,6 +61,9 @@ class LoadReport:
     # Engine steps since the last report, each [prefill tokens, attention, decode batch, decode
     # context, ms] (disagg.placement.online_fit.StepSample): what the router's model learns from.
     steps: list = field(default_factory=list)
+    # Chained hashes of its cached KV blocks (the newest, at most MAX_PREFIX_HASHES): where a
+    # prompt's prefix is warm (disagg.engine.block_manager.chain_hash).
+    prefix_hashes: list = field(default_factory=list)
 
 
 @dataclass

@@ -159,6 +159,7 @@ class Server:
             recovery_timeout_s=config.recovery_timeout_s,
             profile=load_profile(config.profile) if config.profile else None,
             prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
+            block_size=config.engine.block_size,
         )
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None

@@ -35,16 +35,15 @@ from served import Deployment  # noqa: E402
 
 from disagg.bench.metrics import meets_slo  # noqa: E402
 from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
-from disagg.bench.workloads import WorkloadConfig, make_workload  # noqa: E402
+from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload  # noqa: E402
 from disagg.config import DEFAULT_MODEL  # noqa: E402
-from disagg.engine.loader import load_model_source  # noqa: E402
 
 SLO_TTFT_FACTOR, SLO_TPOT_FACTOR = 4.0, 2.0
 MAX_OUTPUT = 24
 
 
 def workload(num: int, seed: int):
-    tokenizer = load_model_source(DEFAULT_MODEL).tokenizer
+    tokenizer, _ = load_tokenizer(DEFAULT_MODEL)
     requests = make_workload(WorkloadConfig("chat", num, seed=seed, length_scale=0.5), tokenizer)
     return [r.__class__(r.prompt, r.prompt_len, min(r.output_len, MAX_OUTPUT)) for r in requests]
 

@@ -60,6 +60,25 @@ class BlockManager:
         return self._ref_counts[block_id]
 
     # ---- prefix cache --------------------------------------------------------------------
+    def cached_hashes(self, limit: int) -> list[int]:
+        """The chained hashes of (at most `limit` of the newest) cached blocks: what a router
+        needs to predict how much of a prompt this instance would not recompute. Safe to call
+        from another thread (a snapshot; empty if the cache changed under it)."""
+        try:
+            return list(self._cached)[-limit:]
+        except RuntimeError:  # the engine thread changed it meanwhile: the next report has it
+            return []
+
+    @staticmethod
+    def prompt_hashes(token_ids: list[int], block_size: int) -> list[int]:
+        """The chained hashes of a prompt's blocks that a prefix-cache lookup would try (every
+        full block but the one holding the last token, which is always computed)."""
+        hashes, parent = [], None
+        for i in range((len(token_ids) - 1) // block_size):
+            parent = chain_hash(parent, tuple(token_ids[i * block_size : (i + 1) * block_size]))
+            hashes.append(parent)
+        return hashes
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """Block ids holding the longest cached prefix of the request's tokens.
 

@@ -1,9 +1,11 @@
 """The goodput-aware policy: place each request on the (prefill, decode) pair predicted to serve
 it with the most room against its SLOs, and refuse at once what no pair can serve in time.
 
+Predictions count only the prompt tokens the prefill instance does not hold in its prefix
+cache, so a request goes where its prefix is warm unless that instance is predicted to miss.
 Headroom of a pair is the smaller of (SLO - predicted) / SLO over TTFT and TPOT (a target of 0
-is no target). The pair with the most headroom wins; pairs within `TIE` of the best are told
-apart by load, so an idle cluster still spreads its requests. A request whose best headroom is
+is no target). The pair with the most headroom wins; pairs within `TIE` of the best (all of them, for a
+request without targets) are told apart by predicted TTFT + TPOT, then by load. A request whose best headroom is
 below what its priority needs is refused (or, with `best_effort`, placed anyway): a request that
 will miss anyway only slows the others down (DistServe's goodput argument). Priorities shed in
 order under pressure: sheddable needs a margin of `SHEDDABLE_MARGIN`, standard needs none,
@@ -44,15 +46,16 @@ class GoodputPolicy(LeastOutstandingWork):
         pairs = [(p, p) for p in roomy] if colocated else [(p, d) for p in prefills for d in roomy]
         if not pairs:
             return None
-        ttfts = {id(p): ttft_ms(p, request.prompt_tokens) for p, _ in pairs}
+        cached = {id(p): p.cached_tokens(request.block_hashes) for p, _ in pairs}
+        ttfts = {id(p): ttft_ms(p, request.prompt_tokens, cached[id(p)]) for p, _ in pairs}
         tpots = {id(d): tpot_ms(d, request.prompt_tokens, request.max_tokens) for _, d in pairs}
         scored = [(request.slo.headroom(ttfts[id(p)], tpots[id(d)]), p, d) for p, d in pairs]
         best = max(h for h, _, _ in scored)
         close = [s for s in scored if _tied(s[0], best)]
-        headroom, prefill, decode = min(close, key=lambda s: _load(s[1], s[2]))
+        headroom, prefill, decode = min(close, key=lambda s: (ttfts[id(s[1])] + tpots[id(s[2])], _load(s[1], s[2])))
         guessed = not (prefill.prefill_calibrated and decode.decode_calibrated)  # a guess refuses nothing
         admitted = self.best_effort or guessed or headroom >= _REQUIRED_HEADROOM[request.priority]
-        return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted)
+        return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted, cached[id(prefill)])
 
 
 def _tied(headroom: float, best: float) -> bool:
@@ -63,4 +66,4 @@ def _tied(headroom: float, best: float) -> bool:
 
 def _load(prefill, decode) -> tuple:
     """Least outstanding work first: prompt tokens queued, then requests decoding."""
-    return (prefill.queued_prefill_tokens, decode.decode_batch, prefill.instance_id, decode.instance_id)
+    return (prefill.predicted_queue_tokens, decode.decode_batch, prefill.instance_id, decode.instance_id)

@@ -53,6 +53,7 @@ class RequestShape:
     slo: Slo
     priority: str = "standard"
     blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
+    block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (prefix-cache lookups)
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
@@ -69,6 +70,7 @@ class Choice:
     tpot_ms: float
     headroom: float
     admitted: bool
+    cached_tokens: int = 0  # of its prompt, predicted to be in the prefill instance's prefix cache
 
     def refusal(self, slo: Slo) -> str:
         return (

@@ -28,7 +28,10 @@ class PrefillSide(Protocol):
     prefill_calibrated: bool  # predicted from its own measurements (else a guess: refuse nothing on it)
 
     @property
-    def queued_prefill_tokens(self) -> int: ...
+    def predicted_queue_tokens(self) -> int: ...  # prompt tokens to compute before a new one
+
+    def cached_tokens(self, block_hashes: list[int]) -> int:
+        """Tokens of a prompt (its block hashes) that it holds in its prefix cache."""
 
 
 class DecodeSide(Protocol):
@@ -47,19 +50,23 @@ class DecodeSide(Protocol):
     def free_blocks(self) -> int: ...
 
 
-def ttft_ms(prefill: PrefillSide, prompt_tokens: int) -> float:
+def ttft_ms(prefill: PrefillSide, prompt_tokens: int, cached_tokens: int = 0) -> float:
     """From now until the prompt's first token is back, on `prefill`."""
-    return prefill_compute_ms(prefill.step_model, prefill.queued_prefill_tokens, prompt_tokens,
-                              prefill.prefill_budget) + prefill.ttft_residual_ms  # fmt: skip
+    return prefill_compute_ms(prefill.step_model, prefill.predicted_queue_tokens, prompt_tokens,
+                              prefill.prefill_budget, cached_tokens) + prefill.ttft_residual_ms  # fmt: skip
 
 
-def prefill_compute_ms(model: StepModel, queued_tokens: int, prompt_tokens: int, budget: int) -> float:
-    """The queue, then this prompt, in steps of at most `budget` tokens. The queued prompts'
+def prefill_compute_ms(model: StepModel, queued_tokens: int, prompt_tokens: int, budget: int,
+                       cached_tokens: int = 0) -> float:  # fmt: skip
+    """The queue, then this prompt's uncached tokens, in steps of at most `budget` tokens. Its
+    uncached tokens attend to the whole prompt: attention l^2 - cached^2. The queued prompts'
     own lengths are not known here: they are taken to be like this one (attention l per token)."""
-    queued, total = max(0, queued_tokens), max(0, queued_tokens) + prompt_tokens
+    cached = min(max(0, cached_tokens), max(0, prompt_tokens - 1))
+    new = prompt_tokens - cached
+    queued, total = max(0, queued_tokens), max(0, queued_tokens) + new
     steps = max(1, math.ceil(total / max(1, budget)))
     p = model.prefill
-    attention = prompt_tokens * prompt_tokens + queued * prompt_tokens
+    attention = prompt_tokens * prompt_tokens - cached * cached + queued * prompt_tokens
     return steps * p.a + p.b * total + p.c * attention
 
 

@@ -52,7 +52,14 @@ class Instance:
     ttft_residual: Residual = field(default_factory=Residual)
     tpot_residual: Residual = field(default_factory=Residual)
     prefill_budget: int = 512  # its engine's max_num_batched_tokens
+    block_size: int = 16
     outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
+    outstanding_uncached_tokens: int = (
+        0  # of the prompts sent here, those predicted to be computed, until their first token
+    )
+    # Where prompts are warm: its last report's cached block hashes, and those of the prompts
+    # sent here since (they will be cached by the time the next one comes).
+    prefix_hashes: set = field(default_factory=set)
 
     @property
     def prefill_service(self) -> PrefillStub:
@@ -121,6 +128,25 @@ class Instance:
     def decode_context_tokens(self) -> int:
         return max(self.view.load.decode_context_tokens, self.outstanding_context_tokens)
 
+    @property
+    def predicted_queue_tokens(self) -> int:
+        """Prompt tokens to compute before a new one: what this router sent and has not seen
+        the first token of (its own report lags by up to a heartbeat)."""
+        return self.outstanding_uncached_tokens
+
+    def cached_tokens(self, block_hashes) -> int:
+        """Tokens of the prompt's leading blocks that it holds (block hashes as BlockManager's)."""
+        hits = 0
+        for h in block_hashes:
+            if h not in self.prefix_hashes:
+                break
+            hits += 1
+        return hits * self.block_size
+
+    def learn_report(self, report: LoadReport) -> None:
+        self.learn_steps(report)
+        self.prefix_hashes = set(report.prefix_hashes)
+
     def learn_steps(self, report: LoadReport) -> None:
         for values in report.steps:
             try:
@@ -148,11 +174,13 @@ class InstanceDirectory:
         recovery_timeout_s: float = 60.0,
         profile: Profile | None = None,
         prefill_budget: int = 512,
+        block_size: int = 16,
     ):
         """`profile`: seeds each instance's latency model (its TP x PP entry) until the
         instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step."""
         self.profile = profile
         self.prefill_budget = prefill_budget
+        self.block_size = block_size
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
         self.heartbeat_ttl_s = heartbeat_ttl_s
@@ -264,7 +292,7 @@ class InstanceDirectory:
         if known is not None and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
                 known.reserved_blocks = 0  # the new report already counts earlier reservations
-                known.learn_steps(view.load)
+                known.learn_report(view.load)
             known.view = view
             return
         try:
@@ -278,7 +306,15 @@ class InstanceDirectory:
         link = self._links.get(info.rpc_address)
         if link is None:
             link = self._links[info.rpc_address] = RpcClient(info.rpc_address, self._link_key, name=info.instance_id)
-        instance = Instance(info.instance_id, info.role, actor, view, link, prefill_budget=self.prefill_budget)
+        instance = Instance(
+            info.instance_id,
+            info.role,
+            actor,
+            view,
+            link,
+            prefill_budget=self.prefill_budget,
+            block_size=self.block_size,
+        )
         if known is not None:  # the same instance back at a new address: what was learnt of it holds
             instance.online, instance.ttft_residual, instance.tpot_residual = (
                 known.online,
@@ -287,5 +323,5 @@ class InstanceDirectory:
             )
         else:
             instance.online = self._new_model(info.tensor_parallel_size, info.pipeline_parallel_size)
-        instance.learn_steps(view.load)
+        instance.learn_report(view.load)
         self._instances[info.instance_id] = instance

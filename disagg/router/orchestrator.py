@@ -33,6 +33,7 @@ from disagg.errors import (
     UnavailableError,
     WorkerLinkError,
 )
+from disagg.engine.block_manager import BlockManager
 from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
@@ -153,7 +154,10 @@ class Orchestrator:
     ) -> AsyncIterator[TokenDelta]:
         """One try on one placement."""
         placement, mailbox = None, None
-        request = RequestShape(len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids))
+        hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
+        request = RequestShape(
+            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes
+        )
         try:
             if self.disaggregated:
                 placement, mailbox, first = await self._start_disaggregated(
@@ -212,9 +216,12 @@ class Orchestrator:
     ) -> tuple[Placement, Mailbox, TokenDelta]:
         choice = self._place(await self._available("prefill"), await self._available("decode"), request)
         prefill = choice.prefill
+        uncached = len(prompt_token_ids) - choice.cached_tokens
+        prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
+        prefill.outstanding_uncached_tokens += uncached
         queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()
         # The decode side waits for the first KV as long as the prefill's queue is predicted to take
         # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
@@ -241,6 +248,7 @@ class Orchestrator:
             raise
         finally:
             prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
+            prefill.outstanding_uncached_tokens -= uncached
         first = TokenDelta.first(result)
         return placement, mailbox, first
 

@@ -33,6 +33,7 @@ from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
 MAX_REPORTED_STEPS = 128  # per heartbeat: bounds what one report weighs in Redis
+MAX_PREFIX_HASHES = 4096  # likewise (about 80 kB of JSON at most)
 
 
 class WorkerActorBase:
@@ -204,6 +205,7 @@ class WorkerActorBase:
                     continue
                 load = self.load()
                 load.steps = self._steps_since_last_report()
+                load.prefix_hashes = self.worker.engine.block_manager.cached_hashes(MAX_PREFIX_HASHES)
                 try:
                     registry.heartbeat(self.instance_info(), load, self._heartbeat_ttl_s)
                 except RegistryUnavailable as exc:  # keep serving; the next beat retries

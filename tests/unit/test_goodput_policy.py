@@ -31,6 +31,19 @@ class Inst:
     tpot_residual_ms: float = 0.0
     prefill_calibrated: bool = True
     decode_calibrated: bool = True
+    warm: tuple = ()  # block hashes it holds
+
+    @property
+    def predicted_queue_tokens(self) -> int:
+        return self.queued_prefill_tokens
+
+    def cached_tokens(self, block_hashes) -> int:
+        hits = 0
+        for h in block_hashes:
+            if h not in self.warm:
+                break
+            hits += 1
+        return 16 * hits
 
 
 def shape(prompt=100, max_tokens=50, ttft=1000.0, tpot=50.0, priority="standard") -> RequestShape:
@@ -186,3 +199,23 @@ def test_a_step_sample_travels_as_a_list():
         "decode",
         "prefill",
     )
+
+
+def test_a_request_goes_where_its_prefix_is_warm_unless_that_instance_is_predicted_to_miss():
+    prompt_hashes = tuple(range(1, 33))  # 32 blocks: 512 of its 520 tokens cacheable
+    warm = Inst("p-warm", warm=prompt_hashes, queued_prefill_tokens=400)
+    cold = Inst("p-cold")
+    request = RequestShape(520, 50, Slo(1000, 50), block_hashes=prompt_hashes)
+    choice = GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request)
+    assert choice.prefill is warm and choice.cached_tokens == 512
+    assert choice.ttft_ms < ttft_ms(cold, 520)
+    warm.queued_prefill_tokens = 20_000  # warm, but far behind
+    assert GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request).prefill is cold
+
+
+def test_cached_tokens_are_not_computed_again():
+    full = prefill_compute_ms(TRUE, 0, 1000, 512)
+    assert prefill_compute_ms(TRUE, 0, 1000, 512, cached_tokens=960) == pytest.approx(
+        5 + 0.1 * 40 + 1e-4 * (1000**2 - 960**2)
+    )
+    assert prefill_compute_ms(TRUE, 0, 1000, 512, cached_tokens=960) < full / 5

@@ -294,3 +294,18 @@ def test_plain_decode_steps_stop_short_of_a_preemption_or_a_waiting_request():
         s.advance_decodes(9, 7)
     s.add_request(make_request("late", 4, 4))
     assert s.plain_decode_steps() == 0  # the next step admits it: not a plain decode step
+
+
+def test_a_routers_prompt_hashes_are_the_blocks_an_instance_reports_cached():
+    """What a router computes of a prompt (BlockManager.prompt_hashes) names the blocks the
+    instance reports (cached_hashes) once the prompt ran: the prefix-aware placement's index."""
+    s = make_scheduler()
+    request = make_request("a", 4 * BLOCK + 2, 1)
+    s.add_request(request)
+    while s.has_unfinished_requests():
+        run_fake_step(s)
+    reported = set(s.block_manager.cached_hashes(limit=100))
+    hashes = BlockManager.prompt_hashes(request.prompt_token_ids, BLOCK)
+    assert len(hashes) == 4 and set(hashes) <= reported
+    other = BlockManager.prompt_hashes([9] + request.prompt_token_ids[1:], BLOCK)
+    assert not set(other) & reported  # chained: a different first block changes every hash
