@@ -58,7 +58,7 @@ class LoadReport:
     kv_cache_usage: float = 0.0
     updated_at: float = 0.0
     decode_context_tokens: int = 0  # the running requests' contexts, summed
-    # Engine steps since the last report, each [prefill tokens, attention, decode batch, decode
+    # The engine's latest steps, each [step index, prefill tokens, attention, decode batch, decode
     # context, ms] (disagg.placement.online_fit.StepSample): what the router's model learns from.
     steps: list = field(default_factory=list)
     # Chained hashes of its cached KV blocks (the newest, at most MAX_PREFIX_HASHES): where a

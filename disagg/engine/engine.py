@@ -111,8 +111,9 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._num_reported: dict[str, int] = {}
         self.last_step_seconds = 0.0
-        # The latest steps, for the worker's reports (appended here, drained from another thread).
+        # The latest steps, for the worker's reports (appended here, read from another thread).
         self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self.num_steps = 0
 
     # ---- construction ------------------------------------------------------------------------
     def _build_model(self, source) -> LlamaForCausalLM:
@@ -246,7 +247,8 @@ class LLMEngine:
         started = time.perf_counter()
         sampled, failed = self._execute(plan)
         self.last_step_seconds = time.perf_counter() - started
-        self.step_stats.append(_stats(plan, self.last_step_seconds))
+        self.num_steps += 1
+        self.step_stats.append(_stats(plan, self.last_step_seconds, self.num_steps))
         if failed:
             plan.chunks = [c for c in plan.chunks if c.request.request_id not in failed]
         outputs = [self._fail(request, error) for request, error in failed.values()]
@@ -400,7 +402,7 @@ class LLMEngine:
         return self.block_manager.peak_num_used_blocks
 
 
-def _stats(plan: SchedulerOutput, seconds: float) -> StepStats:
+def _stats(plan: SchedulerOutput, seconds: float, index: int) -> StepStats:
     decodes = [c for c in plan.chunks if c.num_new_tokens == 1 and c.start > 0]
     prefills = [c for c in plan.chunks if not (c.num_new_tokens == 1 and c.start > 0)]
     return StepStats(
@@ -409,4 +411,5 @@ def _stats(plan: SchedulerOutput, seconds: float) -> StepStats:
         len(decodes),
         sum(c.start + 1 for c in decodes),
         seconds,
+        index,
     )

@@ -42,3 +42,4 @@ class StepStats:
     decode_batch: int
     decode_context: int  # the decodes' contexts, summed
     seconds: float
+    index: int = 0  # the engine's step count: tells a step already reported from a new one

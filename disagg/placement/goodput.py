@@ -9,7 +9,8 @@ request without targets) are told apart by predicted TTFT + TPOT, then by load. 
 below what its priority needs is refused (or, with `best_effort`, placed anyway): a request that
 will miss anyway only slows the others down (DistServe's goodput argument). Priorities shed in
 order under pressure: sheddable needs a margin of `SHEDDABLE_MARGIN`, standard needs none,
-critical is never refused on a prediction.
+critical is never refused on a prediction. Nor is any request while the cluster is idle: there
+is nothing to shed, and a model that predicts too slow is only corrected by what it lets through.
 
 The router runs this class on its live instances, the simulator on simulated ones.
 """
@@ -54,7 +55,10 @@ class GoodputPolicy(LeastOutstandingWork):
         close = [s for s in scored if _tied(s[0], best)]
         headroom, prefill, decode = min(close, key=lambda s: (ttfts[id(s[1])] + tpots[id(s[2])], _load(s[1], s[2])))
         guessed = not (prefill.prefill_calibrated and decode.decode_calibrated)  # a guess refuses nothing
-        admitted = self.best_effort or guessed or headroom >= _REQUIRED_HEADROOM[request.priority]
+        # Nothing is refused while the cluster is idle: there is no load to shed, and only what
+        # it serves corrects a model that predicts too slow (refusing on it would refuse forever).
+        idle = all(p.predicted_queue_tokens == 0 for p, _ in pairs) and all(d.decode_batch == 0 for _, d in pairs)
+        admitted = self.best_effort or guessed or idle or headroom >= _REQUIRED_HEADROOM[request.priority]
         return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted, cached[id(prefill)])
 
 

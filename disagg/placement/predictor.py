@@ -15,6 +15,8 @@ Pure: the router predicts with live instances, the simulator with simulated ones
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from typing import Protocol
 
 from disagg.placement.latency_model import StepModel
@@ -52,8 +54,10 @@ class DecodeSide(Protocol):
 
 def ttft_ms(prefill: PrefillSide, prompt_tokens: int, cached_tokens: int = 0) -> float:
     """From now until the prompt's first token is back, on `prefill`."""
-    return prefill_compute_ms(prefill.step_model, prefill.predicted_queue_tokens, prompt_tokens,
-                              prefill.prefill_budget, cached_tokens) + prefill.ttft_residual_ms  # fmt: skip
+    model = prefill.step_model
+    compute = prefill_compute_ms(model, prefill.predicted_queue_tokens, prompt_tokens, prefill.prefill_budget,
+                                 cached_tokens)  # fmt: skip
+    return max(compute + prefill.ttft_residual_ms, model.prefill.a)  # never less than one step
 
 
 def prefill_compute_ms(model: StepModel, queued_tokens: int, prompt_tokens: int, budget: int,
@@ -74,23 +78,22 @@ def tpot_ms(decode: DecodeSide, prompt_tokens: int, max_tokens: int) -> float:
     """Time per output token of a request joining `decode`'s batch now."""
     batch = decode.decode_batch + 1
     context = decode.decode_context_tokens + prompt_tokens + batch * max_tokens // 2
-    return decode.step_model.decode_ms(batch, context) + decode.tpot_residual_ms
+    model = decode.step_model
+    return max(model.decode_ms(batch, context) + decode.tpot_residual_ms, model.decode_small.a)
 
 
 class Residual:
-    """Measured minus predicted, smoothed: what a prediction misses on one instance (ms)."""
+    """Measured minus predicted: what a prediction misses on one instance (ms). The median of
+    the last `window` requests, so that a few outliers (an instance's first requests, which
+    build kernels and fill caches) do not bias every prediction after them."""
 
-    def __init__(self, smoothing: float = 0.1):
-        self.smoothing = smoothing
+    def __init__(self, window: int = 32):
+        self._errors: deque[float] = deque(maxlen=window)
         self.value = 0.0
-        self._seen = False
 
     def observe(self, measured_ms: float, predicted_ms: float) -> None:
         """`predicted_ms` without the residual itself."""
         error = measured_ms - predicted_ms
-        if not math.isfinite(error):
-            return
-        if not self._seen:
-            self.value, self._seen = error, True
-        else:
-            self.value += self.smoothing * (error - self.value)
+        if math.isfinite(error):
+            self._errors.append(error)
+            self.value = statistics.median(self._errors)

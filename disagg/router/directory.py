@@ -31,6 +31,7 @@ from disagg.rpc.client import RpcClient
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 
 logger = logging.getLogger(__name__)
+STEP_INDEX_RESET = 1000  # a step index this far below the last learnt: a restarted worker's
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Instance:
     # Where prompts are warm: its last report's cached block hashes, and those of the prompts
     # sent here since (they will be cached by the time the next one comes).
     prefix_hashes: set = field(default_factory=set)
+    last_step_index: int = 0  # of the latest step learnt from
 
     @property
     def prefill_service(self) -> PrefillStub:
@@ -148,11 +150,15 @@ class Instance:
         self.prefix_hashes = set(report.prefix_hashes)
 
     def learn_steps(self, report: LoadReport) -> None:
-        for values in report.steps:
+        """The steps of the report not learnt from before (reports overlap: see the worker's)."""
+        for entry in report.steps:
             try:
-                self.online.observe(StepSample.from_list(values))
-            except (TypeError, ValueError):
+                index, sample = int(entry[0]), StepSample.from_list(entry[1:])
+            except (TypeError, ValueError, IndexError):
                 continue  # a malformed entry teaches nothing
+            if index > self.last_step_index or index < self.last_step_index - STEP_INDEX_RESET:
+                self.last_step_index = index  # (far below: the worker restarted, counting anew)
+                self.online.observe(sample)
 
 
 @dataclass(frozen=True)

@@ -204,7 +204,7 @@ class WorkerActorBase:
                 if not self._heartbeat_enabled.is_set():
                     continue
                 load = self.load()
-                load.steps = self._steps_since_last_report()
+                load.steps = self._recent_steps()
                 load.prefix_hashes = self.worker.engine.block_manager.cached_hashes(MAX_PREFIX_HASHES)
                 try:
                     registry.heartbeat(self.instance_info(), load, self._heartbeat_ttl_s)
@@ -212,17 +212,23 @@ class WorkerActorBase:
                     logger.warning("heartbeat failed: %s", exc)
         registry.close()
 
-    def _steps_since_last_report(self) -> list[list]:
-        """The engine's steps since the last heartbeat (at most MAX_REPORTED_STEPS, the latest)."""
-        history, steps = self.worker.engine.step_stats, []
-        while history:
-            try:
-                s = history.popleft()  # appended by the engine thread meanwhile: no lock needed
-            except IndexError:
-                break
-            steps.append(StepSample(s.prefill_tokens, s.prefill_attention, s.decode_batch, s.decode_context,
-                                    s.seconds * 1e3).to_list())  # fmt: skip
-        return steps[-MAX_REPORTED_STEPS:]
+    def _recent_steps(self) -> list[list]:
+        """The engine's latest steps, each [index, StepSample...]: every report repeats the
+        last MAX_REPORTED_STEPS, so a router that reads Redis less often than workers beat
+        misses none (it learns each index once)."""
+        try:
+            latest = list(self.worker.engine.step_stats)[-MAX_REPORTED_STEPS:]
+        except RuntimeError:  # appended to while copied: the next beat has them
+            return []
+        return [
+            [
+                s.index,
+                *StepSample(
+                    s.prefill_tokens, s.prefill_attention, s.decode_batch, s.decode_context, s.seconds * 1e3
+                ).to_list(),
+            ]  # fmt: skip
+            for s in latest
+        ]
 
     def _deregister(self, coming_back: bool = False) -> None:
         if not self._registry_url:

@@ -461,12 +461,20 @@ def test_a_request_no_instance_can_serve_in_time_is_refused_at_once_with_the_pre
     for i in range(10):  # steps for every instance's online fit (a prefill step and decode steps each)
         client.generate(chat(f"Count to {i}.", max_tokens=12, ignore_eos=True))
     time.sleep(1.0)  # the steps reach the router with the workers' next heartbeats
-    impossible = serving_pb2.Slo(ttft_ms=0.01)
-    started = time.monotonic()
-    with pytest.raises(grpc.RpcError) as refused:
-        client.generate(chat("Say hi.", slo=impossible))
-    assert time.monotonic() - started < 2.0
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "predicted TTFT" in refused.value.details()
-    _, _, last = client.generate(chat("Say hi.", slo=impossible, priority="critical"))
-    assert last.finished and last.timings.predicted_ttft_s > 0
+    # Nothing is refused while the cluster is idle (nothing to shed): keep it busy.
+    busy = [client.stream(chat(f"Tell a long story {i}.", max_tokens=400, ignore_eos=True)) for i in range(2)]
+    for call in busy:
+        next(call)  # its first token: it is decoding now
+    try:
+        impossible = serving_pb2.Slo(ttft_ms=0.01)
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate(chat("Say hi.", slo=impossible))
+        assert time.monotonic() - started < 2.0
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "predicted TTFT" in refused.value.details()
+        _, _, last = client.generate(chat("Say hi.", slo=impossible, priority="critical"))
+        assert last.finished and last.timings.predicted_ttft_s > 0
+    finally:
+        for call in busy:
+            call.cancel()

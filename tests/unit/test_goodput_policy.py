@@ -64,11 +64,13 @@ def test_tpot_counts_the_batch_with_the_request_added():
     assert tpot_ms(busy, 100, 50) == pytest.approx(3 + 0.001 * (20000 + 100 + 41 * 25) + 0.2 * 41)
 
 
-def test_the_residual_learns_what_the_model_misses():
-    residual = Residual(smoothing=0.5)
-    for _ in range(20):
+def test_the_residual_learns_what_the_model_misses_and_forgets_a_cold_start():
+    residual = Residual(window=8)
+    residual.observe(measured_ms=400.0, predicted_ms=100.0)  # a first request, building kernels
+    assert residual.value == pytest.approx(300.0)
+    for _ in range(5):
         residual.observe(measured_ms=130.0, predicted_ms=100.0)
-    assert residual.value == pytest.approx(30.0)
+    assert residual.value == pytest.approx(30.0)  # the median: one outlier moves nothing
 
 
 # ---- placement ---------------------------------------------------------------------------------
@@ -107,6 +109,16 @@ def test_without_slos_the_least_loaded_pair_wins():
     decodes = [Inst("d0", decode_batch=5), Inst("d1", decode_batch=2)]
     choice = GoodputPolicy().choose_pair(prefills, decodes, RequestShape(100, 50, Slo()))
     assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p1", "d1")
+
+
+def test_nothing_is_refused_while_the_cluster_is_idle_so_a_pessimistic_model_can_learn():
+    slow = StepModel(Coefficients(5000.0, 0.1, 1e-4), TRUE.decode_small, TRUE.decode_large)  # predicts 5 s
+    idle = Inst("p0", step_model=slow)
+    assert GoodputPolicy().choose_pair([idle], [Inst("d0")], shape(ttft=500)).admitted
+    busy_elsewhere = Inst("d1", decode_batch=1)
+    assert not GoodputPolicy().choose_pair([idle], [Inst("d0"), busy_elsewhere], shape(ttft=500)).admitted
+    idle.queued_prefill_tokens = 10
+    assert not GoodputPolicy().choose_pair([idle], [Inst("d0")], shape(ttft=500)).admitted
 
 
 def test_what_no_pair_can_serve_in_time_is_refused_with_its_prediction():
