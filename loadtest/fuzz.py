@@ -398,7 +398,9 @@ def report(args, seen, examples, innocent: Innocent, answers, blocks: tuple, ali
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"fuzz took {fuzz_s:.0f} s; innocent: {innocent.completed} completed, {innocent.wrong} wrong,")
-    print(f"  {innocent.stalled} streams stalled over {STALL_S} s (the longest after message {innocent.max_stall_after}),")
+    print(
+        f"  {innocent.stalled} streams stalled over {STALL_S} s (the longest after message {innocent.max_stall_after}),"
+    )
     print(f"  max TTFT {innocent.max_ttft:.2f} s")
     print(
         f"KV blocks held after: {blocks[0]}, a minute on (leaked): {blocks[1]}; serve alive: {'yes' if alive else 'no'}"
