@@ -192,6 +192,7 @@ class InstanceDirectory:
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.recovery_timeout_s = recovery_timeout_s
         self._failed: dict[str, _Failure] = {}
+        self._learnt: dict[str, Instance] = {}  # instances gone from the registry, kept for their models
         self.namespace = namespace
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, Instance] = {}
@@ -212,6 +213,7 @@ class InstanceDirectory:
         """A link to it broke: out of placement until it is back (see the module's docstring)."""
         inst = self._instances.pop(instance_id, None)
         if inst is not None:
+            self._learnt[instance_id] = inst
             logger.warning("instance %s failed (its link broke, or it said so); out of placement", instance_id)
             self._failed[instance_id] = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic())
 
@@ -264,6 +266,7 @@ class InstanceDirectory:
         for instance_id in set(self._instances) - seen:
             logger.info("instance %s left (heartbeat lapsed, or deregistered)", instance_id)
             inst = self._instances.pop(instance_id)
+            self._learnt[instance_id] = inst  # what its model learnt holds should it come back
             # It may come back (a relaunch, or Redis restarted empty): new requests wait for it.
             failure = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic(), link_broke=False)
             self._failed.setdefault(instance_id, failure)
@@ -281,6 +284,7 @@ class InstanceDirectory:
         for instance_id in departed:
             logger.info("instance %s left service (deregistered): not waited for", instance_id)
             del self._failed[instance_id]
+            self._learnt.pop(instance_id, None)
 
     def _new_model(self, tp: int, pp: int) -> OnlineStepModel:
         if self.profile is not None and self.profile.has(tp, pp):
@@ -321,7 +325,8 @@ class InstanceDirectory:
             prefill_budget=self.prefill_budget,
             block_size=self.block_size,
         )
-        if known is not None:  # the same instance back at a new address: what was learnt of it holds
+        known = known or self._learnt.pop(info.instance_id, None)
+        if known is not None:  # the same instance back (at a new address): what was learnt of it holds
             instance.online, instance.ttft_residual, instance.tpot_residual = (
                 known.online,
                 known.ttft_residual,

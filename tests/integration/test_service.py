@@ -296,8 +296,9 @@ def test_decode_worker_whose_heartbeat_stops_is_not_chosen_until_it_returns(serv
     finally:
         ray.get(silent.actor.set_heartbeat_enabled.remote(True))
     wait_listed(client, silent.instance_id, present=True)
-    # Idle instances tie on load and the policy breaks ties by id: the returning one is chosen again.
-    finals = [client.generate(chat(q, max_tokens=3), timeout=60)[2] for q in QUESTIONS[:4]]
+    # Back in placement: requests in flight together spread over both again.
+    with ThreadPoolExecutor(4) as pool:
+        finals = list(pool.map(lambda q: client.generate(chat(q, max_tokens=8), timeout=60)[2], QUESTIONS[:4]))
     assert silent.instance_id in {f.timings.decode_instance for f in finals}
 
 
