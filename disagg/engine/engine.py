@@ -23,7 +23,7 @@ from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.cpu_kernels import decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
-from disagg.engine.model_runner import ModelRunner
+from disagg.engine.model_runner import ModelRunner, is_decode
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput, StepStats
 from disagg.engine.sampler import Sampler, token_generator
@@ -403,8 +403,8 @@ class LLMEngine:
 
 
 def _stats(plan: SchedulerOutput, seconds: float, index: int) -> StepStats:
-    decodes = [c for c in plan.chunks if c.num_new_tokens == 1 and c.start > 0]
-    prefills = [c for c in plan.chunks if not (c.num_new_tokens == 1 and c.start > 0)]
+    decodes = [c for c in plan.chunks if is_decode(c)]
+    prefills = [c for c in plan.chunks if not is_decode(c)]
     return StepStats(
         sum(c.num_new_tokens for c in prefills),
         sum(c.num_new_tokens * (2 * c.start + c.num_new_tokens) for c in prefills),

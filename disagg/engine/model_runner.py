@@ -102,7 +102,7 @@ class ModelRunner:
         return self.model.compute_logits(out.index_select(0, last_rows))
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        num_decodes = sum(1 for c in chunks if _is_decode(c))
+        num_decodes = sum(1 for c in chunks if is_decode(c))
         token_ids: list[int] = []
         positions: list[int] = []
         for c in chunks:
@@ -144,9 +144,9 @@ class ModelRunner:
         return PrefillSpan(query_start, c.num_new_tokens, c.start, block_ids, mask)
 
 
-def _is_decode(c: ScheduledChunk) -> bool:
+def is_decode(c: ScheduledChunk) -> bool:
     return c.num_new_tokens == 1 and c.start > 0
 
 
 def _decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    return [c for c in chunks if _is_decode(c)] + [c for c in chunks if not _is_decode(c)]
+    return [c for c in chunks if is_decode(c)] + [c for c in chunks if not is_decode(c)]
