@@ -55,9 +55,9 @@ class Instance:
     prefill_budget: int = 512  # its engine's max_num_batched_tokens
     block_size: int = 16
     outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
-    outstanding_uncached_tokens: int = (
-        0  # of the prompts sent here, those predicted to be computed, until their first token
-    )
+    # Of the prompts sent here, the tokens predicted to be computed, until their first token.
+    outstanding_uncached_tokens: int = 0
+    pending_requests: int = 0  # chosen for requests whose reservation has not been answered yet
     # Where prompts are warm: its last report's cached block hashes, and those of the prompts
     # sent here since (they will be cached by the time the next one comes).
     prefix_hashes: set = field(default_factory=set)
@@ -122,9 +122,10 @@ class Instance:
 
     @property
     def decode_batch(self) -> int:
-        """Requests decoding here or about to: its report, or what this router placed, if more."""
+        """Requests decoding here or about to: its report, or what this router placed if more,
+        and those it has just chosen it for."""
         load = self.view.load
-        return max(load.num_running + load.num_waiting_for_kv, self.outstanding_requests)
+        return max(load.num_running + load.num_waiting_for_kv, self.outstanding_requests) + self.pending_requests
 
     @property
     def decode_context_tokens(self) -> int:

@@ -222,6 +222,7 @@ class Orchestrator:
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
         prefill.outstanding_uncached_tokens += uncached
+        choice.decode.pending_requests += 1  # counted from the choice on: concurrent choices see it
         queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()
         # The decode side waits for the first KV as long as the prefill's queue is predicted to take
         # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
@@ -249,6 +250,7 @@ class Orchestrator:
         finally:
             prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
             prefill.outstanding_uncached_tokens -= uncached
+            choice.decode.pending_requests -= 1  # by now in outstanding_requests, or gone
         first = TokenDelta.first(result)
         return placement, mailbox, first
 
