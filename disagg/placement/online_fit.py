@@ -110,10 +110,24 @@ class OnlineStepModel:
             return current
         rows = [row(s) for s in samples]
         targets = [s.ms for s in samples]
-        fitted = Coefficients(*least_squares(rows, targets))
+        fitted = Coefficients(*_nonnegative_slopes(rows, targets))
         if _median_error(fitted, rows, targets) > _median_error(current, rows, targets):
             return current  # e.g. too little variety in the window to pin three terms down
         return fitted
+
+
+def _nonnegative_slopes(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Least squares whose per-token and per-request terms are not negative: a window of a few
+    similar steps can fit "more requests, faster steps", and the policy would then crowd every
+    request onto the busiest instance. A negative term is dropped and the rest refitted."""
+    kept = [0, 1, 2]
+    while True:
+        solution = least_squares([[r[j] for j in kept] for r in rows], targets)
+        w = dict(zip(kept, solution))
+        negative = [j for j in kept[1:] if w[j] < 0]
+        if not negative:
+            return [w.get(j, 0.0) for j in range(3)]
+        kept.remove(min(negative, key=lambda j: w[j]))
 
 
 def _median_error(c: Coefficients, rows: list[list[float]], targets: list[float]) -> float:

@@ -231,3 +231,14 @@ def test_cached_tokens_are_not_computed_again():
         5 + 0.1 * 40 + 1e-4 * (1000**2 - 960**2)
     )
     assert prefill_compute_ms(TRUE, 0, 1000, 512, cached_tokens=960) < full / 5
+
+
+def test_a_fit_never_says_more_requests_make_faster_steps():
+    """Decode steps whose times fall slightly with the batch (noise, or a narrow window) must not
+    fit a negative per-request cost: the policy would crowd requests onto the busiest instance."""
+    online = OnlineStepModel(TRUE, refit_every=1)
+    for batch in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
+        online.observe(StepSample(0, 0, batch, batch * 100, 20.0 - 0.1 * batch))
+    decode = online.model.decode_small
+    assert decode.b >= 0 and decode.c >= 0
+    assert online.model.decode_ms(10, 1000) >= online.model.decode_ms(1, 100)
