@@ -4,8 +4,10 @@ it with the most room against its SLOs, and refuse at once what no pair can serv
 Predictions count only the prompt tokens the prefill instance does not hold in its prefix
 cache, so a request goes where its prefix is warm unless that instance is predicted to miss.
 Headroom of a pair is the smaller of (SLO - predicted) / SLO over TTFT and TPOT (a target of 0
-is no target). The pair with the most headroom wins; pairs within `TIE` of the best (all of them, for a
-request without targets) are told apart by predicted TTFT + TPOT, then by load. A request whose best headroom is
+is no target). The pair with the most headroom wins. Pairs within `TIE` of the best (all of
+them, for a request without targets) go by predicted TTFT + TPOT, predictions within
+`LATENCY_TIE` of the fastest counting as equal, then by load; while any of them is predicted
+on a guess (an instance not yet calibrated), by load alone. A request whose best headroom is
 below what its priority needs is refused (or, with `best_effort`, placed anyway): a request that
 will miss anyway only slows the others down (DistServe's goodput argument). Priorities shed in
 order under pressure: sheddable needs a margin of `SHEDDABLE_MARGIN`, standard needs none,
@@ -25,6 +27,7 @@ from disagg.placement.predictor import DecodeSide, PrefillSide, tpot_ms, ttft_ms
 
 SHEDDABLE_MARGIN = 0.2
 TIE = 0.02
+LATENCY_TIE = 0.1  # predictions closer than this (relative) are within the model's error
 _REQUIRED_HEADROOM = {"critical": -math.inf, "standard": 0.0, "sheddable": SHEDDABLE_MARGIN}
 
 P = TypeVar("P", bound=PrefillSide)
@@ -53,13 +56,20 @@ class GoodputPolicy(LeastOutstandingWork):
         scored = [(request.slo.headroom(ttfts[id(p)], tpots[id(d)]), p, d) for p, d in pairs]
         best = max(h for h, _, _ in scored)
         close = [s for s in scored if _tied(s[0], best)]
-        headroom, prefill, decode = min(close, key=lambda s: (ttfts[id(s[1])] + tpots[id(s[2])], _load(s[1], s[2])))
-        guessed = not (prefill.prefill_calibrated and decode.decode_calibrated)  # a guess refuses nothing
+        if all(_calibrated(p, d) for _, p, d in close):  # a guess orders nothing: then by load alone
+            fastest = min(ttfts[id(p)] + tpots[id(d)] for _, p, d in close)
+            close = [s for s in close if ttfts[id(s[1])] + tpots[id(s[2])] <= fastest * (1 + LATENCY_TIE)]
+        headroom, prefill, decode = min(close, key=lambda s: _load(s[1], s[2]))
+        guessed = not _calibrated(prefill, decode)  # a guess refuses nothing
         # Nothing is refused while the cluster is idle: there is no load to shed, and only what
         # it serves corrects a model that predicts too slow (refusing on it would refuse forever).
         idle = all(p.predicted_queue_tokens == 0 for p, _ in pairs) and all(d.decode_batch == 0 for _, d in pairs)
         admitted = self.best_effort or guessed or idle or headroom >= _REQUIRED_HEADROOM[request.priority]
         return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted, cached[id(prefill)])
+
+
+def _calibrated(prefill, decode) -> bool:
+    return prefill.prefill_calibrated and decode.decode_calibrated
 
 
 def _tied(headroom: float, best: float) -> bool:

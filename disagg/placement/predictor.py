@@ -87,9 +87,12 @@ class Residual:
     the last `window` requests, so that a few outliers (an instance's first requests, which
     build kernels and fill caches) do not bias every prediction after them."""
 
-    def __init__(self, window: int = 32):
+    def __init__(self, window: int = 32, seed_ms: float = 0.0):
+        """`seed_ms`: the value until its first observation (a new instance takes its pool
+        peers' residual: what the model misses there, the router's and link's own time, it
+        misses here too; a new instance at 0 would look faster than its peers and take all)."""
         self._errors: deque[float] = deque(maxlen=window)
-        self.value = 0.0
+        self.value = seed_ms
 
     def observe(self, measured_ms: float, predicted_ms: float) -> None:
         """`predicted_ms` without the residual itself."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -335,5 +336,14 @@ class InstanceDirectory:
             )
         else:
             instance.online = self._new_model(info.tensor_parallel_size, info.pipeline_parallel_size)
+            peers = [i for i in self._instances.values() if i.role == info.role]
+            instance.ttft_residual = Residual(seed_ms=_median(p.ttft_residual.value for p in peers))
+            instance.tpot_residual = Residual(seed_ms=_median(p.tpot_residual.value for p in peers))
         instance.learn_report(view.load)
         self._instances[info.instance_id] = instance
+
+
+def _median(values) -> float:
+    """0 for none."""
+    values = list(values)
+    return statistics.median(values) if values else 0.0

@@ -111,6 +111,34 @@ def test_without_slos_the_least_loaded_pair_wins():
     assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p1", "d1")
 
 
+def test_predictions_within_the_models_error_go_by_load():
+    # d0 carries 3 more requests and is still predicted 8% faster (3.6 ms to 3.9 ms, TTFT and
+    # TPOT): equal within the model's error, so the lighter one takes the request
+    cheap_prefill = Coefficients(0.5, 0.001, 0.0)
+    d0_model = StepModel(cheap_prefill, Coefficients(2.0, 0.001, 0.2), Coefficients(2.0, 0.001, 0.2))
+    d1_model = StepModel(cheap_prefill, TRUE.decode_small, TRUE.decode_large)
+    prefill = [Inst("p0", step_model=d1_model)]
+    decodes = [Inst("d0", step_model=d0_model, decode_batch=3), Inst("d1", step_model=d1_model)]
+    request = RequestShape(100, 50, Slo())
+    assert GoodputPolicy().choose_pair(prefill, decodes, request).decode.instance_id == "d1"
+    # faster beyond the error (2.6 ms): it wins, loaded as it is
+    decodes[0].step_model = StepModel(cheap_prefill, Coefficients(1.0, 0.001, 0.2), Coefficients(1.0, 0.001, 0.2))
+    assert GoodputPolicy().choose_pair(prefill, decodes, request).decode.instance_id == "d0"
+
+
+def test_while_an_instance_is_predicted_on_a_guess_placement_goes_by_load():
+    guessed_fast = StepModel(TRUE.prefill, Coefficients(0.5, 0.0, 0.0), Coefficients(0.5, 0.0, 0.0))
+    decodes = [Inst("d0", step_model=guessed_fast, decode_batch=3, decode_calibrated=False), Inst("d1")]
+    assert GoodputPolicy().choose_pair([Inst("p0")], decodes, RequestShape(100, 50, Slo())).decode.instance_id == "d1"
+
+
+def test_a_new_residual_holds_its_seed_until_its_first_observation():
+    residual = Residual(seed_ms=10.0)
+    assert residual.value == 10.0
+    residual.observe(measured_ms=102.0, predicted_ms=100.0)
+    assert residual.value == pytest.approx(2.0)
+
+
 def test_nothing_is_refused_while_the_cluster_is_idle_so_a_pessimistic_model_can_learn():
     slow = StepModel(Coefficients(5000.0, 0.1, 1e-4), TRUE.decode_small, TRUE.decode_large)  # predicts 5 s
     idle = Inst("p0", step_model=slow)
