@@ -370,4 +370,4 @@ if __name__ == "__main__":
 def _placement_policy(config: ServingConfig) -> PlacementPolicy:
     if config.placement == "least_work":
         return LeastOutstandingWork()
-    return GoodputPolicy(best_effort=config.slo_admission == "best_effort")
+    return GoodputPolicy(config.slo_admission == "best_effort", config.local_prefill_max_tokens)

@@ -78,6 +78,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
         # token streamed by the prefill side already.
         self._streams: dict[str, Link] = {}
         self._first_token_pending: set[str] = set()
+        self._prefilled_here: set[str] = set()  # submitted whole (colocated, or a local prefill)
         self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes
         self._start()
 
@@ -130,11 +131,13 @@ class DecodeActor(WorkerActorBase, DecodeService):
     def _submit(self, command: Submit) -> None:
         self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
         self._streams[command.request_id] = command.stream_to
+        self._prefilled_here.add(command.request_id)
 
     def _abort(self, request_id: str) -> bool:
         self._transfers.pop(request_id, None)
         self._streams.pop(request_id, None)
         self._first_token_pending.discard(request_id)
+        self._prefilled_here.discard(request_id)
         return self.worker.abort(request_id)
 
     def _drop_streams_of(self, command: DropStreamsOf) -> None:
@@ -167,7 +170,10 @@ class DecodeActor(WorkerActorBase, DecodeService):
                 if token_ids
                 else []
             )
-        m, now, colocated = out.metrics, time.perf_counter(), self.role == "colocated"
+        m, now = out.metrics, time.perf_counter()
+        whole = out.request_id in self._prefilled_here  # its queue and prefill times are this instance's
+        if out.finished:
+            self._prefilled_here.discard(out.request_id)
         transfer_s, transfer_bytes = (self._transfers.pop if out.finished else self._transfers.get)(
             out.request_id, (0.0, 0)
         )
@@ -181,8 +187,8 @@ class DecodeActor(WorkerActorBase, DecodeService):
             num_prompt_tokens=len(out.prompt_token_ids),
             num_cached_tokens=out.num_cached_tokens,
             num_output_tokens=len(completion.token_ids),
-            queue_s=m.queue_seconds() if colocated else 0.0,
-            prefill_s=m.prefill_seconds(now) if colocated else 0.0,
+            queue_s=m.queue_seconds() if whole else 0.0,
+            prefill_s=m.prefill_seconds(now) if whole else 0.0,
             transfer_s=transfer_s,
             transfer_bytes=transfer_bytes,
             decode_s=m.decode_seconds(now) if out.finished else 0.0,

@@ -65,7 +65,8 @@ class DecodeWorker:
         return self._layout
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """COLOCATED role: run the whole request here."""
+        """Run the whole request here: the COLOCATED role, or a short prompt the router chose to
+        prefill on this DECODE instance (conditional disaggregation) as a chunk of its steps."""
         self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
 
     def reserve(

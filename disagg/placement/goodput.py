@@ -14,16 +14,22 @@ order under pressure: sheddable needs a margin of `SHEDDABLE_MARGIN`, standard n
 critical is never refused on a prediction. Nor is any request while the cluster is idle: there
 is nothing to shed, and a model that predicts too slow is only corrected by what it lets through.
 
+Conditional disaggregation (`local_prefill_max_tokens`): a short prompt may be prefilled by its
+decode instance itself, as a chunk in the decode batch's step, when that is predicted faster by
+more than the model's error than any disaggregated pair (no KV transfer, one hop less) and the
+chunk does not stall the batch there by more than a token's time.
+
 The router runs this class on its live instances, the simulator on simulated ones.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import TypeVar
 
-from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape
-from disagg.placement.predictor import DecodeSide, PrefillSide, tpot_ms, ttft_ms
+from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape, Slo
+from disagg.placement.predictor import DecodeSide, PrefillSide, prefill_compute_ms, tpot_ms, ttft_ms
 
 SHEDDABLE_MARGIN = 0.2
 TIE = 0.02
@@ -38,9 +44,12 @@ class GoodputPolicy(LeastOutstandingWork):
     """`choose_pair` places by prediction; `choose_decode` (a retry when the chosen decode
     instance had no room after all) is least-work's."""
 
-    def __init__(self, best_effort: bool = False):
-        """`best_effort`: place a request no pair can serve in time instead of refusing it."""
+    def __init__(self, best_effort: bool = False, local_prefill_max_tokens: int = 0):
+        """`best_effort`: place a request no pair can serve in time instead of refusing it.
+        `local_prefill_max_tokens`: a prompt with at most this many uncached tokens may be
+        prefilled on its decode instance (conditional disaggregation; 0: never)."""
         self.best_effort = best_effort
+        self.local_prefill_max_tokens = local_prefill_max_tokens
 
     def choose_pair(self, prefills: list[P], decodes: list[D], request: RequestShape) -> Choice | None:
         """None when a pool is empty. For a colocated pool pass the same list twice: a pair is
@@ -53,19 +62,70 @@ class GoodputPolicy(LeastOutstandingWork):
         cached = {id(p): p.cached_tokens(request.block_hashes) for p, _ in pairs}
         ttfts = {id(p): ttft_ms(p, request.prompt_tokens, cached[id(p)]) for p, _ in pairs}
         tpots = {id(d): tpot_ms(d, request.prompt_tokens, request.max_tokens) for _, d in pairs}
-        scored = [(request.slo.headroom(ttfts[id(p)], tpots[id(d)]), p, d) for p, d in pairs]
-        best = max(h for h, _, _ in scored)
-        close = [s for s in scored if _tied(s[0], best)]
-        if all(_calibrated(p, d) for _, p, d in close):  # a guess orders nothing: then by load alone
-            fastest = min(ttfts[id(p)] + tpots[id(d)] for _, p, d in close)
-            close = [s for s in close if ttfts[id(s[1])] + tpots[id(s[2])] <= fastest * (1 + LATENCY_TIE)]
-        headroom, prefill, decode = min(close, key=lambda s: _load(s[1], s[2]))
-        guessed = not _calibrated(prefill, decode)  # a guess refuses nothing
+        scored = [_Option(p, d, ttfts[id(p)], tpots[id(d)], request.slo, cached[id(p)], _calibrated(p, d))
+                  for p, d in pairs]  # fmt: skip
+        if not colocated:
+            scored += self._local_options(prefills, roomy, request, tpots)
+        best = max(o.headroom for o in scored)
+        close = [o for o in scored if _tied(o.headroom, best)]
+        if all(o.calibrated for o in close):  # a guess orders nothing: then by load alone
+            fastest = min(o.latency for o in close)
+            close = [o for o in close if o.latency <= fastest * (1 + LATENCY_TIE)]
+        chosen = min(close, key=lambda o: (o.local, _load(o.prefill, o.decode)))  # equal: the usual path
+        guessed = not chosen.calibrated  # a guess refuses nothing
         # Nothing is refused while the cluster is idle: there is no load to shed, and only what
         # it serves corrects a model that predicts too slow (refusing on it would refuse forever).
         idle = all(p.predicted_queue_tokens == 0 for p, _ in pairs) and all(d.decode_batch == 0 for _, d in pairs)
-        admitted = self.best_effort or guessed or idle or headroom >= _REQUIRED_HEADROOM[request.priority]
-        return Choice(prefill, decode, ttfts[id(prefill)], tpots[id(decode)], headroom, admitted, cached[id(prefill)])
+        admitted = self.best_effort or guessed or idle or chosen.headroom >= _REQUIRED_HEADROOM[request.priority]
+        return Choice(chosen.prefill, chosen.decode, chosen.ttft_ms, chosen.tpot_ms, chosen.headroom, admitted,
+                      chosen.cached_tokens, chosen.local)  # fmt: skip
+
+    def _local_options(self, prefills: list, decodes: list, request: RequestShape, tpots: dict) -> list[_Option]:
+        """Conditional disaggregation: each decode instance prefilling the prompt itself, where
+        the prompt is short (uncached tokens within the limit, one chunk) and the chunk stalls
+        the decode batch already there by no more than one token's time. Only on calibrated
+        models: a decode instance that has not prefilled yet is predicted with the prefill
+        pool's fitted prefill form (the same hardware and model; its own once it has one)."""
+        fitted = [p for p in prefills if p.prefill_calibrated]
+        if self.local_prefill_max_tokens <= 0 or not fitted:
+            return []
+        options = []
+        for d in decodes:
+            cached = d.cached_tokens(request.block_hashes)
+            uncached = request.prompt_tokens - cached
+            if not d.decode_calibrated or uncached > min(self.local_prefill_max_tokens, d.prefill_budget):
+                continue
+            model = d.step_model if d.prefill_calibrated else fitted[0].step_model
+            chunk_ms = prefill_compute_ms(model, d.predicted_queue_tokens, request.prompt_tokens, d.prefill_budget,
+                                          cached)  # fmt: skip
+            step_ms = d.step_model.decode_ms(d.decode_batch, d.decode_context_tokens)  # the batch rides along
+            if d.decode_batch and chunk_ms > max(step_ms, request.slo.tpot_ms):
+                continue
+            ttft = max(chunk_ms + step_ms + d.ttft_residual_ms, model.prefill.a)
+            options.append(_Option(d, d, ttft, tpots[id(d)], request.slo, cached, calibrated=True, local=True))
+        return options
+
+
+@dataclass
+class _Option:
+    """One way to serve a request, with its predictions."""
+
+    prefill: object
+    decode: object
+    ttft_ms: float
+    tpot_ms: float
+    slo: Slo
+    cached_tokens: int
+    calibrated: bool  # both predictions from fitted models (else a guess)
+    local: bool = False
+
+    @property
+    def headroom(self) -> float:
+        return self.slo.headroom(self.ttft_ms, self.tpot_ms)
+
+    @property
+    def latency(self) -> float:
+        return self.ttft_ms + self.tpot_ms
 
 
 def _calibrated(prefill, decode) -> bool:

@@ -71,6 +71,7 @@ class Choice:
     headroom: float
     admitted: bool
     cached_tokens: int = 0  # of its prompt, predicted to be in the prefill instance's prefix cache
+    local: bool = False  # disaggregated pools, prefilled on the decode instance itself (no KV transfer)
 
     def refusal(self, slo: Slo) -> str:
         return (

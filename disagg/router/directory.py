@@ -16,6 +16,7 @@ import asyncio
 import logging
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import ray
@@ -63,6 +64,9 @@ class Instance:
     # sent here since (they will be cached by the time the next one comes).
     prefix_hashes: set = field(default_factory=set)
     last_step_index: int = 0  # of the latest step learnt from
+    # When this router's requests here ended (wall clock, as reports are stamped): its report
+    # still counts those that ended after it was taken.
+    ended_at: deque = field(default_factory=lambda: deque(maxlen=256))
 
     @property
     def prefill_service(self) -> PrefillStub:
@@ -126,7 +130,16 @@ class Instance:
         """Requests decoding here or about to: its report, or what this router placed if more,
         and those it has just chosen it for."""
         load = self.view.load
-        return max(load.num_running + load.num_waiting_for_kv, self.outstanding_requests) + self.pending_requests
+        reported = load.num_running + load.num_waiting_for_kv - self.ended_since(load.updated_at)
+        return max(reported, self.outstanding_requests) + self.pending_requests
+
+    def ended_since(self, stamp: float) -> int:
+        return sum(1 for t in self.ended_at if t > stamp)
+
+    def request_ended(self) -> None:
+        """One of this router's requests here ended: out of its counts."""
+        self.outstanding_requests = max(0, self.outstanding_requests - 1)
+        self.ended_at.append(time.time())
 
     @property
     def decode_context_tokens(self) -> int:

@@ -3,7 +3,8 @@
 Disaggregated: choose a prefill instance P and a decode instance D; D reserves blocks for the
 prompt (the handshake) and starts listening to P; P computes the prompt, streams its KV layer
 by layer into those blocks and returns the first token; D then decodes and its tokens reach the
-client through the instance's stream. Colocated: one instance does both.
+client through the instance's stream. Colocated: one instance does both; so does a decode
+instance the policy chose to prefill a short prompt itself (conditional disaggregation).
 
 Whatever else ends the request (client cancel, deadline, error), both instances are told to
 drop it, so no block stays allocated. A request that finished has nothing left on either side
@@ -62,6 +63,7 @@ class Placement:
     # The residuals the predictions included: the model's own part is the prediction minus them.
     ttft_residual_then: float = 0.0
     tpot_residual_then: float = 0.0
+    queued_uncached: int = 0  # prompt tokens counted in the decode instance's queue until its first token
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -69,7 +71,8 @@ class Placement:
             self.tpot_residual_then = self.choice.decode.tpot_residual_ms
 
     def label(self, delta: TokenDelta) -> TokenDelta:
-        delta.prefill_instance = self.prefill.instance_id if self.prefill else ""
+        prefilled_by = self.prefill or (self.decode if self.choice is not None and self.choice.local else None)
+        delta.prefill_instance = prefilled_by.instance_id if prefilled_by else ""
         delta.decode_instance = self.decode.instance_id
         if self.choice is not None and math.isfinite(self.choice.ttft_ms):
             delta.predicted_ttft_s, delta.predicted_tpot_s = self.choice.ttft_ms / 1e3, self.choice.tpot_ms / 1e3
@@ -79,7 +82,14 @@ class Placement:
         """The measured side of the predictions: when the first token came, how many followed."""
         if self.first_token_at is None and delta.token_ids:
             self.first_token_at = time.monotonic()
+            self.dequeue()
         self.num_tokens += len(delta.token_ids)
+
+    def dequeue(self) -> None:
+        """The prompt is through (or the request ended): out of its instance's queue."""
+        if self.queued_uncached and self.decode is not None:
+            self.decode.outstanding_uncached_tokens -= self.queued_uncached
+            self.queued_uncached = 0
 
 
 class Orchestrator:
@@ -160,15 +170,20 @@ class Orchestrator:
         )
         try:
             if self.disaggregated:
+                choice = self._place(await self._available("prefill"), await self._available("decode"), request)
+            else:
+                pool = await self._available("colocated")
+                choice = self._place(pool, pool, request)
+            if self.disaggregated and not choice.local:
                 placement, mailbox, first = await self._start_disaggregated(
-                    request_id, prompt_token_ids, params, request
+                    request_id, prompt_token_ids, params, request, choice
                 )
                 placement.observe(first)
                 yield placement.label(first)
                 if first.finished:
                     return
             else:
-                placement, mailbox = await self._start_colocated(request_id, prompt_token_ids, params, request)
+                placement, mailbox = await self._start_whole(request_id, prompt_token_ids, params, request, choice)
             async for delta in self._drain(mailbox):
                 placement.finished = delta.finished
                 placement.observe(delta)
@@ -212,9 +227,8 @@ class Orchestrator:
         return self.directory.healthy(role)
 
     async def _start_disaggregated(
-        self, request_id, prompt_token_ids, params, request: RequestShape
+        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice
     ) -> tuple[Placement, Mailbox, TokenDelta]:
-        choice = self._place(await self._available("prefill"), await self._available("decode"), request)
         prefill = choice.prefill
         uncached = len(prompt_token_ids) - choice.cached_tokens
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
@@ -316,17 +330,21 @@ class Orchestrator:
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 0.5)
 
-    # ---- colocated -------------------------------------------------------------------------------
-    async def _start_colocated(
-        self, request_id, prompt_token_ids, params, request: RequestShape
+    # ---- colocated, or prefilled on the decode instance (conditional disaggregation) ---------------
+    async def _start_whole(
+        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice
     ) -> tuple[Placement, Mailbox]:
-        pool = await self._available("colocated")
-        choice = self._place(pool, pool, request)
+        """One instance prefills and decodes: a colocated one, or a decode instance the policy
+        chose to prefill a short prompt itself (no KV transfer)."""
         instance = choice.decode
-        placement = Placement(None, instance, choice=choice)
+        placement = Placement(
+            None, instance, choice=choice, queued_uncached=len(prompt_token_ids) - choice.cached_tokens
+        )
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
         instance.outstanding_context_tokens += len(prompt_token_ids)
+        instance.outstanding_uncached_tokens += placement.queued_uncached
+        instance.prefix_hashes.update(request.block_hashes)  # warm there from now on
         try:
             await instance.decode_service.submit(
                 request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s
@@ -354,9 +372,10 @@ class Orchestrator:
     async def _cleanup(self, request_id: str, placement: Placement, num_prompt_tokens: int) -> None:
         """Forget the request here; unless it finished, tell both instances to drop it."""
         decode, aborts = placement.decode, []
+        placement.dequeue()
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
-            decode.outstanding_requests = max(0, decode.outstanding_requests - 1)
+            decode.request_ended()
             decode.outstanding_context_tokens = max(0, decode.outstanding_context_tokens - num_prompt_tokens)
         if placement.finished:
             return

@@ -56,7 +56,7 @@ class DecodeService:
         raise NotImplementedError
 
     def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Colocated: run the whole request here."""
+        """Run the whole request here (colocated, or a local prefill on a decode instance)."""
         raise NotImplementedError
 
     def abort(self, request_id: str) -> bool:

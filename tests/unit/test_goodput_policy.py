@@ -270,3 +270,34 @@ def test_a_fit_never_says_more_requests_make_faster_steps():
     decode = online.model.decode_small
     assert decode.b >= 0 and decode.c >= 0
     assert online.model.decode_ms(10, 1000) >= online.model.decode_ms(1, 100)
+
+
+# ---- conditional disaggregation ------------------------------------------------------------------
+def _conditional(decode: Inst, prompt: int = 64, limit: int = 256, tpot: float = 0.0):
+    prefill = Inst("p0", ttft_residual_ms=20.0)  # what a disaggregated TTFT pays beyond compute: hops, KV
+    request = RequestShape(prompt, 20, Slo(0.0, tpot))
+    return GoodputPolicy(local_prefill_max_tokens=limit).choose_pair([prefill], [decode], request)
+
+
+def test_a_short_prompt_is_prefilled_on_an_idle_decode_instance_when_that_is_predicted_faster():
+    decode = Inst("d0", prefill_calibrated=False)  # never prefilled: predicted with the prefill pool's form
+    choice = _conditional(decode)
+    assert choice.local and choice.prefill is decode and choice.decode is decode
+    assert choice.ttft_ms == pytest.approx(5 + 0.1 * 64 + 1e-4 * 64 * 64)  # no hop, no transfer
+
+
+def test_conditional_disaggregation_is_off_at_limit_zero_and_for_longer_prompts():
+    assert not _conditional(Inst("d0"), limit=0).local
+    assert not _conditional(Inst("d0"), prompt=300, limit=256).local
+    assert not _conditional(Inst("d0", prefill_budget=32), prompt=64).local  # more than one chunk
+
+
+def test_a_chunk_that_would_stall_a_busy_batch_longer_than_a_token_goes_to_the_prefill_pool():
+    busy = Inst("d0", decode_batch=8, decode_context_tokens=8 * 1000)  # a step: 3 + 8 + 1.6 = 12.6 ms
+    assert not _conditional(busy, prompt=200).local  # its chunk: 5 + 20 + 4 = 29 ms
+    assert _conditional(busy, prompt=200, tpot=50.0).local  # within what its TPOT target allows
+    assert _conditional(busy, prompt=4).local  # a chunk (5.4 ms) shorter than a step
+
+
+def test_no_local_prefill_on_a_guess():
+    assert not _conditional(Inst("d0", decode_calibrated=False)).local
