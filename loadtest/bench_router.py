@@ -13,10 +13,19 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
    policy / least work), `admitted attainment` (goodput policy, both rates), and how fast
    refusals answer.
 
-Figures the router does not have yet (prefix-aware placement, conditional disaggregation, two
-prefill instances of unequal speed) are printed as "not measured" with the reason.
+3. prefix: 2 prefill instances (each KV cache holding about half of the prefixes) + 1 decode
+   instance; requests are one of PREFIXES long shared documents followed by a short question;
+   each policy on its own server at the same open-loop rate -> `prefix ttft ratio` (TTFT p50,
+   goodput policy / least work: least work spreads each prefix over both caches, which then
+   evict each other's).
+4. conditional disaggregation: 1 prefill + 1 decode instance, short chat prompts, the goodput
+   policy with `local_prefill_max_tokens` against always disaggregating (0), same rate and SLO
+   -> `conditional ttft ratio` (TTFT p50, conditional / always), and both TPOT attainments.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_router.py          # ~10 min on 2 cores
+Not measured: two prefill instances of unequal speed (a pool's instances share one engine
+config; 1 against 2 threads needs per-instance settings, and on 2 cores the threads contend).
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_router.py          # ~20 min on 2 cores
 """
 
 from __future__ import annotations
@@ -105,6 +114,65 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, args) -
     return results
 
 
+PREFIXES, PREFIX_TOKENS = 8, 400
+QUESTIONS = ["Summarize it in one line.", "What is the main point?", "Name one detail.", "Who is it for?"]
+
+
+def prefix_workload(num: int, seed: int):
+    """Each request: one of PREFIXES long documents (the shared prefix), then a short question."""
+    tokenizer, _ = load_tokenizer(DEFAULT_MODEL)
+    docs = make_workload(WorkloadConfig("summarization", PREFIXES, seed=seed), tokenizer)
+    prefixes = [tokenizer.decode(tokenizer.encode(d.prompt)[:PREFIX_TOKENS]) for d in docs]
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(num):
+        text = prefixes[int(rng.integers(PREFIXES))] + "\n\n" + QUESTIONS[i % len(QUESTIONS)]
+        requests.append(docs[0].__class__(text, len(tokenizer.encode(text)), 8))
+    return requests
+
+
+def prefix_phase(policy: str, rate: float, args) -> dict:
+    # each prefill cache: about half the prefixes (25 blocks of 16 tokens each) plus room to compute
+    blocks = PREFIXES // 2 * (PREFIX_TOKENS // 16 + 2) + 48
+    pools = {"prefill": {"num_instances": 2, "num_cpus_per_worker": 0.5, "engine": {"num_kv_blocks": blocks}},
+             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
+    requests = prefix_workload(200, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        dep = Deployment(Path(tmp), placement=policy, **pools)
+        try:
+            run(dep.address, requests[:16], math.inf, num=16, concurrency=2)  # calibration
+            out = run(dep.address, requests[16:], rate, duration_s=args.seconds)
+        finally:
+            dep.stop()
+    return _latency_summary(out)
+
+
+def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
+    requests = workload(200, seed=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        dep = Deployment(Path(tmp), placement="goodput", local_prefill_max_tokens=local_tokens)
+        try:
+            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
+            out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
+        finally:
+            dep.stop()
+    ok = [r for r in out["requests"] if r["success"] and r["output_len"] > 1]
+    summary = _latency_summary(out)
+    summary["tpot_attainment"] = 100.0 * sum(r["tpot"] * 1e3 <= slo["tpot_ms"] for r in ok) / max(1, len(ok))
+    summary["local"] = sum(r["server"].get("prefill_instance") == r["server"].get("decode_instance") for r in ok)
+    return summary
+
+
+def _latency_summary(out: dict) -> dict:
+    ok = [r for r in out["requests"] if r["success"]]
+    return {
+        "sent": len(out["requests"]), "completed": len(ok),
+        "ttft_ms_p50": float(np.median([r["ttft"] * 1e3 for r in ok])) if ok else math.nan,
+        "tpot_ms_p50": float(np.median([r["tpot"] * 1e3 for r in ok if r["output_len"] > 1])) if ok else math.nan,
+        "cached_tokens": sum(r["server"].get("cached_prompt_tokens", 0) for r in ok),
+    }  # fmt: skip
+
+
 class _Record:
     """The fields meets_slo reads, from a record's dict."""
 
@@ -146,9 +214,18 @@ def main() -> None:
     print(f"overload 3x goodput ratio: {ratio('3x'):.2f}")
     print(f"admitted attainment: {attainment:.1f}")
     print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
-    print("heterogeneity goodput ratio: not measured (needs two prefill instances of unequal speed; next step)")
-    print("prefix ttft ratio: not measured (prefix-aware placement is not built yet)")
-    print("conditional ttft ratio: not measured (conditional disaggregation is not built yet)")
+    print("heterogeneity goodput ratio: not measured (a pool's instances share one engine config; see the docstring)")
+    rate = prediction["capacity_rps"] / 2
+    prefix = {p: prefix_phase(p, rate, args) for p in ("least_work", "goodput")}
+    conditional = {n: conditional_phase(n, rate, slo, args) for n in (0, 256)}
+    print(json.dumps({"prefix": prefix, "conditional": conditional}, indent=1), flush=True)
+    record = json.loads(Path(args.out).read_text())
+    Path(args.out).write_text(json.dumps({**record, "prefix": prefix, "conditional": conditional}, indent=1) + "\n")
+    print(f"prefix ttft ratio: {prefix['goodput']['ttft_ms_p50'] / prefix['least_work']['ttft_ms_p50']:.2f}")
+    print(f"conditional ttft ratio: {conditional[256]['ttft_ms_p50'] / conditional[0]['ttft_ms_p50']:.2f}")
+    print(
+        f"conditional tpot attainment: {conditional[256]['tpot_attainment']:.1f} (always: {conditional[0]['tpot_attainment']:.1f})"
+    )
 
 
 if __name__ == "__main__":
