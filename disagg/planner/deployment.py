@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from disagg.config import PoolConfig, ServingConfig
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
+from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import known_hardware
@@ -57,6 +57,7 @@ class Deployment:
             num_layers=profile.num_layers,
             router_overhead_ms=self.router_overhead_ms,
             admission_timeout_s=self.config.admission_timeout_s,
+            slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
         )
 
     @property

@@ -15,7 +15,10 @@ What is modelled, as the real system does it:
   prefill (`TransferModel.wait_after_prefill_ms`), or all at once if the reservation came later;
   the decode instance takes the request at its next step boundary; the prefill's blocks are
   freed when the transfer ends;
-- colocated: one instance does both.
+- colocated: one instance does both; so does a decode instance the policy chose to prefill a
+  short prompt itself (conditional disaggregation);
+- the policy chooses both instances at arrival (`choose_pair`) and may refuse the request (the
+  goodput policy's SLO admission: the record fails "refused: ...").
 
 Long runs of plain decode steps (the batch does not change) are advanced in one event with the
 closed-form sum of their times (`Scheduler.advance_decodes`); an input arriving meanwhile cuts
@@ -39,7 +42,7 @@ from disagg.engine.block_manager import BlockManager
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
 from disagg.placement.latency_model import Chunk, StepModel, TransferModel
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
+from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape, Slo
 from disagg.planner.workload import SimRequest
 from disagg.request import Request, RequestStatus, SamplingParams, check_fits
 
@@ -189,6 +192,31 @@ class SimInstance:
     def free_blocks(self) -> int:
         return self.scheduler.block_manager.num_free_blocks
 
+    # what the goodput policy predicts from (disagg.placement.predictor): the simulated steps
+    # are the model's own, so its predictions miss nothing a residual would learn
+    ttft_residual_ms = tpot_residual_ms = 0.0
+    prefill_calibrated = decode_calibrated = True
+
+    @property
+    def prefill_budget(self) -> int:
+        return self.pool.max_num_batched_tokens
+
+    @property
+    def predicted_queue_tokens(self) -> int:
+        return self.queued_tokens
+
+    @property
+    def decode_batch(self) -> int:
+        return self.num_requests
+
+    @property
+    def decode_context_tokens(self) -> int:
+        s = self.scheduler
+        return sum(r.num_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting_for_kv.values())
+
+    def cached_tokens(self, block_hashes) -> int:
+        return 0  # prefix caching is not modelled
+
     # ---- inputs ------------------------------------------------------------------------------
     def deliver(self, now: float, apply: Callable[[float], None]) -> None:
         """Hand the engine an input; it is applied at the next step boundary (now, if idle)."""
@@ -276,6 +304,7 @@ class _Flight:
     prefill_end: float | None = None
     prefill_step_ms: float = 0.0
     reserved_at: float | None = None
+    chosen_decode: SimInstance | None = None  # the policy's choice, asked first
     backoff: float = RESERVE_RETRY_S
     deadline: float = math.inf
     done: bool = False
@@ -285,6 +314,7 @@ class _Flight:
 class Simulator:
     pools: list[SimPool]
     policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
+    slo: Slo = field(default_factory=Slo)  # every request's targets (the goodput policy places and admits by them)
     transfer: TransferModel = field(default_factory=TransferModel)
     kv_bytes_per_token: int = 0
     num_layers: int = 1
@@ -328,21 +358,37 @@ class Simulator:
         flight = _Flight(sim_request, record, deadline=now + self.admission_timeout_s)
         if not self._fits(sim_request, record):
             return
+        prefills, decodes = (
+            (self.instances["prefill"], self.instances["decode"]) if self.disaggregated else
+            (self.instances["colocated"], self.instances["colocated"])
+        )  # fmt: skip
+        shape = RequestShape(sim_request.prompt_len, sim_request.output_len, self.slo,
+                             blocks_needed=self._blocks(sim_request, "decode" if self.disaggregated else "colocated"))  # fmt: skip
+        choice = self.policy.choose_pair(prefills, decodes, shape)
+        if not choice.admitted:
+            record.failed = f"refused: {choice.refusal(self.slo)}"
+            return
         self.flights[request_id] = flight
+        if not self.disaggregated or choice.local:
+            self._start_whole(flight, choice.decode, now)
+            return
+        prefill = choice.prefill
+        flight.prefill, flight.chosen_decode = prefill, choice.decode
+        record.prefill_instance = prefill.instance_id
+        prefill.queued_tokens += sim_request.prompt_len
+        prefill.num_reserved += 1
+        prefill.deliver(now, lambda t: self._add(flight, prefill, t))
+        self._reserve(now, flight)
+
+    def _start_whole(self, flight: _Flight, instance: SimInstance, now: float) -> None:
+        """One instance prefills and decodes: colocated, or a local prefill on a decode instance."""
+        flight.decode = instance
+        flight.record.decode_instance = instance.instance_id
         if self.disaggregated:
-            prefill = self.policy.choose_prefill(self.instances["prefill"], sim_request.prompt_len)
-            flight.prefill = prefill
-            record.prefill_instance = prefill.instance_id
-            prefill.queued_tokens += sim_request.prompt_len
-            prefill.num_reserved += 1
-            prefill.deliver(now, lambda t: self._add(flight, prefill, t))
-            self._reserve(now, flight)
-        else:
-            instance = self.policy.choose_decode(self.instances["colocated"], self._blocks(sim_request, "colocated"))
-            flight.decode = instance
-            record.decode_instance = instance.instance_id
-            instance.num_reserved += 1
-            instance.deliver(now, lambda t: self._add(flight, instance, t))
+            flight.record.prefill_instance = instance.instance_id
+        instance.queued_tokens += flight.sim_request.prompt_len
+        instance.num_reserved += 1
+        instance.deliver(now, lambda t: self._add(flight, instance, t))
 
     def _fits(self, sim_request: SimRequest, record: SimRecord) -> bool:
         """As the router validates: a request no instance could ever hold is refused at once."""
@@ -370,7 +416,10 @@ class Simulator:
     def _reserve(self, now: float, flight: _Flight) -> None:
         if flight.done:
             return
-        decode = self.policy.choose_decode(self.instances["decode"], self._blocks(flight.sim_request, "decode"))
+        decode = flight.chosen_decode or self.policy.choose_decode(
+            self.instances["decode"], self._blocks(flight.sim_request, "decode")
+        )
+        flight.chosen_decode = None
         decode.num_reserved += 1
         decode.deliver(now, lambda t: self._try_reserve(flight, decode, t))
 
@@ -414,6 +463,7 @@ class Simulator:
                 else:
                     self._maybe_transfer(flight, now)
                 return
+            instance.queued_tokens -= record.prompt_len  # prefilled where it decodes
         if request.is_finished:
             self._finish(flight, now)
 

@@ -137,3 +137,27 @@ def test_bad_pools_are_refused():
         Simulator([SimPool("prefill", 1, MODEL, num_kv_blocks=10)])
     with pytest.raises(ValueError):
         SimRequest(0, 0.0, 0, 5)
+
+
+# ---- the goodput-aware policy, run by the simulator ----------------------------------------------
+def _overloaded(policy) -> list:
+    from disagg.placement.policies import Slo
+
+    pools = [SimPool("prefill", 1, MODEL, num_kv_blocks=1000), SimPool("decode", 1, MODEL, num_kv_blocks=1000)]
+    # each prompt takes 110 ms of the one prefill instance: 20 req/s is twice what it can do
+    requests = [SimRequest(i, i * 0.05, 100, 10) for i in range(200)]
+    return Simulator(pools, policy=policy, slo=Slo(ttft_ms=500.0, tpot_ms=100.0)).run(requests)
+
+
+def test_the_goodput_policy_refuses_what_would_miss_and_keeps_the_slo_of_what_it_admits():
+    from disagg.placement.goodput import GoodputPolicy
+    from disagg.placement.policies import LeastOutstandingWork
+
+    refused = lambda rs: [r for r in rs if r.failed and r.failed.startswith("refused")]  # noqa: E731
+    met = lambda rs: [r for r in rs if r.success and r.ttft_s <= 0.5 and r.tpot_s <= 0.1]  # noqa: E731
+    least, good = _overloaded(LeastOutstandingWork()), _overloaded(GoodputPolicy())
+    assert not refused(least) and len(met(least)) < 20  # every request queues: the later ones all miss
+    admitted = [r for r in good if r not in refused(good)]
+    assert 80 <= len(admitted) <= 120  # about what one prefill instance serves in time
+    assert len(met(good)) >= 0.95 * len(admitted)
+    assert "predicted TTFT" in refused(good)[0].failed
