@@ -13,7 +13,7 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
    policy / least work), `admitted attainment` (goodput policy, both rates), and how fast
    refusals answer.
 
-3. prefix: 2 prefill instances (each KV cache holding about half of the prefixes) + 1 decode
+3. prefix: 2 prefill instances (each KV cache holding half of the prefixes) + 1 decode
    instance; requests are one of PREFIXES long shared documents followed by a short question;
    each policy on its own server at the same open-loop rate -> `prefix ttft ratio` (TTFT p50,
    goodput policy / least work: least work spreads each prefix over both caches, which then
@@ -86,6 +86,7 @@ def prediction_phase(requests, args) -> dict:
         "base_ttft_ms": base["ttft_ms"]["p50"], "base_tpot_ms": base["tpot_ms"]["p50"],
         "capacity_rps": capacity, "moderate_rps": capacity / 2, "moderate_completed": len(ok),
         "ttft_mape": mape(ttft), "tpot_mape": mape(tpot),
+        "ttft_pairs_ms": [(round(p * 1e3, 1), round(m * 1e3, 1)) for p, m in ttft],  # predicted, measured
     }  # fmt: skip
 
 
@@ -114,7 +115,7 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, args) -
     return results
 
 
-PREFIXES, PREFIX_TOKENS = 8, 400
+PREFIXES, PREFIX_TOKENS = 16, 400
 QUESTIONS = ["Summarize it in one line.", "What is the main point?", "Name one detail.", "Who is it for?"]
 
 
@@ -132,8 +133,8 @@ def prefix_workload(num: int, seed: int):
 
 
 def prefix_phase(policy: str, rate: float, args) -> dict:
-    # each prefill cache: about half the prefixes (25 blocks of 16 tokens each) plus room to compute
-    blocks = PREFIXES // 2 * (PREFIX_TOKENS // 16 + 2) + 48
+    # each prefill cache: half the prefixes (26 blocks of 16 tokens each) plus room for 2 in flight
+    blocks = PREFIXES // 2 * (PREFIX_TOKENS // 16 + 1) + 2 * (PREFIX_TOKENS // 16 + 2)
     pools = {"prefill": {"num_instances": 2, "num_cpus_per_worker": 0.5, "engine": {"num_kv_blocks": blocks}},
              "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
     requests = prefix_workload(200, seed=1)
@@ -150,7 +151,7 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
 def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
     requests = workload(200, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement="goodput", local_prefill_max_tokens=local_tokens)
+        dep = Deployment(Path(tmp), placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo)
         try:
             run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
             out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
@@ -189,43 +190,55 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop run")
     parser.add_argument("--capacity-requests", type=int, default=48)
+    parser.add_argument("--phases", default="prediction,overload,prefix,conditional",
+                        help="a subset runs on the capacity and SLO of --out's earlier prediction phase")  # fmt: skip
     parser.add_argument("--out", default="loadtest/results/bench_router.json")
     args = parser.parse_args()
+    phases = set(args.phases.split(","))
+    out = Path(args.out)
+    record = json.loads(out.read_text()) if out.exists() and "prediction" not in phases else {}
     requests = workload(200, seed=0)
-    prediction = prediction_phase(requests, args)
-    print(json.dumps(prediction, indent=1), flush=True)
-    slo = {
-        "ttft_ms": SLO_TTFT_FACTOR * prediction["base_ttft_ms"],
-        "tpot_ms": SLO_TPOT_FACTOR * prediction["base_tpot_ms"],
-    }
-    overload = {
-        p: overload_phase(requests, p, slo, prediction["capacity_rps"], args) for p in ("least_work", "goodput")
-    }
-    print(json.dumps({"slo": slo, "overload": overload}, indent=1), flush=True)
-    good, least = overload["goodput"], overload["least_work"]
-    admitted = sum(good[k]["admitted"] for k in good)
-    attainment = 100.0 * sum(good[k]["met_slo"] for k in good) / admitted if admitted else math.nan
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"prediction": prediction, "slo": slo, "overload": overload}, indent=1) + "\n")
-    ratio = lambda k: good[k]["goodput_rps"] / least[k]["goodput_rps"] if least[k]["goodput_rps"] else math.inf  # noqa: E731
+    if "prediction" in phases:
+        record["prediction"] = prediction_phase(requests, args)
+        record["slo"] = {
+            "ttft_ms": SLO_TTFT_FACTOR * record["prediction"]["base_ttft_ms"],
+            "tpot_ms": SLO_TPOT_FACTOR * record["prediction"]["base_tpot_ms"],
+        }
+    prediction, slo = record["prediction"], record["slo"]
+    capacity = prediction["capacity_rps"]
+    if "overload" in phases:
+        record["overload"] = {p: overload_phase(requests, p, slo, capacity, args) for p in ("least_work", "goodput")}
+    if "prefix" in phases:
+        record["prefix"] = {p: prefix_phase(p, capacity / 2, args) for p in ("least_work", "goodput")}
+    if "conditional" in phases:
+        record["conditional"] = {str(n): conditional_phase(n, capacity / 2, slo, args) for n in (0, 256)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in record.items() if k != "prediction"}, indent=1), flush=True)
+    print_figures(record)
+
+
+def print_figures(record: dict) -> None:
+    prediction = record["prediction"]
     print(f"ttft mape: {prediction['ttft_mape']:.1f}")
     print(f"tpot mape: {prediction['tpot_mape']:.1f}")
-    print(f"overload 2x goodput ratio: {ratio('2x'):.2f}")
-    print(f"overload 3x goodput ratio: {ratio('3x'):.2f}")
-    print(f"admitted attainment: {attainment:.1f}")
-    print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
+    if "overload" in record:
+        good, least = record["overload"]["goodput"], record["overload"]["least_work"]
+        admitted = sum(good[k]["admitted"] for k in good)
+        attainment = 100.0 * sum(good[k]["met_slo"] for k in good) / admitted if admitted else math.nan
+        for k in ("2x", "3x"):
+            ratio = good[k]["goodput_rps"] / least[k]["goodput_rps"] if least[k]["goodput_rps"] else math.inf
+            print(f"overload {k} goodput ratio: {ratio:.2f}")
+        print(f"admitted attainment: {attainment:.1f}")
+        print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
     print("heterogeneity goodput ratio: not measured (a pool's instances share one engine config; see the docstring)")
-    rate = prediction["capacity_rps"] / 2
-    prefix = {p: prefix_phase(p, rate, args) for p in ("least_work", "goodput")}
-    conditional = {n: conditional_phase(n, rate, slo, args) for n in (0, 256)}
-    print(json.dumps({"prefix": prefix, "conditional": conditional}, indent=1), flush=True)
-    record = json.loads(Path(args.out).read_text())
-    Path(args.out).write_text(json.dumps({**record, "prefix": prefix, "conditional": conditional}, indent=1) + "\n")
-    print(f"prefix ttft ratio: {prefix['goodput']['ttft_ms_p50'] / prefix['least_work']['ttft_ms_p50']:.2f}")
-    print(f"conditional ttft ratio: {conditional[256]['ttft_ms_p50'] / conditional[0]['ttft_ms_p50']:.2f}")
-    print(
-        f"conditional tpot attainment: {conditional[256]['tpot_attainment']:.1f} (always: {conditional[0]['tpot_attainment']:.1f})"
-    )
+    if "prefix" in record:
+        prefix = record["prefix"]
+        print(f"prefix ttft ratio: {prefix['goodput']['ttft_ms_p50'] / prefix['least_work']['ttft_ms_p50']:.2f}")
+    if "conditional" in record:
+        local, always = record["conditional"]["256"], record["conditional"]["0"]
+        print(f"conditional ttft ratio: {local['ttft_ms_p50'] / always['ttft_ms_p50']:.2f}")
+        print(f"conditional tpot attainment: {local['tpot_attainment']:.1f} (always: {always['tpot_attainment']:.1f})")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,12 @@
 
 Every request is reported to Locust as request events (type "grpc"), so Locust's console, CSV
 and HTML reports show them: "Generate TTFT", "Generate TPOT" (per request), "Generate ITL" (per
-token gap), "Generate E2E" (per request; failures are reported here, with their status code).
+token gap), "Generate E2E" (per request; failures are reported here, with their status code), and
+"Generate SLO": one per request, a failure when it missed the SLO (Locust's failures table says
+which target, or the error code of a refused or failed request). So that row's failure ratio is
+100% minus the SLO attainment and its RPS minus its failures/s is the goodput. The SLO is the
+server's default (read from ClusterStatus at the start), or --slo-ttft-ms / --slo-tpot-ms, which
+are then sent with each request.
 Locust rounds the times it keeps for percentiles, so each request is also written as one exact
 row to --rows-csv (or $DISAGG_LOCUST_ROWS); `disagg report ROWS.csv` reads those rows.
 
@@ -30,7 +35,7 @@ import grpc  # noqa: E402
 from locust import LoadTestShape, User, events, task  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 
-from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row  # noqa: E402
+from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row, slo_misses  # noqa: E402
 from disagg.bench.workloads import (  # noqa: E402
     WORKLOADS,
     WorkloadConfig,
@@ -38,6 +43,7 @@ from disagg.bench.workloads import (  # noqa: E402
     make_workload,
 )
 from disagg.client import DisaggClient, generate_request  # noqa: E402
+from disagg.v1 import serving_pb2  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener
@@ -54,6 +60,8 @@ def _arguments(parser) -> None:
     group.add_argument(
         "--rows-csv", default=os.environ.get("DISAGG_LOCUST_ROWS", ""), help="write one exact row per request here"
     )
+    group.add_argument("--slo-ttft-ms", type=float, default=None, help="default: the server's SLO")
+    group.add_argument("--slo-tpot-ms", type=float, default=None, help="default: the server's SLO")
     group.add_argument("--step-users", type=int, default=2, help="StepLoadShape: users added per step")
     group.add_argument("--step-time", type=float, default=20.0, help="StepLoadShape: seconds per step")
     group.add_argument("--step-count", type=int, default=4, help="StepLoadShape: number of steps")
@@ -68,6 +76,7 @@ class _Run:
             options.workload, options.workload_size, options.workload_seed, context, options.length_scale
         )
         self.requests = make_workload(config, tokenizer)
+        self.slo, self.request_slo = _slo(options)
         self.max_tokens = options.max_tokens
         self.timeout = options.request_timeout
         self.cursor = itertools.count()
@@ -143,7 +152,12 @@ class GenerateUser(User):
             request_id=f"locust-{uuid.uuid4().hex[:12]}",
         )
         message = generate_request(
-            req.prompt, request_id=record.request_id, temperature=0.0, max_tokens=output_len, ignore_eos=True
+            req.prompt,
+            request_id=record.request_id,
+            slo=_run.request_slo,
+            temperature=0.0,
+            max_tokens=output_len,
+            ignore_eos=True,
         )
         sent = time.perf_counter()
         record.sent_at = sent - _run.started
@@ -165,6 +179,16 @@ class GenerateUser(User):
 
     def _report(self, record: RequestRecord) -> None:
         fire = self.environment.events.request.fire
+        if any(_run.slo.values()):
+            misses = slo_misses(record, _run.slo)
+            fire(
+                request_type="grpc",
+                name="Generate SLO",
+                response_time=record.e2el * 1e3,
+                response_length=record.output_len,
+                exception=SloMissed(", ".join(misses)) if misses else None,
+                context={},
+            )
         if not record.success:
             fire(
                 request_type="grpc",
@@ -209,6 +233,25 @@ class GenerateUser(User):
             exception=None,
             context={},
         )
+
+
+class SloMissed(Exception):
+    """A request that missed its SLO (the message says which target, or its error code)."""
+
+
+def _slo(options) -> tuple[dict[str, float], serving_pb2.Slo | None]:
+    """The targets requests are judged by, and what each request sends (None: the server's)."""
+    if options.slo_ttft_ms is not None or options.slo_tpot_ms is not None:
+        slo = {"ttft_ms": options.slo_ttft_ms or 0.0, "tpot_ms": options.slo_tpot_ms or 0.0}
+        return slo, serving_pb2.Slo(**slo)
+    host = options.host or GenerateUser.host
+    try:
+        with DisaggClient(host) as client:
+            server = client.cluster_status(timeout=10).default_slo
+    except grpc.RpcError as exc:
+        print(f"locustfile: no SLO events (ClusterStatus of {host}: {exc.code().name})", flush=True)
+        return {"ttft_ms": 0.0, "tpot_ms": 0.0}, None
+    return {"ttft_ms": server.ttft_ms, "tpot_ms": server.tpot_ms}, None
 
 
 class StepLoadShape(LoadTestShape):

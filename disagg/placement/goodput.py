@@ -17,7 +17,7 @@ is nothing to shed, and a model that predicts too slow is only corrected by what
 Conditional disaggregation (`local_prefill_max_tokens`): a short prompt may be prefilled by its
 decode instance itself, as a chunk in the decode batch's step, when that is predicted faster by
 more than the model's error than any disaggregated pair (no KV transfer, one hop less) and the
-chunk does not stall the batch there by more than a token's time.
+stall of the batch there keeps its TPOT (within the target; without one, within the model's error).
 
 The router runs this class on its live instances, the simulator on simulated ones.
 """
@@ -82,8 +82,8 @@ class GoodputPolicy(LeastOutstandingWork):
 
     def _local_options(self, prefills: list, decodes: list, request: RequestShape, tpots: dict) -> list[_Option]:
         """Conditional disaggregation: each decode instance prefilling the prompt itself, where
-        the prompt is short (uncached tokens within the limit, one chunk) and the chunk stalls
-        the decode batch already there by no more than one token's time. Only on calibrated
+        the prompt is short (uncached tokens within the limit, one chunk) and the stall of the
+        decode batch already there is allowed (`_stall_allowed`). Only on calibrated
         models: a decode instance that has not prefilled yet is predicted with the prefill
         pool's fitted prefill form (the same hardware and model; its own once it has one)."""
         fitted = [p for p in prefills if p.prefill_calibrated]
@@ -99,7 +99,7 @@ class GoodputPolicy(LeastOutstandingWork):
             chunk_ms = prefill_compute_ms(model, d.predicted_queue_tokens, request.prompt_tokens, d.prefill_budget,
                                           cached)  # fmt: skip
             step_ms = d.step_model.decode_ms(d.decode_batch, d.decode_context_tokens)  # the batch rides along
-            if d.decode_batch and chunk_ms > max(step_ms, request.slo.tpot_ms):
+            if d.decode_batch and not _stall_allowed(chunk_ms, step_ms, request):
                 continue
             ttft = max(chunk_ms + step_ms + d.ttft_residual_ms, model.prefill.a)
             options.append(_Option(d, d, ttft, tpots[id(d)], request.slo, cached, calibrated=True, local=True))
@@ -126,6 +126,16 @@ class _Option:
     @property
     def latency(self) -> float:
         return self.ttft_ms + self.tpot_ms
+
+
+def _stall_allowed(chunk_ms: float, step_ms: float, request: RequestShape) -> bool:
+    """The chunk delays every token of the batch at that instance once; spread over their
+    remaining tokens (taken as half this request's, as the TPOT prediction takes contexts), it
+    must keep their TPOT within the target, or with no target, within the model's error."""
+    added = chunk_ms / max(1, request.max_tokens // 2)
+    if request.slo.tpot_ms > 0:
+        return step_ms + added <= request.slo.tpot_ms
+    return added <= LATENCY_TIE * step_ms
 
 
 def _calibrated(prefill, decode) -> bool:

@@ -202,6 +202,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         await self._check_key(context)
         await self._refuse_undecodable(request, context)
         pools: dict[str, list] = {}
+        slo = self.orchestrator.default_slo
         for inst in sorted(self.directory.all(), key=lambda i: i.instance_id):
             load, info = inst.view.load, inst.view.info
             pools.setdefault(inst.role, []).append(
@@ -228,6 +229,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()],
             model=self.model_name,
             mode=self.orchestrator.config.mode,
+            default_slo=serving_pb2.Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms),
         )
 
     async def _check_key(self, context) -> None:

@@ -207,11 +207,13 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("pools", "model", "mode")
+    __slots__ = ("pools", "model", "mode", "default_slo")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SLO_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     model: str
     mode: str
-    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
+    default_slo: Slo
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.metrics import read_rows
+from disagg.bench.metrics import read_rows, slo_misses
 from disagg.cli import main as disagg_main
 from disagg.server import Server
 from disagg.config import ServingConfig
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 12
+SERVER_SLO = {"ttft_ms": 30000.0, "tpot_ms": 1.0}
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,10 @@ def server(ray_session):
             "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "port": 0,
+            # Locust judges requests by the server's SLO: TTFT met by all, TPOT by none (placed
+            # anyway: best effort), so both sides of its SLO events are seen
+            "slo": SERVER_SLO,
+            "slo_admission": "best_effort",
         }
     )
     with Server(config) as srv:
@@ -146,11 +151,23 @@ def test_locust_headless_reports_agree_with_the_exact_rows(locust_run):
     assert int(stats["Generate TTFT"]["Request Count"]) == len(rows)
     assert int(stats["Generate TPOT"]["Request Count"]) == sum(r.output_len > 1 for r in rows)
     assert int(stats["Generate ITL"]["Request Count"]) == sum(len(r.itl) for r in rows)
-    assert all(int(row["Failure Count"]) == 0 for row in stats.values())
+    assert all(int(row["Failure Count"]) == 0 for name, row in stats.items() if name != "Generate SLO")
     for r in rows:
         assert r.success and r.output_len == r.target_output_len <= 8
         assert 0 < r.ttft < r.e2el
     assert len({r.request_id for r in rows}) == len(rows)
+
+
+def test_locust_reports_slo_attainment_by_the_servers_slo(locust_run):
+    rows = read_rows(f"{locust_run}_rows.csv")
+    with open(f"{locust_run}_stats.csv", newline="") as f:
+        slo = {row["Name"]: row for row in csv.DictReader(f)}["Generate SLO"]
+    missed = [r for r in rows if slo_misses(r, SERVER_SLO)]
+    assert missed and all(r.output_len > 1 for r in missed)  # TPOT > 1 ms; one token has no TPOT
+    assert int(slo["Request Count"]) == len(rows) and int(slo["Failure Count"]) == len(missed)
+    with open(f"{locust_run}_failures.csv", newline="") as f:
+        reasons = [row["Error"] for row in csv.DictReader(f) if row["Name"] == "Generate SLO"]
+    assert reasons and all("TPOT" in reason and "> 1 ms" in reason for reason in reasons)
 
 
 def test_locust_users_stream_at_the_same_time(locust_run):

@@ -292,11 +292,13 @@ def test_conditional_disaggregation_is_off_at_limit_zero_and_for_longer_prompts(
     assert not _conditional(Inst("d0", prefill_budget=32), prompt=64).local  # more than one chunk
 
 
-def test_a_chunk_that_would_stall_a_busy_batch_longer_than_a_token_goes_to_the_prefill_pool():
+def test_a_chunk_that_would_stall_a_busy_batch_beyond_its_tpot_goes_to_the_prefill_pool():
     busy = Inst("d0", decode_batch=8, decode_context_tokens=8 * 1000)  # a step: 3 + 8 + 1.6 = 12.6 ms
-    assert not _conditional(busy, prompt=200).local  # its chunk: 5 + 20 + 4 = 29 ms
-    assert _conditional(busy, prompt=200, tpot=50.0).local  # within what its TPOT target allows
-    assert _conditional(busy, prompt=4).local  # a chunk (5.4 ms) shorter than a step
+    # a 200-token chunk, 29 ms, spread over 10 remaining tokens: 2.9 ms more a token
+    assert not _conditional(busy, prompt=200).local  # no target: more than the model's error (1.26 ms)
+    assert _conditional(busy, prompt=200, tpot=50.0).local  # 15.5 ms: within the target
+    assert not _conditional(busy, prompt=200, tpot=15.0).local
+    assert _conditional(busy, prompt=4).local  # 5.4 ms over 10 tokens: within the model's error
 
 
 def test_no_local_prefill_on_a_guess():
