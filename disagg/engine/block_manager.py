@@ -18,9 +18,10 @@ from disagg.request import Request
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    # Tuples of ints hash identically in every process (no PYTHONHASHSEED effect),
-    # so these hashes can be shared through a cluster-wide prefix index.
-    return hash((parent, tokens))
+    # Tuples of ints hash identically in every process (no PYTHONHASHSEED effect), so these
+    # hashes can be shared through a cluster-wide prefix index. Not None: before Python 3.12
+    # its hash is its address, different in every process (the router never found a prefix).
+    return hash((-1 if parent is None else parent, tokens))
 
 
 class BlockManager:

@@ -25,6 +25,7 @@ The router runs this class on its live instances, the simulator on simulated one
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -71,7 +72,8 @@ class GoodputPolicy(LeastOutstandingWork):
         if all(o.calibrated for o in close):  # a guess orders nothing: then by load alone
             fastest = min(o.latency for o in close)
             close = [o for o in close if o.latency <= fastest * (1 + LATENCY_TIE)]
-        chosen = min(close, key=lambda o: (o.local, _load(o.prefill, o.decode)))  # equal: the usual path
+        # equal: the usual path first, then least work (the prompt tokens this one adds counted)
+        chosen = min(close, key=lambda o: (o.local, _load(o, request)))
         guessed = not chosen.calibrated  # a guess refuses nothing
         # Nothing is refused while the cluster is idle: there is no load to shed, and only what
         # it serves corrects a model that predicts too slow (refusing on it would refuse forever).
@@ -148,6 +150,13 @@ def _tied(headroom: float, best: float) -> bool:
     return headroom >= best - TIE
 
 
-def _load(prefill, decode) -> tuple:
-    """Least outstanding work first: prompt tokens queued, then requests decoding."""
-    return (prefill.predicted_queue_tokens, decode.decode_batch, prefill.instance_id, decode.instance_id)
+def _load(option: _Option, request: RequestShape) -> tuple:
+    """Least outstanding work first: prompt tokens to compute (the queue and this prompt's
+    uncached ones: its prefix counts even on a guessed model), then requests decoding. Equal
+    work goes by rendezvous hashing of the prompt's first block: a prefix cold everywhere
+    lands where the next request with it will look, and different prefixes spread."""
+    prefill, decode = option.prefill, option.decode
+    work = prefill.predicted_queue_tokens + request.prompt_tokens - option.cached_tokens
+    first = request.block_hashes[0] if request.block_hashes else 0
+    spread = zlib.crc32(f"{first}:{prefill.instance_id}:{decode.instance_id}".encode())
+    return (work, decode.decode_batch, spread)

@@ -303,3 +303,10 @@ def test_a_chunk_that_would_stall_a_busy_batch_beyond_its_tpot_goes_to_the_prefi
 
 def test_no_local_prefill_on_a_guess():
     assert not _conditional(Inst("d0", decode_calibrated=False)).local
+
+
+def test_on_a_guessed_model_a_warm_prefix_still_counts_as_less_work():
+    cold, warm = Inst("p0", prefill_calibrated=False), Inst("p1", prefill_calibrated=False, warm=(1, 2, 3))
+    request = RequestShape(64, 8, Slo(), block_hashes=(1, 2, 3))
+    choice = GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request)
+    assert choice.prefill is warm and choice.cached_tokens == 48

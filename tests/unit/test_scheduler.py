@@ -309,3 +309,15 @@ def test_a_routers_prompt_hashes_are_the_blocks_an_instance_reports_cached():
     assert len(hashes) == 4 and set(hashes) <= reported
     other = BlockManager.prompt_hashes([9] + request.prompt_token_ids[1:], BLOCK)
     assert not set(other) & reported  # chained: a different first block changes every hash
+
+
+def test_prompt_hashes_are_the_same_in_every_process():
+    """The router and the instances are different processes: a hash that depends on the process
+    (Python < 3.12 hashes None by its address) would never match an instance's cached blocks."""
+    import subprocess
+    import sys
+
+    tokens = list(range(3 * BLOCK + 1))
+    code = f"from disagg.engine.block_manager import BlockManager; print(BlockManager.prompt_hashes({tokens}, {BLOCK}))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str(BlockManager.prompt_hashes(tokens, BLOCK))
