@@ -48,8 +48,12 @@ def test_short_prompts_go_local_once_the_model_predicts_it_faster_with_the_same_
         assert tokens == first[question][0]  # greedy: the same answer as disaggregated
 
 
-def test_a_prompt_over_the_limit_is_always_disaggregated(server):
-    long_question = "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 20
+def test_a_prompt_whose_uncached_tokens_are_over_the_limit_is_always_disaggregated(server):
+    # Each prompt differs from its first words on: the decode instance holds the KV of the ones
+    # before it (moved there for decoding), and a cached prefix would rightly count as no work.
+    questions = [
+        f"Summarize text number {i}: " + "the quick brown fox jumps over the lazy dog. " * 20 for i in range(3)
+    ]
     with DisaggClient(server.address) as client:
-        timings = [ask(client, long_question, max_tokens=2)[1] for _ in range(3)]
+        timings = [ask(client, question, max_tokens=2)[1] for question in questions]
     assert all(t.prefill_instance != t.decode_instance for t in timings)
