@@ -197,6 +197,9 @@ class PoolConfig:
     num_gpus_per_worker: float = 0.0
     resources: dict = field(default_factory=dict, hash=False)  # extra Ray resources per worker, e.g. {"prefill": 1}
     engine: dict = field(default_factory=dict, hash=False)  # EngineConfig fields that differ for this pool
+    # Per instance, in order: what differs for that one instance, `threads_per_worker` and/or
+    # `engine` (EngineConfig fields), e.g. two prefill instances on unequal hardware.
+    instances: list = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:
         _require(self.num_instances >= 0, "num_instances", "must be >= 0")
@@ -205,10 +208,30 @@ class PoolConfig:
         _require(self.num_cpus_per_worker >= 0 and self.num_gpus_per_worker >= 0, "num_cpus_per_worker", "must be >= 0")
         unknown = set(self.engine) - {f.name for f in dataclasses.fields(EngineConfig)}
         _require(not unknown, "engine", f"unknown engine settings {sorted(unknown)}")
+        _require(len(self.instances) <= self.num_instances, "instances", "has more entries than num_instances")
+        for index, override in enumerate(self.instances):
+            _require(isinstance(override, dict), "instances", f"entry {index} must be a mapping")
+            unknown = set(override) - INSTANCE_OVERRIDES
+            _require(not unknown, "instances", f"entry {index}: unknown settings {sorted(unknown)}, "
+                     f"known: {sorted(INSTANCE_OVERRIDES)}")  # fmt: skip
+            threads = override.get("threads_per_worker", 1)
+            _require(
+                isinstance(threads, int) and threads >= 1,
+                "instances",
+                f"entry {index}: threads_per_worker must be >= 1",
+            )
+            unknown = set(override.get("engine") or {}) - {f.name for f in dataclasses.fields(EngineConfig)}
+            _require(not unknown, "instances", f"entry {index}: unknown engine settings {sorted(unknown)}")
+
+    def instance_override(self, index: int) -> dict:
+        return self.instances[index] if index < len(self.instances) else {}
 
     @property
     def workers_per_instance(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+INSTANCE_OVERRIDES = {"threads_per_worker", "engine"}
 
 
 @dataclass(frozen=True)
@@ -325,10 +348,16 @@ class ServingConfig:
         _, pool = self.pools()[-1]
         return pool.num_instances * self.pool_engine_config(pool).max_num_seqs
 
-    def pool_engine_config(self, pool: PoolConfig) -> EngineConfig:
-        """The engine settings of the pool's rank-0 workers (the others differ only in their ranks)."""
+    def pool_engine_config(self, pool: PoolConfig, index: int = 0) -> EngineConfig:
+        """The engine settings of the pool's instance `index` (its rank-0 worker; the others
+        differ only in their ranks): the shared ones, the pool's, then the instance's own."""
         parallel = ParallelConfig(pool.tensor_parallel_size, pool.pipeline_parallel_size)
-        return self.engine.replace(**{**pool.engine, "parallel": parallel})
+        own = pool.instance_override(index).get("engine") or {}
+        return self.engine.replace(**{**pool.engine, **own, "parallel": parallel})
+
+    def worker_threads(self, pool: PoolConfig, index: int = 0) -> int:
+        """Torch threads of each worker of the pool's instance `index`."""
+        return pool.instance_override(index).get("threads_per_worker", self.threads_per_worker)
 
     @classmethod
     def from_dict(cls, data: dict) -> "ServingConfig":

@@ -106,11 +106,11 @@ class PoolLauncher:
         config = WorkerConfig(
             instance_id=instance_id,
             role=Role(role),
-            engine=self.config.pool_engine_config(pool),
+            engine=self.config.pool_engine_config(pool, index),
             registry_url=self.registry_url,
             host=self.worker_host,
             kv_timeout_s=self.config.kv_timeout_s,
-            num_threads=self.config.threads_per_worker,
+            num_threads=self.config.worker_threads(pool, index),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
             actor_name=actor_name,

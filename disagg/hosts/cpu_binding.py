@@ -48,12 +48,13 @@ def plan_cpus(config: ServingConfig, cpus: Iterable[int]) -> CpuPlan | None:
     if config.cpu_binding == "off":
         return None
     free = sorted(set(cpus))
-    per_engine, left = config.threads_per_worker, CPUS_LEFT_FOR_THE_REST[config.cpu_binding]
+    left = CPUS_LEFT_FOR_THE_REST[config.cpu_binding]
     engines = {}
     for role, pool in sorted(config.pools(), key=lambda rp: DEDICATION_ORDER.index(rp[0])):
         if pool.workers_per_instance != 1:
             continue  # the other ranks of a TP x PP instance compute on Ray's threads, which we do not bind
         for index in range(pool.num_instances):
+            per_engine = config.worker_threads(pool, index)
             if len(free) - per_engine < left:
                 break
             engines[(role, index)] = frozenset(free[-per_engine:])

@@ -35,6 +35,10 @@ def test_examples_exist():
         ({"worker_host": "0.0.0.0"}, "worker_host"),
         ({"engine": {"attention_backend": "fast"}}, "attention_backend"),
         ({"engine": {"cpu_gemm": "mkl"}}, "cpu_gemm"),
+        ({"prefill": {"num_instances": 1, "instances": [{}, {}]}}, "instances"),
+        ({"prefill": {"instances": [{"threads": 2}]}}, "instances"),
+        ({"prefill": {"instances": [{"threads_per_worker": 0}]}}, "instances"),
+        ({"prefill": {"instances": [{"engine": {"max_num_seq": 3}}]}}, "instances"),
     ],
 )
 def test_bad_settings_raise_value_error_naming_the_field(data, field):
@@ -88,3 +92,21 @@ def test_the_default_admission_bound_is_what_the_decode_pool_runs_at_once():
     colocated = ServingConfig.from_dict({"mode": "colocated", "colocated": {"num_instances": 2}})
     assert colocated.inflight_limit() == 2 * colocated.engine.max_num_seqs
     assert ServingConfig.from_dict({"max_inflight_requests": 7}).inflight_limit() == 7
+
+
+def test_an_instance_may_differ_from_its_pool_in_threads_and_engine_settings():
+    config = ServingConfig.from_dict(
+        {
+            "threads_per_worker": 1,
+            "engine": {"max_num_batched_tokens": 256},
+            "prefill": {
+                "num_instances": 3,
+                "instances": [{}, {"threads_per_worker": 2, "engine": {"max_num_seqs": 4}}],
+            },
+        }
+    )
+    pool = config.prefill
+    assert [config.worker_threads(pool, i) for i in range(3)] == [1, 2, 1]
+    assert [config.pool_engine_config(pool, i).max_num_seqs for i in range(3)] == [EngineConfig().max_num_seqs, 4,
+                                                                                   EngineConfig().max_num_seqs]  # fmt: skip
+    assert all(config.pool_engine_config(pool, i).max_num_batched_tokens == 256 for i in range(3))

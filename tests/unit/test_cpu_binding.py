@@ -38,6 +38,12 @@ def test_every_engine_gets_its_own_cpus_when_the_machine_has_enough():
     assert plan.framework == set(range(8)), "the rest, CPU 0 among them, for everything else"
 
 
+def test_an_instance_with_more_threads_gets_as_many_cpus():
+    config = ServingConfig(prefill=PoolConfig(num_instances=2, instances=[{}, {"threads_per_worker": 3}]))
+    plan = plan_cpus(config, range(8))
+    assert [len(plan.engine_cpus("prefill", i)) for i in range(2)] == [1, 3]
+
+
 def test_prefill_engines_come_first_and_the_rest_keeps_its_cpus():
     config = ServingConfig(prefill=PoolConfig(num_instances=2), decode=PoolConfig(num_instances=1))
     plan = plan_cpus(config, [0, 1, 2, 3])
