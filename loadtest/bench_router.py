@@ -22,8 +22,11 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
    policy with `local_prefill_max_tokens` against always disaggregating (0), same rate and SLO
    -> `conditional ttft ratio` (TTFT p50, conditional / always), and both TPOT attainments.
 
-Not measured: two prefill instances of unequal speed (a pool's instances share one engine
-config; 1 against 2 threads needs per-instance settings, and on 2 cores the threads contend).
+5. heterogeneity: 2 prefill instances of unequal speed (1 and 2 torch threads, per-instance
+   settings) + 1 decode instance, mixed prompt lengths (chat and code prompts alternating), the
+   SLO above; each policy on its own server swept over open-loop rates. A policy's goodput is
+   DistServe's: the highest rate at which at least 90% of requests meet both SLOs (linear between
+   the rates swept) -> `heterogeneity goodput ratio` (goodput policy / least work).
 
     PYTHONPATH=. .venv/bin/python loadtest/bench_router.py          # ~20 min on 2 cores
 """
@@ -164,6 +167,57 @@ def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
     return summary
 
 
+def heterogeneous_workload(num: int, seed: int):
+    tokenizer, _ = load_tokenizer(DEFAULT_MODEL)
+    chat = make_workload(WorkloadConfig("chat", num, seed=seed, length_scale=0.5), tokenizer)
+    code = make_workload(WorkloadConfig("code", num, seed=seed, length_scale=0.5), tokenizer)
+    mixed = [r for pair in zip(chat, code) for r in pair][:num]
+    return [r.__class__(r.prompt, r.prompt_len, min(r.output_len, MAX_OUTPUT)) for r in mixed]
+
+
+HETEROGENEOUS_PREFILL = {"num_instances": 2, "num_cpus_per_worker": 0.5,
+                         "instances": [{"threads_per_worker": 1}, {"threads_per_worker": 2}]}  # fmt: skip
+
+
+def heterogeneity_phase(policy: str, rates: list[float], slo: dict, args) -> dict:
+    requests = heterogeneous_workload(400, seed=3)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dep = Deployment(Path(tmp), placement=policy, slo=slo, prefill=HETEROGENEOUS_PREFILL,
+                         decode={"num_instances": 1, "num_cpus_per_worker": 0.5})  # fmt: skip
+        try:
+            run(dep.address, requests, math.inf, num=32, concurrency=2)  # calibration
+            for rate in rates:
+                out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
+                records = out["requests"]
+                met = sum(meets_slo(_Record(r), slo) for r in records)
+                by_instance = {}
+                for r in records:
+                    if r["success"]:
+                        name = r["server"].get("prefill_instance", "?")
+                        by_instance[name] = by_instance.get(name, 0) + 1
+                runs[f"{rate:.2f}"] = {"sent": len(records), "met_slo": met,
+                                       "attainment": 100.0 * met / max(1, len(records)),
+                                       "failures": out["summary"]["failures_by_code"], "by_prefill": by_instance}  # fmt: skip
+        finally:
+            dep.stop()
+    return {"runs": runs, "goodput_rps": goodput_rate(runs)}
+
+
+def goodput_rate(runs: dict, target: float = 90.0) -> float:
+    """DistServe's goodput: the highest rate whose attainment is at least `target`, linear
+    between the swept rates around the crossing (from rate 0, where all meet them, if even the
+    lowest misses it)."""
+    points = sorted((float(rate), r["attainment"]) for rate, r in runs.items())
+    best = 0.0
+    for (r0, a0), (r1, a1) in zip([(0.0, 100.0)] + points, points):
+        if a1 >= target:
+            best = r1
+        elif a0 >= target:
+            return r0 + (r1 - r0) * (a0 - target) / (a0 - a1)
+    return best
+
+
 def _latency_summary(out: dict) -> dict:
     ok = [r for r in out["requests"] if r["success"]]
     return {
@@ -190,7 +244,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop run")
     parser.add_argument("--capacity-requests", type=int, default=48)
-    parser.add_argument("--phases", default="prediction,overload,prefix,conditional",
+    parser.add_argument("--heterogeneity-rates", default="0.5,0.75,1.0,1.25,1.5",
+                        help="the heterogeneity sweep, in units of the measured capacity")  # fmt: skip
+    parser.add_argument("--phases", default="prediction,overload,prefix,conditional,heterogeneity",
                         help="a subset runs on the capacity and SLO of --out's earlier prediction phase")  # fmt: skip
     parser.add_argument("--out", default="loadtest/results/bench_router.json")
     args = parser.parse_args()
@@ -212,6 +268,9 @@ def main() -> None:
         record["prefix"] = {p: prefix_phase(p, capacity / 2, args) for p in ("least_work", "goodput")}
     if "conditional" in phases:
         record["conditional"] = {str(n): conditional_phase(n, capacity / 2, slo, args) for n in (0, 256)}
+    if "heterogeneity" in phases:
+        rates = [float(f) * capacity for f in args.heterogeneity_rates.split(",")]
+        record["heterogeneity"] = {p: heterogeneity_phase(p, rates, slo, args) for p in ("least_work", "goodput")}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "prediction"}, indent=1), flush=True)
@@ -231,7 +290,11 @@ def print_figures(record: dict) -> None:
             print(f"overload {k} goodput ratio: {ratio:.2f}")
         print(f"admitted attainment: {attainment:.1f}")
         print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
-    print("heterogeneity goodput ratio: not measured (a pool's instances share one engine config; see the docstring)")
+    if "heterogeneity" in record:
+        good, least = (record["heterogeneity"][p]["goodput_rps"] for p in ("goodput", "least_work"))
+        print(
+            f"heterogeneity goodput ratio: {good / least if least else math.inf:.2f} ({good:.2f} / {least:.2f} req/s)"
+        )
     if "prefix" in record:
         prefix = record["prefix"]
         print(f"prefix ttft ratio: {prefix['goodput']['ttft_ms_p50'] / prefix['least_work']['ttft_ms_p50']:.2f}")
