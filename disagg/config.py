@@ -265,6 +265,9 @@ class ServingConfig:
     placement: str = "goodput"  # goodput: by predicted TTFT/TPOT against the SLO; least_work (disagg.placement)
     slo_admission: str = "reject"  # a request no instance is predicted to serve in time: reject | best_effort
     profile: str | None = None  # a profile file (`disagg profile`) seeding each instance's latency model
+    # Without a profile, goodput placement measures each instance's model at start, for at most
+    # this long (disagg.router.calibration); 0: off, instances calibrate on traffic.
+    calibration_s: float = 30.0
     # Conditional disaggregation (goodput placement): a prompt with at most this many uncached
     # tokens may be prefilled by its decode instance when predicted faster; 0: always disaggregate.
     local_prefill_max_tokens: int = 0
@@ -290,6 +293,7 @@ class ServingConfig:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
+        _require(self.calibration_s >= 0, "calibration_s", "must be >= 0 (0: off)")
         _require(self.slo_admission in SLO_ADMISSIONS, "slo_admission", f"must be one of {', '.join(SLO_ADMISSIONS)}")
         _require(
             self.cpu_binding in CPU_BINDINGS,

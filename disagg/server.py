@@ -47,6 +47,7 @@ from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
+from disagg.router.calibration import calibrate
 from disagg.router.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class Server:
         self._started = threading.Event()
         self._failure: BaseException | None = None
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
+        self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
 
     def start(self, timeout_s: float = 600.0) -> "Server":
         try:
@@ -176,6 +178,8 @@ class Server:
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
+        if config.placement == "goodput" and not config.profile and config.calibration_s > 0:
+            self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
         self.servicer = ServingServicer(
             orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model

@@ -11,7 +11,9 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
    each policy on its own server at 2x and 3x the capacity, open loop: goodput (requests meeting
    both SLOs per second) -> `overload 2x goodput ratio`, `overload 3x goodput ratio` (goodput
    policy / least work), `admitted attainment` (goodput policy, both rates), and how fast
-   refusals answer.
+   refusals answer. Each run is replayed in the simulator (disagg.planner) with the same policy
+   class, this CPU's 1-thread profile and the same arrivals: simulated against measured
+   attainment, within the planner's tolerance of 5 points -> `simulated attainment error`.
 
 3. prefix: 2 prefill instances (each KV cache holding half of the prefixes) + 1 decode
    instance; requests are one of PREFIXES long shared documents followed by a short question;
@@ -24,7 +26,8 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
 
 5. heterogeneity: 2 prefill instances of unequal speed (1 and 2 torch threads, per-instance
    settings) + 1 decode instance, mixed prompt lengths (chat and code prompts alternating), the
-   SLO above; each policy on its own server swept over open-loop rates. A policy's goodput is
+   SLO from this deployment's unloaded latencies (`heterogeneity_phase`); each policy on its
+   own server swept over open-loop rates. A policy's goodput is
    DistServe's: the highest rate at which at least 90% of requests meet both SLOs (linear between
    the rates swept) -> `heterogeneity goodput ratio` (goodput policy / least work).
 
@@ -48,9 +51,16 @@ from served import Deployment  # noqa: E402
 from disagg.bench.metrics import meets_slo  # noqa: E402
 from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
 from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload  # noqa: E402
-from disagg.config import DEFAULT_MODEL  # noqa: E402
+from disagg.config import DEFAULT_MODEL, ServingConfig  # noqa: E402
+from disagg.placement.goodput import GoodputPolicy  # noqa: E402
+from disagg.placement.policies import LeastOutstandingWork  # noqa: E402
+from disagg.placement.profile import load_profile  # noqa: E402
+from disagg.planner.deployment import Deployment as PlannedDeployment  # noqa: E402
+from disagg.planner.simulator import slo_attainment  # noqa: E402
+from disagg.planner.workload import SimRequest  # noqa: E402
 
 SLO_TTFT_FACTOR, SLO_TPOT_FACTOR = 4.0, 2.0
+PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"  # this CPU, one thread per worker
 MAX_OUTPUT = 24
 
 
@@ -93,7 +103,7 @@ def prediction_phase(requests, args) -> dict:
     }  # fmt: skip
 
 
-def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, args) -> dict:
+def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_ttft_ms: float, args) -> dict:
     results = {}
     slo = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,10 +122,30 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, args) -
                     "duration_s": out["summary"]["duration_s"],
                     "refusal_ms_p50": _p(refused, 50), "refusal_ms_p99": _p(refused, 99),
                     "failures": out["summary"]["failures_by_code"],
+                    "simulated": simulate(records, policy, slo, base_ttft_ms),
                 }  # fmt: skip
         finally:
             dep.stop()
     return results
+
+
+def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float) -> dict:
+    """The run's twin in the simulator: the same arrivals, lengths, policy class and SLO; the
+    router's own time (what a profile of the engine cannot know) from the unloaded TTFT."""
+    config = ServingConfig.from_dict({"slo": slo, "placement": policy})
+    profile = load_profile(PROFILE)
+    planned = PlannedDeployment(config, {"prefill": profile, "decode": profile},
+                                policy=GoodputPolicy() if policy == "goodput" else LeastOutstandingWork())  # fmt: skip
+    start = min(r["sent_at"] for r in records)
+    requests = [
+        SimRequest(i, r["sent_at"] - start, r["prompt_len"], r["target_output_len"]) for i, r in enumerate(records)
+    ]
+    (alone,) = planned.simulator().run([SimRequest(0, 0.0, int(np.median([r.prompt_len for r in requests])), 2)])
+    planned.router_overhead_ms = max(0.0, base_ttft_ms - alone.ttft_s * 1e3)
+    sim = planned.simulator().run(requests)
+    refused = sum(r.failed.startswith("refused") for r in sim)
+    met = round(slo_attainment(sim, slo["ttft_ms"], slo["tpot_ms"]) * len(sim) / 100)
+    return {"sent": len(sim), "refused": refused, "met_slo": met, "router_overhead_ms": planned.router_overhead_ms}
 
 
 PREFIXES, PREFIX_TOKENS = 16, 400
@@ -175,18 +205,26 @@ def heterogeneous_workload(num: int, seed: int):
     return [r.__class__(r.prompt, r.prompt_len, min(r.output_len, MAX_OUTPUT)) for r in mixed]
 
 
+HETEROGENEITY_TTFT_FACTOR = 2.0
 HETEROGENEOUS_PREFILL = {"num_instances": 2, "num_cpus_per_worker": 0.5,
                          "instances": [{"threads_per_worker": 1}, {"threads_per_worker": 2}]}  # fmt: skip
 
 
-def heterogeneity_phase(policy: str, rates: list[float], slo: dict, args) -> dict:
+def heterogeneity_phase(policy: str, rates: list[float], slo: dict | None, args) -> dict:
+    """`slo` None: set from this deployment's unloaded requests (sequential, after calibration):
+    TTFT x HETEROGENEITY_TTFT_FACTOR at p90 (a long prompt on the slow instance is feasible when
+    idle), TPOT x SLO_TPOT_FACTOR at p50."""
     requests = heterogeneous_workload(400, seed=3)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement=policy, slo=slo, prefill=HETEROGENEOUS_PREFILL,
+        dep = Deployment(Path(tmp), placement=policy, prefill=HETEROGENEOUS_PREFILL,
                          decode={"num_instances": 1, "num_cpus_per_worker": 0.5})  # fmt: skip
         try:
             run(dep.address, requests, math.inf, num=32, concurrency=2)  # calibration
+            if slo is None:
+                unloaded = run(dep.address, requests, math.inf, num=24, concurrency=1)["summary"]
+                slo = {"ttft_ms": HETEROGENEITY_TTFT_FACTOR * unloaded["ttft_ms"]["p90"],
+                       "tpot_ms": SLO_TPOT_FACTOR * unloaded["tpot_ms"]["p50"]}  # fmt: skip
             for rate in rates:
                 out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
                 records = out["requests"]
@@ -201,7 +239,7 @@ def heterogeneity_phase(policy: str, rates: list[float], slo: dict, args) -> dic
                                        "failures": out["summary"]["failures_by_code"], "by_prefill": by_instance}  # fmt: skip
         finally:
             dep.stop()
-    return {"runs": runs, "goodput_rps": goodput_rate(runs)}
+    return {"slo": slo, "runs": runs, "goodput_rps": goodput_rate(runs)}
 
 
 def goodput_rate(runs: dict, target: float = 90.0) -> float:
@@ -244,7 +282,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop run")
     parser.add_argument("--capacity-requests", type=int, default=48)
-    parser.add_argument("--heterogeneity-rates", default="0.5,0.75,1.0,1.25,1.5",
+    parser.add_argument("--heterogeneity-rates", default="0.2,0.4,0.6,0.8",
                         help="the heterogeneity sweep, in units of the measured capacity")  # fmt: skip
     parser.add_argument("--phases", default="prediction,overload,prefix,conditional,heterogeneity",
                         help="a subset runs on the capacity and SLO of --out's earlier prediction phase")  # fmt: skip
@@ -263,14 +301,21 @@ def main() -> None:
     prediction, slo = record["prediction"], record["slo"]
     capacity = prediction["capacity_rps"]
     if "overload" in phases:
-        record["overload"] = {p: overload_phase(requests, p, slo, capacity, args) for p in ("least_work", "goodput")}
+        base = prediction["base_ttft_ms"]
+        record["overload"] = {
+            p: overload_phase(requests, p, slo, capacity, base, args) for p in ("least_work", "goodput")
+        }
     if "prefix" in phases:
         record["prefix"] = {p: prefix_phase(p, capacity / 2, args) for p in ("least_work", "goodput")}
     if "conditional" in phases:
         record["conditional"] = {str(n): conditional_phase(n, capacity / 2, slo, args) for n in (0, 256)}
     if "heterogeneity" in phases:
         rates = [float(f) * capacity for f in args.heterogeneity_rates.split(",")]
-        record["heterogeneity"] = {p: heterogeneity_phase(p, rates, slo, args) for p in ("least_work", "goodput")}
+        least = heterogeneity_phase("least_work", rates, None, args)  # sets the SLO both are judged by
+        record["heterogeneity"] = {
+            "least_work": least,
+            "goodput": heterogeneity_phase("goodput", rates, least["slo"], args),
+        }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "prediction"}, indent=1), flush=True)
@@ -290,6 +335,17 @@ def print_figures(record: dict) -> None:
             print(f"overload {k} goodput ratio: {ratio:.2f}")
         print(f"admitted attainment: {attainment:.1f}")
         print(f"refusal ms p99: {max(good['2x']['refusal_ms_p99'], good['3x']['refusal_ms_p99']):.1f}")
+        errors = []
+        for policy, runs in record["overload"].items():
+            for k, r in runs.items():
+                if "simulated" in r:
+                    sim = r["simulated"]
+                    measured, simulated = 100.0 * r["met_slo"] / r["sent"], 100.0 * sim["met_slo"] / sim["sent"]
+                    errors.append(abs(simulated - measured))
+                    print(f"  {policy} {k}: attainment measured {measured:.1f}%, simulated {simulated:.1f}% "
+                          f"(refused {r['refused']} / {sim['refused']} of {r['sent']})")  # fmt: skip
+        if errors:
+            print(f"simulated attainment error: {max(errors):.1f}")
     if "heterogeneity" in record:
         good, least = (record["heterogeneity"][p]["goodput_rps"] for p in ("goodput", "least_work"))
         print(

@@ -89,6 +89,15 @@ class OnlineStepModel:
             self._since_refit = 0
             self.model = self._refit()
 
+    def forget(self) -> None:
+        """Back to the seed: what was learnt so far is not representative (e.g. steps that
+        built kernels for shapes seen the first time)."""
+        self.model = self.seed
+        for samples in self._samples.values():
+            samples.clear()
+        self._errors.clear()
+        self._since_refit = self.num_samples = 0
+
     def calibrated(self, kind: str) -> bool:
         """Whether steps of `kind` ("prefill" or "decode") are predicted from this instance's own
         measurements (or from a profile given as the seed, `seeded_from_profile`)."""

@@ -26,7 +26,7 @@ PROMPT_TOKENS = 64  # long enough for full KV blocks and a real prefill GEMM
 WARM_UP_TIMEOUT_S = 120.0
 
 
-class _Pinned(LeastOutstandingWork):
+class Pinned(LeastOutstandingWork):
     """A placement policy that always answers the same two instances (and admits everything)."""
 
     def __init__(self, prefill: Instance | None, decode: Instance):
@@ -50,10 +50,11 @@ def placements(config: ServingConfig, directory: InstanceDirectory) -> list[tupl
     return [(prefill[i % len(prefill)], decode[i % len(decode)]) for i in range(max(len(prefill), len(decode)))]
 
 
-def prompt(vocab_size: int) -> list[int]:
-    """Ordinary (non-special) token ids, spread over the vocabulary."""
+def token_ids(vocab_size: int, length: int = PROMPT_TOKENS, salt: int = 0) -> list[int]:
+    """Ordinary (non-special) token ids, spread over the vocabulary; another `salt`, another
+    first token (no shared prefix, nothing cached)."""
     low = min(1000, vocab_size // 2)
-    return [low + (i * 7919) % (vocab_size - low) for i in range(PROMPT_TOKENS)]
+    return [low + (i * 7919 + salt * 104729) % (vocab_size - low) for i in range(length)]
 
 
 async def warm_up(
@@ -65,11 +66,11 @@ async def warm_up(
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)  # a prefill and a decode step
     served = []
     for index, (prefill, decode) in enumerate(placements(config, directory)):
-        orchestrator = Orchestrator(config, directory, _Pinned(prefill, decode), streams, config.engine.block_size)
+        orchestrator = Orchestrator(config, directory, Pinned(prefill, decode), streams, config.engine.block_size)
         names = (prefill.instance_id if prefill else "", decode.instance_id)
         try:
             await asyncio.wait_for(
-                _run(orchestrator, f"warm-up-{index}", prompt(vocab_size), params), WARM_UP_TIMEOUT_S
+                run_request(orchestrator, f"warm-up-{index}", token_ids(vocab_size), params), WARM_UP_TIMEOUT_S
             )
             served.append(names)
         except Exception as exc:  # noqa: BLE001 - see the docstring
@@ -79,7 +80,7 @@ async def warm_up(
     return served
 
 
-async def _run(
+async def run_request(
     orchestrator: Orchestrator, request_id: str, prompt_token_ids: list[int], params: SamplingParams
 ) -> None:
     async for _ in orchestrator.generate(request_id, prompt_token_ids, params):

@@ -231,6 +231,19 @@ def test_too_few_samples_keep_the_seed():
     assert online.model == TRUE.scaled(2.0)
 
 
+def test_a_model_that_forgets_its_first_steps_learns_from_the_later_ones_alone():
+    online = OnlineStepModel(TRUE.scaled(2.0), refit_every=8)
+    for sample in _synthetic_steps(40):  # first steps, 5x slow (kernels built on first use)
+        online.observe(StepSample(sample.prefill_tokens, sample.prefill_attention, sample.decode_batch,
+                                  sample.decode_context, sample.ms * 5))  # fmt: skip
+    online.forget()
+    assert online.model == TRUE.scaled(2.0) and online.num_samples == 0 and not online.calibrated("prefill")
+    for sample in _synthetic_steps(40, seed=1):
+        online.observe(sample)
+    for sample in _synthetic_steps(20, seed=2):  # held out
+        assert predict(online.model, sample) == pytest.approx(sample.ms, rel=0.06)
+
+
 def test_a_step_sample_travels_as_a_list():
     sample = StepSample(100, 10_000, 4, 800, 12.3456)
     assert StepSample.from_list(sample.to_list()) == StepSample(100, 10_000, 4, 800, 12.346)
