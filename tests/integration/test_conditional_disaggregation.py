@@ -25,6 +25,7 @@ def server(ray_session):
             "metrics_port": 0,
             "heartbeat_interval_s": 0.2,
             "local_prefill_max_tokens": LIMIT,
+            "calibration_s": 0,  # the models learn from the client's requests here, starting from a guess
         }
     )
     with Server(config) as srv:
