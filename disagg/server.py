@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -29,7 +30,7 @@ from grpc_reflection.v1alpha import reflection
 from disagg.auth import new_key
 from disagg.hosts.addressing import LOOPBACK, check_redis_reachable, num_alive_nodes, resolve_host, worker_host
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
-from disagg.cluster.launcher import NAMESPACE, PoolLauncher
+from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import ServingConfig
 from disagg.engine.loader import load_model_source
@@ -96,6 +97,7 @@ class Server:
                 cpu_plan = self._bind_framework_cpus()
             _start_ray(config)
             self._stack.callback(ray.shutdown)
+        wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
         model = load_model_source(
@@ -252,12 +254,36 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(f"{server.address}\n")
+    cluster = _ClusterWatch() if config.ray_address else None
     while not stop.wait(1.0):
-        pass
+        if cluster is not None and cluster.gone():
+            print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
+            break
     print(f"disagg: shutting down (in-flight requests get {DRAIN_GRACE_S:.0f}s)", flush=True)
     server.stop()
     print("disagg: stopped", flush=True)
     return 0
+
+
+class _ClusterWatch:
+    """Whether the Ray cluster a server joined still answers: `ray down` stops Ray on the head and
+    nothing else, and Ray ends a driver whose cluster is gone only a minute later and abruptly;
+    the server stops on its own first, in order."""
+
+    MISSES = 3  # connections refused in a row (a check a second)
+
+    def __init__(self):
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        self.address = (host, int(port))
+        self.misses = 0
+
+    def gone(self) -> bool:
+        try:
+            socket.create_connection(self.address, timeout=1.0).close()
+            self.misses = 0
+        except OSError:
+            self.misses += 1
+        return self.misses >= self.MISSES
 
 
 RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the cluster's auth token
@@ -351,11 +377,11 @@ async def _report_health(config: ServingConfig, directory: InstanceDirectory, he
             await _set_health(health_servicer, status)
 
 
-def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None) -> int:
+def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:
     config = ServingConfig.from_yaml(config_path) if config_path else ServingConfig()
     if overrides:
         config = ServingConfig.from_dict({**_as_dict(config_path), **overrides})
-    return serve(config, ready_file)
+    return serve(config.on_cluster() if cluster else config, ready_file)
 
 
 def _as_dict(config_path: str | None) -> dict:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -24,13 +25,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
-from disagg.config import ParallelConfig, PoolConfig, Role, ServingConfig, WorkerConfig
+from disagg.config import POOL_LABEL_SLIVER, ParallelConfig, PoolConfig, Role, ServingConfig, WorkerConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import UnavailableError
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "disagg"
-PIN_RESOURCE_AMOUNT = 0.001  # a sliver of the node label, so any number of workers fit on it
 
 
 @dataclass
@@ -44,6 +44,24 @@ class LaunchedInstance:
     pool: PoolConfig | None = None
     index: int = 0  # within its pool
     relaunches: int = 0  # by the supervisor (Ray's own restarts of single workers not counted)
+
+
+def wait_for_pool_nodes(config: ServingConfig, timeout_s: float, poll_s: float = 2.0) -> None:
+    """Until the cluster has a node with each resource a pool names (its label): on a cluster
+    that `ray up` starts, worker nodes join after the head, where `disagg serve` starts."""
+    needed = {name for _, pool in config.pools() for name in pool.resources}
+    deadline = time.monotonic() + timeout_s
+    next_log = 0.0
+    while missing := sorted(n for n in needed if ray.cluster_resources().get(n, 0) <= 0):
+        now = time.monotonic()
+        if now > deadline:
+            raise UnavailableError(
+                f"no node of the cluster has {missing} after {timeout_s:.0f} s (node labels: README)"
+            )
+        if now >= next_log:
+            logger.info("waiting for nodes labelled %s to join the cluster", missing)
+            next_log = now + 30.0
+        time.sleep(poll_s)
 
 
 class PoolLauncher:
@@ -159,7 +177,7 @@ class PoolLauncher:
 
     @staticmethod
     def _pin(role: str) -> dict:
-        return {role: PIN_RESOURCE_AMOUNT} if ray.cluster_resources().get(role, 0) > 0 else {}
+        return {role: POOL_LABEL_SLIVER} if ray.cluster_resources().get(role, 0) > 0 else {}
 
     # ---- relaunching TP x PP instances ----------------------------------------------------------
     def supervise(self, interval_s: float = 2.0, ready_timeout_s: float = 600.0) -> None:

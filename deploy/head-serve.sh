@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `disagg serve --cluster` on the head of a `ray up` cluster (deploy/cluster.yaml's head start
+# commands run it): in the background, detached from the launcher's SSH session, logging to
+# ~/disagg-serve.log; it writes its gRPC address to ~/disagg-serve.ready once it serves.
+# With ~/disagg-plan.yaml (`disagg plan -o`), it serves that plan.
+#
+#   deploy/head-serve.sh start   stop the one running (it drains), then start
+#   deploy/head-serve.sh stop    stop it
+#
+# It stops by itself when the cluster goes (`ray down`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+LOG=~/disagg-serve.log
+READY=~/disagg-serve.ready
+PLAN=~/disagg-plan.yaml
+PATTERN='[d]isagg serve --cluster'  # [d]: pgrep must not find the shell that runs this
+
+stop() {
+    pkill -TERM -f "$PATTERN" || return 0
+    for _ in $(seq 60); do
+        pgrep -f "$PATTERN" >/dev/null || return 0
+        sleep 1
+    done
+    pkill -KILL -f "$PATTERN" || true
+}
+
+start() {
+    stop
+    rm -f "$READY"
+    local config=()
+    [ -f "$PLAN" ] && config=(--config "$PLAN")
+    nohup setsid .venv/bin/disagg serve --cluster "${config[@]}" --ready-file "$READY" >"$LOG" 2>&1 </dev/null &
+    echo "disagg serve --cluster ${config[*]} started on the head; log: $LOG"
+}
+
+case "${1:-start}" in
+    start) start ;;
+    stop) stop ;;
+    *) echo "usage: $0 [start|stop]" >&2; exit 2 ;;
+esac

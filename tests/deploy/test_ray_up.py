@@ -1,0 +1,188 @@
+"""`ray up` and `ray down` of deploy/cluster.yaml with Ray's real cluster launcher, as an operator
+would run them: the file with only its FILL IN lines filled (three machines, which pool each
+worker serves, the SSH user and key, the repository), a head at 127.0.0.1 and worker machines at
+127.0.0.2 (prefill) and 127.0.0.3 (decode): loopback addresses of this one machine, reached over
+SSH as root through the test's own SSH server. The machines clone this repository (its committed
+HEAD) and run `make setup` in a directory of their own; the head serves the default model
+disaggregated across the workers; a gRPC request is answered from 127.0.0.1; `ray down` ends it
+all; the test removes everything the deployment installed or wrote.
+
+Run alone (`make deploy-test`; CI runs it after `make test`): `ray stop` on a machine stops every
+Ray on it. Skips, saying why, where no SSH server can run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.ssh_server import SshServer, unavailable_reason
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+HEAD, PREFILL, DECODE = "127.0.0.1", "127.0.0.2", "127.0.0.3"
+NAME = "disagg-deploy-test"  # the cluster's name and its directory on the machines
+HOME = Path.home()
+# What the deployment writes in the SSH user's home (here: this user's), besides its directory.
+HOME_FILES = [".bashrc", "ray_bootstrap_config.yaml", "ray_bootstrap_key.pem", "disagg-serve.log", "disagg-serve.ready"]
+UP_TIMEOUT_S, SERVE_TIMEOUT_S, DOWN_TIMEOUT_S = 480, 360, 120
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def filled_cluster_file(key: Path) -> str:
+    """deploy/cluster.yaml with its FILL IN lines filled for this machine, and its directory and
+    name made the test's own, so that nothing of a real deployment here is touched."""
+    text = (REPO / "deploy" / "cluster.yaml").read_text()
+    fills = {
+        "head_ip: 10.0.0.1": f"head_ip: {HEAD}",
+        "worker_ips: [10.0.0.2, 10.0.0.3]": f"worker_ips: [{PREFILL}, {DECODE}]",
+        "ssh_user: ubuntu": "ssh_user: root",
+        "ssh_private_key: ~/.ssh/id_ed25519": f"ssh_private_key: {key}",
+        "https://github.com/your-org/disagg.git": str(REPO),
+        "--prefill 10.0.0.2 --decode 10.0.0.3": f"--prefill {PREFILL} --decode {DECODE}",
+        "cluster_name: disagg": f"cluster_name: {NAME}",
+    }
+    for placeholder, value in fills.items():
+        assert text.count(placeholder) == 1, f"deploy/cluster.yaml has no single '{placeholder}' to fill in"
+        text = text.replace(placeholder, value)
+    return re.sub(r"(?<=[/'])disagg(?=[/\s'])", NAME, text)  # ~/disagg -> ~/disagg-deploy-test
+
+
+def run(args: list[str], timeout_s: float, log: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    with open(log, "ab") as out:
+        return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, cwd=REPO)
+
+
+def tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else f"({path} does not exist)"
+
+
+def our_processes() -> list[str]:
+    """Processes of the deployment: its server, Ray's daemons and workers."""
+    found = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    patterns = (NAME, "disagg serve --cluster", "gcs_server", "raylet", "ray::")
+    return [line.strip() for line in found if any(p in line for p in patterns) and str(os.getpid()) != line.split()[0]]
+
+
+class HomeSnapshot:
+    """The user's files that the deployment writes, put back as they were."""
+
+    def __init__(self):
+        self.saved = {name: (HOME / name).read_bytes() for name in HOME_FILES if (HOME / name).exists()}
+        self.token = HOME / ".ray" / "auth_token"
+        self.had_token = self.token.exists()
+        self.tmp_before = set(os.listdir("/tmp"))
+
+    def restore(self) -> None:
+        for name in HOME_FILES:
+            path = HOME / name
+            if name in self.saved:
+                path.write_bytes(self.saved[name])
+            else:
+                path.unlink(missing_ok=True)
+        if not self.had_token:
+            self.token.unlink(missing_ok=True)
+        shutil.rmtree(HOME / NAME, ignore_errors=True)
+        for entry in set(os.listdir("/tmp")) - self.tmp_before:  # the launcher's SSH sockets and state
+            if entry.startswith(("ray_ssh_", f"cluster-{NAME}")):
+                path = Path("/tmp") / entry
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def stop_leftovers() -> None:
+    """After a failure: nothing of the deployment may outlive the test."""
+    subprocess.run([str(VENV_BIN / "ray"), "stop", "--force"], capture_output=True, timeout=60)
+    for line in our_processes():
+        try:
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+@pytest.fixture
+def ssh_server():
+    reason = unavailable_reason([HEAD, PREFILL, DECODE])
+    if reason is not None:
+        pytest.skip(reason)
+    if os.geteuid() != 0:
+        pytest.skip("the SSH server of this test logs in as root: run it as root")
+    if our_processes():
+        pytest.fail(f"Ray or disagg already runs on this machine (`ray stop` would end it): {our_processes()[:3]}")
+    server = SshServer([HEAD, PREFILL, DECODE]).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it(ssh_server, tmp_path):
+    from disagg.client import DisaggClient, generate_request
+
+    home = HomeSnapshot()
+    cluster_file = tmp_path / "cluster.yaml"
+    cluster_file.write_text(filled_cluster_file(ssh_server.client_key))
+    log = tmp_path / "launcher.log"
+    try:
+        if not home.had_token:  # the operator's one-time step (README)
+            assert run(["ray", "get-auth-token", "--generate"], 60, log).returncode == 0, tail(log)
+        up = run(["ray", "up", "--no-config-cache", "-y", str(cluster_file)], UP_TIMEOUT_S, log)
+        assert up.returncode == 0, f"ray up failed:\n{tail(log)}"
+
+        address = wait_for_server(log)
+        with DisaggClient(address) as client:
+            request = generate_request(
+                chat=[{"role": "user", "content": "What is the capital of France?"}], temperature=0.0, max_tokens=12
+            )
+            tokens, text, final = client.generate(request, timeout=120)
+            status = client.cluster_status()
+        assert "Paris" in text
+        hosts = {pool.role: {i.kv_address.rsplit(":", 1)[0] for i in pool.instances} for pool in status.pools}
+        assert hosts == {"prefill": {PREFILL}, "decode": {DECODE}}  # each pool on its own machine
+        assert final.timings.prefill_instance != final.timings.decode_instance
+
+        down = run(["ray", "down", "-y", str(cluster_file)], DOWN_TIMEOUT_S, log)
+        assert down.returncode == 0, f"ray down failed:\n{tail(log)}"
+        assert wait_until_gone(DOWN_TIMEOUT_S) == [], (
+            f"still running after ray down:\n{tail(HOME / 'disagg-serve.log')}"
+        )
+        assert "disagg: stopped" in tail(HOME / "disagg-serve.log"), tail(HOME / "disagg-serve.log")
+    except BaseException:
+        print(f"--- launcher log ---\n{tail(log)}\n--- disagg serve log ---\n{tail(HOME / 'disagg-serve.log')}")
+        print(f"--- sshd log ---\n{ssh_server.log()}")
+        raise
+    finally:
+        stop_leftovers()
+        home.restore()
+    assert our_processes() == []
+    assert not (HOME / NAME).exists()
+
+
+def wait_for_server(log: Path) -> str:
+    """The gRPC address `disagg serve --cluster` writes once it serves: after the autoscaler has
+    started the workers' machines and the pools are up on them."""
+    ready, serve_log = HOME / "disagg-serve.ready", HOME / "disagg-serve.log"
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if ready.exists() and ready.read_text().strip():
+            return ready.read_text().strip()
+        if "disagg: stopped" in tail(serve_log):
+            pytest.fail(f"disagg serve ended on the head:\n{tail(serve_log)}")
+        time.sleep(2)
+    pytest.fail(f"not serving after {SERVE_TIMEOUT_S} s:\n{tail(serve_log)}\n--- launcher ---\n{tail(log)}")
+
+
+def wait_until_gone(timeout_s: float) -> list[str]:
+    deadline = time.monotonic() + timeout_s
+    while (left := our_processes()) and time.monotonic() < deadline:
+        time.sleep(1)
+    return left
