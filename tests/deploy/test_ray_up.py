@@ -132,6 +132,7 @@ def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it
     cluster_file = tmp_path / "cluster.yaml"
     cluster_file.write_text(filled_cluster_file(ssh_server.client_key))
     log = tmp_path / "launcher.log"
+    up = down = None
     try:
         if not home.had_token:  # the operator's one-time step (README)
             assert run(["ray", "get-auth-token", "--generate"], 60, log).returncode == 0, tail(log)
@@ -161,6 +162,8 @@ def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it
         print(f"--- sshd log ---\n{ssh_server.log()}")
         raise
     finally:
+        if up is not None and down is None:  # a failure halfway: the launcher still takes it down
+            run(["ray", "down", "-y", str(cluster_file)], DOWN_TIMEOUT_S, log)
         stop_leftovers()
         home.restore()
     assert our_processes() == []
