@@ -29,7 +29,9 @@ start() {
     rm -f "$READY"
     local config=()
     [ -f "$PLAN" ] && config=(--config "$PLAN")
-    nohup setsid .venv/bin/disagg serve --cluster "${config[@]}" --ready-file "$READY" >"$LOG" 2>&1 </dev/null &
+    # RAY_SCHEDULER_EVENTS=0: a driver takes the v1 autoscaler's events for v2's, fails to parse
+    # them and logs a traceback for each (Ray 2.60).
+    RAY_SCHEDULER_EVENTS=0 nohup setsid .venv/bin/disagg serve --cluster "${config[@]}" --ready-file "$READY" >"$LOG" 2>&1 </dev/null &
     echo "disagg serve --cluster ${config[*]} started on the head; log: $LOG"
 }
 

@@ -69,6 +69,7 @@ class Server:
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
         self.launcher: PoolLauncher | None = None
+        self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
         self._link_key = new_key()  # this deployment's (disagg.auth): workers get it in their actor arguments
         self._stack = contextlib.ExitStack()
@@ -96,7 +97,7 @@ class Server:
             if not config.ray_address:  # a machine of our own: its Ray and Redis start from this thread
                 cpu_plan = self._bind_framework_cpus()
             _start_ray(config)
-            self._stack.callback(ray.shutdown)
+            self._stack.callback(self._shutdown_ray)
         wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
@@ -228,12 +229,22 @@ class Server:
             shown = current
             await asyncio.sleep(interval_s)
 
-    def stop(self) -> None:
-        """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours)."""
+    def stop(self, cluster_gone: bool = False) -> None:
+        """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours).
+        `cluster_gone`: the Ray cluster ended under us, and the workers with it; Ray calls would
+        only block."""
+        self._cluster_gone = cluster_gone
+        if cluster_gone and self.launcher is not None:
+            self.launcher.abandon()
         if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(DRAIN_GRACE_S + 10)
         self._stack.close()
+
+    def _shutdown_ray(self) -> None:
+        # With its cluster gone, Ray ends the process from ray.shutdown() (its raylet is dead).
+        if not self._cluster_gone:
+            ray.shutdown()
 
     def __enter__(self) -> "Server":
         return self.start()
@@ -254,28 +265,34 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(f"{server.address}\n")
-    cluster = _ClusterWatch() if config.ray_address else None
+    cluster = ClusterWatch.of_ray() if config.ray_address else None
+    cluster_gone = False
     while not stop.wait(1.0):
         if cluster is not None and cluster.gone():
             print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
+            cluster_gone = True
             break
     print(f"disagg: shutting down (in-flight requests get {DRAIN_GRACE_S:.0f}s)", flush=True)
-    server.stop()
+    server.stop(cluster_gone)
     print("disagg: stopped", flush=True)
     return 0
 
 
-class _ClusterWatch:
+class ClusterWatch:
     """Whether the Ray cluster a server joined still answers: `ray down` stops Ray on the head and
     nothing else, and Ray ends a driver whose cluster is gone only a minute later and abruptly;
     the server stops on its own first, in order."""
 
     MISSES = 3  # connections refused in a row (a check a second)
 
-    def __init__(self):
-        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-        self.address = (host, int(port))
+    def __init__(self, address: tuple[str, int]):
+        self.address = address  # the cluster's GCS
         self.misses = 0
+
+    @classmethod
+    def of_ray(cls) -> "ClusterWatch":
+        host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
+        return cls((host, int(port)))
 
     def gone(self) -> bool:
         try:

@@ -225,6 +225,13 @@ class PoolLauncher:
         ray.get(fresh.actor.ready.remote(), timeout=ready_timeout_s)
         logger.info("instance %s is back (relaunch %d)", inst.instance_id, fresh.relaunches)
 
+    def abandon(self) -> None:
+        """The cluster is gone, and every worker with it: nothing to stop, and no Ray call
+        would return."""
+        self._stopping.set()
+        with self._lock:
+            self.instances = []
+
     def shutdown(self, timeout_s: float = 15.0, remove_groups: bool = True) -> None:
         """Stop every actor (deregistering it) and release its placement group.
 

@@ -156,7 +156,10 @@ def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it
         assert wait_until_gone(DOWN_TIMEOUT_S) == [], (
             f"still running after ray down:\n{tail(HOME / 'disagg-serve.log')}"
         )
-        assert "disagg: stopped" in tail(HOME / "disagg-serve.log"), tail(HOME / "disagg-serve.log")
+        serve_log = (HOME / "disagg-serve.log").read_text(errors="replace")
+        assert "disagg: the Ray cluster it joined is gone" in serve_log and "disagg: stopped" in serve_log, serve_log[
+            -4000:
+        ]
     except BaseException:
         print(f"--- launcher log ---\n{tail(log)}\n--- disagg serve log ---\n{tail(HOME / 'disagg-serve.log')}")
         print(f"--- sshd log ---\n{ssh_server.log()}")

@@ -1,4 +1,4 @@
-"""disagg.cluster.node_labels: the `ray start` flags each machine of a `ray up` cluster gives itself."""
+"""What a `ray up` cluster asks of disagg: each machine's node labels (disagg.cluster.node_labels), a config pinned to them (--cluster), and a server that stops when its cluster goes."""
 
 from __future__ import annotations
 
@@ -47,3 +47,15 @@ def test_on_a_cluster_each_pool_is_pinned_to_its_label_and_ray_is_joined():
     colocated = ServingConfig.from_dict({"mode": "colocated", "ray_address": "10.0.0.1:6379"}).on_cluster()
     assert colocated.ray_address == "10.0.0.1:6379"
     assert colocated.colocated.resources == {"colocated": POOL_LABEL_SLIVER}
+
+
+def test_a_server_sees_its_cluster_gone_after_three_refused_connections():
+    import socket
+
+    from disagg.server import ClusterWatch
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    watch = ClusterWatch(listener.getsockname())
+    assert not watch.gone()
+    listener.close()
+    assert [watch.gone() for _ in range(ClusterWatch.MISSES)] == [False] * (ClusterWatch.MISSES - 1) + [True]
