@@ -1,4 +1,5 @@
-"""What a `ray up` cluster asks of disagg: each machine's node labels (disagg.cluster.node_labels), a config pinned to them (--cluster), and a server that stops when its cluster goes."""
+"""What a `ray up` cluster asks of disagg: each machine's node labels (disagg.cluster.node_labels),
+a config pinned to them (--cluster), and a server that stops when its cluster goes."""
 
 from __future__ import annotations
 
