@@ -43,7 +43,7 @@ lint: setup
 deploy-test: setup
 	command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd || { $(APT_GET) update -qq && $(APT_GET) install -y -qq openssh-server; } || true
 	command -v rsync >/dev/null 2>&1 || { $(APT_GET) update -qq && $(APT_GET) install -y -qq rsync; } || true
-	$(PY) -m pytest -q -x -p no:cacheprovider tests/deploy
+	DISAGG_DEPLOY_TEST=1 $(PY) -m pytest -q -x -p no:cacheprovider tests/deploy
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" tests/unit

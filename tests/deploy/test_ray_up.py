@@ -111,6 +111,8 @@ def stop_leftovers() -> None:
 
 @pytest.fixture
 def ssh_server():
+    if os.environ.get("DISAGG_DEPLOY_TEST") != "1":
+        pytest.skip("runs alone, by `make deploy-test` (it stops every Ray on the machine)")
     reason = unavailable_reason([HEAD, PREFILL, DECODE])
     if reason is not None:
         pytest.skip(reason)
