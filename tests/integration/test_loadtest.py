@@ -36,6 +36,7 @@ def server(ray_session):
             # anyway: best effort), so both sides of its SLO events are seen
             "slo": SERVER_SLO,
             "slo_admission": "best_effort",
+            "calibration_s": 0,  # placement is not what this tests (test_calibration.py is)
         }
     )
     with Server(config) as srv:

@@ -42,6 +42,7 @@ def server(ray_session):
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
             "recovery_timeout_s": RELAUNCH_TIMEOUT_S,
+            "calibration_s": 0,  # placement is not what this tests (test_calibration.py is)
         }
     )
     with Server(config) as srv:
