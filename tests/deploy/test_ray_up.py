@@ -14,6 +14,7 @@ Ray on it. Skips, saying why, where no SSH server can run.
 from __future__ import annotations
 
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -30,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 HEAD, PREFILL, DECODE = "127.0.0.1", "127.0.0.2", "127.0.0.3"
 NAME = "disagg-deploy-test"  # the cluster's name and its directory on the machines
-HOME = Path.home()
+HOME = Path(pwd.getpwuid(os.getuid()).pw_dir)  # where SSH logs the user in, whatever $HOME says
 # What the deployment writes in the SSH user's home (here: this user's), besides its directory.
 HOME_FILES = [".bashrc", "ray_bootstrap_config.yaml", "ray_bootstrap_key.pem", "disagg-serve.log", "disagg-serve.ready"]
 UP_TIMEOUT_S, SERVE_TIMEOUT_S, DOWN_TIMEOUT_S = 480, 360, 120
@@ -58,7 +59,7 @@ def filled_cluster_file(key: Path) -> str:
 
 
 def run(args: list[str], timeout_s: float, log: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "HOME": str(HOME)}
     with open(log, "ab") as out:
         return subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, cwd=REPO)
 
