@@ -6,6 +6,7 @@ its state (heartbeats) put it back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -286,20 +287,31 @@ def decode_instances(server) -> list:
     return sorted((i for i in server.launcher.instances if i.role == "decode"), key=lambda i: i.instance_id)
 
 
-def test_decode_worker_whose_heartbeat_stops_is_not_chosen_until_it_returns(server, client):
-    silent, other = decode_instances(server)
-    ray.get(silent.actor.set_heartbeat_enabled.remote(False))
+@contextlib.contextmanager
+def heartbeat_silenced(client, instance):
+    """The instance stops heartbeating until the block ends; yields once the router has dropped it."""
+    ray.get(instance.actor.set_heartbeat_enabled.remote(False))
     try:
-        wait_listed(client, silent.instance_id, present=False)
-        finals = [client.generate(chat(q, max_tokens=3), timeout=60)[2] for q in QUESTIONS[:4]]
-        assert {f.timings.decode_instance for f in finals} == {other.instance_id}
+        wait_listed(client, instance.instance_id, present=False)
+        yield
     finally:
-        ray.get(silent.actor.set_heartbeat_enabled.remote(True))
-    wait_listed(client, silent.instance_id, present=True)
-    # Back in placement: requests in flight together spread over both again.
-    with ThreadPoolExecutor(4) as pool:
-        finals = list(pool.map(lambda q: client.generate(chat(q, max_tokens=8), timeout=60)[2], QUESTIONS[:4]))
-    assert silent.instance_id in {f.timings.decode_instance for f in finals}
+        ray.get(instance.actor.set_heartbeat_enabled.remote(True))
+    wait_listed(client, instance.instance_id, present=True)
+
+
+def decode_instances_chosen(client) -> set[str]:
+    finals = [client.generate(chat(q, max_tokens=3), timeout=60)[2] for q in QUESTIONS[:4]]
+    return {f.timings.decode_instance for f in finals}
+
+
+def test_decode_worker_whose_heartbeat_stops_is_not_chosen_until_it_returns(server, client):
+    first, second = decode_instances(server)
+    with heartbeat_silenced(client, first):
+        assert decode_instances_chosen(client) == {second.instance_id}
+    # The first is back. Which of two healthy instances the router prefers is its model's call,
+    # so silence the second: requests must now go to the first, proving it is placed again.
+    with heartbeat_silenced(client, second):
+        assert decode_instances_chosen(client) == {first.instance_id}
 
 
 def health_status(client, wait_for=None, timeout_s: float = 5):
