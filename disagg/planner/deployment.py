@@ -27,6 +27,7 @@ TRACE_SYSTEMS = {
     # vLLM 0.2: whole prompts first, decodes stall; its default budget and batch size.
     "vllm": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 2560, "max_num_seqs": 256},
 }
+TRACE_INFLIGHT_LIMIT = 2**31  # those systems queue every request: no frontend limit like ours
 
 
 @dataclass
@@ -57,6 +58,7 @@ class Deployment:
             num_layers=profile.num_layers,
             router_overhead_ms=self.router_overhead_ms,
             admission_timeout_s=self.config.admission_timeout_s,
+            max_inflight=self.config.inflight_limit(),
             slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
         )
 
@@ -96,16 +98,11 @@ def trace_config(trace_config: dict, model: str) -> ServingConfig:
             "pipeline_parallel_size": int(entry.get("pp", 1)),
         }
 
+    common = {"engine": engine, "max_inflight_requests": TRACE_INFLIGHT_LIMIT}
     if mode == "colocated":
-        return ServingConfig.from_dict({"mode": "colocated", "engine": engine, "colocated": pool(trace_config)})
-    return ServingConfig.from_dict(
-        {
-            "mode": "disaggregated",
-            "engine": engine,
-            "prefill": pool(trace_config.get("prefill", {})),
-            "decode": pool(trace_config.get("decode", {})),
-        }
-    )
+        return ServingConfig.from_dict({"mode": "colocated", **common, "colocated": pool(trace_config)})
+    pools = {"prefill": pool(trace_config.get("prefill", {})), "decode": pool(trace_config.get("decode", {}))}
+    return ServingConfig.from_dict({"mode": "disaggregated", **common, **pools})
 
 
 def _model(profile: Profile):

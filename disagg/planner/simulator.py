@@ -17,6 +17,8 @@ What is modelled, as the real system does it:
   freed when the transfer ends;
 - colocated: one instance does both; so does a decode instance the policy chose to prefill a
   short prompt itself (conditional disaggregation);
+- the frontend refuses a request that arrives while `max_inflight` are in flight (the server's
+  `inflight_limit`), as it answers RESOURCE_EXHAUSTED;
 - the policy chooses both instances at arrival (`choose_pair`) and may refuse the request (the
   goodput policy's SLO admission: the record fails "refused: ...").
 
@@ -320,6 +322,7 @@ class Simulator:
     num_layers: int = 1
     router_overhead_ms: float = 0.0  # client + frontend + router, before the prefill instance sees the request
     admission_timeout_s: float = 30.0
+    max_inflight: int | None = None  # the frontend's limit: a request arriving beyond it is refused at once
 
     def __post_init__(self) -> None:
         roles = {p.role for p in self.pools}
@@ -356,6 +359,9 @@ class Simulator:
     def _arrive(self, now: float, sim_request: SimRequest, record: SimRecord) -> None:
         request_id = str(record.index)
         flight = _Flight(sim_request, record, deadline=now + self.admission_timeout_s)
+        if self.max_inflight is not None and len(self.flights) >= self.max_inflight:
+            record.failed = f"refused: {self.max_inflight} requests in flight"
+            return
         if not self._fits(sim_request, record):
             return
         prefills, decodes = (

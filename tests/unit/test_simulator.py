@@ -96,6 +96,15 @@ def test_a_decode_pool_without_room_fails_requests_after_the_admission_timeout()
     assert slo_attainment(records) == 50.0
 
 
+def test_requests_arriving_beyond_the_inflight_limit_are_refused_at_once_and_later_ones_admitted():
+    pool = SimPool("colocated", 1, MODEL, num_kv_blocks=1000)
+    burst = [SimRequest(i, 0.0, 10, 5) for i in range(5)] + [SimRequest(5, 1.0, 10, 5)]
+    records = Simulator([pool], max_inflight=3).run(burst)
+    assert [r.success for r in records] == [True, True, True, False, False, True]
+    assert records[3].failed == "refused: 3 requests in flight"
+    assert all(r.success for r in Simulator([pool]).run(burst))  # no limit: all six run
+
+
 def test_placement_spreads_requests_over_instances():
     pool = SimPool("colocated", 2, MODEL, num_kv_blocks=1000)
     records = Simulator([pool]).run([SimRequest(0, 0.0, 10, 50), SimRequest(1, 0.001, 10, 50)])
