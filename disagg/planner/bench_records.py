@@ -19,7 +19,7 @@ def as_request_records(records: list[SimRecord]) -> list[RequestRecord]:
             record.success, record.output_len = True, r.output_len
             record.ttft, record.e2el = r.ttft_s, r.e2el_s
         else:
-            record.error_code, record.error = "SIMULATED_FAILURE", r.failed
+            record.error_code, record.error = r.error_code or "INTERNAL", r.failed
         out.append(record)
     return out
 

@@ -65,6 +65,7 @@ class SimRecord:
     first_token_s: float | None = None
     finish_s: float | None = None
     failed: str = ""
+    error_code: str = ""  # the gRPC status the server would have answered (disagg.errors)
     prefill_instance: str = ""
     decode_instance: str = ""
     num_preemptions: int = 0
@@ -352,7 +353,7 @@ class Simulator:
             action(self.now, *args)
         for record in records:
             if not record.success and not record.failed:  # a scheduler that could never run it
-                record.failed = "did not finish"
+                record.failed, record.error_code = "did not finish", "INTERNAL"
         return records
 
     # ---- routing ---------------------------------------------------------------------------------
@@ -360,7 +361,7 @@ class Simulator:
         request_id = str(record.index)
         flight = _Flight(sim_request, record, deadline=now + self.admission_timeout_s)
         if self.max_inflight is not None and len(self.flights) >= self.max_inflight:
-            record.failed = f"refused: {self.max_inflight} requests in flight"
+            _refuse(record, f"refused: {self.max_inflight} requests in flight")
             return
         if not self._fits(sim_request, record):
             return
@@ -372,7 +373,7 @@ class Simulator:
                              blocks_needed=self._blocks(sim_request, "decode" if self.disaggregated else "colocated"))  # fmt: skip
         choice = self.policy.choose_pair(prefills, decodes, shape)
         if not choice.admitted:
-            record.failed = f"refused: {choice.refusal(self.slo)}"
+            _refuse(record, f"refused: {choice.refusal(self.slo)}")
             return
         self.flights[request_id] = flight
         if not self.disaggregated or choice.local:
@@ -408,7 +409,7 @@ class Simulator:
                     pool.num_kv_blocks,
                 )
             except InvalidRequestError as exc:
-                record.failed = f"invalid: {exc}"
+                record.failed, record.error_code = f"invalid: {exc}", exc.grpc_code_name
                 return False
         return True
 
@@ -501,12 +502,19 @@ class Simulator:
             flight.decode.deliver(now, lambda t: flight.decode.scheduler.finish_request(request_id, ABORTED))
 
     def _fail(self, flight: _Flight, now: float, why: str) -> None:
-        flight.record.failed = why
+        """Shed after admission (no decode room in time, a full waiting queue): the server's
+        OverloadedError."""
+        flight.record.failed, flight.record.error_code = why, OverloadedError.grpc_code_name
         flight.done = True
         request_id = str(flight.record.index)
         for instance in {flight.prefill, flight.decode} - {None}:
             instance.deliver(now, lambda t, i=instance: i.scheduler.finish_request(request_id, ABORTED))
         self.flights.pop(request_id, None)
+
+
+def _refuse(record: SimRecord, why: str) -> None:
+    """Refused at admission, as the server answers RESOURCE_EXHAUSTED."""
+    record.failed, record.error_code = why, OverloadedError.grpc_code_name
 
 
 def _parallel_links(flight: _Flight) -> int:

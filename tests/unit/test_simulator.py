@@ -93,6 +93,7 @@ def test_a_decode_pool_without_room_fails_requests_after_the_admission_timeout()
     records = sim.run([SimRequest(0, 0.0, 200, 30), SimRequest(1, 0.001, 40, 5)])
     assert records[0].success
     assert not records[1].success and "admission timeout" in records[1].failed
+    assert records[1].error_code == "RESOURCE_EXHAUSTED"
     assert slo_attainment(records) == 50.0
 
 
@@ -102,6 +103,7 @@ def test_requests_arriving_beyond_the_inflight_limit_are_refused_at_once_and_lat
     records = Simulator([pool], max_inflight=3).run(burst)
     assert [r.success for r in records] == [True, True, True, False, False, True]
     assert records[3].failed == "refused: 3 requests in flight"
+    assert records[3].error_code == "RESOURCE_EXHAUSTED"  # what the server answers
     assert all(r.success for r in Simulator([pool]).run(burst))  # no limit: all six run
 
 
@@ -138,7 +140,7 @@ def test_many_requests_are_simulated_in_order_of_arrival_and_all_complete():
 
 def test_a_request_that_can_never_fit_is_refused_as_the_router_would():
     [r] = colocated(max_model_len=64).run([SimRequest(0, 0.0, 60, 10)])
-    assert not r.success and r.failed.startswith("invalid")
+    assert not r.success and r.failed.startswith("invalid") and r.error_code == "INVALID_ARGUMENT"
 
 
 def test_bad_pools_are_refused():
@@ -170,3 +172,4 @@ def test_the_goodput_policy_refuses_what_would_miss_and_keeps_the_slo_of_what_it
     assert 80 <= len(admitted) <= 120  # about what one prefill instance serves in time
     assert len(met(good)) >= 0.95 * len(admitted)
     assert "predicted TTFT" in refused(good)[0].failed
+    assert {r.error_code for r in refused(good)} == {"RESOURCE_EXHAUSTED"}
