@@ -25,7 +25,7 @@ TRACE_SYSTEMS = {
     # DistServe: the prefill instance batches whole prompts; the decode instance batches every request it holds.
     "distserve": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 16384, "max_num_seqs": 1024},
     # vLLM 0.2: whole prompts first, decodes stall; its default budget and batch size.
-    "vllm": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 2560, "max_num_seqs": 256},
+    "vllm": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 65536, "max_num_seqs": 1024},
 }
 TRACE_INFLIGHT_LIMIT = 2**31  # those systems queue every request: no frontend limit like ours
 

@@ -50,6 +50,11 @@ from disagg.request import Request, RequestStatus, SamplingParams, check_fits
 
 RESERVE_RETRY_S = 0.02  # the router's back-off while no decode instance has room (doubling to 0.5 s)
 MAX_RESERVE_RETRY_S = 0.5
+# How a request gets room on its decode instance: "retry", our router's (reserved while the
+# prompt is computed; without room, retried with back-off: whoever retries first when room frees
+# gets it); "queue", DistServe's bridge queue (after the prefill, first come first served at the
+# decode instance, the KV waiting in the prefill's blocks meanwhile).
+DECODE_ADMISSIONS = ("retry", "queue")
 ABORTED = RequestStatus.FINISHED_ABORTED
 TOKEN = 0  # the token every simulated step samples (stops come from max_tokens alone)
 
@@ -179,6 +184,7 @@ class SimInstance:
         self.run: list = []  # [start, batch, context sum, steps] of a run of plain decode steps
         self.step_ms = 0.0
         self.queued_tokens = 0  # prompt tokens sent and not yet through their prefill (the router's view)
+        self.reserve_queue: deque[_Flight] = deque()  # "queue" admission: waiting for room, in order
         self.num_reserved = 0  # inputs that will add a request
 
     # the load a placement policy reads (disagg.placement.policies.InstanceLoad)
@@ -247,6 +253,7 @@ class SimInstance:
     def _boundary(self, now: float) -> None:
         while self.pending:
             self.pending.popleft()(now)
+        self.sim.admit_queued(self, now)
         self._start_step(now)
 
     # ---- steps -------------------------------------------------------------------------------
@@ -323,10 +330,13 @@ class Simulator:
     num_layers: int = 1
     router_overhead_ms: float = 0.0  # client + frontend + router, before the prefill instance sees the request
     admission_timeout_s: float = 30.0
+    decode_admission: str = "retry"  # DECODE_ADMISSIONS
     max_inflight: int | None = None  # the frontend's limit: a request arriving beyond it is refused at once
 
     def __post_init__(self) -> None:
         roles = {p.role for p in self.pools}
+        if self.decode_admission not in DECODE_ADMISSIONS:
+            raise ValueError(f"decode_admission: must be one of {DECODE_ADMISSIONS}, got {self.decode_admission!r}")
         if roles not in ({"colocated"}, {"prefill", "decode"}):
             raise ValueError(f"simulator: pools must be colocated, or prefill and decode; got {sorted(roles)}")
         self.instances: dict[str, list[SimInstance]] = {}
@@ -385,7 +395,8 @@ class Simulator:
         prefill.queued_tokens += sim_request.prompt_len
         prefill.num_reserved += 1
         prefill.deliver(now, lambda t: self._add(flight, prefill, t))
-        self._reserve(now, flight)
+        if self.decode_admission == "retry":  # the router reserves while the prompt is computed
+            self._reserve(now, flight)
 
     def _start_whole(self, flight: _Flight, instance: SimInstance, now: float) -> None:
         """One instance prefills and decodes: colocated, or a local prefill on a decode instance."""
@@ -434,15 +445,31 @@ class Simulator:
         decode.num_reserved -= 1
         if flight.done:
             return
-        if decode.scheduler.reserve_for_remote_prefill(self._engine_request(flight)):
-            flight.decode, flight.reserved_at = decode, now
-            flight.record.decode_instance = decode.instance_id
-            self._maybe_transfer(flight, now)
+        if self.decode_admission == "queue" and decode.reserve_queue:  # behind those already waiting
+            decode.reserve_queue.append(flight)
+        elif self._reserved(flight, decode, now):
+            return
+        elif self.decode_admission == "queue":
+            decode.reserve_queue.append(flight)
         elif now + flight.backoff > flight.deadline:
             self._fail(flight, now, "no decode instance had room within the admission timeout")
         else:
             self.at(now + flight.backoff, self._reserve, flight)
             flight.backoff = min(flight.backoff * 2, MAX_RESERVE_RETRY_S)
+
+    def _reserved(self, flight: _Flight, decode: SimInstance, now: float) -> bool:
+        if not decode.scheduler.reserve_for_remote_prefill(self._engine_request(flight)):
+            return False
+        flight.decode, flight.reserved_at = decode, now
+        flight.record.decode_instance = decode.instance_id
+        self._maybe_transfer(flight, now)
+        return True
+
+    def admit_queued(self, decode: SimInstance, now: float) -> None:
+        """At a step boundary: the requests waiting for room here, in order, while they fit."""
+        queue = decode.reserve_queue
+        while queue and (queue[0].done or self._reserved(queue[0], decode, now)):
+            queue.popleft()
 
     def _blocks(self, sim_request: SimRequest, role: str) -> int:
         return -(-sim_request.prompt_len // self.instances[role][0].pool.block_size)
@@ -467,6 +494,8 @@ class Simulator:
                 if request.is_finished:  # a one-token request ends at its prefill
                     self._finish(flight, now)
                     self._drop_reservation(flight, now)
+                elif self.decode_admission == "queue":  # the decode side takes it from here, in order
+                    self._reserve(now, flight)
                 else:
                     self._maybe_transfer(flight, now)
                 return
