@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from disagg.placement.profile import load_profile  # noqa: E402
-from disagg.planner.deployment import Deployment, trace_config  # noqa: E402
+from disagg.planner.deployment import Deployment, trace_config, trace_deployment  # noqa: E402
 from disagg.planner.hardware import hardware_spec  # noqa: E402
 from disagg.planner.models import model_spec  # noqa: E402
 from disagg.planner.search import SLO, NodeKind, Search  # noqa: E402
@@ -49,9 +49,7 @@ def replay(data: Path) -> None:
             continue
         trace = load_trace(str(path))
         profile = profile_for(data, path.name)
-        config = trace_config(trace.config, trace.model)
-        deployment = Deployment(config, {role: profile for role, _ in config.pools()}, from_hardware=True)
-        records = deployment.simulator().run(trace.requests)
+        records = trace_deployment(trace.config, trace.model, profile).simulator().run(trace.requests)
         slo = trace.slo
         sim_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
         real_att = 100 * sum(m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured)

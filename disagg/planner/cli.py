@@ -74,6 +74,7 @@ def _simulation(args):
     from disagg.config import ServingConfig
     from disagg.placement.profile import load_profile
     from disagg.planner.deployment import Deployment, trace_config
+    from disagg.planner.traced_systems import system_of
     from disagg.planner.workload import load_trace
 
     if args.trace:
@@ -82,6 +83,7 @@ def _simulation(args):
         config = ServingConfig.from_yaml(args.config) if args.config else trace_config(trace.config, model)
         profiles = _profiles(args, config, model)
         deployment = Deployment(config, profiles, from_hardware=not args.config or args.from_hardware)
+        deployment.system = None if args.config else system_of(trace.config)  # replayed as it ran
         deployment.router_overhead_ms = args.router_overhead_ms
         rate = len(trace.requests) / trace.duration_s if trace.duration_s else math.inf
         return deployment, trace.requests, dict(trace.slo), rate

@@ -5,6 +5,9 @@ The KV capacity follows the config (`engine.num_kv_blocks`, else `kv_cache_memor
 worker, as the engine sizes its cache), unless the config leaves memory to the hardware
 (`from_hardware=True`, the planner's GPU candidates and replayed traces): then it is what is left
 of each device's memory after its share of the weights (`disagg.planner.memory`).
+
+A replayed trace of another system (`system`, disagg.planner.traced_systems) runs as that system
+does: its memory rule, its decode admission, its frontend's and its decode loop's own time.
 """
 
 from __future__ import annotations
@@ -12,22 +15,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from disagg.config import PoolConfig, ServingConfig
+from disagg.placement.latency_model import StepModel
 from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import known_hardware
 from disagg.planner.models import known_models, kv_bytes_per_token, model_spec
 from disagg.planner.simulator import SimPool, Simulator, pools_from_config
+from disagg.planner.traced_systems import TracedSystem, system_of
 
 DEFAULT_MAX_MODEL_LEN = 8192
-# Engine settings of the systems whose measured runs a trace may come from (DistServe's README).
-TRACE_SYSTEMS = {
-    # DistServe: the prefill instance batches whole prompts; the decode instance batches every request it holds.
-    "distserve": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 16384, "max_num_seqs": 1024},
-    # vLLM 0.2: whole prompts first, decodes stall; its default budget and batch size.
-    "vllm": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 65536, "max_num_seqs": 1024},
-}
 TRACE_INFLIGHT_LIMIT = 2**31  # those systems queue every request: no frontend limit like ours
+TRACE_ADMISSION_TIMEOUT_S = 1e9  # nor do they give up on a request waiting for room
 
 
 @dataclass
@@ -37,13 +36,14 @@ class Deployment:
     from_hardware: bool = False
     router_overhead_ms: float = 0.0
     policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
+    system: TracedSystem | None = None  # another system whose trace is replayed (None: ours)
 
     def pools(self) -> list[SimPool]:
         config = self.config if not self.from_hardware else self._sized_by_hardware()
         profile = self.any_profile
         return pools_from_config(
             config,
-            lambda role, tp, pp: self.profiles[role].step_model(tp, pp),
+            self._step_model,
             profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             self._max_model_len(),
         )
@@ -56,11 +56,16 @@ class Deployment:
             transfer=self.profiles.get("prefill", profile).kv_transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             num_layers=profile.num_layers,
-            router_overhead_ms=self.router_overhead_ms,
-            admission_timeout_s=self.config.admission_timeout_s,
+            router_overhead_ms=self.router_overhead_ms + (self.system.frontend_ms if self.system else 0.0),
+            admission_timeout_s=TRACE_ADMISSION_TIMEOUT_S if self.system else self.config.admission_timeout_s,
+            decode_admission=self.system.decode_admission if self.system else "retry",
             max_inflight=self.config.inflight_limit(),
             slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
         )
+
+    def _step_model(self, role: str, tp: int, pp: int) -> StepModel:
+        profiled = self.profiles[role].step_model(tp, pp)
+        return self.system.step_model(profiled) if self.system else profiled
 
     @property
     def any_profile(self) -> Profile:
@@ -71,10 +76,17 @@ class Deployment:
         pools = {}
         for role, pool in self.config.pools():
             profile = self.profiles[role]
-            tokens = memory.kv_capacity_tokens(_model(profile), _hardware(profile), *_shape(pool))
+            tokens = memory.kv_capacity_tokens(
+                _model(profile), _hardware(profile), *_shape(pool), **self._memory_rule()
+            )
             blocks = max(1, tokens // self.config.engine.block_size)
             pools[role] = _with_engine(pool, num_kv_blocks=blocks)
         return _replace_pools(self.config, pools)
+
+    def _memory_rule(self) -> dict:
+        if self.system is None:
+            return {}
+        return {"utilization": self.system.memory_utilization, "activation_tokens": self.system.activation_tokens}
 
     def _kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(_model(self.any_profile))
@@ -88,8 +100,7 @@ class Deployment:
 def trace_config(trace_config: dict, model: str) -> ServingConfig:
     """The serving config a trace recorded ({"mode", "prefill": {"tp", "pp", "instances"}, ...})."""
     mode = trace_config.get("mode", "disaggregated")
-    system = "vllm" if "vllm" in str(trace_config.get("scheduler", "")) else "distserve"
-    engine = {"model": model, **TRACE_SYSTEMS[system]}
+    engine = {"model": model, **system_of(trace_config).engine}
 
     def pool(entry: dict) -> dict:
         return {
@@ -103,6 +114,14 @@ def trace_config(trace_config: dict, model: str) -> ServingConfig:
         return ServingConfig.from_dict({"mode": "colocated", **common, "colocated": pool(trace_config)})
     pools = {"prefill": pool(trace_config.get("prefill", {})), "decode": pool(trace_config.get("decode", {}))}
     return ServingConfig.from_dict({"mode": "disaggregated", **common, **pools})
+
+
+def trace_deployment(recorded: dict, model: str, profile: Profile) -> Deployment:
+    """A trace's own deployment (its recorded config), run as the system that recorded it, its KV
+    sized by its hardware."""
+    config = trace_config(recorded, model)
+    profiles = {role: profile for role, _ in config.pools()}
+    return Deployment(config, profiles, from_hardware=True, system=system_of(recorded))
 
 
 def _model(profile: Profile):

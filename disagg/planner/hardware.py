@@ -54,8 +54,8 @@ class Hardware:
 # (A100: HDR 200 Gb/s; H100/H200: NDR 400 Gb/s). Latencies are typical NCCL small-message figures.
 _CATALOGUE = (
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): BF16 312 TFLOPS dense (624 sparse),
-    # HBM2e 2,039 GB/s, 80 GB; NVLink 600 GB/s; HGX A100 8-GPU.
-    Hardware("a100-80gb", 312e12, 2039 * GB, 80 * GB, 8, 300 * GB, 0.01, 25 * GB, 0.005),
+    # HBM2e 2,039 GB/s, 80 GB (80 GiB: the driver reports 81,920 MiB); NVLink 600 GB/s; HGX A100 8-GPU.
+    Hardware("a100-80gb", 312e12, 2039 * GB, 80 * GIB, 8, 300 * GB, 0.01, 25 * GB, 0.005),
     # NVIDIA H100 datasheet (SXM5): BF16 989.4 TFLOPS dense (1,979 sparse), HBM3 3.35 TB/s, 80 GB;
     # NVLink 900 GB/s; HGX H100 8-GPU.
     Hardware("h100-sxm", 989.4e12, 3350 * GB, 80 * GB, 8, 450 * GB, 0.01, 50 * GB, 0.005),

@@ -52,6 +52,14 @@ def kv_bytes_per_token_per_device(config: ModelConfig, tp: int, pp: int, dtype_b
     return 2 * layers * config.num_key_value_heads / tp * config.head_dim * dtype_bytes
 
 
+def activation_bytes_per_device(config: ModelConfig, tokens: int, tp: int, dtype_bytes: int = 2) -> float:
+    """The largest activations of one step of `tokens` tokens: the MLP's input and intermediate
+    (twice: before and after the activation function) and a few hidden-sized buffers, split over
+    TP. An engine that sizes its cache after a trial step of its token budget (vLLM) keeps this."""
+    per_token = 2 * config.intermediate_size + 4 * config.hidden_size
+    return tokens * per_token * dtype_bytes / tp
+
+
 def kv_capacity_tokens(
     config: ModelConfig,
     hardware: Hardware,
@@ -59,11 +67,14 @@ def kv_capacity_tokens(
     pp: int,
     utilization: float = DEFAULT_UTILIZATION,
     dtype_bytes: int = 2,
+    activation_tokens: int = 0,
 ) -> int:
-    """KV tokens one instance can hold once its weights are loaded (0 when the weights do not fit)."""
+    """KV tokens one instance can hold once its weights are loaded (0 when the weights do not fit),
+    with room kept for the activations of a step of `activation_tokens` tokens."""
     if not 0 < utilization <= 1:
         raise ValueError(f"memory utilization must be in (0, 1], got {utilization}")
     free = hardware.memory_bytes * utilization - weight_bytes_per_device(config, tp, pp, dtype_bytes)
+    free -= activation_bytes_per_device(config, activation_tokens, tp, dtype_bytes)
     per_token = kv_bytes_per_token_per_device(config, tp, pp, dtype_bytes)
     return max(0, int(free // per_token))
 

@@ -1,0 +1,161 @@
+"""Fit what DistServe's published profiles lack, on the given measured runs, and print the errors.
+
+    PYTHONPATH=. .venv/bin/python loadtest/fit_traced_systems.py [--data ../shared/data/distserve]
+
+For each system (DistServe, vLLM 0.2), on its runs in the data directory, with everything else as
+`disagg.planner.traced_systems` says (settings from DistServe's launch script, memory rules and
+decode admission from their code):
+1. a first guess of `frontend_ms` and `prefill_scale` from the TTFT of isolated requests (none
+   arrived in the 1 s before: no prompt queued ahead), the simulator's TTFT of the same requests
+   against the measured one: the grid point with the least median relative error;
+2. then all four values against every run's attainment and TTFT and TPOT p50 and p90, each
+   error in units of its target (3 points of attainment, 10% of a percentile): the least mean,
+   by turns over (`decode_per_step_ms`, `decode_per_request_ms`) and (`frontend_ms`,
+   `prefill_scale`) on their grids, until neither moves.
+Prints the fitted values (to be written into traced_systems.py) and each run's errors with them.
+Runs kept aside (other rates and lengths) check what was fitted here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from disagg.placement.profile import load_profile  # noqa: E402
+from disagg.planner.deployment import trace_deployment  # noqa: E402
+from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
+from disagg.planner.traced_systems import SYSTEMS  # noqa: E402
+from disagg.planner.workload import load_trace  # noqa: E402
+
+ISOLATED_GAP_S = 1.0
+FRONTEND_MS = [float(v) for v in range(0, 21)]
+PREFILL_SCALES = [round(0.7 + 0.05 * i, 2) for i in range(9)]  # 0.7 .. 1.1
+PER_STEP_MS = [float(v) for v in range(0, 9)]
+PER_REQUEST_MS = [round(0.02 * i, 2) for i in range(26)]  # 0 .. 0.5
+MAX_ROUNDS = 3
+
+
+def runs_of(data: Path, system: str) -> list[tuple[Path, object, object]]:
+    out = []
+    for path in sorted(data.glob(f"{system}-*.json")):
+        trace = load_trace(str(path))
+        profile = load_profile(str(data / f"profiler-a100-80g.{system}.json"), model=trace.model)
+        out.append((path, trace, profile))
+    return out
+
+
+def simulate(trace, profile, system):
+    deployment = trace_deployment(trace.config, trace.model, profile)
+    deployment.system = system
+    return deployment.simulator().run(trace.requests)
+
+
+def fit_prefill(runs, system):
+    """(frontend_ms, prefill_scale) with the least median |simulated - measured| / measured TTFT
+    over isolated requests."""
+    best = None
+    for scale in PREFILL_SCALES:
+        scaled = dataclasses.replace(system, frontend_ms=0.0, prefill_scale=scale)
+        pairs = []  # (simulated without frontend, measured) of isolated requests
+        for _, trace, profile in runs:
+            records = simulate(trace, profile, scaled)
+            previous = None
+            for request, record, measured in zip(trace.requests, records, trace.measured):
+                if previous is None or request.arrival_s - previous > ISOLATED_GAP_S:
+                    pairs.append((record.ttft_s * 1e3, measured["ttft_ms"]))
+                previous = request.arrival_s
+        for frontend in FRONTEND_MS:
+            error = statistics.median(abs(s + frontend - m) / m for s, m in pairs)
+            if best is None or error < best[0]:
+                best = (error, frontend, scale, len(pairs))
+    return best
+
+
+def fit_jointly(runs, system):
+    """Coordinate descent on the mean target error of every run's figures; (error, system)."""
+    best = (mean_error(runs, system), system)
+    grids = (
+        ("decode_per_step_ms", PER_STEP_MS, "decode_per_request_ms", PER_REQUEST_MS),
+        ("frontend_ms", FRONTEND_MS, "prefill_scale", PREFILL_SCALES),
+    )
+    for _ in range(MAX_ROUNDS):
+        moved = False
+        for first, first_grid, second, second_grid in grids:
+            for x, y in itertools.product(first_grid, second_grid):
+                candidate = dataclasses.replace(best[1], **{first: x, second: y})
+                if candidate == best[1]:
+                    continue
+                error = mean_error(runs, candidate)
+                if error < best[0] - 1e-9:
+                    best, moved = (error, candidate), True
+        if not moved:
+            break
+    return best
+
+
+def mean_error(runs, system) -> float:
+    return statistics.mean(
+        e for _, trace, profile in runs for e in target_errors(trace, simulate(trace, profile, system))
+    )
+
+
+def target_errors(trace, records) -> list[float]:
+    """|attainment error| / 3 points and |percentile error| / 10% for TTFT and TPOT p50 and p90."""
+    slo = trace.slo
+    met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
+    errors = [abs(slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"]) - 100 * sum(met) / len(met)) / 3]
+    for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
+        simulated = [getattr(r, attr) * 1e3 for r in records]
+        measured = [m[key] for m in trace.measured]
+        for q in (50, 90):
+            s, m = percentile(simulated, q), percentile(measured, q)
+            errors.append(abs(s - m) / m / 0.10)
+    return errors
+
+
+def report(runs, system) -> None:
+    for path, trace, profile in runs:
+        records = simulate(trace, profile, system)
+        slo = trace.slo
+        simulated_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
+        met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
+        cells = [f"attainment {simulated_att:5.1f} / {100 * sum(met) / len(met):5.1f}"]
+        for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
+            simulated = [getattr(r, attr) * 1e3 for r in records]
+            measured = [m[key] for m in trace.measured]
+            for q in (50, 90):
+                s, m = percentile(simulated, q), percentile(measured, q)
+                cells.append(f"{key[:4]} p{q} {(s - m) / m:+4.0%}")
+        print(f"   {path.stem:24} " + "  ".join(cells))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
+    args = parser.parse_args()
+    for name, system in SYSTEMS.items():
+        runs = runs_of(Path(args.data), name)
+        if not runs:
+            continue
+        error, frontend, scale, isolated = fit_prefill(runs, system)
+        system = dataclasses.replace(system, frontend_ms=frontend, prefill_scale=scale)
+        print(f"{name}: first guess frontend_ms={frontend} prefill_scale={scale} ({isolated} isolated requests, "
+              f"median TTFT error {error:.1%})", flush=True)  # fmt: skip
+        error, system = fit_jointly(runs, system)
+        fitted = {
+            k: getattr(system, k)
+            for k in ("frontend_ms", "prefill_scale", "decode_per_step_ms", "decode_per_request_ms")
+        }
+        print(f"{name}: {fitted} (mean error {error:.2f} targets)")
+        report(runs, system)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
