@@ -9,10 +9,11 @@ of each device's memory after its share of the weights (`disagg.planner.memory`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from disagg.config import PoolConfig, ServingConfig
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, Slo
+from disagg.placement.factory import placement_policy
+from disagg.placement.policies import PlacementPolicy, Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import known_hardware
@@ -27,7 +28,9 @@ TRACE_SYSTEMS = {
     # vLLM 0.2: whole prompts first, decodes stall; its default budget and batch size.
     "vllm": {"scheduling_policy": "prefill_first", "max_num_batched_tokens": 2560, "max_num_seqs": 256},
 }
-TRACE_INFLIGHT_LIMIT = 2**31  # those systems queue every request: no frontend limit like ours
+# Those systems queue every request: no frontend limit like ours, and no SLO admission.
+TRACE_INFLIGHT_LIMIT = 2**31
+TRACE_PLACEMENT = "least_work"
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Deployment:
     profiles: dict[str, Profile]  # per role ("prefill", "decode", "colocated"); one may serve all
     from_hardware: bool = False
     router_overhead_ms: float = 0.0
-    policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
+    policy: PlacementPolicy | None = None  # None: the one the config names, as `disagg serve` runs it
 
     def pools(self) -> list[SimPool]:
         config = self.config if not self.from_hardware else self._sized_by_hardware()
@@ -52,7 +55,7 @@ class Deployment:
         profile = self.any_profile
         return Simulator(
             self.pools(),
-            policy=self.policy,
+            policy=self.policy if self.policy is not None else placement_policy(self.config),
             transfer=self.profiles.get("prefill", profile).kv_transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             num_layers=profile.num_layers,
@@ -98,7 +101,7 @@ def trace_config(trace_config: dict, model: str) -> ServingConfig:
             "pipeline_parallel_size": int(entry.get("pp", 1)),
         }
 
-    common = {"engine": engine, "max_inflight_requests": TRACE_INFLIGHT_LIMIT}
+    common = {"engine": engine, "max_inflight_requests": TRACE_INFLIGHT_LIMIT, "placement": TRACE_PLACEMENT}
     if mode == "colocated":
         return ServingConfig.from_dict({"mode": "colocated", **common, "colocated": pool(trace_config)})
     pools = {"prefill": pool(trace_config.get("prefill", {})), "decode": pool(trace_config.get("decode", {}))}

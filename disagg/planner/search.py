@@ -21,7 +21,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from disagg.config import ServingConfig
+from disagg.placement.factory import placement_policy
 from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.policies import Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import Hardware
@@ -138,6 +141,10 @@ class Search:
     min_duration_s: float = 20.0
     seed: int = 0
     simulations: int = 0
+    # Whose placement settings the written config keeps (plan_config sets only the SLO beside the
+    # pools: the default placement, goodput with SLO admission): every candidate is simulated
+    # with the policy that config runs, admitting by the search's SLO.
+    placement_config: ServingConfig = field(default_factory=ServingConfig)
 
     # ---- the max rate of one deployment ------------------------------------------------------
     def max_rate(self, pools: list[SimPool], transfer: TransferModel, check_ttft=True, check_tpot=True) -> float:
@@ -165,6 +172,8 @@ class Search:
         profile = self.kinds[0].profile
         sim = Simulator(
             pools,
+            policy=placement_policy(self.placement_config),
+            slo=Slo(self.slo.ttft_ms, self.slo.tpot_ms),
             transfer=transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or kv_bytes_per_token(self.model_config),
             num_layers=self.model_config.num_hidden_layers,
