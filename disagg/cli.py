@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_status(sub)
     _add_bench_commands(sub)
+    _add_profile_command(sub)
     _add_planner_commands(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -36,8 +37,15 @@ def _add_bench_commands(sub) -> None:
     add_commands(sub)
 
 
+def _add_profile_command(sub) -> None:
+    """`disagg profile` lives with the profiler (disagg/profiling/), beside the planner: it runs an engine."""
+    from disagg.profiling.cli import add_command
+
+    add_command(sub)
+
+
 def _add_planner_commands(sub) -> None:
-    """`disagg profile | simulate | plan` live with the planner (disagg/planner/)."""
+    """`disagg simulate | plan` live with the planner (disagg/planner/)."""
     from disagg.planner.cli import add_commands
 
     add_commands(sub)

@@ -22,6 +22,10 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 3.0
 ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
 CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
+# How KV moves between instances (disagg.kv_transfer.factory): torch_dist is torch.distributed,
+# gloo for CPU tensors and NCCL for CUDA ones.
+KV_TRANSPORTS = ("torch_dist",)
+DEFAULT_KV_TRANSPORT = "torch_dist"
 
 
 class Role(str, enum.Enum):
@@ -144,6 +148,10 @@ def _require(ok: bool, field_name: str, message: str) -> None:
         raise InvalidRequestError(field_name, message)
 
 
+def _require_kv_transport(name: str) -> None:
+    _require(name in KV_TRANSPORTS, "kv_transport", f"must be one of {', '.join(KV_TRANSPORTS)}, got {name!r}")
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What one worker process (any rank of an instance, any role) is started with."""
@@ -154,6 +162,7 @@ class WorkerConfig:
     registry_url: str | None = None  # None: no heartbeats (tests)
     host: str | None = "127.0.0.1"  # what it listens on and advertises; None: this node's IP (disagg.hosts.addressing)
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    kv_transport: str = DEFAULT_KV_TRANSPORT
     num_threads: int = 1  # torch intra-op threads
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
@@ -173,6 +182,7 @@ class WorkerConfig:
             isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string"
         )
         _require(self.kv_timeout_s > 0, "kv_timeout_s", "must be > 0")
+        _require_kv_transport(self.kv_transport)
         _require(isinstance(self.link_key, bytes) and len(self.link_key) >= 16, "link_key", "must be >= 16 bytes")
         _require(self.num_threads >= 1, "num_threads", "must be >= 1")
         _require(
@@ -284,6 +294,7 @@ class ServingConfig:
     recovery_timeout_s: float = 60.0  # how long a migrating request waits for a healthy instance (a relaunch)
     max_worker_restarts: int = -1  # a dead instance is relaunched this often (per instance); -1: always, 0: never
     kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    kv_transport: str = DEFAULT_KV_TRANSPORT  # how prefill instances send KV to decode ones (KV_TRANSPORTS)
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
     threads_per_worker: int = 1
@@ -299,6 +310,7 @@ class ServingConfig:
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
         _require(self.calibration_s >= 0, "calibration_s", "must be >= 0 (0: off)")
         _require(self.slo_admission in SLO_ADMISSIONS, "slo_admission", f"must be one of {', '.join(SLO_ADMISSIONS)}")
+        _require_kv_transport(self.kv_transport)
         _require(
             self.cpu_binding in CPU_BINDINGS,
             "cpu_binding",

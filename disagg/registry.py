@@ -58,8 +58,8 @@ class LoadReport:
     kv_cache_usage: float = 0.0
     updated_at: float = 0.0
     decode_context_tokens: int = 0  # the running requests' contexts, summed
-    # The engine's latest steps, each [step index, prefill tokens, attention, decode batch, decode
-    # context, ms] (disagg.placement.online_fit.StepSample): what the router's model learns from.
+    # The engine's latest steps, each [step index, ms, decodes, decode context sum, then each prompt
+    # chunk's start and tokens] (disagg.step_work.MeasuredStep): what the router's model learns from.
     steps: list = field(default_factory=list)
     # Chained hashes of its cached KV blocks (the newest, at most MAX_PREFIX_HASHES): where a
     # prompt's prefix is warm (disagg.engine.block_manager.chain_hash).

@@ -42,8 +42,7 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.orchestrator import Orchestrator
-from disagg.placement.goodput import GoodputPolicy
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
+from disagg.placement.factory import placement_policy
 from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
 from disagg.router.streams import DecodeStreams
@@ -174,7 +173,7 @@ class Server:
         orchestrator = Orchestrator(
             config,
             directory,
-            _placement_policy(config),
+            placement_policy(config),
             streams,
             config.engine.block_size,
             on_migration=metrics.observe_migration,
@@ -412,9 +411,3 @@ def _as_dict(config_path: str | None) -> dict:
 
 if __name__ == "__main__":
     sys.exit(main_serve(None, {}))
-
-
-def _placement_policy(config: ServingConfig) -> PlacementPolicy:
-    if config.placement == "least_work":
-        return LeastOutstandingWork()
-    return GoodputPolicy(config.slo_admission == "best_effort", config.local_prefill_max_tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -35,7 +36,8 @@ from disagg.engine.kv_cache import KVCache  # noqa: E402
 from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
 from disagg.kv_transfer.layout import KVTarget  # noqa: E402
 from disagg.kv_transfer.sender import KVSender  # noqa: E402
-from disagg.kv_transfer.torch_dist import TorchDistTransport  # noqa: E402
+from disagg.config import DEFAULT_KV_TRANSPORT  # noqa: E402
+from disagg.kv_transfer.factory import make_transport  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B
@@ -46,11 +48,11 @@ TOKENS = 1024
 class KVEndpointActor:
     """A KV cache of Llama-3-8B's geometry with a sender and a receiver on one transport."""
 
-    def __init__(self, worker_id: str, num_blocks: int, dtype: torch.dtype, device: str, shared: bool):
+    def __init__(self, worker_id: str, key: bytes, num_blocks: int, dtype: torch.dtype, device: str, shared: bool):
         torch.set_num_threads(1)
         self.cache = KVCache(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device(device), shared=shared)
         self.cache.tensor.normal_()
-        transport = TorchDistTransport(worker_id)
+        transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key)
         self.sender = KVSender(transport, timeout=120)
         self.receiver = KVReceiver(transport, timeout=120)
         for endpoint in (self.sender, self.receiver):
@@ -95,9 +97,10 @@ def _wait(endpoint, timeout_s: float = 300.0):
 def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_reference: bool) -> tuple[float, int]:
     num_blocks = TOKENS // BLOCK
     total = 4 * num_blocks
+    key = secrets.token_bytes(32)  # both ends are one deployment's
     src, dst = (
-        KVEndpointActor.remote("p-bench", total, dtype, device, by_reference),
-        KVEndpointActor.remote("d-bench", total, dtype, device, False),
+        KVEndpointActor.remote("p-bench", key, total, dtype, device, by_reference),
+        KVEndpointActor.remote("d-bench", key, total, dtype, device, False),
     )
     src_addr, dst_addr = ray.get([src.address.remote(), dst.address.remote()])
     seconds = []
@@ -120,12 +123,13 @@ def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_referen
 
 @ray.remote(num_cpus=0)
 class DecodeSide:
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, key: bytes):
         torch.set_num_threads(1)
         from disagg.config import EngineConfig
         from disagg.decode_worker.worker import DecodeWorker
 
-        self.worker = DecodeWorker(EngineConfig(num_kv_blocks=256), TorchDistTransport(worker_id), kv_timeout=120)
+        transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key)
+        self.worker = DecodeWorker(EngineConfig(num_kv_blocks=256), transport, kv_timeout=120)
 
     def address(self) -> str:
         return self.worker.address()
@@ -147,10 +151,10 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
     from disagg.request import SamplingParams
 
     torch.set_num_threads(1)
-    prefill = PrefillWorker(
-        EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), TorchDistTransport("p-stream"), kv_timeout=120
-    )
-    decode = DecodeSide.remote("d-stream")
+    key = secrets.token_bytes(32)  # both ends are one deployment's
+    transport = make_transport(DEFAULT_KV_TRANSPORT, "p-stream", key)
+    prefill = PrefillWorker(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), transport, kv_timeout=120)
+    decode = DecodeSide.remote("d-stream", key)
     cfg = prefill.engine.model_config
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)

@@ -53,8 +53,6 @@ from disagg.bench.metrics import meets_slo  # noqa: E402
 from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
 from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload  # noqa: E402
 from disagg.config import DEFAULT_MODEL, ServingConfig  # noqa: E402
-from disagg.placement.goodput import GoodputPolicy  # noqa: E402
-from disagg.placement.policies import LeastOutstandingWork  # noqa: E402
 from disagg.placement.profile import load_profile  # noqa: E402
 from disagg.planner.deployment import Deployment as PlannedDeployment  # noqa: E402
 from disagg.planner.simulator import slo_attainment  # noqa: E402
@@ -135,8 +133,7 @@ def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float) -
     router's own time (what a profile of the engine cannot know) from the unloaded TTFT."""
     config = ServingConfig.from_dict({"slo": slo, "placement": policy})
     profile = load_profile(PROFILE)
-    planned = PlannedDeployment(config, {"prefill": profile, "decode": profile},
-                                policy=GoodputPolicy() if policy == "goodput" else LeastOutstandingWork())  # fmt: skip
+    planned = PlannedDeployment(config, {"prefill": profile, "decode": profile})  # its policy: the config's
     start = min(r["sent_at"] for r in records)
     requests = [
         SimRequest(i, r["sent_at"] - start, r["prompt_len"], r["target_output_len"]) for i, r in enumerate(records)

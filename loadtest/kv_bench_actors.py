@@ -1,4 +1,4 @@
-"""Ray actors that measure raw KV-transfer bandwidth over TorchDistTransport (no protocol on top).
+"""Ray actors that measure raw KV-transfer bandwidth over the configured transport (no protocol on top).
 
     from kv_bench_actors import measure_raw_bandwidth
     gbps = measure_raw_bandwidth(256 * 2**20, torch.float32, repeats=5)
@@ -11,6 +11,7 @@ One unmeasured warm-up transfer comes first. Returns the median, in GB/s (10^9 b
 
 from __future__ import annotations
 
+import secrets
 import statistics
 import sys
 import time
@@ -19,7 +20,8 @@ import ray
 import torch
 from ray import cloudpickle
 
-from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.config import DEFAULT_KV_TRANSPORT
+from disagg.kv_transfer.factory import make_transport
 
 # This module is imported from a script's directory, which Ray workers may not have on their
 # path: ship the actor class by value.
@@ -30,9 +32,10 @@ CONNECT_TIMEOUT_S = 60.0
 
 @ray.remote(num_cpus=0)
 class KVBenchPeer:
-    def __init__(self, worker_id: str, host: str = "127.0.0.1"):
+    def __init__(self, worker_id: str, key: bytes, host: str = "127.0.0.1"):
+        """`key`: shared by both peers (the deployment's key, disagg.auth)."""
         torch.set_num_threads(1)
-        self.transport = TorchDistTransport(worker_id, host=host)
+        self.transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key, host)
         self._flag = torch.zeros(1)
 
     def address(self) -> str:
@@ -82,7 +85,8 @@ def measure_raw_bandwidth(
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    sender, receiver = KVBenchPeer.remote("bench-sender"), KVBenchPeer.remote("bench-receiver")
+    key = secrets.token_bytes(32)
+    sender, receiver = KVBenchPeer.remote("bench-sender", key), KVBenchPeer.remote("bench-receiver", key)
     try:
         connect_pair(sender, "bench-sender", receiver, "bench-receiver")
         receiving = receiver.recv_acking.remote("bench-sender", num_bytes, dtype, repeats, timeout)

@@ -128,6 +128,7 @@ class PoolLauncher:
             registry_url=self.registry_url,
             host=self.worker_host,
             kv_timeout_s=self.config.kv_timeout_s,
+            kv_transport=self.config.kv_transport,
             num_threads=self.config.worker_threads(pool, index),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,

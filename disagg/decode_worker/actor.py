@@ -16,7 +16,7 @@ from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import Role, WorkerConfig
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.kv_transfer.layout import KVLayout
-from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.kv_transfer.factory import make_transport
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
 from disagg.rpc.server import Link
@@ -64,7 +64,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
             raise ValueError(f"role: a decode actor runs the decode or colocated role, not {config.role}")
         super().__init__(config)
         transport = (
-            TorchDistTransport(self.instance_id, config.link_key, self.host) if config.role is Role.DECODE else None
+            make_transport(config.kv_transport, self.instance_id, config.link_key, self.host)
+            if config.role is Role.DECODE
+            else None
         )
         groups, wait_for_ranks = self._start_ranks(followers)
         self.worker = DecodeWorker(

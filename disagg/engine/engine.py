@@ -23,14 +23,15 @@ from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.cpu_kernels import decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
-from disagg.engine.model_runner import ModelRunner, is_decode
+from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
-from disagg.engine.outputs import CompletionOutput, RequestOutput, StepStats
+from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.errors import InvalidRequestError
 from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits
+from disagg.step_work import MeasuredStep
 
 logger = logging.getLogger(__name__)
 STEP_STATS_KEPT = 512
@@ -112,7 +113,7 @@ class LLMEngine:
         self._num_reported: dict[str, int] = {}
         self.last_step_seconds = 0.0
         # The latest steps, for the worker's reports (appended here, read from another thread).
-        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_KEPT)
+        self.step_stats: deque[MeasuredStep] = deque(maxlen=STEP_STATS_KEPT)
         self.num_steps = 0
 
     # ---- construction ------------------------------------------------------------------------
@@ -248,7 +249,7 @@ class LLMEngine:
         sampled, failed = self._execute(plan)
         self.last_step_seconds = time.perf_counter() - started
         self.num_steps += 1
-        self.step_stats.append(_stats(plan, self.last_step_seconds, self.num_steps))
+        self.step_stats.append(MeasuredStep(plan.work, self.last_step_seconds * 1e3, self.num_steps))
         if failed:
             plan.chunks = [c for c in plan.chunks if c.request.request_id not in failed]
         outputs = [self._fail(request, error) for request, error in failed.values()]
@@ -400,16 +401,3 @@ class LLMEngine:
     @property
     def peak_num_used_blocks(self) -> int:
         return self.block_manager.peak_num_used_blocks
-
-
-def _stats(plan: SchedulerOutput, seconds: float, index: int) -> StepStats:
-    decodes = [c for c in plan.chunks if is_decode(c)]
-    prefills = [c for c in plan.chunks if not is_decode(c)]
-    return StepStats(
-        sum(c.num_new_tokens for c in prefills),
-        sum(c.num_new_tokens * (2 * c.start + c.num_new_tokens) for c in prefills),
-        len(decodes),
-        sum(c.start + 1 for c in decodes),
-        seconds,
-        index,
-    )

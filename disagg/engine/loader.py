@@ -25,13 +25,12 @@ from disagg.config import DEFAULT_MODEL
 from disagg.engine.gguf_convert import cached_hf_dir
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.model_shapes import expected_weight_shapes, named_shapes
+from disagg.engine.model_specs import RANDOM_PREFIX, SUPPORTED_HF_MODEL_TYPES
 from disagg.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-RANDOM_PREFIX = "random:"
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 

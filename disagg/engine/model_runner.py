@@ -20,6 +20,7 @@ from disagg.engine.layers.cpu_kernels import DecodeKernel
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from disagg.request import Request
+from disagg.step_work import computes_as_decode
 
 
 class ModelRunner:
@@ -145,7 +146,7 @@ class ModelRunner:
 
 
 def is_decode(c: ScheduledChunk) -> bool:
-    return c.num_new_tokens == 1 and c.start > 0
+    return computes_as_decode(c.start, c.num_new_tokens)
 
 
 def _decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:

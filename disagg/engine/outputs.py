@@ -30,16 +30,3 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     error: str | None = None  # set when a step failed on this request (it ended with finish_reason "abort")
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """What one engine step computed and how long it took: the router's latency model learns
-    from these (disagg.placement.online_fit)."""
-
-    prefill_tokens: int  # prompt tokens computed, all chunks
-    prefill_attention: int  # sum over chunks of n * (2 * start + n)
-    decode_batch: int
-    decode_context: int  # the decodes' contexts, summed
-    seconds: float
-    index: int = 0  # the engine's step count: tells a step already reported from a new one

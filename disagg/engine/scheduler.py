@@ -26,6 +26,7 @@ from disagg.config import Role
 from disagg.engine.block_manager import BlockManager
 from disagg.errors import OverloadedError
 from disagg.request import Request, RequestStatus
+from disagg.step_work import StepWork
 
 
 @dataclass
@@ -56,6 +57,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def work(self) -> StepWork:
+        """What the step computes, as step reports, the latency model and the simulator describe it."""
+        return StepWork.of((c.start, c.num_new_tokens) for c in self.chunks)
 
 
 @dataclass

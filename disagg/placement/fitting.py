@@ -1,4 +1,4 @@
-"""Least squares for the latency model, in pure Python (the model has at most five terms).
+"""Least squares for the latency model, in pure Python (the model has at most six terms).
 
 Fits minimise the relative error by default (each row weighted by 1/y^2): a step of 5 ms off by
 1 ms is as wrong as one of 500 ms off by 100 ms, and the model's users (TTFT, TPOT against SLOs)
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from disagg.placement.latency_model import Chunk, Coefficients, StepModel
+from disagg.placement.latency_model import Coefficients, StepModel
+from disagg.step_work import MeasuredStep, StepWork
 
 
 def least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float], relative: bool = True) -> list[float]:
@@ -59,37 +60,80 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
-# ---- samples of each kind of step --------------------------------------------------------------
-def fit_prefill(samples: Sequence[tuple[Sequence[int], float]]) -> Coefficients:
-    """[(prompt lengths of the batch, step ms)] -> a + b sum(l) + c sum(l^2)."""
-    rows = [[1.0, float(sum(lens)), float(sum(n * n for n in lens))] for lens, _ in samples]
-    return Coefficients(*least_squares(rows, [ms for _, ms in samples]))
+# ---- steps of each kind -------------------------------------------------------------------------
+def fit_prefill(steps: Sequence[MeasuredStep]) -> Coefficients:
+    """Steps of prompt chunks -> a + b * tokens + c * attention (sum(l), sum(l^2) for whole prompts)."""
+    rows = [[1.0, float(s.work.prefill_tokens), float(s.work.prefill_attention)] for s in steps]
+    return Coefficients(*least_squares(rows, [s.ms for s in steps]))
 
 
-def fit_decode(samples: Sequence[tuple[int, int, float]]) -> Coefficients:
-    """[(batch, sum of contexts, step ms)] -> a + b sum(ctx) + c batch."""
-    rows = [[1.0, float(ctx), float(batch)] for batch, ctx, _ in samples]
-    return Coefficients(*least_squares(rows, [ms for _, _, ms in samples]))
+def fit_decode(steps: Sequence[MeasuredStep]) -> Coefficients:
+    """Decode steps -> a + b * sum(ctx) + c * batch."""
+    rows = [[1.0, float(s.work.decode_context_sum), float(s.work.num_decodes)] for s in steps]
+    return Coefficients(*least_squares(rows, [s.ms for s in steps]))
 
 
-def fit_mixed(samples: Sequence[tuple[Sequence[Chunk], int, int, float]]) -> tuple[float, ...]:
-    """[(chunks, decodes, sum of decode contexts, step ms)] -> the five mixed-step coefficients."""
+def fit_mixed(steps: Sequence[MeasuredStep]) -> tuple[float, ...]:
+    """Mixed steps -> the five coefficients of the "fit" mixed form (latency_model.StepModel)."""
     rows = [
         [
             1.0,
-            float(sum(c.num_tokens for c in chunks) + batch),
-            float(sum(c.attention for c in chunks)),
-            float(ctx),
-            float(batch),
+            float(s.work.prefill_tokens + s.work.num_decodes),
+            float(s.work.prefill_attention),
+            float(s.work.decode_context_sum),
+            float(s.work.num_decodes),
         ]
-        for chunks, batch, ctx, _ in samples
+        for s in steps
     ]
-    return tuple(least_squares(rows, [s[-1] for s in samples]))
+    return tuple(least_squares(rows, [s.ms for s in steps]))
 
 
-def relative_errors(model: StepModel, samples: Sequence[tuple[Sequence[Chunk], int, int, float]]) -> list[float]:
-    """|predicted - measured| / measured for each (chunks, decodes, decode context sum, ms)."""
-    return [abs(model.step_ms(chunks, batch, ctx) - ms) / ms for chunks, batch, ctx, ms in samples if ms > 0]
+def relative_errors(model: StepModel, steps: Sequence[MeasuredStep]) -> list[float]:
+    """|predicted - measured| / measured of each step."""
+    return [abs(model.step_ms(s.work) - s.ms) / s.ms for s in steps if s.ms > 0]
+
+
+# ---- every kind at once ---------------------------------------------------------------------------
+# The "sum" form of StepModel.step_ms is linear in these six terms, for every kind of step: a
+# prefill step a_p + b tokens + c attention, a decode step a_d + d context + e decodes, a mixed
+# step a_p + b tokens + c attention + d context + e decodes.
+JOINT_TERMS = ("prefill step", "decode-only step", "prefill tokens", "prefill attention", "decode context", "decodes")
+JOINT_INTERCEPTS = (0, 1)
+
+
+def joint_row(work: StepWork) -> list[float]:
+    """The step's value of each of JOINT_TERMS."""
+    has_chunks = bool(work.chunks)
+    return [
+        float(has_chunks),
+        float(not has_chunks),
+        float(work.prefill_tokens),
+        float(work.prefill_attention),
+        float(work.decode_context_sum),
+        float(work.num_decodes),
+    ]
+
+
+def joint_coefficients(w: Sequence[float]) -> tuple[Coefficients, Coefficients]:
+    """(prefill, decode) coefficients from the six of JOINT_TERMS."""
+    return Coefficients(w[0], w[2], w[3]), Coefficients(w[1], w[4], w[5])
+
+
+def nonnegative_least_squares(
+    rows: Sequence[Sequence[float]], targets: Sequence[float], free: Sequence[int] = (0,)
+) -> list[float]:
+    """Least squares whose coefficients are not negative, except those of the columns in `free`
+    (the intercepts). A window of a few similar steps can fit "more requests, faster steps", and
+    the policy would then crowd every request onto the busiest instance. A negative term is
+    dropped (held at 0) and the rest refitted."""
+    kept = list(range(len(rows[0])))
+    while True:
+        solution = least_squares([[r[j] for j in kept] for r in rows], targets)
+        w = dict(zip(kept, solution))
+        negative = [j for j in kept if j not in free and w[j] < 0]
+        if not negative:
+            return [w.get(j, 0.0) for j in range(len(rows[0]))]
+        kept.remove(min(negative, key=lambda j: w[j]))
 
 
 def median(values: Sequence[float]) -> float:

@@ -6,13 +6,16 @@ One `StepModel` describes one instance shape (model, hardware, TP, PP); all time
 - decode step over a batch with contexts ctx_i:           a + b * sum(ctx_i) + c * batch
   with one triple below `decode_threshold` requests and another from there on (DistServe's split:
   small batches are bound by weight reads, large ones start to be bound by compute);
-- mixed step (chunked prefill with decodes, Sarathi-Serve): either the sum of the two parts with
-  one shared intercept, or a fit of its own over
+- mixed step (prompt chunks with decodes, Sarathi-Serve): either the prefill form of its chunks
+  plus the decode form's per-token and per-request terms (one step, the prefill's intercept:
+  "sum", the form the router's online fit learns), or a fit of its own over
   [1, new tokens, chunk attention, decode context, decodes], whichever predicted better where it
   was measured (`mixed_form`).
 
-A chunk of n tokens starting at position s attends to s + n keys on average over its rows, so its
-attention work is n * (2s + n); for a whole prompt (s = 0) that is l^2, DistServe's term.
+A step's work is a `disagg.step_work.StepWork`: its prompt chunks and its decodes. A chunk of n
+tokens starting at position s has attention work n * (2s + n) (`Chunk.attention`); for a whole
+prompt (s = 0) that is l^2, DistServe's term, so a chunk after cached or earlier tokens is a
+prefill step of the same form.
 
 Pure Python (no numpy): the router evaluates this on every request, the simulator on every step.
 """
@@ -22,6 +25,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from disagg.step_work import Chunk, StepWork
+
+__all__ = ["Chunk", "Coefficients", "StepModel", "TransferModel"]  # Chunk: where its users found it before
 
 MIXED_FORMS = ("sum", "fit")
 
@@ -45,18 +52,6 @@ class Coefficients:
         if len(values) != 3 or not all(math.isfinite(float(v)) for v in values):
             raise ValueError(f"coefficients: expected three finite numbers [a, b, c], got {values!r}")
         return cls(*(float(v) for v in values))
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """Part of a prompt computed in one step: `num_tokens` new tokens after `start` cached ones."""
-
-    start: int
-    num_tokens: int
-
-    @property
-    def attention(self) -> int:
-        return self.num_tokens * (2 * self.start + self.num_tokens)
 
 
 @dataclass(frozen=True)
@@ -115,22 +110,19 @@ class StepModel:
             steps += 1
         return steps
 
-    def step_ms(self, chunks: Sequence[Chunk], decode_batch: int, decode_context_sum: int) -> float:
-        """Any step: prefill chunks and decodes together (either may be empty)."""
-        if not chunks:
-            return self.decode_ms(decode_batch, decode_context_sum)
-        tokens = sum(c.num_tokens for c in chunks)
-        attention = sum(c.attention for c in chunks)
-        if decode_batch <= 0 and all(c.start == 0 for c in chunks) or self.mixed_form == "sum":
-            prefill = self.prefill(tokens, attention)
-            if decode_batch <= 0:
-                return prefill
-            decode = self._decode_triple(decode_batch)
-            return prefill + decode(decode_context_sum, decode_batch) - min(self.prefill.a, decode.a)
-        w = self.mixed
-        return (
-            w[0] + w[1] * (tokens + decode_batch) + w[2] * attention + w[3] * decode_context_sum + w[4] * decode_batch
-        )
+    def step_ms(self, work: StepWork) -> float:
+        """Any step: prompt chunks and decodes together (either may be empty)."""
+        if work.kind == "decode":
+            return self.decode_ms(work.num_decodes, work.decode_context_sum)
+        tokens, attention = work.prefill_tokens, work.prefill_attention
+        if work.kind == "prefill":
+            return self.prefill(tokens, attention)
+        batch, context = work.num_decodes, work.decode_context_sum
+        if self.mixed_form == "fit":
+            w = self.mixed
+            return w[0] + w[1] * (tokens + batch) + w[2] * attention + w[3] * context + w[4] * batch
+        decode = self._decode_triple(batch)
+        return self.prefill(tokens, attention) + decode.b * context + decode.c * batch
 
     def _decode_triple(self, batch: int) -> Coefficients:
         return self.decode_small if batch < self.decode_threshold else self.decode_large

@@ -1,4 +1,5 @@
-"""`disagg profile | simulate | plan`: measure a profile, simulate a deployment, search for one."""
+"""`disagg simulate | plan`: simulate a deployment, search for one (`disagg profile`, which runs
+an engine, lives in disagg/profiling/)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,8 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    _add_profile(sub)
     _add_simulate(sub)
     _add_plan(sub)
-
-
-# ---- profile -----------------------------------------------------------------------------------
-def _add_profile(sub) -> None:
-    from disagg.planner import profiler
-
-    p = sub.add_parser("profile", help="measure the engine's step times on this machine and fit the latency model")
-    profiler.add_arguments(p)
-    p.set_defaults(func=profiler.main)
 
 
 # ---- simulate ----------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ does: its memory rule, its decode admission, its frontend's and its decode loop'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from disagg.config import PoolConfig, ServingConfig
+from disagg.placement.factory import placement_policy
 from disagg.placement.latency_model import StepModel
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, Slo
+from disagg.placement.policies import PlacementPolicy, Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import known_hardware
@@ -25,8 +26,11 @@ from disagg.planner.simulator import SimPool, Simulator, pools_from_config
 from disagg.planner.traced_systems import TracedSystem, system_of
 
 DEFAULT_MAX_MODEL_LEN = 8192
-TRACE_INFLIGHT_LIMIT = 2**31  # those systems queue every request: no frontend limit like ours
-TRACE_ADMISSION_TIMEOUT_S = 1e9  # nor do they give up on a request waiting for room
+# Those systems queue every request: no frontend limit like ours, no SLO admission, and no giving
+# up on a request that waits for room.
+TRACE_INFLIGHT_LIMIT = 2**31
+TRACE_PLACEMENT = "least_work"
+TRACE_ADMISSION_TIMEOUT_S = 1e9
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Deployment:
     profiles: dict[str, Profile]  # per role ("prefill", "decode", "colocated"); one may serve all
     from_hardware: bool = False
     router_overhead_ms: float = 0.0
-    policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
+    policy: PlacementPolicy | None = None  # None: the one the config names, as `disagg serve` runs it
     system: TracedSystem | None = None  # another system whose trace is replayed (None: ours)
 
     def pools(self) -> list[SimPool]:
@@ -52,7 +56,7 @@ class Deployment:
         profile = self.any_profile
         return Simulator(
             self.pools(),
-            policy=self.policy,
+            policy=self.policy if self.policy is not None else placement_policy(self.config),
             transfer=self.profiles.get("prefill", profile).kv_transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             num_layers=profile.num_layers,
@@ -109,7 +113,7 @@ def trace_config(trace_config: dict, model: str) -> ServingConfig:
             "pipeline_parallel_size": int(entry.get("pp", 1)),
         }
 
-    common = {"engine": engine, "max_inflight_requests": TRACE_INFLIGHT_LIMIT}
+    common = {"engine": engine, "max_inflight_requests": TRACE_INFLIGHT_LIMIT, "placement": TRACE_PLACEMENT}
     if mode == "colocated":
         return ServingConfig.from_dict({"mode": "colocated", **common, "colocated": pool(trace_config)})
     pools = {"prefill": pool(trace_config.get("prefill", {})), "decode": pool(trace_config.get("decode", {}))}

@@ -9,13 +9,19 @@ from pathlib import Path
 
 import yaml
 
-from disagg.planner.plan_config import serving_config_dict
+from disagg.engine.model_specs import loadable_forms, model_spec_error
+from disagg.planner.plan_config import hardware_label_comment, serving_config_dict
 
 DEFAULT_REQUESTS = 300  # per simulation: enough for a P90, few enough for a search in seconds
 
 
 def add_arguments(p, argparse) -> None:
     p.add_argument("--model", required=True, help="a model the planner knows (e.g. facebook/opt-13b, llama3-8b)")
+    p.add_argument(
+        "--serve-model",
+        help="with -o: the model spec the written config serves (a GGUF file, an HF directory, random:<shape> "
+        "or the default model); default: --model, which must then be one of those",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--profile", help="profile JSON (measured, roofline or DistServe's) for the cluster's hardware")
     source.add_argument(
@@ -33,6 +39,12 @@ def add_arguments(p, argparse) -> None:
     p.add_argument("--length-scale", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", "-o", help="write the best plan as a serving config YAML here")
+    p.add_argument(
+        "--compare",
+        metavar="CONFIG_OR_SPEC",
+        help="simulate this deployment too and print it beside the best plan: a serving config YAML, "
+        "or ROLE=tp<T>[pp<P>]x<N>[@HARDWARE],... (e.g. prefill=tp2x1,decode=tp1x1)",
+    )
     p.add_argument("--json", help="write {best, candidates} here")
     p.add_argument("--top", type=int, default=10, help="candidates to print")
 
@@ -40,12 +52,15 @@ def add_arguments(p, argparse) -> None:
 def main(args) -> int:
     from disagg.bench.metrics import parse_slo
     from disagg.planner.models import model_spec
+    from disagg.planner.reference import parse_reference, reference_candidate
     from disagg.planner.search import SLO, Search
 
     slo_ms = parse_slo(args.slo)
     if not {"ttft_ms", "tpot_ms"} <= set(slo_ms):
         raise ValueError("plan: --slo needs both ttft_ms and tpot_ms")
     config = model_spec(args.model)
+    serve_model = check_serve_model(args) if args.output else None
+    reference = parse_reference(args.compare) if args.compare else None
     kinds = cluster_kinds(args.cluster, args.model, args.profile, args.hardware)
     requests = _lengths(args, config.max_position_embeddings)
     slo = SLO(slo_ms["ttft_ms"], slo_ms["tpot_ms"], args.percentile, args.attainment)
@@ -59,15 +74,34 @@ def main(args) -> int:
     print(table(candidates[: args.top]))
     print(f"{len(candidates)} candidates, {search.simulations} simulations in {elapsed:.1f} s")
     best = candidates[0]
+    compared = reference_candidate(search, reference) if reference else None
+    if compared is not None:
+        print(comparison(best, compared, args.compare))
     if args.output:
-        plan = serving_config_dict(best, args.model, slo_ms, kinds)
-        Path(args.output).write_text(_plan_header(args, best) + yaml.safe_dump(plan, sort_keys=False))
+        plan = serving_config_dict(best, args.model, slo_ms, kinds, serve_model)
+        header = _plan_header(args, best) + hardware_label_comment(best, kinds)
+        Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
         print(f"wrote {args.output} (disagg serve --config {args.output})")
     if args.json:
         data = {"best": best.to_dict(), "candidates": [c.to_dict() for c in candidates], "search_s": elapsed}
+        if compared is not None:
+            data["reference"] = compared.to_dict()
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0
+
+
+def check_serve_model(args) -> str:
+    """The model spec a written plan serves: refused now, not when `disagg serve` fails to load it."""
+    serve_model = args.serve_model or args.model
+    error = model_spec_error(serve_model)
+    if error:
+        raise ValueError(
+            f"plan -o: `disagg serve` cannot load the model {serve_model!r}: {error}. "
+            f"The engine loads {loadable_forms()}. Give one with --serve-model "
+            "(--model stays the shape the planner simulates), or plan without -o"
+        )
+    return serve_model
 
 
 def cluster_kinds(cluster: str, model: str, profile_path: str | None, hardware_name: str | None):
@@ -146,6 +180,17 @@ def table(candidates) -> str:
             f"{c.algorithm}"
         )
     return "\n".join(lines)
+
+
+def comparison(best, reference, spec: str) -> str:
+    """The reference deployment beside the best plan, and their goodput per device."""
+    ratio = best.goodput_per_device / reference.goodput_per_device if reference.goodput_per_device else float("inf")
+    return (
+        f"\nbest plan beside the reference (--compare {spec}):\n"
+        + table([best, reference])
+        + f"\ngoodput per device: best {best.goodput_per_device:.4f}, reference {reference.goodput_per_device:.4f} "
+        f"req/s/device (best / reference: {ratio:.2f}x)"
+    )
 
 
 def _plan_header(args, best) -> str:

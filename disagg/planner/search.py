@@ -9,8 +9,12 @@ TPOT are within them. Goodput per device is that rate over the devices the candi
   SLO, a decode shape alone (the prefill side ideal) against the TPOT SLO; the best shape per
   device of each phase is kept, their instance counts are matched (P:D ratio), and the pair is
   simulated together to find the rate it really sustains. KV moves over the inter-node link.
-- Disaggregated, low node affinity (Algorithm 2): as above, but a prefill and a decode instance
-  with the same PP share each node's devices, so KV moves over the node's own links.
+- Disaggregated, low node affinity (Algorithm 2): the model is split into PP stages and each
+  stage's prefill and decode segments share a node (`segments.py`), so KV moves over the node's
+  own link. A pair of shapes is a candidate only when a prefill TP plus a decode TP fit one node;
+  each phase is simulated alone to rank the pairs and their P:D ratios per node, then the unit
+  (one node's worth of segments per stage) is simulated whole at the best few ratios, the best
+  kept, and replicated over no more nodes than the cluster has.
 - Colocated: each shape with chunked prefill (at several token budgets) and prefill-first.
 - Mixed hardware (Splitwise): each phase may run on any kind of device the cluster has.
 """
@@ -21,17 +25,23 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from disagg.config import ServingConfig
+from disagg.placement.factory import placement_policy
 from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.policies import Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import Hardware
 from disagg.planner.models import kv_bytes_per_token
+from disagg.planner.segments import SegmentUnit, node_ratios, segments_fit_node
 from disagg.planner.simulator import SimPool, Simulator, percentile, slo_attainment
 from disagg.planner.workload import SimRequest, with_rate
 
 CPU_KV_CAP_BYTES = 1 << 30  # a CPU worker's KV stays at the engine's default: its RAM is the host's
 INSTANT = StepModel(Coefficients(0, 0, 0), Coefficients(0, 0, 0), Coefficients(0, 0, 0))
 CHUNKED_BUDGETS = (512, 2048)
+SEGMENT_PAIRS = 2  # Algorithm 2: segment pairs simulated whole, the best by their phases' rates
+SEGMENT_RATIOS = 3  # and P:D ratios per pair
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,7 @@ class Candidate:
             "devices": self.devices,
             "max_rate": round(self.max_rate, 4),
             "goodput_per_device": round(self.goodput_per_device, 4),
+            **({"notes": self.notes} if self.notes else {}),
         }
 
 
@@ -138,6 +149,10 @@ class Search:
     min_duration_s: float = 20.0
     seed: int = 0
     simulations: int = 0
+    # Whose placement settings the written config keeps (plan_config sets only the SLO beside the
+    # pools: the default placement, goodput with SLO admission): every candidate is simulated
+    # with the policy that config runs, admitting by the search's SLO.
+    placement_config: ServingConfig = field(default_factory=ServingConfig)
 
     # ---- the max rate of one deployment ------------------------------------------------------
     def max_rate(self, pools: list[SimPool], transfer: TransferModel, check_ttft=True, check_tpot=True) -> float:
@@ -165,6 +180,8 @@ class Search:
         profile = self.kinds[0].profile
         sim = Simulator(
             pools,
+            policy=placement_policy(self.placement_config),
+            slo=Slo(self.slo.ttft_ms, self.slo.tpot_ms),
             transfer=transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or kv_bytes_per_token(self.model_config),
             num_layers=self.model_config.num_hidden_layers,
@@ -279,18 +296,22 @@ class Search:
         return out
 
     def disaggregated(self, target_rate: float | None, progress) -> list[Candidate]:
-        out = []
-        for affinity in ("high", "low"):
-            prefills, decodes = self._best_phase("prefill", affinity), self._best_phase("decode", affinity)
-            progress(f"disaggregated ({affinity} affinity): {len(prefills)} prefill and {len(decodes)} decode shapes")
-            for p in prefills[:2]:
-                for d in decodes[:2]:
-                    if affinity == "low" and (p.kind is not d.kind or p.pp != d.pp):
-                        continue  # Algorithm 2: a segment's prefill and decode stages share a node
-                    candidate = self._pair(p, d, affinity, target_rate)
-                    if candidate is not None:
-                        out.append(candidate)
-        return out
+        return self.high_affinity(target_rate, progress) + self.low_affinity(target_rate, progress)
+
+    def high_affinity(self, target_rate: float | None, progress) -> list[Candidate]:
+        """Algorithm 1: the best shapes of each phase, their counts matched, KV over the network."""
+        prefills, decodes = self._best_phase("prefill", "high"), self._best_phase("decode", "high")
+        progress(f"disaggregated (high affinity): {len(prefills)} prefill and {len(decodes)} decode shapes")
+        pairs = [self._pair(p, d, target_rate) for p in prefills[:2] for d in decodes[:2]]
+        return [c for c in pairs if c is not None]
+
+    def low_affinity(self, target_rate: float | None, progress) -> list[Candidate]:
+        """Algorithm 2: prefill and decode segments of each stage on one node, sized together."""
+        prefills, decodes = self._best_phase("prefill", "low"), self._best_phase("decode", "low")
+        pairs = self.segment_pairs(prefills, decodes)
+        progress(f"disaggregated (low affinity): {len(pairs)} prefill/decode segment pairs fit a node")
+        units = [self.segment_candidate(p, d, target_rate) for p, d in pairs[:SEGMENT_PAIRS]]
+        return [c for c in units if c is not None]
 
     def _best_phase(self, role: str, affinity: str) -> list[PhaseOption]:
         """One instance of each shape of this phase, the other phase ideal; best per device first."""
@@ -298,27 +319,57 @@ class Search:
         options = []
         for kind in self.kinds:
             transfer = kind.hardware.kv_transfer(inter_node=affinity == "high")
-            limit = kind.devices_per_node if affinity == "low" else kind.num_nodes * kind.devices_per_node
-            for tp, pp in self.shapes(kind, limit):
+            for tp, pp in self.shapes(kind, kind.num_nodes * kind.devices_per_node):
                 pools = [self.pool(role, kind, tp, pp), other]
                 rate = self.max_rate(pools, transfer, check_ttft=role == "prefill", check_tpot=role == "decode")
                 if rate > 0:
                     options.append(PhaseOption(tp, pp, kind, rate))
         return sorted(options, key=lambda o: (-o.rate_per_device, o.devices))
 
-    def _pair(self, p: PhaseOption, d: PhaseOption, affinity: str, target_rate: float | None) -> Candidate | None:
+    def _pair(self, p: PhaseOption, d: PhaseOption, target_rate: float | None) -> Candidate | None:
         n_p, n_d = _ratio(p, d, target_rate, self.total_devices)
         if n_p * p.devices + n_d * d.devices > self.total_devices and not target_rate:
             return None
         pools = [self.pool("prefill", p.kind, p.tp, p.pp, n_p), self.pool("decode", d.kind, d.tp, d.pp, n_d)]
-        rate = self.max_rate(pools, p.kind.hardware.kv_transfer(inter_node=affinity == "high"))
-        plans = {
-            "prefill": PoolPlan(p.tp, p.pp, n_p, p.kind.hardware.name, "prefill_first", 16384, pools[0].num_kv_blocks),
-            "decode": PoolPlan(d.tp, d.pp, n_d, d.kind.hardware.name, "chunked", 2048, pools[1].num_kv_blocks),
-        }
-        algorithm = "distserve-alg1" if affinity == "high" else "distserve-alg2"
+        rate = self.max_rate(pools, p.kind.hardware.kv_transfer(inter_node=True))
         notes = {"prefill_rate_per_instance": round(p.rate, 4), "decode_rate_per_instance": round(d.rate, 4)}
-        return Candidate("disaggregated", plans, rate, algorithm, notes)
+        return Candidate("disaggregated", pool_plans(pools), rate, "distserve-alg1", notes)
+
+    # ---- Algorithm 2: instance segments ------------------------------------------------------------
+    def segment_pairs(self, prefills: list[PhaseOption], decodes: list[PhaseOption]) -> list[tuple]:
+        """(prefill, decode) shapes whose segments can share a node, best estimated unit first."""
+        pairs = [(p, d) for p in prefills for d in decodes if _segments_fit(p, d)]
+        return sorted(pairs, key=lambda pair: -max(_unit_estimate(*pair, r) for r in _ratios(*pair)))
+
+    def segment_candidate(self, p: PhaseOption, d: PhaseOption, target_rate: float | None) -> Candidate | None:
+        """The pair's best unit, by simulating its most promising P:D ratios whole, replicated
+        for the target rate on the cluster's nodes (None when they cannot hold it)."""
+        kind = p.kind
+        ratios = sorted(_ratios(p, d), key=lambda r: (-_unit_estimate(p, d, r), sum(r)))
+        units = [SegmentUnit(p.pp, p.tp, d.tp, n_p, n_d) for n_p, n_d in ratios]
+        units = [u for u in units if u.max_replicas(kind.num_nodes, kind.devices_per_node) >= 1][:SEGMENT_RATIOS]
+        simulated = [(self.unit_rate(kind, unit), unit) for unit in units]
+        rate, unit = max(simulated, key=lambda s: (s[0] / s[1].devices, -s[1].devices))
+        replicas = math.ceil(target_rate / rate) if target_rate and rate > 0 else 1
+        if rate <= 0 or replicas > unit.max_replicas(kind.num_nodes, kind.devices_per_node):
+            return None
+        pools = self.unit_pools(kind, unit, replicas)
+        notes = {
+            "segments_per_stage": f"{unit.num_prefill}x tp{unit.prefill_tp} + {unit.num_decode}x tp{unit.decode_tp}",
+            "replicas": replicas,
+            "nodes": unit.nodes_needed(replicas, kind.devices_per_node),
+        }
+        return Candidate("disaggregated", pool_plans(pools), rate * replicas, "distserve-alg2", notes)
+
+    def unit_pools(self, kind: NodeKind, unit: SegmentUnit, replicas: int = 1) -> list[SimPool]:
+        return [
+            self.pool("prefill", kind, unit.prefill_tp, unit.pp, unit.num_prefill * replicas),
+            self.pool("decode", kind, unit.decode_tp, unit.pp, unit.num_decode * replicas),
+        ]
+
+    def unit_rate(self, kind: NodeKind, unit: SegmentUnit) -> float:
+        """One unit simulated whole, its KV over the node's own link."""
+        return self.max_rate(self.unit_pools(kind, unit), kind.hardware.kv_transfer(inter_node=False))
 
     def _replicated(self, candidate: Candidate, target_rate: float | None) -> Candidate:
         """With a target rate: as many replicas as it needs (goodput per device is unchanged)."""
@@ -327,6 +378,40 @@ class Search:
         replicas = math.ceil(target_rate / candidate.max_rate)
         pools = {role: replace(p, instances=p.instances * replicas) for role, p in candidate.pools.items()}
         return replace(candidate, pools=pools, max_rate=candidate.max_rate * replicas)
+
+
+def pool_plans(pools: list[SimPool]) -> dict[str, PoolPlan]:
+    """The simulated pools as the plan writes them."""
+    return {
+        pool.role: PoolPlan(
+            pool.tensor_parallel_size,
+            pool.pipeline_parallel_size,
+            pool.num_instances,
+            pool.name,
+            pool.scheduling_policy,
+            pool.max_num_batched_tokens,
+            pool.num_kv_blocks,
+        )
+        for pool in pools
+    }
+
+
+def _segments_fit(p: PhaseOption, d: PhaseOption) -> bool:
+    """Algorithm 2's condition: same node kind, same stages, both segments on one of its nodes,
+    and the cluster holds at least one unit."""
+    if p.kind is not d.kind or p.pp != d.pp or not segments_fit_node(p.tp, d.tp, p.kind.devices_per_node):
+        return False
+    return SegmentUnit(p.pp, p.tp, d.tp).max_replicas(p.kind.num_nodes, p.kind.devices_per_node) >= 1
+
+
+def _ratios(p: PhaseOption, d: PhaseOption) -> list[tuple[int, int]]:
+    return node_ratios(p.tp, d.tp, p.kind.devices_per_node)
+
+
+def _unit_estimate(p: PhaseOption, d: PhaseOption, ratio: tuple[int, int]) -> float:
+    """A unit's rate per device from its phases' rates alone: the slower side bounds it."""
+    n_p, n_d = ratio
+    return min(n_p * p.rate, n_d * d.rate) / (n_p * p.devices + n_d * d.devices)
 
 
 def _ratio(p: PhaseOption, d: PhaseOption, target_rate: float | None, devices: int) -> tuple[int, int]:

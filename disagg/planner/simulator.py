@@ -43,7 +43,7 @@ from disagg.config import Role, ServingConfig
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
-from disagg.placement.latency_model import Chunk, StepModel, TransferModel
+from disagg.placement.latency_model import StepModel, TransferModel
 from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape, Slo
 from disagg.planner.workload import SimRequest
 from disagg.request import Request, RequestStatus, SamplingParams, check_fits
@@ -277,15 +277,7 @@ class SimInstance:
         self.sim.at(now + duration_ms / 1e3, self._step_done, self.generation)
 
     def _step_ms(self, out: SchedulerOutput) -> float:
-        chunks, decodes, context = [], 0, 0
-        for c in out.chunks:
-            r = c.request
-            if c.num_new_tokens == 1 and r.num_output_tokens > 0 and c.start == r.num_tokens - 1:
-                decodes += 1
-                context += c.start + 1
-            else:
-                chunks.append(Chunk(c.start, c.num_new_tokens))
-        return self.step_model.step_ms(chunks, decodes, context)
+        return self.step_model.step_ms(out.work)  # the step as the engine describes it to the router
 
     def _step_done(self, now: float, generation: int) -> None:
         if generation != self.generation:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import Role, WorkerConfig
 from disagg.errors import KVTransferError, RequestFailedError
-from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.kv_transfer.factory import make_transport
 from disagg.prefill_worker.worker import PrefillWorker
 from disagg.registry import LoadReport
 from disagg.request import SamplingParams
@@ -45,7 +45,7 @@ class PrefillActor(WorkerActorBase, PrefillService):
             raise ValueError(f"role: a prefill actor runs the prefill role, not {config.role}")
         super().__init__(config)
         groups, wait_for_ranks = self._start_ranks(followers)
-        transport = TorchDistTransport(self.instance_id, config.link_key, self.host)
+        transport = make_transport(config.kv_transport, self.instance_id, config.link_key, self.host)
         self.worker = PrefillWorker(
             config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards
         )

@@ -24,13 +24,14 @@ import ray
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
 from disagg.placement.latency_model import StepModel
-from disagg.placement.online_fit import NEUTRAL_SEED, OnlineStepModel, StepSample
+from disagg.placement.online_fit import NEUTRAL_SEED, OnlineStepModel
 from disagg.placement.profile import Profile
 from disagg.placement.predictor import Residual
 from disagg.placement.prefill_rate import PrefillRate
 from disagg.registry import InstanceView, LoadReport, Registry
 from disagg.rpc.client import RpcClient
 from disagg.rpc.stubs import DecodeStub, PrefillStub
+from disagg.step_work import MeasuredStep
 
 logger = logging.getLogger(__name__)
 STEP_INDEX_RESET = 1000  # a step index this far below the last learnt: a restarted worker's
@@ -168,12 +169,13 @@ class Instance:
         """The steps of the report not learnt from before (reports overlap: see the worker's)."""
         for entry in report.steps:
             try:
-                index, sample = int(entry[0]), StepSample.from_list(entry[1:])
-            except (TypeError, ValueError, IndexError):
+                step = MeasuredStep.from_list(entry)
+            except (TypeError, ValueError):
                 continue  # a malformed entry teaches nothing
+            index = step.index
             if index > self.last_step_index or index < self.last_step_index - STEP_INDEX_RESET:
                 self.last_step_index = index  # (far below: the worker restarted, counting anew)
-                self.online.observe(sample)
+                self.online.observe(step)
 
 
 @dataclass(frozen=True)

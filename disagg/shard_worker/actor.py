@@ -20,7 +20,7 @@ from disagg.hosts.addressing import resolve_host
 from disagg.kv_transfer.connector import assemble
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
-from disagg.kv_transfer.torch_dist import TorchDistTransport
+from disagg.kv_transfer.factory import make_transport
 from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardCommand, ShardReply, ShardService
 
 
@@ -44,7 +44,7 @@ class ShardActor(ShardService):
             kv_timeout=self.config.kv_timeout_s,
             transport=None
             if self.config.role is Role.COLOCATED
-            else TorchDistTransport(self.peer_id, self.config.link_key, self.host),
+            else make_transport(self.config.kv_transport, self.peer_id, self.config.link_key, self.host),
             groups=groups,
         )
         self.engine, self.endpoint = built.engine, built.endpoint

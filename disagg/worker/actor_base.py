@@ -26,7 +26,6 @@ from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
 from disagg.config import WorkerConfig
 from disagg.kv_transfer.layout import KVLayout
-from disagg.placement.online_fit import StepSample
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.rpc.server import Link, RpcServer
 from disagg.worker.shard_group import ShardGroup
@@ -213,22 +212,14 @@ class WorkerActorBase:
         registry.close()
 
     def _recent_steps(self) -> list[list]:
-        """The engine's latest steps, each [index, StepSample...]: every report repeats the
+        """The engine's latest steps, each a `MeasuredStep.to_list()`: every report repeats the
         last MAX_REPORTED_STEPS, so a router that reads Redis less often than workers beat
         misses none (it learns each index once)."""
         try:
             latest = list(self.worker.engine.step_stats)[-MAX_REPORTED_STEPS:]
         except RuntimeError:  # appended to while copied: the next beat has them
             return []
-        return [
-            [
-                s.index,
-                *StepSample(
-                    s.prefill_tokens, s.prefill_attention, s.decode_batch, s.decode_context, s.seconds * 1e3
-                ).to_list(),
-            ]  # fmt: skip
-            for s in latest
-        ]
+        return [step.to_list() for step in latest]
 
     def _deregister(self, coming_back: bool = False) -> None:
         if not self._registry_url:

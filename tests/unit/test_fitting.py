@@ -1,5 +1,5 @@
 """The latency model's least squares (placement/fitting.py) and the profile's fit with held-out
-errors (planner/profile_fit.py), on synthetic steps of known coefficients."""
+errors (profiling/fit.py), on synthetic steps of known coefficients."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import random
 import pytest
 
 from disagg.placement.fitting import fit_decode, fit_mixed, fit_prefill, least_squares
-from disagg.placement.latency_model import Chunk, Coefficients, StepModel
-from disagg.planner.profile_fit import StepSample, fit_shape, split_held_out
+from disagg.placement.latency_model import Coefficients, StepModel
+from disagg.profiling.fit import fit_shape, split_held_out
+from disagg.step_work import Chunk, MeasuredStep, StepWork
 
 PREFILL = Coefficients(12.0, 0.9, 3e-4)
 DECODE = Coefficients(18.0, 2e-3, 0.6)
@@ -20,25 +21,44 @@ def close(got, want, rel=1e-7):
     return all(g == pytest.approx(w, rel=rel, abs=1e-12) for g, w in zip(got, want, strict=True))
 
 
+def timed(model: StepModel, chunks=(), decodes: int = 0, context: int = 0, scale: float = 1.0) -> MeasuredStep:
+    """The step of these chunks and decodes, taking what `model` says (times `scale`)."""
+    work = StepWork(tuple(chunks), decodes, context)
+    return MeasuredStep(work, model.step_ms(work) * scale)
+
+
 def test_least_squares_recovers_prefill_coefficients():
+    model = StepModel(PREFILL, DECODE, DECODE)
     batches = [[16], [128], [512], [1024], [64, 256], [32, 32, 32, 32], [300, 700]]
-    samples = [(lens, PREFILL(sum(lens), sum(n * n for n in lens))) for lens in batches]
+    samples = [timed(model, [Chunk(0, n) for n in lens]) for lens in batches]
+    assert samples[4].ms == pytest.approx(PREFILL(64 + 256, 64**2 + 256**2))  # whole prompts: DistServe's l^2
     assert close(fit_prefill(samples).to_list(), PREFILL.to_list())
 
 
 def test_least_squares_recovers_decode_coefficients():
-    samples = [(b, b * ctx, DECODE(b * ctx, b)) for b in (1, 4, 16, 64) for ctx in (100, 900)]
+    model = StepModel(PREFILL, DECODE, DECODE)
+    samples = [timed(model, (), b, b * ctx) for b in (1, 4, 16, 64) for ctx in (100, 900)]
     assert close(fit_decode(samples).to_list(), DECODE.to_list())
 
 
 def test_least_squares_recovers_mixed_coefficients():
     model = StepModel(PREFILL, DECODE, DECODE, mixed_form="fit", mixed=MIXED)
     samples = []
-    for decodes, ctx_sum in ((0, 0), (2, 700), (8, 2500), (32, 9000)):
+    for decodes, ctx_sum in ((2, 700), (8, 2500), (32, 9000)):  # chunks alone are a prefill step
         for chunk in (Chunk(0, 64), Chunk(128, 64), Chunk(256, 256), Chunk(512, 128)):
-            if decodes or chunk.start:  # a whole prompt alone is a prefill step, not a mixed one
-                samples.append(([chunk], decodes, ctx_sum, model.step_ms([chunk], decodes, ctx_sum)))
+            samples.append(timed(model, [chunk], decodes, ctx_sum))
     assert close(fit_mixed(samples), MIXED, rel=1e-6)
+
+
+def test_a_mixed_step_of_the_sum_form_costs_its_prefill_plus_the_decodes_slopes():
+    model = StepModel(PREFILL, DECODE, DECODE)
+    chunk, decodes, context = Chunk(128, 64), 8, 2500
+    mixed = model.step_ms(StepWork((chunk,), decodes, context))
+    assert mixed == pytest.approx(PREFILL(64, chunk.attention) + DECODE.b * context + DECODE.c * decodes)
+    # one step, one intercept: the prefill's
+    assert mixed == pytest.approx(
+        model.step_ms(StepWork((chunk,))) + model.step_ms(StepWork((), decodes, context)) - DECODE.a
+    )
 
 
 def test_relative_weighting_minimises_relative_error():
@@ -76,22 +96,20 @@ def test_least_squares_refuses_what_cannot_determine_the_fit(rows, targets):
 
 
 # ---- the profile's fit ----------------------------------------------------------------------------
-def synthetic_steps(model: StepModel, noise: float = 0.0, seed: int = 0) -> list[StepSample]:
+def synthetic_steps(model: StepModel, noise: float = 0.0, seed: int = 0) -> list[MeasuredStep]:
     """A grid like the profiler's, timed by `model` (times `1 +- noise`)."""
     rng = random.Random(seed)
-    jitter = lambda ms: ms * (1 + rng.uniform(-noise, noise))  # noqa: E731
+    jitter = lambda: 1 + rng.uniform(-noise, noise)  # noqa: E731
     steps = []
     for lens in ([16], [64], [128], [256], [384], [512], [768], [1024], [32, 128], [128, 256], [256, 512]):
-        chunks = tuple(Chunk(0, n) for n in lens)
-        steps.append(StepSample(chunks, 0, 0, jitter(model.step_ms(chunks, 0, 0))))
+        steps.append(timed(model, [Chunk(0, n) for n in lens], scale=jitter()))
     for batch in (1, 2, 4, 8, 16, 32, 64):
         for ctx in (64, 256, 512, 1024):
-            steps.append(StepSample((), batch, batch * ctx, jitter(model.decode_ms(batch, batch * ctx))))
+            steps.append(timed(model, (), batch, batch * ctx, scale=jitter()))
     for decodes in (0, 2, 8, 32):
         for i, chunk in enumerate((Chunk(0, 64), Chunk(128, 64), Chunk(0, 256), Chunk(256, 256), Chunk(512, 128))):
             if decodes or chunk.start:
-                ctx = decodes * (100 + 200 * i)
-                steps.append(StepSample((chunk,), decodes, ctx, jitter(model.step_ms((chunk,), decodes, ctx))))
+                steps.append(timed(model, [chunk], decodes, decodes * (100 + 200 * i), scale=jitter()))
     return steps
 
 
@@ -123,14 +141,14 @@ def test_fit_shape_chooses_the_fitted_mixed_form_when_steps_follow_it():
 
 
 def test_held_out_steps_are_a_quarter_spread_over_the_grid():
-    steps = [StepSample((), b, b, float(b)) for b in range(1, 41)]
+    steps = [MeasuredStep(StepWork((), b, b), float(b)) for b in range(1, 41)]
     train, test = split_held_out(steps)
     assert len(test) == 10 and len(train) == 30
-    assert {s.num_decodes for s in test} == set(range(3, 41, 4))
+    assert {s.work.num_decodes for s in test} == set(range(3, 41, 4))
 
 
 def test_fit_shape_refuses_too_few_steps():
     truth = StepModel(PREFILL, DECODE, DECODE)
-    steps = [s for s in synthetic_steps(truth) if s.kind != "decode"][:5]
+    steps = [s for s in synthetic_steps(truth) if s.work.kind != "decode"][:5]
     with pytest.raises(ValueError, match="too few"):
         fit_shape(steps)

@@ -11,8 +11,9 @@ import pytest
 from disagg.placement.goodput import GoodputPolicy
 from disagg.placement.policies import RequestShape, Slo
 from disagg.placement.latency_model import Coefficients, StepModel
-from disagg.placement.online_fit import OnlineStepModel, StepSample, predict
+from disagg.placement.online_fit import OnlineStepModel
 from disagg.placement.predictor import Residual, prefill_compute_ms, tpot_ms, ttft_ms
+from disagg.step_work import Chunk, MeasuredStep, StepWork
 
 # ms: prefill 5 + 0.1/token + 1e-4 * attention; decode 3 + 0.001/context token + 0.2/request
 TRUE = StepModel(Coefficients(5.0, 0.1, 1e-4), Coefficients(3.0, 0.001, 0.2), Coefficients(3.0, 0.001, 0.2))
@@ -194,19 +195,15 @@ def test_an_unknown_priority_is_a_value_error():
 
 
 # ---- the online fit ------------------------------------------------------------------------------
-def _synthetic_steps(n: int, seed: int = 0) -> list[StepSample]:
+def _synthetic_steps(n: int, seed: int = 0) -> list[MeasuredStep]:
     rng, samples = random.Random(seed), []
     for _ in range(n):
         if rng.random() < 0.5:
-            tokens = rng.randint(16, 512)
-            start = rng.choice([0, 0, 512, 1024])
-            attention = tokens * (2 * start + tokens)
-            true_ms = TRUE.prefill(tokens, attention)
-            samples.append(StepSample(tokens, attention, 0, 0, true_ms * rng.uniform(0.98, 1.02)))
+            work = StepWork((Chunk(rng.choice([0, 0, 512, 1024]), rng.randint(16, 512)),))
         else:
             batch = rng.randint(1, 64)
-            context = batch * rng.randint(50, 2000)
-            samples.append(StepSample(0, 0, batch, context, TRUE.decode_ms(batch, context) * rng.uniform(0.98, 1.02)))
+            work = StepWork((), batch, batch * rng.randint(50, 2000))
+        samples.append(MeasuredStep(work, TRUE.step_ms(work) * rng.uniform(0.98, 1.02)))
     return samples
 
 
@@ -221,7 +218,7 @@ def test_the_online_fit_converges_from_a_wrong_seed():
         online.observe(sample)
     assert online.recent_error() < 0.05
     for sample in _synthetic_steps(50, seed=1):  # held out
-        assert predict(online.model, sample) == pytest.approx(sample.ms, rel=0.06)
+        assert online.model.step_ms(sample.work) == pytest.approx(sample.ms, rel=0.06)
 
 
 def test_too_few_samples_keep_the_seed():
@@ -234,24 +231,13 @@ def test_too_few_samples_keep_the_seed():
 def test_a_model_that_forgets_its_first_steps_learns_from_the_later_ones_alone():
     online = OnlineStepModel(TRUE.scaled(2.0), refit_every=8)
     for sample in _synthetic_steps(40):  # first steps, 5x slow (kernels built on first use)
-        online.observe(StepSample(sample.prefill_tokens, sample.prefill_attention, sample.decode_batch,
-                                  sample.decode_context, sample.ms * 5))  # fmt: skip
+        online.observe(sample.with_ms(sample.ms * 5))
     online.forget()
     assert online.model == TRUE.scaled(2.0) and online.num_samples == 0 and not online.calibrated("prefill")
     for sample in _synthetic_steps(40, seed=1):
         online.observe(sample)
     for sample in _synthetic_steps(20, seed=2):  # held out
-        assert predict(online.model, sample) == pytest.approx(sample.ms, rel=0.06)
-
-
-def test_a_step_sample_travels_as_a_list():
-    sample = StepSample(100, 10_000, 4, 800, 12.3456)
-    assert StepSample.from_list(sample.to_list()) == StepSample(100, 10_000, 4, 800, 12.346)
-    assert (sample.kind, StepSample(0, 0, 4, 800, 1.0).kind, StepSample(5, 25, 0, 0, 1.0).kind) == (
-        "mixed",
-        "decode",
-        "prefill",
-    )
+        assert online.model.step_ms(sample.work) == pytest.approx(sample.ms, rel=0.06)
 
 
 def test_a_request_goes_where_its_prefix_is_warm_unless_that_instance_is_predicted_to_miss():
@@ -279,7 +265,7 @@ def test_a_fit_never_says_more_requests_make_faster_steps():
     fit a negative per-request cost: the policy would crowd requests onto the busiest instance."""
     online = OnlineStepModel(TRUE, refit_every=1)
     for batch in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10):
-        online.observe(StepSample(0, 0, batch, batch * 100, 20.0 - 0.1 * batch))
+        online.observe(MeasuredStep(StepWork((), batch, batch * 100), 20.0 - 0.1 * batch))
     decode = online.model.decode_small
     assert decode.b >= 0 and decode.c >= 0
     assert online.model.decode_ms(10, 1000) >= online.model.decode_ms(1, 100)

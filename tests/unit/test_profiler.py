@@ -1,21 +1,24 @@
-"""`disagg profile` on a tiny random model: what each timed step is recorded as, and the file it writes."""
+"""`disagg profile` on a tiny random model: what each timed step is recorded as, the file it writes,
+and where it runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import pytest
+import torch
 
 from disagg.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.model_shapes import named_shapes
 from disagg.placement.profile import load_profile
-from disagg.planner import profiler
-from disagg.planner.grid import make_grid
-from disagg.placement.latency_model import Chunk
-from disagg.planner.profile_fit import StepSample
-from disagg.planner.profiler import StepBench, default_shapes, median_steps, parse_shapes
+from disagg.profiling import cli
+from disagg.profiling.device import check_device, default_device, device_clock, hardware_name
+from disagg.profiling.grid import make_grid
+from disagg.profiling.profiler import StepBench, default_shapes, engine_config, median_steps
+from disagg.step_work import Chunk, MeasuredStep, StepWork
 
 
 @pytest.fixture(scope="module")
@@ -32,22 +35,21 @@ def test_a_decode_context_is_the_tokens_the_request_knows(bench):
     bench._import_decodes(2, 20)
     step = bench.timed_step(budget=64)
     bench._clear()
-    assert (step.chunks, step.num_decodes, step.decode_context_sum) == ((), 2, 11 + 21)
+    assert step.work == StepWork((), 2, 11 + 21)
 
 
 def test_a_chunk_after_a_first_chunk_starts_where_that_one_ended(bench):
     first, second = bench.mixed(decodes=1, context=8, start=24, num_tokens=16)
-    assert [(c.start, c.num_tokens) for c in first.chunks] == [(0, 24)]
-    assert [(c.start, c.num_tokens) for c in second.chunks] == [(24, 16)]
+    assert first.work.chunks == (Chunk(0, 24),) and second.work.chunks == (Chunk(24, 16),)
     # the decode (prompt 4, one token out) knows 5 tokens, then 6 a step later
-    assert (first.num_decodes, first.decode_context_sum, second.decode_context_sum) == (1, 5, 6)
-    assert first.kind == second.kind == "mixed"
+    assert (first.work.num_decodes, first.work.decode_context_sum, second.work.decode_context_sum) == (1, 5, 6)
+    assert first.work.kind == second.work.kind == "mixed"
 
 
 def test_a_prefill_batch_is_one_step_of_whole_prompts(bench):
     (step,) = bench.prefill((5, 17, 3))
-    assert sorted((c.start, c.num_tokens) for c in step.chunks) == [(0, 3), (0, 5), (0, 17)]
-    assert step.kind == "prefill" and step.ms > 0
+    assert sorted((c.start, c.num_tokens) for c in step.work.chunks) == [(0, 3), (0, 5), (0, 17)]
+    assert step.work.kind == "prefill" and step.ms > 0
     assert bench.engine.num_free_blocks == bench.engine.num_total_blocks
 
 
@@ -57,6 +59,7 @@ def test_quick_profile_writes_a_file_that_loads(tmp_path):
         model="random:tiny",
         tp_pp="1x1,2x1,1x2",
         threads=1,
+        device="cpu",
         max_prompt_len=None,
         max_batch=None,
         repeats=None,
@@ -64,7 +67,7 @@ def test_quick_profile_writes_a_file_that_loads(tmp_path):
         quick=True,
         output=str(out),
     )
-    assert profiler.main(args) == 0
+    assert cli.main(args) == 0
     profile = load_profile(str(out))
     assert profile.source == "measured" and profile.hardware == "cpu-1t"
     assert profile.shapes == [(1, 1), (1, 2), (2, 1)]
@@ -87,9 +90,9 @@ def test_default_shapes_split_heads_and_layers_evenly():
 
 
 def test_shapes_parse_and_bad_ones_are_refused():
-    assert parse_shapes("1x1, 2x1,1X2") == [(1, 1), (2, 1), (1, 2)]
+    assert cli.parse_shapes("1x1, 2x1,1X2") == [(1, 1), (2, 1), (1, 2)]
     with pytest.raises(ValueError, match="TPxPP"):
-        parse_shapes("2")
+        cli.parse_shapes("2")
 
 
 def test_grid_fits_its_steps_in_the_budget_and_cache():
@@ -101,12 +104,57 @@ def test_grid_fits_its_steps_in_the_budget_and_cache():
 
 
 def test_runs_of_a_grid_that_made_different_steps_are_refused():
-    one = StepSample((Chunk(0, 8),), 0, 0, 1.0)
-    other = StepSample((Chunk(0, 9),), 0, 0, 1.0)
-    assert median_steps([[one], [_ms(one, 3.0)], [_ms(one, 2.0)]])[0].ms == 2.0
+    one = MeasuredStep(StepWork((Chunk(0, 8),)), 1.0)
+    other = MeasuredStep(StepWork((Chunk(0, 9),)), 1.0)
+    assert median_steps([[one], [one.with_ms(3.0)], [one.with_ms(2.0)]])[0].ms == 2.0
     with pytest.raises(RuntimeError, match="different steps"):
         median_steps([[one], [other]])
 
 
-def _ms(step: StepSample, ms: float) -> StepSample:
-    return StepSample(step.chunks, step.num_decodes, step.decode_context_sum, ms)
+# ---- where it runs -------------------------------------------------------------------------------
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch as it looks on a machine with one H100 (nothing runs on it)."""
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
+    return synchronized
+
+
+def _profile_args(**given) -> argparse.Namespace:
+    values = dict(model="random:tiny", tp_pp=None, threads=1, device=None, max_prompt_len=None, max_batch=None,
+                  repeats=None, dtype="auto", quick=True, output="unused.json")  # fmt: skip
+    return argparse.Namespace(**{**values, **given})
+
+
+def test_the_profiler_runs_on_the_gpu_when_there_is_one(fake_gpu):
+    assert default_device() == "cuda"
+    req = cli.profile_request(_profile_args())
+    assert (req.device, req.shapes) == ("cuda", ((1, 1),))  # one process, one GPU
+    assert engine_config(req, make_grid(128, 8, quick=True)).device == "cuda"
+    assert hardware_name("cuda", threads=1) == "nvidia-h100-80gb-hbm3"
+
+
+def test_the_profiler_runs_on_the_cpu_without_a_gpu_or_when_asked(monkeypatch, fake_gpu):
+    assert cli.profile_request(_profile_args(device="cpu", tp_pp="1x1,2x1")).device == "cpu"
+    assert hardware_name("cpu", threads=2) == "cpu-2t"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_device() == "cpu"
+    with pytest.raises(ValueError, match="not available"):
+        check_device("cuda", [(1, 1)])
+
+
+def test_shapes_of_several_ranks_and_unknown_devices_are_refused_on_a_gpu(fake_gpu):
+    with pytest.raises(ValueError, match="1x1 only"):
+        cli.profile_request(_profile_args(device="cuda", tp_pp="1x1,2x1"))
+    with pytest.raises(ValueError, match="cpu, cuda or cuda:N"):
+        check_device("tpu", [(1, 1)])
+    check_device("cuda:0", [(1, 1)])
+
+
+def test_a_gpu_step_is_timed_after_the_device_has_finished_it(fake_gpu):
+    assert device_clock(torch.device("cpu")) is time.perf_counter
+    clock = device_clock(torch.device("cuda"))
+    clock()
+    assert fake_gpu == [torch.device("cuda")]

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.profile import Profile
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.models import model_spec
-from disagg.planner.search import SLO, NodeKind, Search
+from disagg.planner.search import SLO, NodeKind, PhaseOption, Search
+from disagg.planner.segments import SegmentUnit, node_ratios
 from disagg.planner.workload import SimRequest
 
 
@@ -77,3 +80,55 @@ def test_bad_clusters_and_slos_are_refused():
     with pytest.raises(ValueError):
         _parse_cluster("4x8", None)
     assert _parse_cluster("4x8", "h100-sxm") == [("h100-sxm", 4, 8)]
+
+
+# ---- Algorithm 2: instance segments --------------------------------------------------------------
+def segment_search(num_nodes: int, devices_per_node: int) -> Search:
+    search = toy_search()
+    kind = NodeKind(hardware_spec("a100-80gb"), TOY, num_nodes=num_nodes, devices_per_node=devices_per_node)
+    return replace(search, kinds=[kind])
+
+
+def test_segments_that_overflow_a_node_are_never_an_algorithm_2_candidate():
+    search = segment_search(num_nodes=4, devices_per_node=2)
+    kind = search.kinds[0]
+    tp1, tp2 = PhaseOption(1, 1, kind, 5.0), PhaseOption(2, 1, kind, 5.0)
+    pairs = {(p.tp, d.tp) for p, d in search.segment_pairs([tp1, tp2], [tp1, tp2])}
+    assert pairs == {(1, 1)}, "TP 1 + TP 2 (or TP 2 + anything) does not fit a 2-device node"
+    other_pp = PhaseOption(1, 2, kind, 5.0)
+    assert search.segment_pairs([tp1], [other_pp]) == [], "a stage's segments hold the same layers"
+
+
+def test_segments_that_fit_a_node_are_a_candidate_sized_together():
+    search = segment_search(num_nodes=1, devices_per_node=4)
+    candidates = search.low_affinity(None, progress=lambda _: None)
+    assert candidates and all(c.algorithm == "distserve-alg2" for c in candidates)
+    assert all(c.pools["prefill"].tp + c.pools["decode"].tp <= 4 for c in candidates)
+    best = candidates[0]
+    prefill, decode = best.pools["prefill"], best.pools["decode"]
+    assert (prefill.tp, decode.tp) == (1, 2) and best.max_rate > 0
+    assert prefill.instances * prefill.tp + decode.instances * decode.tp <= 4, "one node's segments"
+    assert best.notes["nodes"] == 1
+
+
+def test_algorithm_2_never_needs_more_nodes_than_the_cluster_has():
+    search = segment_search(num_nodes=2, devices_per_node=4)
+    kind = search.kinds[0]
+    prefill, decode = PhaseOption(1, 1, kind, 1.75), PhaseOption(2, 1, kind, 1280.0)  # the toy's phases alone
+    unit = search.segment_candidate(prefill, decode, None)
+    assert unit.notes["nodes"] == 1 and unit.max_rate > 0
+    provisioned = search.segment_candidate(prefill, decode, 1.5 * unit.max_rate)
+    assert provisioned.notes == {**unit.notes, "replicas": 2, "nodes": 2}
+    assert provisioned.devices == 2 * unit.devices <= 8
+    # a rate that needs more nodes than there are is no candidate, not a plan the cluster cannot hold
+    assert search.segment_candidate(prefill, decode, 2.5 * unit.max_rate) is None
+
+
+def test_segment_units_count_nodes_by_stage_slots():
+    unit = SegmentUnit(pp=2, prefill_tp=2, decode_tp=1, num_prefill=1, num_decode=2)  # 4 devices a stage
+    assert unit.devices == 8 and unit.stages_per_node(8) == 2
+    assert unit.nodes_needed(3, 8) == 3  # 6 stage slots, 2 a node
+    assert unit.max_replicas(3, 8) == 3
+    assert not SegmentUnit(1, 4, 8).fits_node(8) and SegmentUnit(1, 4, 4).fits_node(8)
+    assert SegmentUnit(1, 4, 8).max_replicas(10, 8) == 0
+    assert node_ratios(2, 1, 4) == [(1, 1), (1, 2)], "coprime ratios whose segments fit 4 devices"

@@ -1,53 +1,39 @@
 """Measured steps -> one shape's `StepModel`, with its error on steps held out of the fit.
 
-A quarter of each kind of step is held out (deterministically, spread over the grid); the
-forms are compared and the decode split chosen on those, then every coefficient is refitted on
-all the steps. Pure Python, like the latency model it fits.
+Each kind of step (`disagg.step_work.StepWork.kind`) fits its own terms: prefill steps (prompt
+chunks, whole or after a start) the prefill triple, decode steps the decode triples (DistServe's
+small/large batch split); mixed steps choose between the "sum" form, the one the router's online
+fit learns (the prefill form of the chunks plus the decode form's per-token and per-request
+terms), and a fit of their own. A quarter of each kind is held out (deterministically, spread
+over the grid); the forms are compared and the decode split chosen on those, then every
+coefficient is refitted on all the steps. Pure Python, like the latency model it fits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from disagg.placement.fitting import fit_decode, fit_mixed, fit_prefill, median, relative_errors
-from disagg.placement.latency_model import Chunk, Coefficients, StepModel
+from disagg.placement.latency_model import Coefficients, StepModel
+from disagg.step_work import MeasuredStep
 
 HOLD_OUT_EVERY = 4  # every 4th step of a kind is held out: ~25%
 MIN_POINTS_PER_TRIPLE = 4  # a decode triple fitted on fewer than this is not trusted to split on
 MIN_MIXED_TRAIN = 8  # the mixed fit has five terms: fewer steps than this would fit the noise
 
 
-@dataclass(frozen=True)
-class StepSample:
-    """One engine step as `StepModel.step_ms` is called for it, and its measured time."""
-
-    chunks: tuple[Chunk, ...]
-    num_decodes: int
-    decode_context_sum: int  # each decode's context: its known tokens (the KV cached + the one computed)
-    ms: float
-
-    @property
-    def kind(self) -> str:
-        if not self.chunks:
-            return "decode"
-        if self.num_decodes == 0 and all(c.start == 0 for c in self.chunks):
-            return "prefill"
-        return "mixed"
-
-    def as_tuple(self) -> tuple[tuple[Chunk, ...], int, int, float]:
-        return self.chunks, self.num_decodes, self.decode_context_sum, self.ms
-
-    def to_dict(self) -> dict:
-        return {
-            "chunks": [[c.start, c.num_tokens] for c in self.chunks],
-            "decodes": self.num_decodes,
-            "decode_context_sum": self.decode_context_sum,
-            "ms": round(self.ms, 4),
-        }
+def sample_entry(step: MeasuredStep) -> dict:
+    """One measured step as the profile's report lists it."""
+    work = step.work
+    return {
+        "chunks": [[c.start, c.num_tokens] for c in work.chunks],
+        "decodes": work.num_decodes,
+        "decode_context_sum": work.decode_context_sum,
+        "ms": round(step.ms, 4),
+    }
 
 
-def split_held_out(samples: Sequence[StepSample]) -> tuple[list[StepSample], list[StepSample]]:
+def split_held_out(samples: Sequence[MeasuredStep]) -> tuple[list[MeasuredStep], list[MeasuredStep]]:
     """(train, test): the 3rd of every 4 in the given order is held out, so that a grid walked
     from small to large is tested over its whole range, not only at one end."""
     train = [s for i, s in enumerate(samples) if i % HOLD_OUT_EVERY != 2]
@@ -55,55 +41,55 @@ def split_held_out(samples: Sequence[StepSample]) -> tuple[list[StepSample], lis
     return train, test
 
 
-def by_kind(samples: Sequence[StepSample]) -> dict[str, list[StepSample]]:
-    kinds: dict[str, list[StepSample]] = {"prefill": [], "decode": [], "mixed": []}
+def by_kind(samples: Sequence[MeasuredStep]) -> dict[str, list[MeasuredStep]]:
+    kinds: dict[str, list[MeasuredStep]] = {"prefill": [], "decode": [], "mixed": []}
     for s in samples:
-        kinds[s.kind].append(s)
+        kinds[s.work.kind].append(s)
     return kinds
 
 
-def error_pct(model: StepModel, samples: Sequence[StepSample]) -> float:
+def error_pct(model: StepModel, samples: Sequence[MeasuredStep]) -> float:
     """Median absolute relative error of the model on these steps, in percent."""
-    return 100 * median(relative_errors(model, [s.as_tuple() for s in samples]))
+    return 100 * median(relative_errors(model, samples))
 
 
 # ---- each kind ----------------------------------------------------------------------------------
-def prefill_coefficients(samples: Sequence[StepSample]) -> Coefficients:
-    return fit_prefill([([c.num_tokens for c in s.chunks], s.ms) for s in samples])
+def prefill_coefficients(samples: Sequence[MeasuredStep]) -> Coefficients:
+    return fit_prefill(samples)
 
 
-def decode_split(samples: Sequence[StepSample], threshold: int) -> tuple[Coefficients, Coefficients]:
+def decode_split(samples: Sequence[MeasuredStep], threshold: int) -> tuple[Coefficients, Coefficients]:
     """(small, large) triples; with no batch at or above `threshold` both are the one triple."""
-    small = [s for s in samples if s.num_decodes < threshold]
-    large = [s for s in samples if s.num_decodes >= threshold]
+    small = [s for s in samples if s.work.num_decodes < threshold]
+    large = [s for s in samples if s.work.num_decodes >= threshold]
     if not large:
         one = _decode_triple(small)
         return one, one
     return _decode_triple(small), _decode_triple(large)
 
 
-def _decode_triple(samples: Sequence[StepSample]) -> Coefficients:
-    return fit_decode([(s.num_decodes, s.decode_context_sum, s.ms) for s in samples])
+def _decode_triple(samples: Sequence[MeasuredStep]) -> Coefficients:
+    return fit_decode(samples)
 
 
-def threshold_candidates(samples: Sequence[StepSample]) -> list[int]:
+def threshold_candidates(samples: Sequence[MeasuredStep]) -> list[int]:
     """Batch sizes to split at that leave both sides enough steps, then 'no split' (above the largest)."""
-    batches = sorted({s.num_decodes for s in samples})
+    batches = sorted({s.work.num_decodes for s in samples})
     ok = [
         b
         for b in batches
-        if sum(s.num_decodes < b for s in samples) >= MIN_POINTS_PER_TRIPLE
-        and sum(s.num_decodes >= b for s in samples) >= MIN_POINTS_PER_TRIPLE
+        if sum(s.work.num_decodes < b for s in samples) >= MIN_POINTS_PER_TRIPLE
+        and sum(s.work.num_decodes >= b for s in samples) >= MIN_POINTS_PER_TRIPLE
     ]
     return ok + [batches[-1] + 1]
 
 
-def mixed_coefficients(samples: Sequence[StepSample]) -> tuple[float, ...]:
-    return fit_mixed([s.as_tuple() for s in samples])
+def mixed_coefficients(samples: Sequence[MeasuredStep]) -> tuple[float, ...]:
+    return fit_mixed(samples)
 
 
 # ---- one shape ----------------------------------------------------------------------------------
-def fit_shape(samples: Sequence[StepSample]) -> tuple[StepModel, dict]:
+def fit_shape(samples: Sequence[MeasuredStep]) -> tuple[StepModel, dict]:
     """Fit on ~75% of each kind, measure on the rest, choose the decode split and the mixed form
     there; the returned model is refitted on every step with those choices."""
     kinds = by_kind(samples)
@@ -129,7 +115,7 @@ def fit_shape(samples: Sequence[StepSample]) -> tuple[StepModel, dict]:
 
 
 def _choose_threshold(
-    prefill: Coefficients, train: Sequence[StepSample], test: Sequence[StepSample]
+    prefill: Coefficients, train: Sequence[MeasuredStep], test: Sequence[MeasuredStep]
 ) -> tuple[int, dict[str, float]]:
     errors = {}
     for threshold in threshold_candidates(train):
@@ -139,7 +125,7 @@ def _choose_threshold(
     return best, {str(t): round(e, 2) for t, e in errors.items()}
 
 
-def _choose_mixed(model: StepModel, train: Sequence[StepSample], test: Sequence[StepSample]) -> tuple[str, dict]:
+def _choose_mixed(model: StepModel, train: Sequence[MeasuredStep], test: Sequence[MeasuredStep]) -> tuple[str, dict]:
     entry = {"n_train": len(train), "n_test": len(test)}
     if len(train) < MIN_MIXED_TRAIN or not test:
         # too few mixed steps to fit five terms: the sum of the parts needs none of its own
@@ -154,11 +140,11 @@ def _with_mixed(model: StepModel, mixed: tuple[float, ...]) -> StepModel:
     return StepModel(model.prefill, model.decode_small, model.decode_large, model.decode_threshold, "fit", mixed)
 
 
-def _error_entry(model: StepModel, train: Sequence[StepSample], test: Sequence[StepSample]) -> dict:
+def _error_entry(model: StepModel, train: Sequence[MeasuredStep], test: Sequence[MeasuredStep]) -> dict:
     return {"median_abs_error_pct": round(error_pct(model, test), 2), "n_train": len(train), "n_test": len(test)}
 
 
-def _refit_all(kinds: dict[str, list[StepSample]], threshold: int, form: str) -> StepModel:
+def _refit_all(kinds: dict[str, list[MeasuredStep]], threshold: int, form: str) -> StepModel:
     small, large = decode_split(kinds["decode"], threshold)
     model = StepModel(prefill_coefficients(kinds["prefill"]), small, large, threshold)
     return _with_mixed(model, mixed_coefficients(kinds["mixed"])) if form == "fit" else model

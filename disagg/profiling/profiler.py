@@ -1,21 +1,21 @@
 """`disagg profile`: time the real engine's steps over a grid and fit the latency model to them.
 
 For each TP x PP the engine runs as in a TP x PP instance, but in one process: one thread per
-rank, real gloo groups, rank 0 scheduling. Every timed step is a whole `LLMEngine.step()`
-(schedule, forward, sample, outputs); what the step held is read from the scheduler's requests
-around it, so it is recorded exactly as a simulator driving the same `Scheduler` would see it.
-Each grid point is run once to warm up (oneDNN builds kernels per shape on first use), then
-`repeats` times; its median is kept. The fit and its held-out errors are in `profile_fit`.
+rank, real gloo groups, rank 0 scheduling (on CUDA, 1x1 only: see `device.check_device`). Every
+timed step is a whole `LLMEngine.step()` (schedule, forward, sample, outputs); what the step held
+is the engine's own record of it (`disagg.step_work.StepWork`, as its step reports carry it), so it
+is recorded exactly as the router learns from it and as a simulator driving the same `Scheduler`
+describes it. Each grid point is run once to warm up (oneDNN and CUDA build kernels
+per shape on first use), then `repeats` times; its median is kept. The fit and its held-out
+errors are in `fit`; the command line in `cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -24,17 +24,19 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.config import DEFAULT_MODEL, EngineConfig, ParallelConfig
+from disagg.config import EngineConfig, ParallelConfig
 from disagg.engine.distributed import RankPlace, join_instance, serve_store
 from disagg.engine.engine import LLMEngine
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.step_chunks import portable
-from disagg.placement.latency_model import Chunk, StepModel, TransferModel
+from disagg.placement.latency_model import StepModel, TransferModel
 from disagg.placement.profile import Profile, shape_key
-from disagg.planner.grid import Grid, make_grid
-from disagg.planner.profile_fit import StepSample, fit_shape
+from disagg.profiling.device import check_device, device_clock, hardware_name
+from disagg.profiling.fit import fit_shape, sample_entry
+from disagg.profiling.grid import Grid, make_grid
 from disagg.request import Request, SamplingParams
+from disagg.step_work import MeasuredStep
 
 GREEDY_ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 DECODE_WARM_UP_STEPS = 2  # the first decode steps of a new batch build kernels for its shapes
@@ -100,24 +102,25 @@ class StepBench:
         self.rng = random.Random(seed)
         self.vocab = engine.model_config.vocab_size
         self._ids = iter(range(1 << 62))
+        self._clock = device_clock(engine.device)
 
     # ---- one run of a grid point: its steps, the engine left empty ----------------------------
-    def prefill(self, lengths: tuple[int, ...]) -> list[StepSample]:
+    def prefill(self, lengths: tuple[int, ...]) -> list[MeasuredStep]:
         """One step of whole prompts (and nothing else)."""
         for n in lengths:
             self._add_prompt(n)
         return self._cleared([self.timed_step(sum(lengths))])
 
-    def decode(self, batch: int, context: int) -> list[StepSample]:
+    def decode(self, batch: int, context: int) -> list[MeasuredStep]:
         """Decode steps of `batch` requests with contexts around `context`: the median step."""
         self._import_decodes(batch, context)
         for _ in range(DECODE_WARM_UP_STEPS):
             self.timed_step(batch)
         steps = [self.timed_step(batch) for _ in range(DECODE_TIMED_STEPS)]
         middle = steps[len(steps) // 2]  # contexts grow a token a step: the middle one is the median's
-        return self._cleared([_with_ms(middle, statistics.median(s.ms for s in steps))])
+        return self._cleared([middle.with_ms(statistics.median(s.ms for s in steps))])
 
-    def mixed(self, decodes: int, context: int, start: int, num_tokens: int) -> list[StepSample]:
+    def mixed(self, decodes: int, context: int, start: int, num_tokens: int) -> list[MeasuredStep]:
         """`decodes` running plus a prompt chunk of `num_tokens` after `start` computed ones; with
         start > 0 the step that computes the first `start` tokens (with the decodes) comes first."""
         self._import_decodes(decodes, context)
@@ -125,17 +128,22 @@ class StepBench:
         first = [self.timed_step(decodes + start)] if start else []
         return self._cleared(first + [self.timed_step(decodes + num_tokens)])
 
-    def timed_step(self, budget: int) -> StepSample:
+    def timed_step(self, budget: int) -> MeasuredStep:
         """One whole engine step under a token budget of `budget`: what it held and how long it took."""
         scheduler = self.engine.scheduler
         # The profiler sets each step's token budget itself, so that the scheduler chunks prompts
         # where the grid wants them chunked.
         scheduler.max_num_batched_tokens = budget
         before = [(r, r.num_computed_tokens) for r in (*scheduler.running, *scheduler.waiting)]
-        started = time.perf_counter()
+        steps_before = self.engine.num_steps
+        started = self._clock()
         self.engine.step()
-        ms = (time.perf_counter() - started) * 1e3
-        return describe_step(before, ms)
+        ms = (self._clock() - started) * 1e3
+        if self.engine.num_steps == steps_before:
+            raise RuntimeError("profile: a grid point's step computed nothing")
+        if any(r.num_computed_tokens < computed for r, computed in before):
+            raise RuntimeError("profile: a request was preempted; the KV cache is too small for the grid")
+        return MeasuredStep(self.engine.step_stats[-1].work, ms)
 
     # ---- state ------------------------------------------------------------------------------
     def _add_prompt(self, n: int) -> Request:
@@ -158,7 +166,7 @@ class StepBench:
     def _tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(self.vocab) for _ in range(n)]
 
-    def _cleared(self, steps: list[StepSample]) -> list[StepSample]:
+    def _cleared(self, steps: list[MeasuredStep]) -> list[MeasuredStep]:
         self._clear()
         return steps
 
@@ -169,23 +177,7 @@ class StepBench:
             raise RuntimeError("profile: blocks still held after every request ended")
 
 
-def describe_step(before: list[tuple[Request, int]], ms: float) -> StepSample:
-    """What a step computed, from each request's computed tokens before and after it. A request
-    that gained one token after a prompt is a decode (as the model runner decides); its context
-    is the tokens it knew: those cached plus the one computed."""
-    chunks, decodes, context_sum = [], 0, 0
-    for request, computed in before:
-        new = request.num_computed_tokens - computed
-        if new < 0:
-            raise RuntimeError("profile: a request was preempted; the KV cache is too small for the grid")
-        if new == 1 and computed > 0:
-            decodes, context_sum = decodes + 1, context_sum + computed + 1
-        elif new > 0:
-            chunks.append(Chunk(computed, new))
-    return StepSample(tuple(chunks), decodes, context_sum, ms)
-
-
-def measure_shape(engine: LLMEngine, grid: Grid, repeats: int, log: Callable[[str], None]) -> list[StepSample]:
+def measure_shape(engine: LLMEngine, grid: Grid, repeats: int, log: Callable[[str], None]) -> list[MeasuredStep]:
     """Every grid point on this engine, in the grid's order (small to large within each kind).
     The whole grid is walked once to warm up, then `repeats` times: a burst of load from
     elsewhere on the machine then spoils one run of a few points, which their medians discard,
@@ -201,28 +193,23 @@ def measure_shape(engine: LLMEngine, grid: Grid, repeats: int, log: Callable[[st
     return median_steps(runs[1:] if repeats else runs)
 
 
-def median_steps(runs: list[list[StepSample]]) -> list[StepSample]:
+def median_steps(runs: list[list[MeasuredStep]]) -> list[MeasuredStep]:
     """Step i of every run held the same work; its median time."""
     for run in runs[1:]:
-        if [_work(s) for s in run] != [_work(s) for s in runs[0]]:
+        if [s.work for s in run] != [s.work for s in runs[0]]:
             raise RuntimeError("profile: the scheduler made different steps of the same grid point in two runs")
-    return [_with_ms(step, statistics.median(run[i].ms for run in runs)) for i, step in enumerate(runs[0])]
-
-
-def _work(step: StepSample) -> tuple:
-    return step.chunks, step.num_decodes, step.decode_context_sum
-
-
-def _with_ms(step: StepSample, ms: float) -> StepSample:
-    return StepSample(step.chunks, step.num_decodes, step.decode_context_sum, ms)
+    return [step.with_ms(statistics.median(run[i].ms for run in runs)) for i, step in enumerate(runs[0])]
 
 
 # ---- the KV transfer on this host -------------------------------------------------------------------
-def measure_kv_transfer(model: ModelConfig, dtype: torch.dtype, repeats: int) -> tuple[TransferModel, dict]:
+def measure_kv_transfer(
+    model: ModelConfig, dtype: torch.dtype, repeats: int, device: torch.device
+) -> tuple[TransferModel, dict]:
     """Time the by-reference import of a prompt's KV (what a decode worker on this host does: copy
     the blocks out of the prefill worker's shared cache, `receiver.copy_blocks`) at two sizes and
     fit latency + bytes / bandwidth. The protocol's small messages (block refs, DONE, ACK) are
-    not included; loadtest/RESULTS.md "KV transfer" has the whole protocol's figures."""
+    not included; loadtest/RESULTS.md "KV transfer" has the whole protocol's figures. On a GPU
+    the same copy runs within the device: a bound on a transfer, not a link between devices."""
     from disagg.engine.kv_cache import KVCache
     from disagg.engine.layers.cpu_kernels import cpu_ops
     from disagg.kv_transfer.receiver import copy_blocks
@@ -230,26 +217,26 @@ def measure_kv_transfer(model: ModelConfig, dtype: torch.dtype, repeats: int) ->
     block, sizes = 16, (64, 1024)
     blocks = 2 * sizes[-1] // block
     layers, heads = model.num_hidden_layers, model.num_key_value_heads
-    cpu = torch.device("cpu")
-    src = KVCache(layers, blocks, block, heads, model.head_dim, dtype, cpu, shared=True)
-    dst = KVCache(layers, blocks, block, heads, model.head_dim, dtype, cpu)
+    src = KVCache(layers, blocks, block, heads, model.head_dim, dtype, device, shared=True)
+    dst = KVCache(layers, blocks, block, heads, model.head_dim, dtype, device)
     src.tensor.normal_()
-    ops = cpu_ops(cpu, "auto")
+    ops, clock = cpu_ops(device, "auto"), device_clock(device)
     points = []
     for tokens in sizes:
         n = tokens // block
         src_ids, dst_ids = list(range(0, 2 * n, 2)), list(range(n))  # scattered into packed, as after a prefill
         times = []
         for _ in range(repeats + 1):
-            started = time.perf_counter()
+            started = clock()
             copy_blocks(src.tensor, src_ids, dst.tensor, dst_ids, ops)
-            times.append(time.perf_counter() - started)
+            times.append(clock() - started)
         points.append((src.slice_bytes(layers, (0, heads), n), statistics.median(times[1:])))
     (b0, t0), (b1, t1) = points
     bandwidth = (b1 - b0) / max(t1 - t0, 1e-9)
     latency_ms = max(0.0, (t0 - b0 / bandwidth) * 1e3)
+    where = "by reference (shared memory)" if device.type == "cpu" else f"within one device ({device})"
     notes = {
-        "kind": "by reference (shared memory), receiver.copy_blocks only",
+        "kind": f"{where}, receiver.copy_blocks only",
         "bytes_s": [[b, round(t * 1e3, 4)] for b, t in points],
     }
     return TransferModel(bandwidth, latency_ms), notes
@@ -266,6 +253,7 @@ class ProfileRequest:
     repeats: int
     quick: bool = False
     dtype: str = "auto"
+    device: str = "cpu"  # or "cuda" / "cuda:N" (1x1 shapes only: device.check_device)
 
 
 def default_shapes(model: ModelConfig, cores: int) -> list[tuple[int, int]]:
@@ -280,6 +268,7 @@ def default_shapes(model: ModelConfig, cores: int) -> list[tuple[int, int]]:
 
 
 def run_profile(req: ProfileRequest, log: Callable[[str], None] = print) -> Profile:
+    check_device(req.device, list(req.shapes))
     started, load_before = time.perf_counter(), os.getloadavg()[0]
     torch.set_num_threads(req.threads)
     source = load_model_source(req.model, cache_dir=EngineConfig().cache_dir)
@@ -295,15 +284,15 @@ def run_profile(req: ProfileRequest, log: Callable[[str], None] = print) -> Prof
             dtype = engine.dtype
         entries[(tp, pp)], shape_report = fit_shape(samples)
         shape_report["seconds"] = round(time.perf_counter() - shape_started, 1)
-        shape_report["samples"] = [s.to_dict() for s in samples]
+        shape_report["samples"] = [sample_entry(s) for s in samples]
         report["shapes"][shape_key(tp, pp)] = shape_report
-    kv_transfer, kv_notes = measure_kv_transfer(source.config, dtype, req.repeats)
+    kv_transfer, kv_notes = measure_kv_transfer(source.config, dtype, req.repeats, torch.device(req.device))
     report.update(_context(req, kv_notes, time.perf_counter() - started))
     # Other processes' load spoils the figures (two threads on two cores most of all): keep it with them.
     report["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return Profile(
         model=req.model,
-        hardware=f"cpu-{req.threads}t",
+        hardware=hardware_name(req.device, req.threads),
         source="measured",
         entries=entries,
         kv_bytes_per_token=source.config.kv_bytes_per_token * torch.empty((), dtype=dtype).element_size(),
@@ -318,19 +307,20 @@ def engine_config(req: ProfileRequest, grid: Grid) -> EngineConfig:
     return EngineConfig(
         model=req.model,
         dtype=req.dtype,
-        device="cpu",
+        device=req.device,
         num_threads=req.threads,
         num_kv_blocks=grid.max_tokens_held // 16 + 64,
         block_size=16,
         max_num_batched_tokens=max(grid.max_step_tokens, 1),
         max_num_seqs=grid.max_batch + 2,
-        enable_prefix_caching=False,  # random prompts never share a prefix; off makes `start` exact
+        enable_prefix_caching=False,  # random prompts never share a prefix: nothing to look up
     )
 
 
 def _context(req: ProfileRequest, kv_notes: dict, seconds: float) -> dict:
     return {
         "threads": req.threads,
+        "device": req.device,
         "cpu": cpu_name(),
         "torch": torch.__version__,
         "repeats": req.repeats,
@@ -359,80 +349,3 @@ def cpu_name() -> str:
         pass
     vector = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "no avx2"
     return f"{name} ({vector}, {os.cpu_count()} cpus)"
-
-
-# ---- command line ----------------------------------------------------------------------------------
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file, HF directory, random:<shape> or the default")
-    parser.add_argument("--tp-pp", default=None, help="shapes as TPxPP, e.g. 1x1,2x1,1x2 (default: all that fit)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--max-prompt-len", type=int, default=None, help="longest prompt (1024; quick: 128)")
-    parser.add_argument("--max-batch", type=int, default=None, help="largest decode batch (32; quick: 8)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per grid point (3; quick: 1)")
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    parser.add_argument("--quick", action="store_true", help="a small grid: a smoke test, not a profile to plan with")
-    parser.add_argument("-o", "--output", required=True, help="profile file to write (JSON)")
-
-
-def main(args: argparse.Namespace) -> int:
-    try:
-        req = _request(args)
-    except ValueError as exc:
-        print(f"disagg profile: {exc}", file=sys.stderr)
-        return 2
-    profile = run_profile(req, log=lambda line: print(line, file=sys.stderr))
-    profile.save(args.output)
-    print(error_table(profile))
-    print(f"wrote {args.output} ({profile.fit['seconds']} s)")
-    return 0
-
-
-def _request(args: argparse.Namespace) -> ProfileRequest:
-    if args.threads < 1:
-        raise ValueError("--threads must be >= 1")
-    source = load_model_source(args.model, cache_dir=EngineConfig().cache_dir)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    shapes = parse_shapes(args.tp_pp) if args.tp_pp else default_shapes(source.config, cores)
-    quick = args.quick
-    return ProfileRequest(
-        model=args.model,
-        shapes=tuple(shapes),
-        threads=args.threads,
-        max_prompt_len=args.max_prompt_len or (128 if quick else 1024),
-        max_batch=args.max_batch or (8 if quick else 32),
-        repeats=args.repeats or (1 if quick else 3),
-        quick=quick,
-        dtype=args.dtype,
-    )
-
-
-def parse_shapes(text: str) -> list[tuple[int, int]]:
-    shapes = []
-    for part in text.split(","):
-        tp, _, pp = part.strip().lower().partition("x")
-        if not (tp.isdigit() and pp.isdigit()) or int(tp) < 1 or int(pp) < 1:
-            raise ValueError(f"--tp-pp: {part!r} is not TPxPP like 2x1")
-        shapes.append((int(tp), int(pp)))
-    return shapes
-
-
-def error_table(profile: Profile) -> str:
-    """Held-out median absolute errors, one row per shape."""
-    lines = [f"{'shape':<8} {'prefill %':>9} {'decode %':>9} {'mixed sum %':>11} {'mixed fit %':>11}  chosen"]
-    for key, entry in profile.fit["shapes"].items():
-        mixed = entry["mixed"]
-        lines.append(
-            f"{key:<8} {entry['prefill']['median_abs_error_pct']:>9.1f} {entry['decode']['median_abs_error_pct']:>9.1f}"
-            f" {_pct(mixed.get('sum')):>11} {_pct(mixed.get('fit')):>11}  {mixed['chosen']}"
-        )
-    return "\n".join(lines)
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
-if __name__ == "__main__":  # until `disagg profile` is wired into the CLI
-    cli = argparse.ArgumentParser(prog="disagg profile", description=__doc__.splitlines()[0])
-    add_arguments(cli)
-    sys.exit(main(cli.parse_args()))
