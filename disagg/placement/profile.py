@@ -18,10 +18,11 @@ hand-off of activations per stage boundary (`pp_handoff_ms`). Stages do not over
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.published_profiles import FITTED, ServedStep, engine_of
 
 FORMAT = "disagg-profile/1"
 SOURCES = ("measured", "roofline", "distserve")
@@ -50,6 +51,7 @@ class Profile:
     kv_transfer: TransferModel = field(default_factory=TransferModel)
     pp_handoff_ms: float = 0.0
     fit: dict = field(default_factory=dict)  # how well a measured profile predicts held-out steps
+    frontend_ms: float = 0.0  # per request, outside the engine, before its prefill (0: not known)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -86,6 +88,7 @@ class Profile:
             "num_layers": self.num_layers,
             "kv_transfer": self.kv_transfer.to_dict(),
             "pp_handoff_ms": self.pp_handoff_ms,
+            "frontend_ms": self.frontend_ms,
             "entries": {shape_key(tp, pp): m.to_dict() for (tp, pp), m in sorted(self.entries.items())},
             "fit": self.fit,
         }
@@ -105,11 +108,13 @@ class Profile:
             kv_transfer=TransferModel.from_dict(data.get("kv_transfer")),
             pp_handoff_ms=float(data.get("pp_handoff_ms", 0.0)),
             fit=data.get("fit", {}),
+            frontend_ms=float(data.get("frontend_ms", 0.0)),
         )
 
 
-def load_profile(path: str, model: str | None = None, hardware: str | None = None) -> Profile:
-    """Our profile file, or DistServe's published one (then `model` picks one of its models)."""
+def load_profile(path: str, model: str | None = None, hardware: str | None = None, served: bool = True) -> Profile:
+    """Our profile file, or DistServe's published one (then `model` picks one of its models; with
+    `served`, its forward-pass times become served steps: disagg.placement.published_profiles)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
@@ -118,7 +123,15 @@ def load_profile(path: str, model: str | None = None, hardware: str | None = Non
         raise ValueError(f"profile {path}: not a JSON object")
     if data.get("format") == FORMAT:
         return Profile.from_dict(data)
-    return _from_distserve(data, path, model, hardware or _hardware_from_name(path))
+    profile = _from_distserve(data, path, model, hardware or _hardware_from_name(path))
+    engine = engine_of(path)
+    return as_served(profile, FITTED[engine]) if served and engine in FITTED else profile
+
+
+def as_served(profile: Profile, served: ServedStep) -> Profile:
+    """A forward-pass profile with what its engine's served steps cost beyond it."""
+    entries = {shape: served.apply(model) for shape, model in profile.entries.items()}
+    return replace(profile, entries=entries, frontend_ms=served.frontend_ms)
 
 
 def _from_distserve(data: dict, path: str, model: str | None, hardware: str) -> Profile:

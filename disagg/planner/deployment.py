@@ -7,7 +7,8 @@ worker, as the engine sizes its cache), unless the config leaves memory to the h
 of each device's memory after its share of the weights (`disagg.planner.memory`).
 
 A replayed trace of another system (`system`, disagg.planner.traced_systems) runs as that system
-does: its memory rule, its decode admission, its frontend's and its decode loop's own time.
+does: its engine settings, its memory rule and its decode admission. A profile's `frontend_ms`
+(a published one's, fitted) is each request's time before its prefill.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass, replace
 
 from disagg.config import PoolConfig, ServingConfig
 from disagg.placement.factory import placement_policy
-from disagg.placement.latency_model import StepModel
 from disagg.placement.policies import PlacementPolicy, Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
@@ -47,7 +47,7 @@ class Deployment:
         profile = self.any_profile
         return pools_from_config(
             config,
-            self._step_model,
+            lambda role, tp, pp: self.profiles[role].step_model(tp, pp),
             profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             self._max_model_len(),
         )
@@ -60,16 +60,12 @@ class Deployment:
             transfer=self.profiles.get("prefill", profile).kv_transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             num_layers=profile.num_layers,
-            router_overhead_ms=self.router_overhead_ms + (self.system.frontend_ms if self.system else 0.0),
+            router_overhead_ms=self.router_overhead_ms + self.profiles.get("prefill", profile).frontend_ms,
             admission_timeout_s=TRACE_ADMISSION_TIMEOUT_S if self.system else self.config.admission_timeout_s,
             decode_admission=self.system.decode_admission if self.system else "retry",
             max_inflight=self.config.inflight_limit(),
             slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
         )
-
-    def _step_model(self, role: str, tp: int, pp: int) -> StepModel:
-        profiled = self.profiles[role].step_model(tp, pp)
-        return self.system.step_model(profiled) if self.system else profiled
 
     @property
     def any_profile(self) -> Profile:

@@ -1,6 +1,6 @@
 """The simulator at and past saturation: requests waiting for decode room in order, a run that
-loses attainment as it lengthens, and other systems replayed as they run (their memory rule and
-their engines' own time per step)."""
+loses attainment as it lengthens, and other systems replayed as they run (their memory rule, their
+decode admission, and their engines' served steps)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from disagg.planner.deployment import trace_deployment
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.models import model_spec
 from disagg.planner.simulator import SimPool, Simulator, slo_attainment
-from disagg.planner.traced_systems import SYSTEMS, TracedSystem, system_of
+from disagg.placement.published_profiles import FITTED, ServedStep
+from disagg.planner.traced_systems import SYSTEMS, system_of
 from disagg.planner.workload import SimRequest, load_trace
 
 DATA = Path("/work/shared/data/distserve")
@@ -58,11 +59,25 @@ def test_an_unknown_decode_admission_is_refused():
         one_pair(decode_blocks=10, admission="lottery")
 
 
-def test_a_traced_system_adds_its_loop_time_to_every_decode_step_and_scales_its_prefill():
-    system = TracedSystem("x", prefill_scale=0.5, decode_per_step_ms=3.0, decode_per_request_ms=0.25)
-    served = system.step_model(MODEL)
+def test_a_served_step_adds_the_loop_time_to_every_decode_step_and_scales_the_prefill():
+    served = ServedStep(prefill_scale=0.5, decode_per_step_ms=3.0, decode_per_request_ms=0.25).apply(MODEL)
     assert served.decode_ms(8, 1000) == pytest.approx(MODEL.decode_ms(8, 1000) + 3.0 + 8 * 0.25)
     assert served.prefill_ms([100]) == pytest.approx(MODEL.prefill_ms([100]) / 2)
+
+
+def test_a_published_profile_loads_as_its_engine_serves_it():
+    path = DATA / "profiler-a100-80g.distserve.json"
+    if not path.exists():
+        pytest.skip(f"DistServe's profiles are not at {DATA}")
+    forward = load_profile(str(path), model="facebook/opt-13b", served=False)
+    served = load_profile(str(path), model="facebook/opt-13b")
+    fitted = FITTED["distserve"]
+    assert forward.frontend_ms == 0 and served.frontend_ms == fitted.frontend_ms
+    batch, context = 32, 32 * 900
+    extra = fitted.decode_per_step_ms + batch * fitted.decode_per_request_ms
+    assert served.step_model(1, 1).decode_ms(batch, context) == pytest.approx(
+        forward.step_model(1, 1).decode_ms(batch, context) + extra
+    )
 
 
 def test_vllm_keeps_room_for_the_activations_of_its_trial_step():

@@ -1,10 +1,12 @@
 """Fit what DistServe's published profiles lack, on the given measured runs, and print the errors.
 
-    PYTHONPATH=. .venv/bin/python loadtest/fit_traced_systems.py [--data ../shared/data/distserve]
+The fitted values go into disagg/placement/published_profiles.py (FITTED).
 
-For each system (DistServe, vLLM 0.2), on its runs in the data directory, with everything else as
+    PYTHONPATH=. .venv/bin/python loadtest/fit_published_profiles.py [--data ../shared/data/distserve]
+
+For each engine (DistServe, vLLM 0.2), on its runs in the data directory, with everything else as
 `disagg.planner.traced_systems` says (settings from DistServe's launch script, memory rules and
-decode admission from their code):
+decode admission from their code), starting from the forward-pass profiles:
 1. a first guess of `frontend_ms` and `prefill_scale` from the TTFT of isolated requests (none
    arrived in the 1 s before: no prompt queued ahead), the simulator's TTFT of the same requests
    against the measured one: the grid point with the least median relative error;
@@ -12,7 +14,8 @@ decode admission from their code):
    error in units of its target (3 points of attainment, 10% of a percentile): the least mean,
    by turns over (`decode_per_step_ms`, `decode_per_request_ms`) and (`frontend_ms`,
    `prefill_scale`) on their grids, until neither moves.
-Prints the fitted values (to be written into traced_systems.py) and each run's errors with them.
+Prints the fitted values (FITTED in disagg/placement/published_profiles.py) and each run's errors
+with them.
 Runs kept aside (other rates and lengths) check what was fitted here.
 """
 
@@ -27,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from disagg.placement.profile import load_profile  # noqa: E402
+from disagg.placement.profile import as_served, load_profile  # noqa: E402
+from disagg.placement.published_profiles import FITTED, ServedStep  # noqa: E402
 from disagg.planner.deployment import trace_deployment  # noqa: E402
 from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
-from disagg.planner.traced_systems import SYSTEMS  # noqa: E402
 from disagg.planner.workload import load_trace  # noqa: E402
 
 ISOLATED_GAP_S = 1.0
@@ -41,27 +44,26 @@ PER_REQUEST_MS = [round(0.02 * i, 2) for i in range(26)]  # 0 .. 0.5
 MAX_ROUNDS = 3
 
 
-def runs_of(data: Path, system: str) -> list[tuple[Path, object, object]]:
+def runs_of(data: Path, engine: str) -> list[tuple[Path, object, object]]:
     out = []
-    for path in sorted(data.glob(f"{system}-*.json")):
+    for path in sorted(data.glob(f"{engine}-*.json")):
         trace = load_trace(str(path))
-        profile = load_profile(str(data / f"profiler-a100-80g.{system}.json"), model=trace.model)
+        profile = load_profile(str(data / f"profiler-a100-80g.{engine}.json"), model=trace.model, served=False)
         out.append((path, trace, profile))
     return out
 
 
-def simulate(trace, profile, system):
-    deployment = trace_deployment(trace.config, trace.model, profile)
-    deployment.system = system
-    return deployment.simulator().run(trace.requests)
+def simulate(trace, profile, served: ServedStep):
+    """The trace replayed with its forward-pass `profile` served as `served` says."""
+    return trace_deployment(trace.config, trace.model, as_served(profile, served)).simulator().run(trace.requests)
 
 
-def fit_prefill(runs, system):
+def fit_prefill(runs, served):
     """(frontend_ms, prefill_scale) with the least median |simulated - measured| / measured TTFT
     over isolated requests."""
     best = None
     for scale in PREFILL_SCALES:
-        scaled = dataclasses.replace(system, frontend_ms=0.0, prefill_scale=scale)
+        scaled = dataclasses.replace(served, frontend_ms=0.0, prefill_scale=scale)
         pairs = []  # (simulated without frontend, measured) of isolated requests
         for _, trace, profile in runs:
             records = simulate(trace, profile, scaled)
@@ -77,9 +79,9 @@ def fit_prefill(runs, system):
     return best
 
 
-def fit_jointly(runs, system):
-    """Coordinate descent on the mean target error of every run's figures; (error, system)."""
-    best = (mean_error(runs, system), system)
+def fit_jointly(runs, served):
+    """Coordinate descent on the mean target error of every run's figures; (error, served)."""
+    best = (mean_error(runs, served), served)
     grids = (
         ("decode_per_step_ms", PER_STEP_MS, "decode_per_request_ms", PER_REQUEST_MS),
         ("frontend_ms", FRONTEND_MS, "prefill_scale", PREFILL_SCALES),
@@ -99,9 +101,9 @@ def fit_jointly(runs, system):
     return best
 
 
-def mean_error(runs, system) -> float:
+def mean_error(runs, served) -> float:
     return statistics.mean(
-        e for _, trace, profile in runs for e in target_errors(trace, simulate(trace, profile, system))
+        e for _, trace, profile in runs for e in target_errors(trace, simulate(trace, profile, served))
     )
 
 
@@ -119,9 +121,9 @@ def target_errors(trace, records) -> list[float]:
     return errors
 
 
-def report(runs, system) -> None:
+def report(runs, served) -> None:
     for path, trace, profile in runs:
-        records = simulate(trace, profile, system)
+        records = simulate(trace, profile, served)
         slo = trace.slo
         simulated_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
         met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
@@ -139,21 +141,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
     args = parser.parse_args()
-    for name, system in SYSTEMS.items():
+    for name, served in FITTED.items():
         runs = runs_of(Path(args.data), name)
         if not runs:
             continue
-        error, frontend, scale, isolated = fit_prefill(runs, system)
-        system = dataclasses.replace(system, frontend_ms=frontend, prefill_scale=scale)
+        error, frontend, scale, isolated = fit_prefill(runs, served)
+        served = dataclasses.replace(served, frontend_ms=frontend, prefill_scale=scale)
         print(f"{name}: first guess frontend_ms={frontend} prefill_scale={scale} ({isolated} isolated requests, "
               f"median TTFT error {error:.1%})", flush=True)  # fmt: skip
-        error, system = fit_jointly(runs, system)
+        error, served = fit_jointly(runs, served)
         fitted = {
-            k: getattr(system, k)
+            k: getattr(served, k)
             for k in ("frontend_ms", "prefill_scale", "decode_per_step_ms", "decode_per_request_ms")
         }
         print(f"{name}: {fitted} (mean error {error:.2f} targets)")
-        report(runs, system)
+        report(runs, served)
     return 0
 
 
