@@ -12,8 +12,8 @@ decode admission from their code), starting from the forward-pass profiles:
    against the measured one: the grid point with the least median relative error;
 2. then all four values against every run's attainment and TTFT and TPOT p50 and p90, each
    error in units of its target (3 points of attainment, 10% of a percentile): the least mean,
-   by turns over (`decode_per_step_ms`, `decode_per_request_ms`) and (`frontend_ms`,
-   `prefill_scale`) on their grids, until neither moves.
+   by a pattern search from the first guess (and the decode loop's time from the fitted values
+   in published_profiles.py).
 Prints the fitted values (FITTED in disagg/placement/published_profiles.py) and each run's errors
 with them.
 Runs kept aside (other rates and lengths) check what was fitted here.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import statistics
 import sys
 from pathlib import Path
@@ -39,9 +38,8 @@ from disagg.planner.workload import load_trace  # noqa: E402
 ISOLATED_GAP_S = 1.0
 FRONTEND_MS = [float(v) for v in range(0, 21)]
 PREFILL_SCALES = [round(0.7 + 0.05 * i, 2) for i in range(9)]  # 0.7 .. 1.1
-PER_STEP_MS = [float(v) for v in range(0, 9)]
-PER_REQUEST_MS = [round(0.02 * i, 2) for i in range(26)]  # 0 .. 0.5
-MAX_ROUNDS = 3
+START_STEPS = {"frontend_ms": 2.0, "prefill_scale": 0.05, "decode_per_step_ms": 1.0, "decode_per_request_ms": 0.04}
+MIN_STEPS = {"frontend_ms": 0.5, "prefill_scale": 0.0125, "decode_per_step_ms": 0.25, "decode_per_request_ms": 0.01}
 
 
 def runs_of(data: Path, engine: str) -> list[tuple[Path, object, object]]:
@@ -80,24 +78,24 @@ def fit_prefill(runs, served):
 
 
 def fit_jointly(runs, served):
-    """Coordinate descent on the mean target error of every run's figures; (error, served)."""
+    """Pattern search on the mean target error of every run's figures: each value up and down by
+    its step, the best move taken, the steps halved when none helps; (error, served)."""
+    steps = dict(START_STEPS)
     best = (mean_error(runs, served), served)
-    grids = (
-        ("decode_per_step_ms", PER_STEP_MS, "decode_per_request_ms", PER_REQUEST_MS),
-        ("frontend_ms", FRONTEND_MS, "prefill_scale", PREFILL_SCALES),
-    )
-    for _ in range(MAX_ROUNDS):
-        moved = False
-        for first, first_grid, second, second_grid in grids:
-            for x, y in itertools.product(first_grid, second_grid):
-                candidate = dataclasses.replace(best[1], **{first: x, second: y})
-                if candidate == best[1]:
-                    continue
-                error = mean_error(runs, candidate)
-                if error < best[0] - 1e-9:
-                    best, moved = (error, candidate), True
-        if not moved:
-            break
+    while any(steps[k] >= MIN_STEPS[k] for k in steps):
+        moves = [
+            dataclasses.replace(best[1], **{k: round(getattr(best[1], k) + sign * step, 4)})
+            for k, step in steps.items()
+            if step >= MIN_STEPS[k]
+            for sign in (1, -1)
+            if getattr(best[1], k) + sign * step >= 0
+        ]
+        tried = min((mean_error(runs, m), m) for m in moves)
+        if tried[0] < best[0] - 1e-9:
+            best = tried
+            print(f"   {best[0]:.3f} {best[1]}", flush=True)
+        else:
+            steps = {k: v / 2 for k, v in steps.items()}
     return best
 
 
@@ -146,7 +144,7 @@ def main() -> int:
         if not runs:
             continue
         error, frontend, scale, isolated = fit_prefill(runs, served)
-        served = dataclasses.replace(served, frontend_ms=frontend, prefill_scale=scale)
+        served = dataclasses.replace(served, frontend_ms=frontend, prefill_scale=scale)  # the decode terms as fitted
         print(f"{name}: first guess frontend_ms={frontend} prefill_scale={scale} ({isolated} isolated requests, "
               f"median TTFT error {error:.1%})", flush=True)  # fmt: skip
         error, served = fit_jointly(runs, served)

@@ -10,11 +10,13 @@ What is modelled, as the real system does it:
 - an instance takes new work only between steps (the engine loop applies commands between
   steps): requests, KV arrivals, reservations and releases wait for the step under way;
 - disaggregated: the prefill starts at once; the decode side reserves blocks for the prompt in
-  parallel (retried with the router's back-off while no instance has room); the first token
-  reaches the client at the end of its prefill step; the KV streams layer by layer during the
-  prefill (`TransferModel.wait_after_prefill_ms`), or all at once if the reservation came later;
-  the decode instance takes the request at its next step boundary; the prefill's blocks are
-  freed when the transfer ends;
+  parallel (retried with the router's back-off while no instance has room), or with
+  `decode_admission="queue"` (DistServe's) takes the request after its prefill, first come first
+  served; the first token reaches the client at the end of its prefill step; the KV streams layer
+  by layer during the prefill, or all at once if the reservation came later, over the prefill
+  instance's link one request after another (a transfer queues behind those before it); the
+  decode instance takes the request at its next step boundary; the prefill's blocks are freed
+  when the transfer ends;
 - colocated: one instance does both; so does a decode instance the policy chose to prefill a
   short prompt itself (conditional disaggregation);
 - the frontend refuses a request that arrives while `max_inflight` are in flight (the server's
@@ -186,6 +188,7 @@ class SimInstance:
         self.queued_tokens = 0  # prompt tokens sent and not yet through their prefill (the router's view)
         self.reserve_queue: deque[_Flight] = deque()  # "queue" admission: waiting for room, in order
         self.num_reserved = 0  # inputs that will add a request
+        self.link_free_at = 0.0  # a prefill instance sends one request's KV at a time: its link's queue
 
     # the load a placement policy reads (disagg.placement.policies.InstanceLoad)
     @property
@@ -496,15 +499,22 @@ class Simulator:
             self._finish(flight, now)
 
     def _maybe_transfer(self, flight: _Flight, now: float) -> None:
-        """Once the prefill is done and the decode side has its blocks, the KV moves."""
+        """Once the prefill is done and the decode side has its blocks, the KV moves: over the
+        prefill instance's link, after the transfers queued on it before."""
         if flight.prefill_end is None or flight.reserved_at is None or flight.done:
             return
         num_bytes = flight.record.prompt_len * self.kv_bytes_per_token / _parallel_links(flight)
-        if flight.reserved_at <= flight.prefill_end:  # streamed while the prefill ran
-            wait_ms = self.transfer.wait_after_prefill_ms(num_bytes, flight.prefill_step_ms, self.num_layers)
+        wire_s = num_bytes / self.transfer.bandwidth_bytes_per_s
+        layers = max(1, self.num_layers)
+        if flight.reserved_at <= flight.prefill_end:  # streamed: layer i left when computed, (i+1)/L into the step
+            earliest = now - flight.prefill_step_ms / 1e3 * (layers - 1) / layers
+            last_layer = now + wire_s / layers
         else:  # the KV waited in the prefill's blocks for somewhere to go
-            wait_ms = self.transfer.transfer_ms(num_bytes)
-        self.at(now + wait_ms / 1e3, self._kv_arrived, flight)
+            earliest = last_layer = now
+        link = flight.prefill
+        start = max(earliest, link.link_free_at)
+        link.link_free_at = end = max(start + wire_s, last_layer)
+        self.at(end + self.transfer.latency_ms / 1e3, self._kv_arrived, flight)
 
     def _kv_arrived(self, now: float, flight: _Flight) -> None:
         request_id = str(flight.record.index)

@@ -79,6 +79,22 @@ def test_layerwise_streaming_hides_the_transfer_behind_the_prefill():
     assert fast.transfer_ms(1e9) == 0.0
 
 
+def test_kv_transfers_queue_on_the_prefill_instance_link():
+    # two 20-token prompts prefilled in one step (10 + 40 = 50 ms), 1 byte per token at 1 kB/s:
+    # 20 ms each on the wire, one layer (nothing overlaps the step): the second waits for the first
+    transfer = TransferModel(bandwidth_bytes_per_s=1000.0, latency_ms=0.0)
+    pools = [
+        SimPool("prefill", 1, MODEL, num_kv_blocks=1000, scheduling_policy="prefill_first"),
+        SimPool("decode", 1, MODEL, num_kv_blocks=1000),
+    ]
+    sim = Simulator(pools, transfer=transfer, kv_bytes_per_token=1, num_layers=1)
+    first, second = sim.run([SimRequest(0, 0.0, 20, 2), SimRequest(1, 0.0, 20, 2)])
+    assert first.ttft_s == second.ttft_s == pytest.approx(0.05)
+    # KV at 70 and 90 ms; each then decodes one token in a step of its own (5 + 2 ms)
+    assert first.finish_s * 1e3 == pytest.approx(70.0 + 7.0)
+    assert second.finish_s * 1e3 == pytest.approx(90.0 + 7.0)
+
+
 def test_requests_beyond_the_kv_capacity_wait_and_none_is_lost():
     pool = SimPool("colocated", 1, MODEL, num_kv_blocks=4, block_size=16)
     records = Simulator([pool]).run([SimRequest(i, 0.0, 30, 10) for i in range(3)])
