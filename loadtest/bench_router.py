@@ -99,7 +99,21 @@ def prediction_phase(requests, args) -> dict:
         "capacity_rps": capacity, "moderate_rps": capacity / 2, "moderate_completed": len(ok),
         "ttft_mape": mape(ttft), "tpot_mape": mape(tpot),
         "ttft_pairs_ms": [(round(p * 1e3, 1), round(m * 1e3, 1)) for p, m in ttft],  # predicted, measured
+        "requests": [_prediction_row(r) for r in ok], "requests_columns": PREDICTION_COLUMNS,
     }  # fmt: skip
+
+
+PREDICTION_COLUMNS = ("sent_s", "prompt_len", "output_len", "predicted_ttft_ms", "ttft_ms", "server_ttft_ms",
+                      "predicted_tpot_ms", "tpot_ms")  # fmt: skip
+
+
+def _prediction_row(r: dict) -> list:
+    """Where a prediction's error comes from: the request's lengths and when it came, predicted
+    against measured (by the client, and TTFT by the server too)."""
+    server = r["server"]
+    ms = lambda s: round(s * 1e3, 1)  # noqa: E731
+    return [round(r["sent_at"], 3), r["prompt_len"], r["output_len"], ms(server.get("predicted_ttft_s", 0.0)),
+            ms(r["ttft"]), ms(server.get("ttft_s", 0.0)), ms(server.get("predicted_tpot_s", 0.0)), ms(r["tpot"])]  # fmt: skip
 
 
 def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_ttft_ms: float, args) -> dict:

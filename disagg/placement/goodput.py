@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape, Slo
-from disagg.placement.predictor import DecodeSide, PrefillSide, prefill_compute_ms, tpot_ms, ttft_ms
+from disagg.placement.predictor import DecodeSide, Predicted, PrefillSide, prefill_forecast, tpot, ttft
 
 SHEDDABLE_MARGIN = 0.2
 TIE = 0.02
@@ -60,9 +60,11 @@ class GoodputPolicy(LeastOutstandingWork):
         pairs = [(p, p) for p in roomy] if colocated else [(p, d) for p in prefills for d in roomy]
         if not pairs:
             return None
-        cached = {id(p): p.cached_tokens(request.block_hashes) for p, _ in pairs}
-        ttfts = {id(p): ttft_ms(p, request.prompt_tokens, cached[id(p)]) for p, _ in pairs}
-        tpots = {id(d): tpot_ms(d, request.prompt_tokens, request.max_tokens) for _, d in pairs}
+        # each instance predicted once, though it is in many pairs
+        prefill_side, decode_side = {id(p): p for p, _ in pairs}, {id(d): d for _, d in pairs}
+        cached = {k: p.cached_tokens(request.block_hashes) for k, p in prefill_side.items()}
+        ttfts = {k: ttft(p, request.prompt_tokens, cached[k]) for k, p in prefill_side.items()}
+        tpots = {k: tpot(d, request.prompt_tokens, request.max_tokens) for k, d in decode_side.items()}
         scored = [_Option(p, d, ttfts[id(p)], tpots[id(d)], request.slo, cached[id(p)], _calibrated(p, d))
                   for p, d in pairs]  # fmt: skip
         if not colocated:
@@ -80,7 +82,7 @@ class GoodputPolicy(LeastOutstandingWork):
         idle = all(p.predicted_queue_tokens == 0 for p, _ in pairs) and all(d.decode_batch == 0 for _, d in pairs)
         admitted = self.best_effort or guessed or idle or chosen.headroom >= _REQUIRED_HEADROOM[request.priority]
         return Choice(chosen.prefill, chosen.decode, chosen.ttft_ms, chosen.tpot_ms, chosen.headroom, admitted,
-                      chosen.cached_tokens, chosen.local)  # fmt: skip
+                      chosen.cached_tokens, chosen.local, chosen.ttft.model_ms, chosen.tpot.model_ms)  # fmt: skip
 
     def _local_options(self, prefills: list, decodes: list, request: RequestShape, tpots: dict) -> list[_Option]:
         """Conditional disaggregation: each decode instance prefilling the prompt itself, where
@@ -97,14 +99,13 @@ class GoodputPolicy(LeastOutstandingWork):
             uncached = request.prompt_tokens - cached
             if not d.decode_calibrated or uncached > min(self.local_prefill_max_tokens, d.prefill_budget):
                 continue
-            model = d.step_model if d.prefill_calibrated else fitted[0].step_model
-            chunk_ms = prefill_compute_ms(model, d.predicted_queue_tokens, request.prompt_tokens, d.prefill_budget,
-                                          cached)  # fmt: skip
-            step_ms = d.step_model.decode_ms(d.decode_batch, d.decode_context_tokens)  # the batch rides along
-            if d.decode_batch and not _stall_allowed(chunk_ms, step_ms, request):
+            model = replace(d.step_model, prefill=(d if d.prefill_calibrated else fitted[0]).step_model.prefill)
+            steps = prefill_forecast(d, request.prompt_tokens, cached, model)  # mixed: the batch rides along
+            step_ms = d.step_model.decode_ms(d.decode_batch, d.decode_context_tokens)
+            if d.decode_batch and not _stall_allowed(steps.stall_ms(model), step_ms, request):
                 continue
-            ttft = max(chunk_ms + step_ms + d.ttft_residual_ms, model.prefill.a)
-            options.append(_Option(d, d, ttft, tpots[id(d)], request.slo, cached, calibrated=True, local=True))
+            local = ttft(d, request.prompt_tokens, cached, model)
+            options.append(_Option(d, d, local, tpots[id(d)], request.slo, cached, calibrated=True, local=True))
         return options
 
 
@@ -114,12 +115,20 @@ class _Option:
 
     prefill: object
     decode: object
-    ttft_ms: float
-    tpot_ms: float
+    ttft: Predicted
+    tpot: Predicted
     slo: Slo
     cached_tokens: int
     calibrated: bool  # both predictions from fitted models (else a guess)
     local: bool = False
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.ttft.ms
+
+    @property
+    def tpot_ms(self) -> float:
+        return self.tpot.ms
 
     @property
     def headroom(self) -> float:
@@ -130,11 +139,12 @@ class _Option:
         return self.ttft_ms + self.tpot_ms
 
 
-def _stall_allowed(chunk_ms: float, step_ms: float, request: RequestShape) -> bool:
-    """The chunk delays every token of the batch at that instance once; spread over their
-    remaining tokens (taken as half this request's, as the TPOT prediction takes contexts), it
-    must keep their TPOT within the target, or with no target, within the model's error."""
-    added = chunk_ms / max(1, request.max_tokens // 2)
+def _stall_allowed(stall_ms: float, step_ms: float, request: RequestShape) -> bool:
+    """The chunk delays every token of the batch at that instance once (by `stall_ms`); spread
+    over their remaining tokens (taken as half this request's, as the TPOT prediction takes
+    contexts), it must keep their TPOT within the target, or with no target, within the model's
+    error."""
+    added = stall_ms / max(1, request.max_tokens // 2)
     if request.slo.tpot_ms > 0:
         return step_ms + added <= request.slo.tpot_ms
     return added <= LATENCY_TIE * step_ms

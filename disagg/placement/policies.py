@@ -72,6 +72,10 @@ class Choice:
     admitted: bool
     cached_tokens: int = 0  # of its prompt, predicted to be in the prefill instance's prefix cache
     local: bool = False  # disaggregated pools, prefilled on the decode instance itself (no KV transfer)
+    # The step models' own parts of the predictions (without the instances' residuals): what the
+    # residuals learn against, once the request's TTFT and TPOT are measured.
+    ttft_model_ms: float = math.nan
+    tpot_model_ms: float = math.nan
 
     def refusal(self, slo: Slo) -> str:
         return (

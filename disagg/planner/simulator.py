@@ -47,6 +47,7 @@ from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
 from disagg.placement.latency_model import StepModel, TransferModel
 from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape, Slo
+from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.planner.workload import SimRequest
 from disagg.request import Request, RequestStatus, SamplingParams, check_fits
 
@@ -206,8 +207,13 @@ class SimInstance:
 
     # what the goodput policy predicts from (disagg.placement.predictor): the simulated steps
     # are the model's own, so its predictions miss nothing a residual would learn
-    ttft_residual_ms = tpot_residual_ms = 0.0
     prefill_calibrated = decode_calibrated = True
+
+    def ttft_residual_ms(self, model_ms: float) -> float:
+        return 0.0
+
+    def tpot_residual_ms(self, model_ms: float) -> float:
+        return 0.0
 
     @property
     def prefill_budget(self) -> int:
@@ -216,6 +222,58 @@ class SimInstance:
     @property
     def predicted_queue_tokens(self) -> int:
         return self.queued_tokens
+
+    @property
+    def queued_prompts(self) -> list[QueuedPrompt]:
+        """The prompts not through their prefill: in its scheduler, with the chunks they have
+        computed (the running ones first, as it schedules them: in the step under way), then
+        the waiting ones and those delivered and not taken yet, which came while it ran."""
+        s = self.scheduler
+        running = [QueuedPrompt(r.num_tokens, r.num_computed_tokens) for r in s.running if self._prefilling(r)]
+        waiting = [QueuedPrompt(r.num_tokens, r.num_computed_tokens, age_ms=0.0) for r in s.waiting]
+        in_scheduler = [r for r in (*s.running, *s.waiting) if self._prefilling(r) and not r.num_output_tokens]
+        delivered = self.queued_tokens - sum(r.num_prompt_tokens for r in in_scheduler)
+        return running + waiting + self._delivered(delivered)
+
+    @property
+    def queue_progress_ms(self) -> float:
+        """Of a step under way with prompt chunks (not counted computed until it ends): half, on
+        average, for a request arriving at any moment of it."""
+        prefilling = self.busy and not self.run and self.step is not None and self.step.work.chunks
+        return self.step_ms / 2 if prefilling else 0.0
+
+    backlog_tokens = 0  # its queue is known whole
+
+    @property
+    def arriving_tokens_per_ms(self) -> float:
+        """The rate its queue came in: its prompts, and one more like them (the one arriving
+        now), over the age of the oldest (or the time spent on the step under way, if longer)."""
+        s = self.scheduler
+        queued = [r for r in (*s.running, *s.waiting) if self._prefilling(r) and not r.num_output_tokens]
+        if not queued:
+            return 0.0
+        tokens = sum(r.num_prompt_tokens for r in queued)
+        span_ms = max((self.sim.now - min(r.arrival_time for r in queued)) * 1e3, self.queue_progress_ms, 1e-3)
+        return tokens * (1 + 1 / len(queued)) / span_ms
+
+    @property
+    def riding_decodes(self) -> Decodes | None:
+        if self.role is Role.PREFILL:
+            return None
+        decoding = [r for r in self.scheduler.running if not self._prefilling(r)]
+        return Decodes(len(decoding), sum(r.num_tokens for r in decoding))
+
+    def _delivered(self, tokens: int) -> list[QueuedPrompt]:
+        """Prompts delivered and not taken yet: `tokens` in all, about one per input waiting."""
+        if tokens <= 0:
+            return []
+        count = max(1, min(self.num_reserved, tokens))
+        return [QueuedPrompt(tokens // count + (i < tokens % count), age_ms=0.0) for i in range(count)]
+
+    @staticmethod
+    def _prefilling(request: Request) -> bool:
+        """Prompt tokens left to compute: its prompt, or after a preemption, all it had."""
+        return request.num_tokens - request.num_computed_tokens > (1 if request.num_output_tokens else 0)
 
     @property
     def decode_batch(self) -> int:

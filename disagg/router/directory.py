@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -27,8 +28,10 @@ from disagg.placement.latency_model import StepModel
 from disagg.placement.online_fit import NEUTRAL_SEED, OnlineStepModel
 from disagg.placement.profile import Profile
 from disagg.placement.predictor import Residual
+from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.placement.prefill_rate import PrefillRate
 from disagg.registry import InstanceView, LoadReport, Registry
+from disagg.router.prompt_queue import PromptQueue
 from disagg.rpc.client import RpcClient
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 from disagg.step_work import MeasuredStep
@@ -58,8 +61,8 @@ class Instance:
     prefill_budget: int = 512  # its engine's max_num_batched_tokens
     block_size: int = 16
     outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
-    # Of the prompts sent here, the tokens predicted to be computed, until their first token.
-    outstanding_uncached_tokens: int = 0
+    # The prompts sent here, until their first token: the queue a new prompt's TTFT waits for.
+    prompt_queue: PromptQueue = field(default_factory=PromptQueue)
     pending_requests: int = 0  # chosen for requests whose reservation has not been answered yet
     # Where prompts are warm: its last report's cached block hashes, and those of the prompts
     # sent here since (they will be cached by the time the next one comes).
@@ -110,13 +113,11 @@ class Instance:
     def step_model(self) -> StepModel:
         return self.online.model
 
-    @property
-    def ttft_residual_ms(self) -> float:
-        return self.ttft_residual.value
+    def ttft_residual_ms(self, model_ms: float) -> float:
+        return self.ttft_residual.value_for(model_ms)
 
-    @property
-    def tpot_residual_ms(self) -> float:
-        return self.tpot_residual.value
+    def tpot_residual_ms(self, model_ms: float) -> float:
+        return self.tpot_residual.value_for(model_ms)
 
     @property
     def prefill_calibrated(self) -> bool:
@@ -147,10 +148,41 @@ class Instance:
         return max(self.view.load.decode_context_tokens, self.outstanding_context_tokens)
 
     @property
+    def queued_prompts(self) -> list[QueuedPrompt]:
+        """What this router sent and has not seen the first token of (fresher than its report,
+        which lags by up to a heartbeat)."""
+        return self.prompt_queue.prompts
+
+    @property
+    def queue_progress_ms(self) -> float:
+        backlog_since = self.view.load.updated_at if self.backlog_tokens else math.inf
+        return self.prompt_queue.progress_ms(backlog_since)
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Prompt tokens its last report had queued beyond this router's prompts there then
+        (another frontend's, or prompts preempted to be computed again)."""
+        load = self.view.load
+        return max(0, load.queued_prefill_tokens - self.prompt_queue.tokens_at(load.updated_at))
+
+    @property
+    def riding_decodes(self) -> Decodes | None:
+        """The requests decoding here, whose tokens share each step with prompt chunks (those
+        still queued for their prefill are not decoding yet); None on a prefill instance."""
+        if self.role == "prefill":
+            return None
+        queued = self.queued_prompts
+        batch = self.decode_batch - len(queued)
+        return Decodes(max(0, batch), max(0, self.decode_context_tokens - sum(p.num_tokens for p in queued)))
+
+    @property
+    def arriving_tokens_per_ms(self) -> float:
+        return self.prompt_queue.tokens_per_ms()
+
+    @property
     def predicted_queue_tokens(self) -> int:
-        """Prompt tokens to compute before a new one: what this router sent and has not seen
-        the first token of (its own report lags by up to a heartbeat)."""
-        return self.outstanding_uncached_tokens
+        """Prompt tokens to compute before a new one."""
+        return self.prompt_queue.num_new_tokens + self.backlog_tokens
 
     def cached_tokens(self, block_hashes) -> int:
         """Tokens of the prompt's leading blocks that it holds (block hashes as BlockManager's)."""

@@ -67,6 +67,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
+        received_at = time.monotonic()  # the client's TTFT starts about here: what the router's predictions aim at
         await self._admit(context)
         await self._refuse_undecodable(request, context)
         request_id = request.request_id or uuid.uuid4().hex
@@ -94,7 +95,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         # path.
         headers = asyncio.ensure_future(context.send_initial_metadata(()))
         headers.add_done_callback(_retrieve)
-        deltas = self.orchestrator.generate(request_id, prompt_ids, params, *self._demand(request))
+        deltas = self.orchestrator.generate(request_id, prompt_ids, params, *self._demand(request), received_at)
         try:
             async for delta in deltas:
                 if request_id in self._aborted:

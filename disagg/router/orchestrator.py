@@ -39,6 +39,7 @@ from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.migration import Progress, is_migratable
+from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
 
@@ -60,15 +61,7 @@ class Placement:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     num_tokens: int = 0
-    # The residuals the predictions included: the model's own part is the prediction minus them.
-    ttft_residual_then: float = 0.0
-    tpot_residual_then: float = 0.0
-    queued_uncached: int = 0  # prompt tokens counted in the decode instance's queue until its first token
-
-    def __post_init__(self) -> None:
-        if self.choice is not None:
-            self.ttft_residual_then = self.choice.prefill.ttft_residual_ms
-            self.tpot_residual_then = self.choice.decode.tpot_residual_ms
+    queued: SentPrompt | None = None  # its prompt in the decode instance's queue, until its first token
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         prefilled_by = self.prefill or (self.decode if self.choice is not None and self.choice.local else None)
@@ -87,9 +80,9 @@ class Placement:
 
     def dequeue(self) -> None:
         """The prompt is through (or the request ended): out of its instance's queue."""
-        if self.queued_uncached and self.decode is not None:
-            self.decode.outstanding_uncached_tokens -= self.queued_uncached
-            self.queued_uncached = 0
+        if self.queued is not None and self.decode is not None:
+            self.decode.prompt_queue.remove(self.queued)
+            self.queued = None
 
 
 class Orchestrator:
@@ -122,18 +115,23 @@ class Orchestrator:
         params: SamplingParams,
         slo: Slo | None = None,
         priority: str = "standard",
+        received_at: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Deltas of the request, the first token first; the last one has finished=True. `slo`:
-        the request's targets (None: the server's); `priority`: who is refused first."""
+        the request's targets (None: the server's); `priority`: who is refused first;
+        `received_at`: when the frontend got it (time.monotonic()), where its TTFT starts for the
+        client, so the residuals learn what the predictions miss of that (now, if not given)."""
         progress = Progress(list(prompt_token_ids), params)
         slo = slo or self.default_slo
         while True:
             # Once admitted, a request is not refused again: its later attempts are critical.
             demand = (slo, priority if not progress.migrations else "critical")
+            started = received_at if received_at is not None and not progress.migrations else time.monotonic()
             try:
                 attempt = self._attempt(
-                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(), demand
-                )
+                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(), demand,
+                    started,
+                )  # fmt: skip
                 async for delta in attempt:
                     yield progress.record(delta)
                 return
@@ -160,9 +158,14 @@ class Orchestrator:
                 ) from exc
 
     async def _attempt(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, demand: tuple[Slo, str]
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        demand: tuple[Slo, str],
+        started: float,
     ) -> AsyncIterator[TokenDelta]:
-        """One try on one placement."""
+        """One try on one placement; `started`: when its TTFT is measured from."""
         placement, mailbox = None, None
         hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
         request = RequestShape(
@@ -176,14 +179,16 @@ class Orchestrator:
                 choice = self._place(pool, pool, request)
             if self.disaggregated and not choice.local:
                 placement, mailbox, first = await self._start_disaggregated(
-                    request_id, prompt_token_ids, params, request, choice
+                    request_id, prompt_token_ids, params, request, choice, started
                 )
                 placement.observe(first)
                 yield placement.label(first)
                 if first.finished:
                     return
             else:
-                placement, mailbox = await self._start_whole(request_id, prompt_token_ids, params, request, choice)
+                placement, mailbox = await self._start_whole(
+                    request_id, prompt_token_ids, params, request, choice, started
+                )
             async for delta in self._drain(mailbox):
                 placement.finished = delta.finished
                 placement.observe(delta)
@@ -213,10 +218,10 @@ class Orchestrator:
             return
         prefill, decode = choice.prefill, choice.decode
         ttft_ms = (first - placement.started) * 1e3
-        prefill.ttft_residual.observe(ttft_ms, choice.ttft_ms - placement.ttft_residual_then)
+        prefill.ttft_residual.observe(ttft_ms, choice.ttft_model_ms)
         if placement.num_tokens > 1:
             tpot_ms = (time.monotonic() - first) * 1e3 / (placement.num_tokens - 1)
-            decode.tpot_residual.observe(tpot_ms, choice.tpot_ms - placement.tpot_residual_then)
+            decode.tpot_residual.observe(tpot_ms, choice.tpot_model_ms)
 
     # ---- disaggregated ---------------------------------------------------------------------------
     async def _available(self, role: str) -> list[Instance]:
@@ -227,27 +232,29 @@ class Orchestrator:
         return self.directory.healthy(role)
 
     async def _start_disaggregated(
-        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice
+        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice, started: float
     ) -> tuple[Placement, Mailbox, TokenDelta]:
         prefill = choice.prefill
-        uncached = len(prompt_token_ids) - choice.cached_tokens
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.outstanding_prefill_tokens += len(prompt_token_ids)
-        prefill.outstanding_uncached_tokens += uncached
-        choice.decode.pending_requests += 1  # counted from the choice on: concurrent choices see it
+        sent = prefill.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
+        pending = choice.decode  # counted from the choice on, until its answer: concurrent choices see it
+        pending.pending_requests += 1
         queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()
         # The decode side waits for the first KV as long as the prefill's queue is predicted to take
         # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
         kv_wait_s = self.config.kv_timeout_s + KV_WAIT_MARGIN * prefill.prefill_rate.predict(queued)
-        placement = Placement(prefill, None, choice=choice)
+        placement = Placement(prefill, None, choice=choice, started=started)
         prefill_call = None
         try:
             prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
             decode, reservation = await self._reserve(
                 request_id, prompt_token_ids, params, prefill, kv_wait_s, placement
             )
+            pending.pending_requests -= 1  # answered: in the outstanding requests of `decode` from now on
+            pending = None
             placement.decode = decode
             mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
@@ -263,8 +270,9 @@ class Orchestrator:
             raise
         finally:
             prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
-            prefill.outstanding_uncached_tokens -= uncached
-            choice.decode.pending_requests -= 1  # by now in outstanding_requests, or gone
+            prefill.prompt_queue.remove(sent)
+            if pending is not None:  # never answered
+                pending.pending_requests -= 1
         first = TokenDelta.first(result)
         return placement, mailbox, first
 
@@ -332,18 +340,16 @@ class Orchestrator:
 
     # ---- colocated, or prefilled on the decode instance (conditional disaggregation) ---------------
     async def _start_whole(
-        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice
+        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice, started: float
     ) -> tuple[Placement, Mailbox]:
         """One instance prefills and decodes: a colocated one, or a decode instance the policy
         chose to prefill a short prompt itself (no KV transfer)."""
         instance = choice.decode
-        placement = Placement(
-            None, instance, choice=choice, queued_uncached=len(prompt_token_ids) - choice.cached_tokens
-        )
+        placement = Placement(None, instance, choice=choice, started=started)
         mailbox = self.streams.open(instance, request_id)
         instance.outstanding_requests += 1
         instance.outstanding_context_tokens += len(prompt_token_ids)
-        instance.outstanding_uncached_tokens += placement.queued_uncached
+        placement.queued = instance.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
         instance.prefix_hashes.update(request.block_hashes)  # warm there from now on
         try:
             await instance.decode_service.submit(

@@ -12,7 +12,8 @@ from disagg.placement.goodput import GoodputPolicy
 from disagg.placement.policies import RequestShape, Slo
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.online_fit import OnlineStepModel
-from disagg.placement.predictor import Residual, prefill_compute_ms, tpot_ms, ttft_ms
+from disagg.placement.predictor import Residual, tpot_ms, ttft_ms
+from disagg.placement.prefill_queue import Decodes, QueuedPrompt, forecast
 from disagg.step_work import Chunk, MeasuredStep, StepWork
 
 # ms: prefill 5 + 0.1/token + 1e-4 * attention; decode 3 + 0.001/context token + 0.2/request
@@ -21,6 +22,10 @@ TRUE = StepModel(Coefficients(5.0, 0.1, 1e-4), Coefficients(3.0, 0.001, 0.2), Co
 
 @dataclass
 class Inst:
+    """An instance's state as the predictor reads it; its id says its role ("p...": a prefill
+    instance, whose steps carry no decodes). `queued_prefill_tokens`: a backlog of prompts not
+    known one by one; `queued`: prompts known (what the router sent)."""
+
     instance_id: str
     step_model: StepModel = TRUE
     queued_prefill_tokens: int = 0
@@ -28,15 +33,36 @@ class Inst:
     decode_context_tokens: int = 0
     free_blocks: int = 1000
     prefill_budget: int = 512
-    ttft_residual_ms: float = 0.0
-    tpot_residual_ms: float = 0.0
+    ttft_residual: float = 0.0
+    tpot_residual: float = 0.0
     prefill_calibrated: bool = True
     decode_calibrated: bool = True
     warm: tuple = ()  # block hashes it holds
+    queued: tuple = ()
+    queue_progress_ms: float = 0.0
+    arriving_tokens_per_ms: float = 0.0
+
+    def ttft_residual_ms(self, model_ms: float) -> float:
+        return self.ttft_residual
+
+    def tpot_residual_ms(self, model_ms: float) -> float:
+        return self.tpot_residual
+
+    @property
+    def queued_prompts(self) -> list[QueuedPrompt]:
+        return list(self.queued)
+
+    @property
+    def backlog_tokens(self) -> int:
+        return self.queued_prefill_tokens
+
+    @property
+    def riding_decodes(self) -> Decodes | None:
+        return None if self.instance_id.startswith("p") else Decodes(self.decode_batch, self.decode_context_tokens)
 
     @property
     def predicted_queue_tokens(self) -> int:
-        return self.queued_prefill_tokens
+        return self.queued_prefill_tokens + sum(p.num_new for p in self.queued)
 
     def cached_tokens(self, block_hashes) -> int:
         hits = 0
@@ -54,9 +80,10 @@ def shape(prompt=100, max_tokens=50, ttft=1000.0, tpot=50.0, priority="standard"
 # ---- predictions ---------------------------------------------------------------------------------
 def test_a_chunked_prompt_costs_its_steps_and_its_whole_attention():
     # 1000 tokens in steps of 512: two intercepts, 1000 tokens, attention 1000^2 (chunks add up to l^2)
-    assert prefill_compute_ms(TRUE, 0, 1000, 512) == pytest.approx(2 * 5 + 0.1 * 1000 + 1e-4 * 1000**2)
-    # tokens queued ahead come first: more steps and more tokens
-    assert prefill_compute_ms(TRUE, 1000, 1000, 512) > prefill_compute_ms(TRUE, 0, 1000, 512) + 100
+    alone = forecast(TRUE, [], QueuedPrompt(1000), 512).ms
+    assert alone == pytest.approx(2 * 5 + 0.1 * 1000 + 1e-4 * 1000**2)
+    # a prompt queued ahead comes first: more steps and more tokens
+    assert forecast(TRUE, [QueuedPrompt(1000)], QueuedPrompt(1000), 512).ms > alone + 100
 
 
 def test_tpot_counts_the_batch_with_the_request_added():
@@ -253,11 +280,10 @@ def test_a_request_goes_where_its_prefix_is_warm_unless_that_instance_is_predict
 
 
 def test_cached_tokens_are_not_computed_again():
-    full = prefill_compute_ms(TRUE, 0, 1000, 512)
-    assert prefill_compute_ms(TRUE, 0, 1000, 512, cached_tokens=960) == pytest.approx(
-        5 + 0.1 * 40 + 1e-4 * (1000**2 - 960**2)
-    )
-    assert prefill_compute_ms(TRUE, 0, 1000, 512, cached_tokens=960) < full / 5
+    full = forecast(TRUE, [], QueuedPrompt(1000), 512).ms
+    cached = forecast(TRUE, [], QueuedPrompt(1000, num_known=960), 512).ms
+    assert cached == pytest.approx(5 + 0.1 * 40 + 1e-4 * (1000**2 - 960**2))
+    assert cached < full / 5
 
 
 def test_a_fit_never_says_more_requests_make_faster_steps():
@@ -273,7 +299,7 @@ def test_a_fit_never_says_more_requests_make_faster_steps():
 
 # ---- conditional disaggregation ------------------------------------------------------------------
 def _conditional(decode: Inst, prompt: int = 64, limit: int = 256, tpot: float = 0.0):
-    prefill = Inst("p0", ttft_residual_ms=20.0)  # what a disaggregated TTFT pays beyond compute: hops, KV
+    prefill = Inst("p0", ttft_residual=30.0)  # what a disaggregated TTFT pays beyond compute: hops, KV
     request = RequestShape(prompt, 20, Slo(0.0, tpot))
     return GoodputPolicy(local_prefill_max_tokens=limit).choose_pair([prefill], [decode], request)
 
@@ -293,11 +319,12 @@ def test_conditional_disaggregation_is_off_at_limit_zero_and_for_longer_prompts(
 
 def test_a_chunk_that_would_stall_a_busy_batch_beyond_its_tpot_goes_to_the_prefill_pool():
     busy = Inst("d0", decode_batch=8, decode_context_tokens=8 * 1000)  # a step: 3 + 8 + 1.6 = 12.6 ms
-    # a 200-token chunk, 29 ms, spread over 10 remaining tokens: 2.9 ms more a token
+    # a 200-token chunk makes the step a mixed one of 29 + 9.6 ms: 26 ms more than the decode step
+    # alone, spread over 10 remaining tokens: 2.6 ms more a token
     assert not _conditional(busy, prompt=200).local  # no target: more than the model's error (1.26 ms)
-    assert _conditional(busy, prompt=200, tpot=50.0).local  # 15.5 ms: within the target
+    assert _conditional(busy, prompt=200, tpot=50.0).local  # 15.2 ms: within the target
     assert not _conditional(busy, prompt=200, tpot=15.0).local
-    assert _conditional(busy, prompt=4).local  # 5.4 ms over 10 tokens: within the model's error
+    assert _conditional(busy, prompt=4).local  # 2.4 ms over 10 tokens: within the model's error
 
 
 def test_no_local_prefill_on_a_guess():
