@@ -132,6 +132,8 @@ class ExperimentConfig:
     seed: int = 0
     max_concurrency: int | None = None
     interleave: bool = True  # all servers up at once, modes alternating at each rate
+    # mode -> config file, for modes that are not MODE_CONFIGS' (e.g. a plan's candidates)
+    config_files: dict[str, str] | None = None
 
 
 def run_experiment(exp: ExperimentConfig, requests: list[BenchRequest], workload: dict, log=print) -> dict[str, str]:
@@ -237,18 +239,26 @@ class _Phases:
 
 
 def _mode_config(exp: ExperimentConfig, mode: str, dest: Path) -> Path:
-    if mode not in MODE_CONFIGS:
-        raise ValueError(f"mode: {mode!r} is not one of {', '.join(MODE_CONFIGS)}")
-    return config_without_fixed_ports(Path(exp.config_dir) / MODE_CONFIGS[mode], dest)
+    files = exp.config_files or {}
+    if mode not in MODE_CONFIGS and mode not in files:
+        raise ValueError(f"mode: {mode!r} is not one of {', '.join([*MODE_CONFIGS, *files])}")
+    source = Path(files[mode]) if mode in files else Path(exp.config_dir) / MODE_CONFIGS[mode]
+    return config_without_fixed_ports(source, dest, exp.slo)
 
 
-def config_without_fixed_ports(source: Path, dest: Path) -> Path:
+def config_without_fixed_ports(source: Path, dest: Path, slo: dict | None = None) -> Path:
     """A copy of a serving config with Prometheus off (a fixed port could be taken); the gRPC
-    port is given on the command line."""
+    port is given on the command line. With `slo`, the config's SLO is the experiment's: its
+    goodput placement admits by the targets the experiment measures against (and a simulator
+    replaying the config by the same ones)."""
     config = yaml.safe_load(Path(source).read_text()) or {}
     config["metrics_port"] = None
+    changed = "metrics_port: null"
+    if slo:
+        config["slo"] = {key: slo[key] for key in ("ttft_ms", "tpot_ms") if key in slo}
+        changed += f", slo: {config['slo']}"
     dest.parent.mkdir(parents=True, exist_ok=True)
-    dest.write_text(f"# {source} with metrics_port: null\n" + yaml.safe_dump(config, sort_keys=False))
+    dest.write_text(f"# {source} with {changed}\n" + yaml.safe_dump(config, sort_keys=False))
     return dest
 
 

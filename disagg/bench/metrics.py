@@ -209,6 +209,21 @@ def summarize(
     }
 
 
+def attainment_crossing(points: list[tuple[float, float]], threshold: float = 90.0) -> dict:
+    """Where SLO attainment first falls below `threshold` percent in a rate sweep of (rate,
+    attainment %) points: the first rate below it, and the crossing interpolated linearly from the
+    rate before it (None where the sweep starts below it, or never goes there)."""
+    points = sorted(points)
+    for i, (rate, attainment) in enumerate(points):
+        if attainment < threshold:
+            if i == 0:
+                return {"first_rate_below": rate, "crossing": None}
+            r0, a0 = points[i - 1]
+            crossing = r0 + (rate - r0) * (a0 - threshold) / (a0 - attainment)
+            return {"first_rate_below": rate, "crossing": round(crossing, 3)}
+    return {"first_rate_below": None, "crossing": None}
+
+
 def format_summary(summary: dict, title: str = "Serving Benchmark Result") -> str:
     """The console block `disagg bench` prints (laid out like vLLM's)."""
     lines = [f"{' ' + title + ' ':=^60}"]

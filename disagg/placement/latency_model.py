@@ -23,12 +23,18 @@ Pure Python (no numpy): the router evaluates this on every request, the simulato
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from disagg.step_work import Chunk, StepWork
 
-__all__ = ["Chunk", "Coefficients", "StepModel", "TransferModel"]  # Chunk: where its users found it before
+__all__ = [
+    "Chunk",
+    "Coefficients",
+    "HostSharing",
+    "StepModel",
+    "TransferModel",
+]  # Chunk: where its users found it before
 
 MIXED_FORMS = ("sum", "fit")
 
@@ -206,3 +212,50 @@ class TransferModel:
         data = data or {}
         gb_s = data.get("bandwidth_gb_s")
         return cls(math.inf if gb_s is None else float(gb_s) * 1e9, float(data.get("latency_ms", 0.0)))
+
+
+@dataclass(frozen=True)
+class HostSharing:
+    """How much longer a step takes while another instance on the same host is mid-step.
+
+    A profile times the engine alone. On a CPU host the instances of a deployment are threads on
+    the cores of one machine: two engines computing at once share its memory bandwidth and, under
+    a hypervisor, the physical cores behind its vCPUs, so a step runs slower than alone, by how
+    much depending on what the other computes (prompt chunks, bound by compute, take the shared
+    core's cycles; decodes, bound by weight reads, far fewer) and a little on what it computes
+    itself. `slowdown[own][other]` for a step of kind `own` ("prefill": with prompt chunks;
+    "decode": decodes only) beside one of kind `other`. Measured by
+    `loadtest/measure_host_sharing.py`; 1 everywhere (nothing shared) for separate devices such as GPUs.
+    """
+
+    slowdown: dict = field(default_factory=dict, hash=False)  # {own: {other: factor}}; missing: 1
+
+    def __post_init__(self) -> None:
+        for own, row in self.slowdown.items():
+            for other, factor in row.items():
+                if own not in STEP_KINDS or other not in STEP_KINDS or not (0 < factor < math.inf):
+                    raise ValueError(f"host sharing: slowdown[{own!r}][{other!r}] = {factor!r} is not a factor")
+
+    @property
+    def shares(self) -> bool:
+        return any(f != 1.0 for row in self.slowdown.values() for f in row.values())
+
+    def factor(self, own: str, others: Iterable[str]) -> float:
+        """Of a step of kind `own` while steps of kinds `others` run beside it: the worst partner's."""
+        row = self.slowdown.get(own, {})
+        return max((row.get(other, 1.0) for other in others), default=1.0)
+
+    def to_dict(self) -> dict:
+        return {own: dict(row) for own, row in self.slowdown.items()}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "HostSharing":
+        return cls({own: {other: float(f) for other, f in row.items()} for own, row in (data or {}).items()})
+
+
+STEP_KINDS = ("prefill", "decode")  # as HostSharing tells them: with prompt chunks, or decodes only
+
+
+def sharing_kind(work: StepWork | None) -> str:
+    """A step's kind for HostSharing (None: a run of plain decode steps)."""
+    return "decode" if work is None or work.kind == "decode" else "prefill"

@@ -8,7 +8,8 @@ Our file:
     {"format": "disagg-profile/1", "model": ..., "hardware": ..., "source": "measured" | "roofline"
      | "distserve", "kv_bytes_per_token": ..., "num_layers": ..., "kv_transfer": {"bandwidth_gb_s":
      ..., "latency_ms": ...}, "pp_handoff_ms": ..., "entries": {"tp1-pp1": {StepModel}, ...},
-     "fit": {...held-out errors...}}
+     "fit": {...held-out errors...}, "host_sharing": {"prefill": ..., "decode": ...} (optional:
+     how much slower a step runs while another instance on its host computes; 1 when absent)}
 
 A TP x PP without an entry of its own is derived from the same TP at PP 1: our engine runs the
 stages of a step one after another, so the step takes as long as on one stage group, plus one
@@ -21,7 +22,7 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.latency_model import Coefficients, HostSharing, StepModel, TransferModel
 from disagg.placement.published_profiles import FITTED, ServedStep, engine_of
 
 FORMAT = "disagg-profile/1"
@@ -52,6 +53,7 @@ class Profile:
     pp_handoff_ms: float = 0.0
     fit: dict = field(default_factory=dict)  # how well a measured profile predicts held-out steps
     frontend_ms: float = 0.0  # per request, outside the engine, before its prefill (0: not known)
+    host_sharing: HostSharing = field(default_factory=HostSharing)  # steps while another instance computes
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -89,6 +91,7 @@ class Profile:
             "kv_transfer": self.kv_transfer.to_dict(),
             "pp_handoff_ms": self.pp_handoff_ms,
             "frontend_ms": self.frontend_ms,
+            "host_sharing": self.host_sharing.to_dict(),
             "entries": {shape_key(tp, pp): m.to_dict() for (tp, pp), m in sorted(self.entries.items())},
             "fit": self.fit,
         }
@@ -109,6 +112,7 @@ class Profile:
             pp_handoff_ms=float(data.get("pp_handoff_ms", 0.0)),
             fit=data.get("fit", {}),
             frontend_ms=float(data.get("frontend_ms", 0.0)),
+            host_sharing=HostSharing.from_dict(data.get("host_sharing")),
         )
 
 

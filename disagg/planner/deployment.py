@@ -8,7 +8,9 @@ of each device's memory after its share of the weights (`disagg.planner.memory`)
 
 A replayed trace of another system (`system`, disagg.planner.traced_systems) runs as that system
 does: its engine settings, its memory rule and its decode admission. A profile's `frontend_ms`
-(a published one's, fitted) is each request's time before its prefill.
+(a published one's, fitted) is each request's time before its prefill. A config that starts its
+own Ray puts every instance on this machine, where they share its cores (the profile's
+`host_sharing`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,15 @@ class Deployment:
             decode_admission=self.system.decode_admission if self.system else "retry",
             max_inflight=self.config.inflight_limit(),
             slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
+            host_sharing=self._host_sharing(),
         )
+
+    def _host_sharing(self):
+        """A config that starts its own Ray runs every instance on this machine: they share its
+        cores as the profile measured (a replayed trace ran on separate GPUs: nothing shared)."""
+        if self.system is not None or self.config.ray_address is not None:
+            return None
+        return self.any_profile.host_sharing
 
     @property
     def any_profile(self) -> Profile:

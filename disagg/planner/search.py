@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from disagg.config import ServingConfig
 from disagg.placement.factory import placement_policy
-from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
+from disagg.placement.latency_model import Coefficients, HostSharing, StepModel, TransferModel
 from disagg.placement.policies import Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
@@ -184,6 +184,14 @@ class Search:
             low, high = (mid, high) if ok(mid) else (low, mid)
         return low
 
+    @property
+    def host_sharing(self) -> HostSharing | None:
+        """A cluster of one node: its instances share that host's cores (for a CPU host, as its
+        profile measured; a GPU's profile shares nothing). On several nodes they spread out."""
+        if len(self.kinds) != 1 or self.kinds[0].num_nodes != 1:
+            return None
+        return self.kinds[0].profile.host_sharing
+
     def simulate(self, pools: list[SimPool], transfer: TransferModel, rate: float):
         self.simulations += 1
         profile = self.kinds[0].profile
@@ -195,6 +203,7 @@ class Search:
             kv_bytes_per_token=profile.kv_bytes_per_token or kv_bytes_per_token(self.model_config),
             num_layers=self.model_config.num_hidden_layers,
             router_overhead_ms=profile.frontend_ms,
+            host_sharing=self.host_sharing,
         )
         return sim.run(with_rate(self._requests_for(rate), rate, seed=self.seed))
 

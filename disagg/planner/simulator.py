@@ -45,7 +45,7 @@ from disagg.config import Role, ServingConfig
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
-from disagg.placement.latency_model import StepModel, TransferModel
+from disagg.placement.latency_model import HostSharing, StepModel, TransferModel, sharing_kind
 from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape, Slo
 from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.planner.workload import SimRequest
@@ -186,6 +186,13 @@ class SimInstance:
         self.step: SchedulerOutput | None = None
         self.run: list = []  # [start, batch, context sum, steps] of a run of plain decode steps
         self.step_ms = 0.0
+        # The step (or run) under way in the time the profile gives it alone: its kind as
+        # HostSharing tells them (None: not computing), how much of it is done at `since`, at
+        # what speed it goes on (below 1 while the host is shared).
+        self.activity: str | None = None
+        self.work_ms = self.done_ms = 0.0
+        self.since = 0.0
+        self.speed = 1.0
         self.queued_tokens = 0  # prompt tokens sent and not yet through their prefill (the router's view)
         self.reserve_queue: deque[_Flight] = deque()  # "queue" admission: waiting for room, in order
         self.num_reserved = 0  # inputs that will add a request
@@ -299,17 +306,19 @@ class SimInstance:
             self.sim.at(now, self._boundary_event, self.generation)
 
     def _cut_run(self, now: float) -> None:
-        start, batch, context, steps = self.run
-        done = self.step_model.decode_steps_within(batch, context, (now - start) * 1e3)
+        _, batch, context, steps = self.run
+        elapsed_ms = self._progress_ms(now)
+        done = self.step_model.decode_steps_within(batch, context, elapsed_ms)
         if done + 1 < steps:  # the step under way finishes; the rest of the run is cancelled
             self.run[3] = done + 1
-            self.generation += 1
-            end = start + self.step_model.decode_steps_ms(batch, context, done + 1) / 1e3
-            self.sim.at(end, self._step_done, self.generation)
+            self.work_ms = self.step_model.decode_steps_ms(batch, context, done + 1)
+            self.done_ms, self.since = elapsed_ms, now
+            self._schedule_end(now)
 
     def _boundary_event(self, now: float, generation: int) -> None:
         if generation == self.generation:
             self._boundary(now)
+            self._host_may_have_changed(now, was=None)
 
     def _boundary(self, now: float) -> None:
         while self.pending:
@@ -329,13 +338,34 @@ class SimInstance:
             self.run = []
             self.step = self.scheduler.schedule()
             if self.step.is_empty:
-                self.busy = False
+                self.busy, self.activity = False, None
                 return
             duration_ms = self._step_ms(self.step)
-        self.busy = True
+        self.busy, self.activity = True, sharing_kind(self.step.work if not self.run else None)
         self.step_ms = duration_ms
+        self.work_ms, self.done_ms, self.since = duration_ms, 0.0, now
+        self.speed = self.sim.speed_of(self)
+        self._schedule_end(now)
+
+    # ---- a host shared with other instances (disagg.placement.latency_model.HostSharing) ---------
+    def _progress_ms(self, now: float) -> float:
+        """Of the step or run under way, the part done by `now`, in the time it takes alone."""
+        return self.done_ms + (now - self.since) * 1e3 * self.speed
+
+    def _schedule_end(self, now: float) -> None:
         self.generation += 1
-        self.sim.at(now + duration_ms / 1e3, self._step_done, self.generation)
+        self.sim.at(now + (self.work_ms - self.done_ms) / self.speed / 1e3, self._step_done, self.generation)
+
+    def respeed(self, now: float) -> None:
+        """Another instance of the host started or stopped computing: go on at the new speed."""
+        if self.activity is None or (speed := self.sim.speed_of(self)) == self.speed:
+            return
+        self.done_ms, self.since, self.speed = self._progress_ms(now), now, speed
+        self._schedule_end(now)
+
+    def _host_may_have_changed(self, now: float, was: str | None) -> None:
+        if self.activity != was:
+            self.sim.host_changed(self, now)
 
     def _step_ms(self, out: SchedulerOutput) -> float:
         return self.step_model.step_ms(out.work)  # the step as the engine describes it to the router
@@ -352,7 +382,9 @@ class SimInstance:
                 self.sim.flights[r.request_id].record.num_preemptions += 1
         for request in updated:
             self.sim.on_token(self, request, now)
+        was, self.activity = self.activity, None
         self._boundary(now)
+        self._host_may_have_changed(now, was)
 
 
 # ---- the system ------------------------------------------------------------------------------
@@ -385,6 +417,8 @@ class Simulator:
     admission_timeout_s: float = 30.0
     decode_admission: str = "retry"  # DECODE_ADMISSIONS
     max_inflight: int | None = None  # the frontend's limit: a request arriving beyond it is refused at once
+    # Every instance on one host, its steps slower while another computes (None: separate devices).
+    host_sharing: HostSharing | None = None
 
     def __post_init__(self) -> None:
         roles = {p.role for p in self.pools}
@@ -400,6 +434,23 @@ class Simulator:
         self._events: list = []
         self._seq = itertools.count()
         self.now = 0.0
+
+    # ---- instances sharing one host -----------------------------------------------------------------
+    def speed_of(self, instance: SimInstance) -> float:
+        """1 alone; 1 / its step's slowdown beside what the other instances of the host compute."""
+        sharing = self.host_sharing
+        if sharing is None or not sharing.shares:
+            return 1.0
+        others = [o.activity for pool in self.instances.values() for o in pool if o is not instance and o.activity]
+        return 1.0 / sharing.factor(instance.activity, others)
+
+    def host_changed(self, instance: SimInstance, now: float) -> None:
+        if self.host_sharing is None or not self.host_sharing.shares:
+            return
+        for pool in self.instances.values():
+            for other in pool:
+                if other is not instance:
+                    other.respeed(now)
 
     # ---- the event loop --------------------------------------------------------------------------
     def at(self, time_s: float, action: Callable, *args) -> None:

@@ -130,10 +130,21 @@ def _choose_mixed(model: StepModel, train: Sequence[MeasuredStep], test: Sequenc
     if len(train) < MIN_MIXED_TRAIN or not test:
         # too few mixed steps to fit five terms: the sum of the parts needs none of its own
         return "sum", {**entry, "sum": round(error_pct(model, test), 2) if test else None, "chosen": "sum"}
-    fitted = _with_mixed(model, mixed_coefficients(train))
+    mixed = mixed_coefficients(train)
+    if not physical(mixed):
+        return "sum", {**entry, "sum": round(error_pct(model, test), 2), "fit": "rejected", "chosen": "sum"}
+    fitted = _with_mixed(model, mixed)
     errors = {"sum": error_pct(model, test), "fit": error_pct(fitted, test)}
     chosen = min(errors, key=lambda f: (errors[f], f != "sum"))  # a tie goes to the form with no extra terms
     return chosen, {**entry, **{f: round(e, 2) for f, e in errors.items()}, "chosen": chosen}
+
+
+def physical(mixed: Sequence[float]) -> bool:
+    """A mixed fit whose every work term (new tokens, attention, decode context, decodes) is
+    non-negative: more work never makes a step faster. A grid whose decodes and contexts grow
+    together lets least squares trade one for the other (say +2.5 ms per context token, -640 ms per
+    decode): it fits those points and predicts nonsense for any other ratio of the two."""
+    return all(c >= 0 for c in mixed[1:])
 
 
 def _with_mixed(model: StepModel, mixed: tuple[float, ...]) -> StepModel:
@@ -147,4 +158,5 @@ def _error_entry(model: StepModel, train: Sequence[MeasuredStep], test: Sequence
 def _refit_all(kinds: dict[str, list[MeasuredStep]], threshold: int, form: str) -> StepModel:
     small, large = decode_split(kinds["decode"], threshold)
     model = StepModel(prefill_coefficients(kinds["prefill"]), small, large, threshold)
-    return _with_mixed(model, mixed_coefficients(kinds["mixed"])) if form == "fit" else model
+    mixed = mixed_coefficients(kinds["mixed"]) if form == "fit" else ()
+    return _with_mixed(model, mixed) if mixed and physical(mixed) else model

@@ -208,3 +208,14 @@ def test_median_difference_ci_keeps_each_request_with_its_pair():
     for bad in (dict(runs_a=[[1.0]], runs_b=[]), dict(runs_a=[[1.0, 2.0]], runs_b=[[1.0]])):
         with pytest.raises(ValueError):
             median_difference_ci(**bad)
+
+
+def test_attainment_crossing_interpolates_between_the_rates_around_it():
+    from disagg.bench.metrics import attainment_crossing
+
+    # 100% at 1 req/s, 80% at 2: 90% is half way
+    assert attainment_crossing([(2.0, 80.0), (1.0, 100.0)]) == {"first_rate_below": 2.0, "crossing": 1.5}
+    # from 95% at 1 to 70% at 1.5 (a drop of 25 points): 90% at 1 + 0.5 * 5 / 25 = 1.1
+    assert attainment_crossing([(1.0, 95.0), (1.5, 70.0), (2.0, 90.0)])["crossing"] == pytest.approx(1.1)
+    assert attainment_crossing([(1.0, 85.0), (2.0, 50.0)]) == {"first_rate_below": 1.0, "crossing": None}
+    assert attainment_crossing([(1.0, 100.0), (2.0, 90.0)]) == {"first_rate_below": None, "crossing": None}

@@ -152,3 +152,12 @@ def test_fit_shape_refuses_too_few_steps():
     steps = [s for s in synthetic_steps(truth) if s.work.kind != "decode"][:5]
     with pytest.raises(ValueError, match="too few"):
         fit_shape(steps)
+
+
+def test_a_mixed_fit_that_makes_more_work_faster_is_not_physical():
+    from disagg.profiling.fit import physical
+
+    assert physical([10.0, 1.0, 0.001, 0.01, 2.0]) and physical([-5.0, 1.0, 0.0, 0.0, 0.0])  # any intercept
+    # what a grid whose decodes and contexts grow together gave (2 threads, 2026-11-25): +2.5 ms per
+    # context token, -643 ms per decode; at 130 tokens of context a decode would take -317 ms
+    assert not physical([520.1, 2.31, 0.0003, 2.508, -643.0])

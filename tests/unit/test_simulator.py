@@ -189,3 +189,44 @@ def test_the_goodput_policy_refuses_what_would_miss_and_keeps_the_slo_of_what_it
     assert len(met(good)) >= 0.95 * len(admitted)
     assert "predicted TTFT" in refused(good)[0].failed
     assert {r.error_code for r in refused(good)} == {"RESOURCE_EXHAUSTED"}
+
+
+# ---- instances sharing one host's cores --------------------------------------------------------------
+def _shared_host(sharing) -> Simulator:
+    pools = [SimPool("prefill", 1, MODEL, num_kv_blocks=1000), SimPool("decode", 1, MODEL, num_kv_blocks=1000)]
+    return Simulator(pools, host_sharing=sharing)
+
+
+def test_a_step_slows_while_another_instance_of_its_host_computes():
+    from disagg.placement.latency_model import HostSharing
+
+    a, b = SimRequest(0, 0.0, 20, 4), SimRequest(1, 0.037, 10, 2)
+    # A: prefill 0-30 ms (the decode side idle), then 3 decode steps of 7 ms from 30 ms. At 37 ms
+    # B's prefill (20 ms alone) starts: from then the decode run goes at 1/3 (beside a prefill)
+    # and the prefill at 1/2 (beside decodes). The prefill ends at 37 + 40 = 77 ms, when the run has done 7 + 40/3 ms of its 21; the
+    # rest (2/3 ms) goes at full speed: A ends at 77 2/3 ms, B's one decode step 7 ms later.
+    first, second = _shared_host(HostSharing({"prefill": {"decode": 2.0}, "decode": {"prefill": 3.0}})).run([a, b])
+    assert first.ttft_s * 1e3 == pytest.approx(30.0)
+    assert first.e2el_s * 1e3 == pytest.approx(77.0 + 2 / 3)
+    assert second.ttft_s * 1e3 == pytest.approx(40.0)
+    assert second.finish_s * 1e3 == pytest.approx(77.0 + 2 / 3 + 7.0)
+
+
+def test_without_sharing_the_same_requests_keep_their_times_alone():
+    from disagg.placement.latency_model import HostSharing
+
+    a, b = SimRequest(0, 0.0, 20, 4), SimRequest(1, 0.037, 10, 2)
+    for sharing in (None, HostSharing(), HostSharing({"decode": {"decode": 3.0}})):  # decodes beside none
+        first, second = _shared_host(sharing).run([a, b])
+        assert first.e2el_s * 1e3 == pytest.approx(51.0)  # 30 + 3 * 7
+        assert second.ttft_s * 1e3 == pytest.approx(20.0)
+
+
+def test_one_instance_alone_on_its_host_is_never_slowed():
+    from disagg.placement.latency_model import HostSharing
+
+    pool = SimPool("colocated", 1, MODEL, num_kv_blocks=1000)
+    [r] = Simulator([pool], host_sharing=HostSharing({"decode": {"decode": 3.0}, "prefill": {"decode": 2.0}})).run(
+        [SimRequest(0, 0.0, 20, 4)]
+    )
+    assert r.e2el_s * 1e3 == pytest.approx(30.0 + 3 * 7.0)
