@@ -15,6 +15,15 @@ Prints:
    decode TP 1) as DistServe runs it and as disagg would, and the plan's best, with search times
    for one 8-GPU node and for 4 nodes x 8;
 4. the simulator's speed in simulated requests per minute on one core.
+
+With --verify, instead: the planner's choice for this machine's 2 cores against real servers, for
+a prefill-heavy and a decode-heavy workload (loadtest/verify_plan.py says how):
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify [--out DIR] [--workloads prefill-heavy]
+    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify --reuse DIR    # re-plan, no servers
+
+It profiles this host first (OUT/profiles/, kept and reused), since the plan must describe the
+machine it is checked on.
 """
 
 from __future__ import annotations
@@ -164,7 +173,28 @@ def main() -> int:
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
     parser.add_argument("--skip-search", action="store_true")
     parser.add_argument("--speed-requests", type=int, default=100_000)
+    parser.add_argument("--verify", action="store_true", help="the plan for this machine's 2 cores, measured")
+    parser.add_argument("--reuse", metavar="DIR", help="--verify against the runs saved in DIR (no servers)")
+    parser.add_argument("--out", default="loadtest/out/planner-verify", help="--verify: where runs are saved")
+    parser.add_argument("--workloads", default="prefill-heavy,decode-heavy", help="--verify: which workloads")
+    parser.add_argument("--profile-1t", help="--verify: a 1-thread profile of this host (default: measured first)")
+    parser.add_argument("--profile-2t", help="--verify: a 2-thread profile of this host (default: measured first)")
     args = parser.parse_args()
+    if args.verify:
+        from verify_plan import profile_host, run
+
+        out = Path(args.reuse or args.out)
+        measured_1t, measured_2t = (None, None)
+        if not (args.profile_1t and args.profile_2t):
+            measured_1t, measured_2t = profile_host(out / "profiles")
+        run(
+            out,
+            args.workloads.split(","),
+            args.profile_1t or measured_1t,
+            args.profile_2t or measured_2t,
+            reuse=bool(args.reuse),
+        )
+        return 0
     data = Path(args.data)
     replay(data)
     kept_aside(data)
