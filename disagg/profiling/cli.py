@@ -105,5 +105,8 @@ def error_table(profile: Profile) -> str:
     return "\n".join(lines)
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
+def _pct(value: float | str | None) -> str:
+    """A figure, or what stands in its place ("rejected": a fit whose terms were not all >= 0)."""
+    if value is None:
+        return "-"
+    return value if isinstance(value, str) else f"{value:.1f}"

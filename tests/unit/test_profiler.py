@@ -158,3 +158,14 @@ def test_a_gpu_step_is_timed_after_the_device_has_finished_it(fake_gpu):
     clock = device_clock(torch.device("cuda"))
     clock()
     assert fake_gpu == [torch.device("cuda")]
+
+
+def test_the_error_table_prints_a_rejected_mixed_fit_as_such():
+    """A mixed fit with a negative work term is stored as "rejected": the table (printed after the
+    profile is written) says so instead of failing on it."""
+    fit = {"prefill": {"median_abs_error_pct": 0.59}, "decode": {"median_abs_error_pct": 3.85}}
+    profile = argparse.Namespace(
+        fit={"shapes": {"tp1-pp1": {**fit, "mixed": {"sum": 3.46, "fit": "rejected", "chosen": "sum"}}}}
+    )
+    [_, row] = cli.error_table(profile).splitlines()
+    assert row.split() == ["tp1-pp1", "0.6", "3.9", "3.5", "rejected", "sum"]
