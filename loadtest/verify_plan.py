@@ -99,7 +99,7 @@ def profile_host(out: Path) -> tuple[str, str]:
         if not path.exists():
             print(f"  profiling at {threads} thread(s) -> {path}", flush=True)
             _run(["-m", "disagg.cli", "profile", "--threads", str(threads), "--tp-pp", "1x1", "-o", str(path)])
-    if "host_sharing" not in json.loads(paths[1].read_text()):
+    if not json.loads(paths[1].read_text()).get("host_sharing"):  # a profile writes {} until measured
         print("  measuring host sharing (two 1-thread engines side by side)", flush=True)
         _run(
             [str(Path(__file__).parent / "measure_host_sharing.py"), "--threads", "1", "--write-profile", str(paths[1])]
