@@ -20,6 +20,7 @@ TTFT and TPOT medians within 15%; the rate where attainment drops below 90% with
     PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --quick          # ~3 minutes
     PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py                  # 4 rates x 96 requests, ~30 minutes
     PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --reuse DIR/measured   # simulate old runs again
+    PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --reuse D1,D2 --modes A,B   # one experiment dir a mode
 
 It also prints, per mode, the rate where attainment drops below 90% (interpolated between the
 rates run), measured and simulated, whether the simulator orders the modes as measured and
@@ -86,7 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--length-scale", type=float, default=0.2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--slo", default=DEFAULT_SLO)
-    p.add_argument("--reuse", help="simulate an existing `disagg experiment` output dir instead of running servers")
+    p.add_argument(
+        "--reuse",
+        help="simulate existing `disagg experiment` output dirs (comma-separated; each mode's is the one holding "
+        "its config, e.g. bench_planner --verify's OUT/WORKLOAD/MODE) instead of running servers",
+    )
     args = p.parse_args(argv)
     args.rates = tuple(float(r) for r in (args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES)).split(","))
     args.num_requests = args.num_requests or (8 if args.quick else 96)
@@ -115,6 +120,14 @@ def run_measured(args: argparse.Namespace, out: Path) -> Path:
     requests = make_workload(config, tokenizer)
     run_experiment(exp, requests, describe(config, requests), log=lambda line: print(line, flush=True))
     return out / "measured"
+
+
+def experiment_of(dirs: list[Path], mode: str) -> Path:
+    """The experiment directory that served the mode (the one holding its config)."""
+    for directory in dirs:
+        if (directory / "configs" / f"{mode}.yaml").is_file():
+            return directory
+    sys.exit(f"no config of mode {mode!r} in {', '.join(map(str, dirs))}")
 
 
 def load_result(path: Path) -> tuple[dict, list[RequestRecord]]:
@@ -338,21 +351,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     slo = parse_slo(args.slo)
     started = time.monotonic()
-    measured = Path(args.reuse) if args.reuse else run_measured(args, out)
+    dirs = [Path(d) for d in args.reuse.split(",")] if args.reuse else [run_measured(args, out)]
     measured_s = time.monotonic() - started
     sim_dir = out / "simulated"
     sim_dir.mkdir(parents=True, exist_ok=True)
     for stale in sim_dir.glob("*.json"):
         stale.unlink()
-    results = {mode: compare_mode(measured, sim_dir, mode, args, slo) for mode in args.modes}
+    results = {mode: compare_mode(experiment_of(dirs, mode), sim_dir, mode, args, slo) for mode in args.modes}
     print_table(results)
     met = targets_met(results)
     print(f"\ntargets met (attainment at every rate, medians below saturation, drop rates): {'yes' if met else 'no'}")
-    write_report(load_runs([str(measured / "runs"), str(sim_dir)]), str(out / "report"), slo)
+    write_report(load_runs([*(str(d / "runs") for d in dirs), str(sim_dir)]), str(out / "report"), slo)
     summary = {
         "args": {k: v for k, v in vars(args).items()},
         "slo": slo,
-        "measured_dir": str(measured),
+        "measured_dirs": [str(d) for d in dirs],
         "measured_seconds": round(measured_s),
         "tolerances": {"attainment_pts": ATTAINMENT_TOLERANCE_PTS, "p50_rel": P50_TOLERANCE},
         "targets_met": met,
