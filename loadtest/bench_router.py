@@ -135,18 +135,18 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_tt
                     "duration_s": out["summary"]["duration_s"],
                     "refusal_ms_p50": _p(refused, 50), "refusal_ms_p99": _p(refused, 99),
                     "failures": out["summary"]["failures_by_code"],
-                    "simulated": simulate(records, policy, slo, base_ttft_ms),
+                    "simulated": simulate(records, policy, slo, base_ttft_ms, args.profile),
                 }  # fmt: skip
         finally:
             dep.stop()
     return results
 
 
-def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float) -> dict:
+def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float, profile_path: str = PROFILE) -> dict:
     """The run's twin in the simulator: the same arrivals, lengths, policy class and SLO; the
     router's own time (what a profile of the engine cannot know) from the unloaded TTFT."""
     config = ServingConfig.from_dict({"slo": slo, "placement": policy})
-    profile = load_profile(PROFILE)
+    profile = load_profile(profile_path)
     planned = PlannedDeployment(config, {"prefill": profile, "decode": profile})  # its policy: the config's
     start = min(r["sent_at"] for r in records)
     requests = [
@@ -299,6 +299,9 @@ def main() -> None:
     parser.add_argument("--phases", default="prediction,overload,prefix,conditional,heterogeneity",
                         help="a subset runs on the capacity and SLO of --out's earlier prediction phase")  # fmt: skip
     parser.add_argument("--out", default="loadtest/results/bench_router.json")
+    parser.add_argument(
+        "--profile", default=PROFILE, help="the 1-thread profile of this host the simulator replays with"
+    )
     args = parser.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)
