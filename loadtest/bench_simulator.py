@@ -194,9 +194,13 @@ def simulate_run(deployment: Deployment, mode: str, measured: dict, records: lis
 
 # ---- comparing -----------------------------------------------------------------------------------
 def figures(summary: dict) -> dict:
+    refused = summary["failures_by_code"].get("RESOURCE_EXHAUSTED", 0)
     return {
         "attainment_pct": summary["slo_attainment_pct"],
-        "failed": summary["failed"],
+        # Refusals by SLO admission are the policy's answer to load (a refused request misses its
+        # SLO, and the simulator refuses as the server does); anything else failed on the server.
+        "refused": refused,
+        "failed": summary["failed"] - refused,
         "ttft_p50_ms": summary["ttft_ms"]["median"],
         "ttft_p90_ms": summary["ttft_ms"]["p90"],
         "tpot_p50_ms": summary["tpot_ms"]["median"],
