@@ -6,7 +6,7 @@ model is a guess, and the router neither refuses nor orders anything on a guess.
 predictions and SLO admission hold from the first client request on, `disagg serve` first sends
 each path a short sweep of its own (unless the config gives a profile): prompts of a range of
 lengths one at a time (prefill steps of different sizes), then growing batches decoding
-together (decode steps of different batch sizes and contexts). The first round only warms up:
+together (decode steps of different batch sizes and contexts); all paths at once, as they serve. The first round only warms up:
 a shape's first step builds its kernels (oneDNN) and would teach the model a slowness that does
 not last, so the models forget it. Rounds repeat, on fresh prompts, until every instance's
 prefill and decode models are fitted or `calibration_s` has passed.
@@ -44,10 +44,16 @@ async def calibrate(
     deadline = time.monotonic() + limit_s
     round_index = 0
     while not _all_calibrated(directory) and time.monotonic() < deadline:
-        for pair_index, (prefill, decode) in enumerate(placements(config, directory)):
-            orchestrator = Orchestrator(config, directory, Pinned(prefill, decode), streams, config.engine.block_size)
-            salt = round_index * 1000 + pair_index * 100
-            await _sweep(orchestrator, config, salt, vocab_size, deadline)
+        # Every path's sweep at once: one after another, a round takes the sum of their times, and
+        # a slow host's instances past the first were left uncalibrated at the deadline.
+        sweeps = [
+            _sweep(
+                Orchestrator(config, directory, Pinned(prefill, decode), streams, config.engine.block_size),
+                config, round_index * 1000 + pair_index * 100, vocab_size, deadline,
+            )
+            for pair_index, (prefill, decode) in enumerate(placements(config, directory))
+        ]  # fmt: skip
+        await asyncio.gather(*sweeps)
         await _until_reported(directory, config.heartbeat_interval_s, deadline, wait_all=round_index == 0)
         if round_index == 0:
             for inst in directory.all():

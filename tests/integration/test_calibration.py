@@ -22,7 +22,8 @@ def server(ray_session):
     config = ServingConfig.from_dict(
         {
             "engine": {"num_kv_blocks": 300, "max_num_batched_tokens": 256},
-            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            # Two paths (prefill-0 -> decode-0, prefill-1 -> decode-0): each is swept, at once.
+            "prefill": {"num_instances": 2, "num_cpus_per_worker": 0.5},
             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "port": 0,
             "heartbeat_interval_s": 0.2,
@@ -44,6 +45,8 @@ def test_every_instance_is_calibrated_before_the_server_serves(server):
     assert server.start_s < 120 + CALIBRATION_S  # loading the model, then the bounded measurement
     with DisaggClient(server.address) as client:
         status = client.cluster_status()
+    instances = [inst for pool in status.pools for inst in pool.instances]
+    assert len(instances) == 3
     for pool in status.pools:
         for inst in pool.instances:
             model = inst.latency_model
