@@ -22,7 +22,8 @@ For each workload (one prefill-heavy, one decode-heavy) and its SLO:
    the pick is the measured winner, and each prediction's error (target: within 10%).
 
 Measured runs are saved under OUT/<workload>/<mode>/ (the experiment's own layout) beside
-OUT/<workload>/plan.json; `--reuse OUT` plans again and reads them instead of running servers.
+OUT/<workload>/plan.json; a mode whose runs are there is not measured again (delete its directory
+to re-measure it); `--reuse OUT` plans again and reads them instead of running servers.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ def run(out: Path, workloads: list[str], profile_1t: str, profile_2t: str, reuse
         measured = {}
         for name, host_plan in chosen.items():
             mode_dir = out / key / name
-            if not reuse:
+            if not reuse and not any(mode_dir.glob("runs/*.json")):  # a mode measured before is kept
                 rates, n = sweep(host_plan.rate)
                 print(f"  measuring {name} ({host_plan.label}) at {rates} req/s, {n} requests each", flush=True)
                 measure(name, host_plan, workload, mode_dir, seed)
