@@ -76,8 +76,8 @@ WORKLOADS = {
     "prefill-heavy": VerifyWorkload(
         "summarization",
         "ttft_ms=3000,tpot_ms=300",
-        "prompts 102-325 tokens, outputs 13-38: TTFT binds (a 1-thread prefill of a mean prompt takes about "
-        "a second here; 3 s leaves room for a short queue); TPOT 300 ms is 3x a 1-thread decode step",
+        "prompts 102-325 tokens, outputs 13-38: TTFT binds (a 1-thread prefill of a mean prompt takes 0.5-1 s, "
+        "by host; 3 s leaves room for a short queue); TPOT 300 ms is 3x a 1-thread decode step",
         length_scale=0.2,
     ),
     "decode-heavy": VerifyWorkload(
