@@ -184,16 +184,11 @@ def main() -> int:
         from verify_plan import profile_host, run
 
         out = Path(args.reuse or args.out)
-        measured_1t, measured_2t = (None, None)
-        if not (args.profile_1t and args.profile_2t):
-            measured_1t, measured_2t = profile_host(out / "profiles")
-        run(
-            out,
-            args.workloads.split(","),
-            args.profile_1t or measured_1t,
-            args.profile_2t or measured_2t,
-            reuse=bool(args.reuse),
-        )
+        profile_1t, profile_2t = args.profile_1t, args.profile_2t
+        if not (profile_1t and profile_2t):  # this host's, measured first (or kept from a run before)
+            measured = profile_host(out / "profiles")
+            profile_1t, profile_2t = profile_1t or measured[0], profile_2t or measured[1]
+        run(out, args.workloads.split(","), profile_1t, profile_2t, reuse=bool(args.reuse))
         return 0
     data = Path(args.data)
     replay(data)

@@ -103,7 +103,12 @@ def measure_raw_bandwidth(
 
 
 if __name__ == "__main__":
-    size = 256 * 2**20
-    print(
-        f"raw KV transfer, {size / 2**20:.0f} MiB float32, median of 5: {measure_raw_bandwidth(size, torch.float32, 5):.2f} GB/s"
-    )
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="tensor size in MiB (float32)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed transfers; the median is printed")
+    args = parser.parse_args()
+    size = args.mib * 2**20
+    gbps = measure_raw_bandwidth(size, torch.float32, args.repeats)
+    print(f"raw KV transfer, {args.mib} MiB float32, median of {args.repeats}: {gbps:.2f} GB/s")
