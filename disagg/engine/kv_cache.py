@@ -7,14 +7,16 @@ head), one contiguous [tokens, head_dim] matrix, which attention reads at full s
 permuting copy (token-major was several times slower on CPU). It also makes a tensor-parallel
 split of KV heads a plain slice, which the transfer's resharding uses.
 
-A prefill worker's cache on CPU lives in shared memory (`shared=True`): a decode worker on the
-same host then copies its blocks straight out of it (disagg.kv_transfer.shared_memory).
+A prefill worker's cache is shared (`shared=True`): on CPU it lives in shared memory, on a GPU it
+is exported through CUDA IPC; a decode worker on the same host then copies its blocks straight
+out of it (disagg.kv_transfer.shared_memory).
 """
 
 from __future__ import annotations
 
 import torch
 
+from disagg.engine.cuda_sharing import export_cuda
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.shared_memory import SharedHandle, shared_zeros
 
@@ -33,7 +35,8 @@ class KVCache:
         layer_offset: int = 0,
         head_offset: int = 0,
     ):
-        """`shared`: in memory that peers on this host can map (CPU only; ignored on GPU).
+        """`shared`: in memory that peers on this host can map (shared memory on CPU, CUDA IPC on a
+        GPU; other devices ignore it).
         `layer_offset`, `head_offset`: the global index of this rank's local layer 0 and KV
         head 0 (a pipeline stage holds some layers, a tensor-parallel rank some heads)."""
         self.block_size = block_size
@@ -48,6 +51,8 @@ class KVCache:
             self.tensor, self.shared_handle = shared_zeros(shape, dtype)
         else:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
+            if shared and self.tensor.device.type == "cuda":
+                self.shared_handle = export_cuda(self.tensor)
 
     @staticmethod
     def bytes_per_block(

@@ -209,6 +209,7 @@ class KVReceiver(KVEndpoint):
                     dst_ids,
                     self._copy_ops,
                 )
+        _wait_for_copies(self.kv_cache.tensor)
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -276,6 +277,13 @@ class KVReceiver(KVEndpoint):
                 tr.num_bytes,
             )
         )
+
+
+def _wait_for_copies(cache: torch.Tensor) -> None:
+    """On a GPU the copies are queued, not done: they must end before the transfer counts as
+    arrived (its ACK lets the sender reuse the blocks we read) and before the deadline check."""
+    if cache.device.type == "cuda":
+        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:

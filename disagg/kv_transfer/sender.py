@@ -160,6 +160,8 @@ class KVSender(KVEndpoint):
         num_bytes = batch.num_layers * self._layer_bytes(tr, last - first)
         tr.num_bytes += num_bytes
         self.num_bytes_total += num_bytes
+        if batch.payload is None:
+            _wait_for_writes(self.kv_cache.tensor)
         kind, payload = (
             (MsgType.KV, batch.payload)
             if batch.payload is not None
@@ -369,6 +371,15 @@ class KVSender(KVEndpoint):
                 request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes
             )
         )
+
+
+def _wait_for_writes(cache: torch.Tensor) -> None:
+    """Before a reference goes out, the layers it names must be in memory. On a GPU the step's
+    kernels run behind this thread: wait for those queued so far (the layers up to this one; the
+    next layers are not launched yet, so the wait costs a launch gap, not the rest of the step).
+    A packed payload needs no wait: the transport's send is ordered after the packing copy."""
+    if cache.device.type == "cuda":
+        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def _follows(a: Header, b: Header) -> bool:

@@ -1,6 +1,6 @@
-"""Maps a peer's shared KV cache (disagg.engine.shared_memory allocates it) so that a decode
-worker on the same host copies blocks straight out of it: one copy instead of pack, send,
-receive and scatter."""
+"""Maps a peer's shared KV cache (disagg.engine.shared_memory allocates it on CPU,
+disagg.engine.cuda_sharing exports it on a GPU) so that a decode worker on the same host copies
+blocks straight out of it: one copy instead of pack, send, receive and scatter."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import threading
 
 import torch
 
+from disagg.engine.cuda_sharing import ipc_name, open_cuda
 from disagg.engine.shared_memory import SharedHandle
 from disagg.errors import KVTransferError
 
@@ -18,7 +19,10 @@ def attach(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtype) -> 
     """Map a peer's shared tensor; KVTransferError when it is not there or not what we expect."""
     expected_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     try:
-        if os.readlink(handle.path()) != f"/memfd:{handle.name()} (deleted)":
+        target = os.readlink(handle.path())
+        if target == f"/memfd:{ipc_name(handle.token)} (deleted)":
+            return _attach_cuda(handle, shape, dtype)
+        if target != f"/memfd:{handle.name()} (deleted)":
             raise KVTransferError(
                 f"shared KV cache {handle.name()} is gone (pid {handle.pid} fd {handle.fd} is something else)"
             )
@@ -35,6 +39,16 @@ def attach(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtype) -> 
     # foreground would stall the first transfer from a peer longer than slower first copies do.
     threading.Thread(target=_touch_pages, args=(tensor,), name="kv-map-pages", daemon=True).start()
     return tensor
+
+
+def _attach_cuda(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A peer's cache on a GPU: its memfd holds the CUDA IPC descriptor, not the KV."""
+    with open(handle.path(), "rb") as f:
+        descriptor = f.read()
+    try:
+        return open_cuda(handle, descriptor, shape, dtype)
+    except (ValueError, RuntimeError) as exc:
+        raise KVTransferError(f"cannot map the CUDA KV cache {ipc_name(handle.token)} of pid {handle.pid}: {exc}") from exc
 
 
 def _touch_pages(tensor: torch.Tensor) -> None:

@@ -72,7 +72,7 @@ def test_attach_refuses_what_is_not_the_cache():
     assert torch.equal(attach(handle, SHAPE, torch.float32), tensor)
 
 
-def test_cache_on_an_accelerator_or_unshared_has_no_handle():
+def test_an_unshared_cache_has_no_handle():
     assert KVCache(1, 4, 4, 1, 8, torch.float32, torch.device("cpu")).shared_handle is None
     assert host_key()  # Linux: the same host is recognised
 
