@@ -3,6 +3,7 @@
 # deploy/gpu/prepare.sh here). Each stage logs to $OUT; a failing step does not stop the others.
 #   deploy/gpu/run_checks.sh tests   # carry .gpu/a: CUDA vs CPU engine, CUDA IPC KV transfer, KV bench
 #   deploy/gpu/run_checks.sh bench   # carry .gpu/b: the default model test, engine speed, HF, profile
+#   deploy/gpu/run_checks.sh speed   # no carry: engine speed, HF, profile, KV bench (a fresh machine)
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu-out}; mkdir -p "$OUT" /tmp/site /tmp/gpu-model
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -31,7 +32,16 @@ bench)
   step engine_vs_hf 150 $PY loadtest/bench_engine.py --device cuda --model random:llama3-8b --dtype bfloat16 \
     --threads 8 --num-requests 128 --max-batch 64 --min-prompt 128 --max-prompt 512 --min-output 64 --max-output 256 \
     --kv-cache-gib 20 --out "$OUT/engine_vs_hf.json"
-  step profile 100 $PY -m disagg.cli profile --model random:llama3-8b --device cuda --dtype bfloat16 \
-    --max-prompt-len 4096 --max-batch 128 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
+  step profile 90 $PY -m disagg.profiling.cli --model random:llama3-8b --device cuda --dtype bfloat16 \
+    --max-prompt-len 2048 --max-batch 64 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
+  ;;
+speed)
+  step kv_ipc 30 $PY loadtest/bench_kv_ipc.py --device cuda --repeats 10
+  step gpu_engine 80 $PY loadtest/bench_gpu_engine.py --out "$OUT/gpu_engine.json"
+  step engine_vs_hf 130 $PY loadtest/bench_engine.py --device cuda --model random:llama3-8b --dtype bfloat16 \
+    --threads 8 --num-requests 128 --max-batch 64 --min-prompt 128 --max-prompt 512 --min-output 64 --max-output 256 \
+    --kv-cache-gib 20 --out "$OUT/engine_vs_hf.json"
+  step profile 90 $PY -m disagg.profiling.cli --model random:llama3-8b --device cuda --dtype bfloat16 \
+    --max-prompt-len 2048 --max-batch 64 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
   ;;
 esac

@@ -75,7 +75,11 @@ class LLMEngine:
         if self.device.type == "cpu":
             bound_onednn_caches()
         source = load_model_source(
-            config.model, cache_dir=config.cache_dir, tokenizer=config.tokenizer, random_dtype=self.dtype
+            config.model,
+            cache_dir=config.cache_dir,
+            tokenizer=config.tokenizer,
+            random_dtype=self.dtype,
+            random_device=self.device,
         )
         self.model_config = source.config
         self.tokenizer = Tokenizer(source.tokenizer) if source.tokenizer is not None else None

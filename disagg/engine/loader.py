@@ -40,24 +40,32 @@ class ModelSource:
     tokenizer: "PreTrainedTokenizerBase | None"  # None when the source has none
     path: str | None  # the HF dir the weights come from; None for random weights
     random_dtype: torch.dtype = torch.float32
+    # Where random weights are drawn: on a GPU, drawing 8B values on the host would take minutes
+    # (the values then differ by device; speed does not depend on them).
+    random_device: torch.device = torch.device("cpu")
     seed: int = 0
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, CPU tensor) pairs, one tensor alive at a time."""
+        """(Hugging Face name, tensor) pairs, one tensor alive at a time (on the host; random weights on random_device)."""
         if self.path is None:
-            return _random_weights(self.config, self.random_dtype, self.seed)
+            return _random_weights(self.config, self.random_dtype, self.seed, self.random_device)
         return _safetensors_weights(self.path, self.config)
 
 
 def load_model_source(
-    model: str, *, cache_dir: str, tokenizer: str | None = None, random_dtype: torch.dtype = torch.float32
+    model: str,
+    *,
+    cache_dir: str,
+    tokenizer: str | None = None,
+    random_dtype: torch.dtype = torch.float32,
+    random_device: torch.device = torch.device("cpu"),
 ) -> ModelSource:
     """`model`: the default model's name, a .gguf file, a Hugging Face directory or `random:<shape>`;
     `tokenizer`: another (GGUF or HF) model whose tokenizer to use instead."""
     if not isinstance(model, str) or not model.strip():
         raise ModelLoadError("model: must be a non-empty string")
     if model.startswith(RANDOM_PREFIX):
-        source = ModelSource(_random_config(model), None, None, random_dtype=random_dtype)
+        source = ModelSource(_random_config(model), None, None, random_dtype=random_dtype, random_device=random_device)
     else:
         hf_dir, name, converted = _hf_dir_of(model, cache_dir)
         config = read_hf_config(hf_dir, name)
@@ -181,18 +189,20 @@ def _safetensors_weights(hf_dir: str, config: ModelConfig) -> Iterator[tuple[str
 
 
 # ---- random weights ------------------------------------------------------------------------------
-def _random_weights(config: ModelConfig, dtype: torch.dtype, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
-    generator = torch.Generator()
+def _random_weights(
+    config: ModelConfig, dtype: torch.dtype, seed: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    generator = torch.Generator(device=device)
     shapes = expected_weight_shapes(config)
     for i, (name, shape) in enumerate(
         tqdm(shapes, desc=f"Generating {config.name}", unit="tensor", disable=None, leave=False)
     ):
         if name.endswith("norm.weight"):
-            yield name, torch.ones(shape, dtype=dtype)
+            yield name, torch.ones(shape, dtype=dtype, device=device)
             continue
         # One seed per tensor: the same tensor gets the same values whatever is loaded before it.
         generator.manual_seed(seed * 1_000_003 + i)
-        yield name, torch.empty(shape, dtype=dtype).normal_(0.0, 0.02, generator=generator)
+        yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=generator)
 
 
 # ---- tokenizers ----------------------------------------------------------------------------------

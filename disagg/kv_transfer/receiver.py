@@ -290,11 +290,17 @@ def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_id
     """dst's blocks dst_ids[i] = src's blocks src_ids[i] (dim 3 of [n, 2, heads, blocks, bs, D])
     in one pass over the bytes: the C++ kernel (`ops`: cpu_kernels.cpu_ops), else one strided
     copy per run of blocks that are consecutive on both sides (an index_select then index_copy_
-    would copy everything twice)."""
+    would copy everything twice). On a GPU the copy is two kernels, a gather and a scatter: there a
+    kernel launch costs more than moving a block twice, and scattered blocks make one run each."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"block ids: {len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     if ops is not None:
         ops.copy_blocks(src, torch.tensor(src_ids, dtype=torch.long), dst, torch.tensor(dst_ids, dtype=torch.long))
+        return
+    if dst.device.type == "cuda" and src_ids:
+        src_index = torch.tensor(src_ids, dtype=torch.long).to(src.device, non_blocking=True)
+        dst_index = torch.tensor(dst_ids, dtype=torch.long).to(dst.device, non_blocking=True)
+        dst.index_copy_(3, dst_index, src.index_select(3, src_index).to(dst.device))
         return
     start = 0
     for i in range(1, len(src_ids) + 1):

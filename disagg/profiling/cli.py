@@ -110,3 +110,9 @@ def _pct(value: float | str | None) -> str:
     if value is None:
         return "-"
     return value if isinstance(value, str) else f"{value:.1f}"
+
+
+if __name__ == "__main__":  # `python -m disagg.profiling.cli`: without the rest of the CLI (a bare GPU machine)
+    _parser = argparse.ArgumentParser(prog="disagg profile", description="measure step times and fit the latency model")
+    add_arguments(_parser)
+    sys.exit(main(_parser.parse_args()))
