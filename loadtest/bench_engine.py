@@ -193,7 +193,8 @@ def _our_backends(engine) -> str:
     """Which CPU fast paths this run used (each can be switched off by an environment variable)."""
     from disagg.engine.layers.cpu_gemm import onednn_enabled
 
-    attention = "C++ paged kernel" if getattr(engine.runner, "decode_kernel", None) is not None else "torch gather+SDPA"
+    kernel = "Triton paged kernel" if engine.device.type == "cuda" else "C++ paged kernel"
+    attention = kernel if getattr(engine.runner, "decode_kernel", None) is not None else "torch gather+SDPA"
     gemm = "oneDNN prepacked" if onednn_enabled() and engine.device.type == "cpu" else "torch F.linear"
     return f"decode attention: {attention}; linears: {gemm}"
 

@@ -95,7 +95,9 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int,
     for i in range(batch):
         ids = torch.randint(3, vocab, (context,), generator=g).tolist()
         engine.add_request(f"d{batch}-{i}", prompt_token_ids=ids, sampling_params=params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting:
+    while (
+        any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
+    ):
         engine.step()  # the prefills (and their first decode steps)
     times = []
     for _ in range(steps):
@@ -154,7 +156,9 @@ def run(args) -> dict:
     seconds = prefill_step_seconds(engine, args.prompt_tokens, args.repeats, seed=1)
     cfg = engine.model_config
     t = args.prompt_tokens
-    attention = 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * t * t / 2  # QK^T and PV, causal
+    attention = (
+        2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * t * t / 2
+    )  # QK^T and PV, causal
     flops = 2 * matmul_params(engine) * t + attention
     result["prefill"] = {
         "tokens": t,

@@ -103,7 +103,16 @@ def run(args) -> int:
     cache = cache_of(args, shared=False)
     receiver.register_kv_cache(cache)
     child = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--role", "prefill", "--key", key.hex(), "--peer", receiver.address()]
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--role",
+            "prefill",
+            "--key",
+            key.hex(),
+            "--peer",
+            receiver.address(),
+        ]
         + _geometry_args(args),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -167,7 +176,9 @@ def report(args, cache: KVCache, seconds: list[float], by_reference: bool, misma
     protocol_s = statistics.median(seconds)
     raw_s = raw_copy_seconds(args, num_bytes)
     name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"device: {name}; KV of {args.tokens} tokens, {args.layers} layers x {args.heads} heads x {args.head_dim}, {args.dtype}")
+    print(
+        f"device: {name}; KV of {args.tokens} tokens, {args.layers} layers x {args.heads} heads x {args.head_dim}, {args.dtype}"
+    )
     print(f"path: {'by reference (one copy from the sender cache)' if by_reference else 'packed messages'}")
     print(f"bytes: {num_bytes / 2**20:.1f} MiB; blocks {n}; repeats {len(seconds)}")
     print(f"protocol: {protocol_s * 1e3:.3f} ms ({num_bytes / protocol_s / 1e9:.1f} GB/s)")

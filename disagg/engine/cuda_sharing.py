@@ -5,7 +5,7 @@ device anyway).
 
 The peer learns where the memory is the same way as for a CPU cache: through a SharedHandle
 (pid, fd, token) naming a memfd of the owner. Here the memfd holds no KV, only the IPC
-descriptor of the cache's allocation (msgpack), and its name says so (`disagg-kvipc-…`), which
+descriptor of the cache's allocation (JSON, bytes in hex), and its name says so (`disagg-kvipc-…`), which
 is how `disagg.kv_transfer.shared_memory.attach` tells the two apart. A peer in the owner's own
 process (tests, in-process pairs) gets the tensor itself: CUDA refuses to open an IPC handle in
 the process that made it.
@@ -13,17 +13,19 @@ the process that made it.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import weakref
 
-import msgpack
 import torch
 
 from disagg.engine.shared_memory import SharedHandle
 
 IPC_NAME_PREFIX = "disagg-kvipc-"
-_OWN: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()  # token -> this process's exported tensors
+_OWN: weakref.WeakValueDictionary[int, torch.Tensor] = (
+    weakref.WeakValueDictionary()
+)  # token -> this process's exported tensors
 
 
 def ipc_name(token: int) -> str:
@@ -35,13 +37,14 @@ def export_cuda(tensor: torch.Tensor) -> SharedHandle:
     if tensor.device.type != "cuda" or not tensor.is_contiguous() or tensor.storage_offset() != 0:
         raise ValueError("export_cuda: a contiguous CUDA tensor at the start of its storage is required")
     fields = tensor.untyped_storage()._share_cuda_()
-    descriptor = msgpack.packb(
+    descriptor = json.dumps(
         {
-            "ipc": list(fields),  # device, handle, size, offset, ref counter handle/offset, event handle, sync
+            # device, handle, size, offset, ref counter handle and offset, event handle, sync required
+            "ipc": [{"hex": f.hex()} if isinstance(f, bytes) else f for f in fields],
             "shape": list(tensor.shape),
             "dtype": str(tensor.dtype).removeprefix("torch."),
         }
-    )
+    ).encode()
     token = secrets.randbits(63)
     fd = os.memfd_create(ipc_name(token), os.MFD_CLOEXEC)
     try:
@@ -61,11 +64,12 @@ def open_cuda(handle: SharedHandle, descriptor: bytes, shape: tuple[int, ...], d
         if own is None:
             raise ValueError(f"CUDA tensor {ipc_name(handle.token)} of this process is gone")
         return _checked(own, shape, dtype)
-    d = msgpack.unpackb(descriptor)
+    d = json.loads(descriptor)
     if list(d["shape"]) != list(shape) or d["dtype"] != str(dtype).removeprefix("torch."):
         raise ValueError(f"holds {d['shape']} {d['dtype']}, expected {list(shape)} {dtype}")
     torch.cuda._lazy_init()
-    storage = torch.UntypedStorage._new_shared_cuda(*d["ipc"])
+    fields = [bytes.fromhex(f["hex"]) if isinstance(f, dict) else f for f in d["ipc"]]
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
     return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, 0, shape)
 
 

@@ -20,7 +20,7 @@ from disagg.engine.block_manager import BlockManager
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
-from disagg.engine.layers.cpu_kernels import decode_kernel
+from disagg.engine.layers.attention import select_decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
@@ -106,7 +106,7 @@ class LLMEngine:
             self.kv_cache,
             Sampler(config.seed),
             self.device,
-            decode_kernel=decode_kernel(self.device, config.attention_backend),
+            decode_kernel=select_decode_kernel(self.device, config.attention_backend),
             kv_connector=kv_connector,
             followers=followers,
             pipe=groups.pipe if groups is not None else None,

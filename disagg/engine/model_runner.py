@@ -37,7 +37,7 @@ class ModelRunner:
         returns_logits: bool = True,
         followers: Followers | None = None,
     ):
-        """`decode_kernel`: the C++ decode attention (None: the torch path). `kv_connector`: told
+        """`decode_kernel`: the decode attention kernel (None: the torch path). `kv_connector`: told
         of each layer's KV as it is computed. A rank of a multi-worker instance also has `pipe`
         (the stage-to-stage link), `returns_logits` (whether it hands the logits to rank 0)
         and, on rank 0, `followers` (the other ranks)."""

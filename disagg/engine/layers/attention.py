@@ -1,9 +1,9 @@
 """Attention over the paged KV cache, for batches that mix prefill chunks and decodes.
 
-The runner orders a step's tokens decodes-first. All decodes are one call: on CPU the C++ kernel
-(cpu_kernels.py) reads each request's K/V blocks in place through its block table; elsewhere,
-or when the kernel cannot be built, the torch path gathers the blocks and runs SDPA, over a few
-buckets of similar context length so that padding stays small. Each prefill chunk gets its own
+The runner orders a step's tokens decodes-first. All decodes are one call: a kernel reads each
+request's K/V blocks in place through its block table (on CPU the C++ one, cpu_kernels.py; on
+CUDA the Triton one, gpu_kernels.py); where neither runs, the torch path gathers the blocks and
+runs SDPA, over a few buckets of similar context length so that padding stays small. Each prefill chunk gets its own
 call (a step holds few of them); a chunk that starts at position 0 attends to its own fresh K/V
 and needs no gather at all.
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from disagg.engine.layers import cpu_kernels, gpu_kernels
 from disagg.engine.layers.cpu_kernels import DecodeKernel
 
 # Torch path: buckets of decodes by context length, enough to cut padding, few enough that
@@ -69,6 +70,13 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
+def select_decode_kernel(device: torch.device, backend: str) -> DecodeKernel | None:
+    """The decode kernel for this device and EngineConfig.attention_backend (None: the torch path)."""
+    if device.type == "cuda":
+        return gpu_kernels.decode_kernel(device, backend)
+    return cpu_kernels.decode_kernel(device, backend)
+
+
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
@@ -89,7 +97,7 @@ def paged_attention(
 def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeBatch, scale: float) -> torch.Tensor:
     """q: [B, H, D], one token per decode -> [B, H, D]."""
     if decode.kernel is not None:
-        return decode.kernel(q.float(), kv_layer, decode.block_tables, decode.context_lens, scale).to(q.dtype)
+        return decode.kernel(q, kv_layer, decode.block_tables, decode.context_lens, scale)
     out = torch.empty_like(q)
     for bucket in decode.buckets:
         out[bucket.rows] = _decode_bucket_attention(q.index_select(0, bucket.rows), kv_layer, bucket, scale)

@@ -56,10 +56,13 @@ def check_backend(choice: str) -> str:
 def decode_kernel(device: torch.device, backend: str) -> DecodeKernel | None:
     """The kernel's entry point for this device, or None where attention should use torch.
 
-    (q [B, H, D] float32, kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32,
-    context_lens [B] int32, scale) -> [B, H, D] float32."""
+    (q [B, H, D], kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32, context_lens [B]
+    int32, scale) -> [B, H, D] in q's dtype (the kernel computes in float32)."""
     ops = cpu_ops(device, backend)
-    return None if ops is None else ops.decode_attention
+    if ops is None:
+        return None
+    kernel = ops.decode_attention
+    return lambda q, *rest: kernel(q.float(), *rest).to(q.dtype)
 
 
 def cpu_ops(device: torch.device, backend: str):
