@@ -185,9 +185,10 @@ def compare(roofline: Profile, measured: Profile, **grid) -> dict[tuple[int, int
 
 
 def calibrate(
-    model: str | ModelConfig, hardware: str | Hardware, measured: Profile, dtype_bytes: int = 2
+    model: str | ModelConfig, hardware: str | Hardware, measured: Profile, dtype_bytes: int = 2, **grid
 ) -> Efficiency:
-    """The efficiency whose roofline best matches `measured` (mean squared log error, pattern search)."""
+    """The efficiency whose roofline best matches `measured` (mean squared log error, pattern search),
+    over `grid` (step_errors' prefill and decode points; default: PREFILL_GRID and DECODE_GRID)."""
     config, hw = _resolve(model, hardware)
     shapes = [(tp, pp) for tp, pp in measured.shapes if not _invalid(config, tp, pp)]
     if not shapes:
@@ -195,7 +196,7 @@ def calibrate(
 
     def loss(eff: Efficiency) -> float:
         rooflines = roofline_profile(config, hw, shapes, dtype_bytes, eff)
-        errors = [e for s in shapes for e in step_errors(rooflines.step_model(*s), measured.step_model(*s))]
+        errors = [e for s in shapes for e in step_errors(rooflines.step_model(*s), measured.step_model(*s), **grid)]
         return sum(math.log1p(e) ** 2 for e in errors) / len(errors)
 
     return _pattern_search(loss, Efficiency())

@@ -35,7 +35,7 @@ def _triton_kernel():
         stride_qb, stride_qh, stride_kv, stride_kh, stride_kb, stride_kt, stride_tb, stride_ob, stride_oh,
         scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -54,7 +54,6 @@ def _triton_kernel():
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         t = tl.arange(0, TILE)
-        precision = "ieee" if IEEE else "tf32"
         for start in range(0, ctx, TILE):
             pos = start + t
             valid = pos < ctx
@@ -62,14 +61,14 @@ def _triton_kernel():
             row = kv_head * stride_kh + block.to(tl.int64) * stride_kb + (pos % BLOCK_SIZE) * stride_kt
             tile_mask = valid[:, None] & dim_ok[None, :]
             k = tl.load(kv_ptr + row[:, None] + d[None, :], mask=tile_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=precision) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
             l = l * alpha + tl.sum(p, 1)
             v = tl.load(kv_ptr + stride_kv + row[:, None] + d[None, :], mask=tile_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=precision)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m = m_new
         out = acc / l[:, None]
         tl.store(
@@ -109,7 +108,7 @@ def paged_decode_attention(
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale,
         GROUP=group, GROUP_PAD=max(MIN_DOT, _next_power_of_2(group)), BLOCK_SIZE=block_size,
-        HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)), TILE=TILE, IEEE=q.dtype == torch.float32,
+        HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)), TILE=TILE, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
 
