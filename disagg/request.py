@@ -31,6 +31,7 @@ class RequestStatus(enum.Enum):
     WAITING_FOR_KV = enum.auto()  # DECODE role: blocks reserved, KV not yet imported
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # blocks taken back; recomputed when rescheduled
+    PAUSED = enum.auto()  # out of the batch, blocks kept: its KV is moving to another instance
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()

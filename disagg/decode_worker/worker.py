@@ -7,6 +7,9 @@ When the KV and the first token are in, the request joins the decode batch.
 
 The same worker without a transport (COLOCATED role) runs whole requests itself with chunked
 prefill: the baseline that disaggregation is measured against.
+
+With a second transport (`migration_transport`) a decoding request can move to another decode
+instance with its KV, and requests can arrive from others that way (disagg.decode_worker.migration).
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.config import EngineConfig, Role
+from disagg.decode_worker.migration import MigrationSource, MigrationTarget, Outgoing
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.connector import assemble, instance_kv_layout
 from disagg.kv_transfer.endpoint import TransferResult
-from disagg.kv_transfer.layout import KVLayout, sources_for
+from disagg.kv_transfer.layout import KVLayout, sources_for, targets_for
+from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.tally import TransferTally
 from disagg.kv_transfer.transport import Transport
 from disagg.request import SamplingParams
@@ -41,12 +46,22 @@ class DecodeWorker:
         kv_timeout: float,
         groups: InstanceGroups | None = None,
         followers: ShardGroup | None = None,
+        migration_transport: Transport | None = None,
     ):
         """Without a transport: the COLOCATED role. `groups`, `followers`: rank 0 of a TP x PP
-        instance (its process groups, the other ranks)."""
+        instance (its process groups, the other ranks). `migration_transport`: what moving
+        requests out goes over (None: they cannot move out; one rank only)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
         built = assemble(config, role, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers)
         self.engine, self.receiver = built.engine, built.endpoint
+        self.migrations_out: MigrationSource | None = None
+        if migration_transport is not None:
+            if followers is not None:
+                raise ValueError("migration: an instance of several ranks cannot move requests yet")
+            sender = KVSender(migration_transport, timeout=kv_timeout)
+            sender.register_kv_cache(self.engine.kv_cache)
+            self.migrations_out = MigrationSource(self.engine, sender)
+        self.migrations_in = MigrationTarget(self.engine)
         self.followers = followers
         self.tally = TransferTally()  # a request's KV is in when every rank's slice is
         self.failed: list[FailedRequest] = []  # the latest step's transfer failures
@@ -63,6 +78,13 @@ class DecodeWorker:
                 self.engine.config, self.receiver, self.followers.kv_ranks if self.followers is not None else []
             )
         return self._layout
+
+    def migration_layout(self) -> KVLayout:
+        """Where requests moving out of here send their KV from (a target's `reserve_migration`)."""
+        if self.migrations_out is None:
+            raise ValueError("migration: this worker has no migration transport")
+        sender = self.migrations_out.sender
+        return KVLayout.single(sender.worker_id, sender.address())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
         """Run the whole request here: the COLOCATED role, or a short prompt the router chose to
@@ -96,7 +118,57 @@ class DecodeWorker:
         self.tally.expect(request_id, len(layout.ranks))
         return Reservation(transfer_ids[layout.ranks[0].peer_id], block_ids, transfer_ids, layout)
 
+    # ---- live migration (engine thread) ----------------------------------------------------------
+    def reserve_migration(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        source: KVLayout,
+        capacity_tokens: int,
+        kv_wait_s: float | None = None,
+    ) -> Reservation | None:
+        """Room for a request moving here from the instance whose migration senders are `source`:
+        its `token_ids` known now and up to `capacity_tokens` positions; None when there is none."""
+        if self.receiver is None or self.followers is not None:
+            raise ValueError("migration: only a one-rank DECODE instance takes moving requests")
+        block_ids = self.engine.reserve_for_migration(request_id, token_ids, sampling_params, capacity_tokens)
+        if block_ids is None:
+            return None
+        rank = self.kv_layout().ranks[0]
+        transfer_id = self.receiver.expect(
+            request_id, block_ids, {p.peer_id: p.address for p in source.ranks}, kv_wait_s
+        )
+        self.tally.expect(request_id, 1)
+        self.migrations_in.expect(request_id)
+        return Reservation(transfer_id, block_ids, {rank.peer_id: transfer_id}, self.kv_layout())
+
+    def migrate_out(self, request_id: str, reservation: Reservation) -> Outgoing:
+        """Start moving a decoding request into another instance's reservation. The returned
+        move's `paused` future gives the request's tokens at its pause (pass them to the target's
+        `complete_migration`); `done` says whether it runs there now or went on here."""
+        if self.migrations_out is None:
+            raise ValueError("migration: this worker has no migration transport")
+        cfg = self.engine.model_config
+        targets = targets_for(
+            (0, 0),
+            self.migration_layout().plan,
+            reservation.layout,
+            reservation.transfer_ids,
+            reservation.block_ids,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+        )
+        return self.migrations_out.start(request_id, targets)
+
+    def complete_migration(self, request_id: str, tokens_at_pause: list[int], sampling_params: SamplingParams) -> bool:
+        """What an arriving request's KV is of (see MigrationTarget.complete)."""
+        return self.migrations_in.complete(request_id, tokens_at_pause, sampling_params)
+
     def abort(self, request_id: str) -> bool:
+        if self.migrations_out is not None:
+            self.migrations_out.abort(request_id)
+        self.migrations_in.forget(request_id)
         if self.receiver is not None:  # before the blocks are freed: no late write lands in them
             self.receiver.abort(request_id)
             if self.followers is not None:
@@ -112,14 +184,24 @@ class DecodeWorker:
         """Admit requests whose KV arrived (their first-token output comes first), then decode."""
         outputs = []
         self.failed = []
+        if self.migrations_out is not None:
+            self.migrations_out.before_step()  # pre-copies that are over pause here
         self.transfer_results = self._finished_transfers()
         for result in self.transfer_results:
-            if result.ok:
+            if result.ok and result.request_id in self.migrations_in:
+                self.migrations_in.kv_arrived(result)  # joins once its tokens are known too
+            elif result.ok:
                 outputs.append(self.engine.finish_kv_import(result.request_id, result.first_token))
             else:
+                self.migrations_in.forget(result.request_id)
                 self.engine.abort_request(result.request_id)
                 self.failed.append(FailedRequest(result.request_id, result.error or "KV transfer failed"))
+        arrived, broken = self.migrations_in.ready()
+        outputs.extend(arrived)
+        self.failed.extend(FailedRequest(request_id, error) for request_id, error in broken)
         outputs.extend(self.engine.step())
+        if self.migrations_out is not None:
+            self.migrations_out.after_step()  # moves that ended: freed here, or resumed
         return outputs
 
     def _finished_transfers(self) -> list[TransferResult]:
@@ -133,8 +215,11 @@ class DecodeWorker:
         return self.tally.add(results)
 
     def is_idle(self) -> bool:
-        return not self.engine.has_unfinished_requests()
+        moving = self.migrations_out is not None and self.migrations_out.active
+        return not self.engine.has_unfinished_requests() and not moving
 
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
+        if self.migrations_out is not None:
+            self.migrations_out.sender.close()

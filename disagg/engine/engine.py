@@ -155,9 +155,10 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20
         )
-        # A prefill cache is read by the transfer: in shared memory, a decode worker on this host
-        # copies from it directly (kv_shared_memory off: always send over the transport).
-        shared = c.role is Role.PREFILL and c.kv_shared_memory
+        # A prefill cache is read by the transfer, and so is a decode cache whose requests move
+        # (disagg.decode_worker.migration): shared, a worker on this host copies from it directly
+        # (kv_shared_memory off: always send over the transport).
+        shared = c.role in (Role.PREFILL, Role.DECODE) and c.kv_shared_memory
         place = self.groups.place if self.groups is not None else None
         head_offset = place.tp_rank * num_kv_heads if place is not None else 0
         return KVCache(
@@ -391,6 +392,41 @@ class LLMEngine:
     def finish_kv_import(self, request_id: str, first_token_id: int) -> RequestOutput:
         """The prompt's KV is in place: decode from the first token on. Returns the first token's output."""
         request = self.scheduler.finish_kv_import(request_id, first_token_id)
+        return self._output(request)
+
+    # ---- live migration: a decoding request moves with its KV (disagg.decode_worker.migration) ---
+    def pause_request(self, request_id: str) -> list[int]:
+        """Out of the batch, blocks kept; returns its tokens (the last one's KV is not computed)."""
+        return list(self.scheduler.pause(request_id).token_ids)
+
+    def resume_request(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
+    def release_paused(self, request_id: str) -> None:
+        """It runs elsewhere now: free its blocks, with no output (its stream goes on there)."""
+        if request_id in self.scheduler.paused:
+            self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+            self._forget(request_id)
+
+    def reserve_for_migration(
+        self, request_id: str, token_ids: list[int], sampling_params: SamplingParams, capacity_tokens: int
+    ) -> list[int] | None:
+        """Blocks for a request arriving with its KV: `token_ids` known so far, room for
+        `capacity_tokens` positions; None when there is no room now."""
+        request = self._make_request(request_id, None, token_ids, sampling_params, None)
+        if not self.scheduler.reserve_for_migration(request, capacity_tokens):
+            return None
+        self._track(request, None)
+        return list(request.block_ids)
+
+    def finish_migration_import(
+        self, request_id: str, token_ids: list[int], last_token: int, sampling_params: SamplingParams
+    ) -> RequestOutput:
+        """Its KV is in: decode on from `last_token` (see Scheduler.finish_migration_import)."""
+        sampling_params.validate()
+        request = self.scheduler.finish_migration_import(request_id, token_ids, last_token, sampling_params)
+        self._track(request, None)  # the detokenizer starts from the final prompt
+        self._num_reported[request_id] = 0
         return self._output(request)
 
     # ---- stats -------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from disagg.config import Role
 from disagg.engine.block_manager import BlockManager
 from disagg.errors import OverloadedError
-from disagg.request import Request, RequestStatus
+from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.step_work import StepWork
 
 
@@ -98,6 +98,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.held_for_export: dict[str, Request] = {}  # PREFILL: finished, blocks still held
+        self.paused: dict[str, Request] = {}  # out of the batch while their KV moves elsewhere
         self.requests: dict[str, Request] = {}  # every request not yet fully freed
 
     # ---- admission -----------------------------------------------------------------------
@@ -127,6 +128,52 @@ class Scheduler:
         if not self._check_stop(request):
             self.running.append(request)
         return request
+
+    # ---- live migration (disagg.decode_worker.migration) -----------------------------------
+    def pause(self, request_id: str) -> Request:
+        """Take a decoding request out of the batch with its blocks kept (its KV is moving)."""
+        request = self.requests.get(request_id)
+        if request is None or request not in self.running or request.num_tokens - request.num_computed_tokens != 1:
+            raise ValueError(f"pause: {request_id!r} is not decoding here")
+        self.running.remove(request)
+        self.paused[request_id] = request
+        request.status = RequestStatus.PAUSED
+        return request
+
+    def resume(self, request_id: str) -> Request:
+        """The move failed: decode it here again, from where it paused."""
+        request = self.paused.pop(request_id)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return request
+
+    def reserve_for_migration(self, request: Request, capacity_tokens: int) -> bool:
+        """Blocks for `capacity_tokens` positions (the request's known tokens and those its source
+        may add before it pauses); its KV arrives as a remote prefill's does."""
+        if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            return False
+        if not self.block_manager.allocate_slots(request, max(capacity_tokens, request.num_prompt_tokens)):
+            return False
+        self._admit(request)
+        request.status = RequestStatus.WAITING_FOR_KV
+        self.waiting_for_kv[request.request_id] = request
+        return True
+
+    def finish_migration_import(
+        self, request_id: str, token_ids: list[int], last_token: int, params: SamplingParams
+    ) -> Request:
+        """The KV of `token_ids` is in: they become the prompt, `last_token` (sampled at the
+        source, not yet computed) the first output, and decoding goes on under `params`."""
+        request = self.waiting_for_kv[request_id]
+        known = request.num_prompt_tokens
+        if list(token_ids[:known]) != request.prompt_token_ids:
+            raise ValueError(f"migration of {request_id!r}: the tokens do not continue the reserved ones")
+        if self.block_manager.num_blocks_for(len(token_ids) + 1) > len(request.block_ids):
+            raise ValueError(f"migration of {request_id!r}: {len(token_ids)} tokens outgrew the blocks reserved")
+        request.prompt_token_ids = list(token_ids)
+        request.token_ids = list(token_ids)
+        request.sampling_params = params
+        return self.finish_kv_import(request_id, last_token)
 
     def _admit(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -269,6 +316,8 @@ class Scheduler:
             del self.waiting_for_kv[request.request_id]
         elif request.request_id in self.held_for_export:
             del self.held_for_export[request.request_id]
+        elif request.request_id in self.paused:
+            del self.paused[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status

@@ -1,0 +1,200 @@
+"""Live migration: a decoding request moves to another decode instance with its KV, and its
+stream goes on there with no token repeated, missing or different (Llumnix's pre-copy).
+
+Source side (`MigrationSource`, on the engine thread of the instance that decodes it):
+
+    PRECOPY -> AWAITING_ACK -> DONE | FAILED
+
+PRECOPY: the KV computed so far goes out at once (by reference on one host, packed between
+hosts: the same KVSender and protocol as a prefill's), while the request keeps decoding here.
+After `precopy_steps` more steps it pauses at a step boundary (out of the batch, blocks kept):
+only what those steps wrote goes out then, and the DONE carries the last sampled token. The
+pause lasts from there to the target's first step. AWAITING_ACK: on the target's
+acknowledgement the blocks here are freed (DONE); if the transfer fails, the request resumes
+here from where it paused (FAILED): a move that fails loses nothing.
+
+Target side (`MigrationTarget`): blocks are reserved for the tokens known when the move starts
+plus room for those the source adds before it pauses; the request joins the batch once its KV
+is in AND its caller has said which tokens that KV is of (`complete`: the source's tokens at the
+pause, which the caller learns from the source's `paused` future), in whichever order they come.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from disagg.engine.engine import LLMEngine
+from disagg.engine.outputs import RequestOutput
+from disagg.kv_transfer.endpoint import TransferResult
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.sender import KVSender
+from disagg.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+PRECOPY_STEPS = 1  # decode steps the request keeps running here while its earlier KV is copied
+
+
+class MigrationState(enum.Enum):
+    PRECOPY = "precopy"
+    AWAITING_ACK = "awaiting_ack"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass
+class Outgoing:
+    request_id: str
+    steps_left: int
+    state: MigrationState = MigrationState.PRECOPY
+    paused: Future = field(default_factory=Future)  # the request's tokens at the pause
+    done: Future = field(default_factory=Future)  # True: it runs there now; False: it went on here
+
+
+class MigrationSource:
+    """Moves requests out of this engine (engine thread only, except the futures)."""
+
+    def __init__(self, engine: LLMEngine, sender: KVSender, precopy_steps: int = PRECOPY_STEPS):
+        self.engine = engine
+        self.sender = sender
+        self.precopy_steps = precopy_steps
+        self._moves: dict[str, Outgoing] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._moves)
+
+    def start(self, request_id: str, targets: list[KVTarget]) -> Outgoing:
+        """Begin moving a decoding request to `targets` (the target's reservation, per rank)."""
+        request = self.engine.scheduler.requests.get(request_id)
+        if request is None or request not in self.engine.scheduler.running or request_id in self._moves:
+            raise ValueError(f"migrate: {request_id!r} is not decoding here")
+        move = self._moves[request_id] = Outgoing(request_id, self.precopy_steps)
+        self.sender.add(request_id, targets)
+        self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
+        return move
+
+    def before_step(self) -> None:
+        """Between steps: moves whose pre-copy is over pause now; a request that ended or was
+        preempted here meanwhile has nothing left to move."""
+        for move in [m for m in self._moves.values() if m.state is MigrationState.PRECOPY]:
+            request = self.engine.scheduler.requests.get(move.request_id)
+            if request is None or request not in self.engine.scheduler.running:
+                self._fail(move, "the request ended or was preempted before it could move")
+            elif move.steps_left > 0:
+                move.steps_left -= 1
+            else:
+                self._pause(move)
+
+    def after_step(self) -> None:
+        """Transfers that ended: free what moved, resume what could not."""
+        for result in self.sender.poll():
+            move = self._moves.get(result.request_id)
+            if move is not None:
+                self._settle(move, result)
+
+    def abort(self, request_id: str) -> None:
+        """The request is being aborted here: stop moving it (its blocks go with the abort)."""
+        move = self._moves.pop(request_id, None)
+        if move is not None:
+            self.sender.abort(request_id)
+            _resolve(move, "aborted", resumed=False)
+
+    def _pause(self, move: Outgoing) -> None:
+        tokens = self.engine.pause_request(move.request_id)
+        request = self.engine.scheduler.paused[move.request_id]
+        self.sender.catch_up(move.request_id, request.block_ids, request.num_computed_tokens)
+        self.sender.finish(move.request_id, tokens[-1])
+        move.state = MigrationState.AWAITING_ACK
+        move.paused.set_result(tokens)
+
+    def _settle(self, move: Outgoing, result: TransferResult) -> None:
+        del self._moves[move.request_id]
+        if result.ok and move.state is MigrationState.AWAITING_ACK:
+            self.engine.release_paused(move.request_id)
+            move.state = MigrationState.DONE
+            move.done.set_result(True)
+            return
+        logger.warning("request %s could not move: %s", move.request_id, result.error)
+        resumed = move.state is MigrationState.AWAITING_ACK
+        if resumed:
+            self.engine.resume_request(move.request_id)
+        move.state = MigrationState.FAILED
+        _resolve(move, result.error or "the transfer failed", resumed)
+
+    def _fail(self, move: Outgoing, reason: str) -> None:
+        del self._moves[move.request_id]
+        self.sender.abort(move.request_id)
+        move.state = MigrationState.FAILED
+        _resolve(move, reason, resumed=False)
+
+
+def _resolve(move: Outgoing, reason: str, resumed: bool) -> None:
+    if not move.paused.done():
+        move.paused.set_exception(MigrationFailed(move.request_id, reason))
+    if not move.done.done():
+        move.done.set_result(False)
+    if resumed:
+        logger.info("request %s decodes here again", move.request_id)
+
+
+class MigrationFailed(RuntimeError):
+    def __init__(self, request_id: str, reason: str):
+        super().__init__(f"request {request_id} could not move: {reason}")
+        self.request_id = request_id
+
+
+@dataclass
+class _Incoming:
+    kv: TransferResult | None = None
+    tokens: tuple[list[int], int, SamplingParams] | None = None
+
+
+class MigrationTarget:
+    """Requests arriving with their KV (engine thread only)."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._arriving: dict[str, _Incoming] = {}
+
+    def expect(self, request_id: str) -> None:
+        self._arriving[request_id] = _Incoming()
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._arriving
+
+    def complete(self, request_id: str, tokens_at_pause: list[int], params: SamplingParams) -> bool:
+        """What the KV is of: the source's tokens at its pause (the last one sampled, its KV not
+        computed), and the params to decode on with. False when the request is gone."""
+        incoming = self._arriving.get(request_id)
+        if incoming is None:
+            return False
+        incoming.tokens = (list(tokens_at_pause[:-1]), tokens_at_pause[-1], params)
+        return True
+
+    def kv_arrived(self, result: TransferResult) -> None:
+        self._arriving[result.request_id].kv = result
+
+    def forget(self, request_id: str) -> None:
+        self._arriving.pop(request_id, None)
+
+    def ready(self) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Requests whose KV and tokens are both in, now decoding (their first outputs carry the
+        last token the source sampled, which the client already has); and (request id, error)
+        of those that cannot go on (aborted here)."""
+        outputs, failed = [], []
+        for request_id, incoming in list(self._arriving.items()):
+            if incoming.kv is None or incoming.tokens is None:
+                continue
+            del self._arriving[request_id]
+            tokens, last_token, params = incoming.tokens
+            try:
+                if incoming.kv.first_token != last_token:
+                    raise ValueError(f"migration of {request_id}: the source's DONE carries another last token")
+                outputs.append(self.engine.finish_migration_import(request_id, tokens, last_token, params))
+            except ValueError as exc:
+                self.engine.abort_request(request_id)
+                failed.append((request_id, str(exc)))
+        return outputs, failed

@@ -1,0 +1,129 @@
+"""Live migration between two decode workers: a request moves mid-stream with its KV (pre-copy,
+then a pause at a step boundary) and decodes on; its tokens before and after the move are
+exactly those of the same request never moved, greedy and seeded; nothing is recomputed; a
+move that fails resumes at the source; every block is free at the end."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import pytest
+from support import random_prompts
+
+from disagg import LLM, EngineConfig, SamplingParams
+from disagg.decode_worker.worker import DecodeWorker
+from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
+
+MAX_TOKENS = 24
+MOVE_AFTER = 6  # output tokens before the move starts
+TIMEOUT_S = 60.0
+
+
+def _worker(model_dir: str, hub: InProcessHub, name: str) -> DecodeWorker:
+    config = EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=256)
+    return DecodeWorker(
+        config,
+        InProcessTransport(f"{name}-kv", hub),
+        kv_timeout=10.0,
+        migration_transport=InProcessTransport(f"{name}-move", hub),
+    )
+
+
+def _unmoved(model_dir: str, prompts, params) -> list[list[int]]:
+    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _moved_params(params: SamplingParams, prompt_len: int, tokens_at_pause: list[int]) -> SamplingParams:
+    """The target decodes on from the last token the source sampled (its output 1): the tokens
+    before it count as done, so seeded noise and max_tokens carry on where they were."""
+    done = len(tokens_at_pause) - prompt_len - 1
+    return dataclasses.replace(params, max_tokens=params.max_tokens - done, resumed_tokens=params.resumed_tokens + done)
+
+
+def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = False):
+    """Every prompt decodes on A; the first moves to B after MOVE_AFTER tokens. Returns each
+    request's tokens as the client would see them, the move, and both workers."""
+    hub = InProcessHub()
+    a, b = _worker(model_dir, hub, "a"), _worker(model_dir, hub, "b")
+    streamed: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    for i, p in enumerate(prompts):
+        a.add_request(f"r{i}", p, params)
+    move, completed, deadline = None, False, time.monotonic() + TIMEOUT_S
+    started_at_b: set[str] = set()
+    while time.monotonic() < deadline and not (a.is_idle() and b.is_idle()):
+        for out in a.step():
+            streamed[out.request_id].extend(out.new_token_ids)
+        for out in b.step():
+            new = list(out.new_token_ids)
+            if out.request_id not in started_at_b:  # its first output: the source's last token, already sent
+                started_at_b.add(out.request_id)
+                new = new[1:]
+            streamed[out.request_id].extend(new)
+        if move is None and len(streamed["r0"]) >= MOVE_AFTER:
+            request = a.engine.scheduler.requests["r0"]
+            known = request.token_ids[: request.num_computed_tokens]
+            reservation = b.reserve_migration("r0", known, params, a.migration_layout(), len(known) + 32)
+            assert reservation is not None
+            move = a.migrate_out("r0", reservation)
+            if break_target:
+                b.abort("r0")  # the target gives up: the move must fail and r0 go on at A
+        if move is not None and not completed and move.paused.done() and move.paused.exception() is None:
+            tokens = move.paused.result()
+            assert tokens[len(prompts[0]) :] == streamed["r0"], "paused after tokens the client has not seen"
+            b.complete_migration("r0", tokens, _moved_params(params, len(prompts[0]), tokens))
+            completed = True
+        time.sleep(0.001)
+    return [streamed[f"r{i}"] for i in range(len(prompts))], move, a, b
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([40, 9, 130], 512, seed=3)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_a_request_moved_mid_stream_decodes_exactly_as_unmoved(tiny_gqa_dir, prompts, params):
+    expected = _unmoved(tiny_gqa_dir, prompts, params)
+    got, move, a, b = _run_with_move(tiny_gqa_dir, prompts, params)
+    assert move is not None and move.done.done() and move.done.result() is True, "the move did not complete"
+    assert got == expected
+    # Nothing recomputed: every step the target ran was decodes only, no prompt chunk.
+    assert b.engine.step_stats and all(not s.work.chunks for s in b.engine.step_stats), "the target recomputed KV"
+    for worker in (a, b):
+        assert worker.engine.num_free_blocks == worker.engine.num_total_blocks
+    a.close()
+    b.close()
+
+
+def test_a_move_the_target_drops_resumes_at_the_source(tiny_gqa_dir, prompts):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = _unmoved(tiny_gqa_dir, prompts, params)
+    got, move, a, b = _run_with_move(tiny_gqa_dir, prompts, params, break_target=True)
+    assert move is not None and move.done.result() is False
+    assert got == expected
+    for worker in (a, b):
+        assert worker.engine.num_free_blocks == worker.engine.num_total_blocks
+    a.close()
+    b.close()
+
+
+def test_only_a_decoding_request_can_move(tiny_gqa_dir):
+    hub = InProcessHub()
+    a, b = _worker(tiny_gqa_dir, hub, "a"), _worker(tiny_gqa_dir, hub, "b")
+    reservation = b.reserve_migration("x", [5, 6, 7], SamplingParams(max_tokens=4), a.migration_layout(), 16)
+    with pytest.raises(ValueError, match="not decoding here"):
+        a.migrate_out("nobody", reservation)
+    b.abort("x")
+    assert b.engine.num_free_blocks == b.engine.num_total_blocks
+    a.close()
+    b.close()
