@@ -80,6 +80,9 @@ class ServingMetrics:
         self.request_migrations = c(
             "disagg:request_migrations_total", "Requests moved on after an instance failed under them.", ("cause",)
         )
+        self.live_moves = c(
+            "disagg:live_moves_total", "Decoding requests moved to another instance with their KV.", ("outcome",)
+        )
         self.prompt_tokens = c("disagg:prompt_tokens_total", "Prompt tokens of finished requests.")
         self.generation_tokens = c("disagg:generation_tokens_total", "Generated tokens of finished requests.")
 
@@ -132,6 +135,11 @@ class ServingMetrics:
     def observe_migration(self, cause: str) -> None:
         """A request continued on other instances; `cause` names the failure (e.g. "WorkerLinkError")."""
         self.request_migrations.labels(cause=cause).inc()
+
+    def observe_live_moves(self, moved: int, failed: int) -> None:
+        """A drain's moves: `moved` went on elsewhere with their KV, `failed` stayed where they were."""
+        self.live_moves.labels(outcome="moved").inc(moved)
+        self.live_moves.labels(outcome="failed").inc(failed)
 
     def observe_failure(self, code: str) -> None:
         """A request that ended in an error; `code` is the gRPC status name (e.g. "UNAVAILABLE")."""

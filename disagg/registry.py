@@ -64,6 +64,9 @@ class LoadReport:
     # Chained hashes of its cached KV blocks (the newest, at most MAX_PREFIX_HASHES): where a
     # prompt's prefix is warm (disagg.engine.block_manager.chain_hash).
     prefix_hashes: list = field(default_factory=list)
+    # Leaving (SIGTERM, scale-in): no new requests, and routers move its requests elsewhere with
+    # their KV (disagg.router.live_moves) before it goes.
+    draining: bool = False
 
 
 @dataclass

@@ -39,6 +39,7 @@ from disagg.errors import UnavailableError
 from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
+from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.orchestrator import Orchestrator
@@ -192,11 +193,14 @@ class Server:
         )
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
+        self.live_moves = LiveMoves(orchestrator, directory)
         gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
+        leavers = asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")
         health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
         self._started.set()
         await self._stop.wait()
         gauges.cancel()
+        leavers.cancel()
         health_task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
         await self.servicer.drain(DRAIN_GRACE_S)
@@ -332,6 +336,30 @@ def _init_ray(config: ServingConfig) -> None:
             num_cpus=max(2, os.cpu_count() or 2),
             _system_config={"worker_niceness": 0},
         )
+
+
+async def _drain_leavers(
+    directory: InstanceDirectory, moves: LiveMoves, metrics: ServingMetrics, interval_s: float = 0.25
+) -> None:
+    """Decode instances that say they are leaving (SIGTERM, scale-in): move their requests away
+    with their KV, each instance's drain once, in the background."""
+    tasks: dict[str, asyncio.Task] = {}  # instance id -> its drain, while the instance is draining
+
+    async def drain(instance) -> None:
+        stats = await moves.drain(instance)
+        metrics.observe_live_moves(stats.moved, stats.failed)
+        logger.info(
+            "drained %s: %d requests moved with their KV, %d not", instance.instance_id, stats.moved, stats.failed
+        )
+
+    while True:
+        leaving = {i.instance_id: i for i in directory.draining("decode")}
+        for instance_id in set(tasks) - set(leaving):
+            del tasks[instance_id]  # gone (or back in service)
+        for instance_id, instance in leaving.items():
+            if instance_id not in tasks:
+                tasks[instance_id] = asyncio.create_task(drain(instance), name=f"drain-{instance_id}")
+        await asyncio.sleep(interval_s)
 
 
 async def _wait_for_instances(config: ServingConfig, directory: InstanceDirectory, timeout_s: float = 60.0) -> None:

@@ -8,10 +8,14 @@ nothing queues here: a router that stops reading loses its link (send timeout).
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from disagg.worker import sigterm
 from disagg.worker.actor_base import WorkerActorBase, engine_load
 from disagg.config import Role, WorkerConfig
 from disagg.decode_worker.worker import DecodeWorker
@@ -22,6 +26,9 @@ from disagg.request import SamplingParams
 from disagg.rpc.server import Link
 from disagg.rpc.messages import Reservation, TokenDelta
 from disagg.rpc.services import TOKENS_TOPIC, DecodeService
+
+logger = logging.getLogger(__name__)
+DRAIN_TIMEOUT_S = 60.0  # after SIGTERM, how long routers get to move this instance's requests away
 
 
 @dataclass(frozen=True)
@@ -40,6 +47,30 @@ class Submit:
     prompt_token_ids: list[int]
     params: SamplingParams
     stream_to: Link
+
+
+@dataclass(frozen=True)
+class ReserveMigration:
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    source: KVLayout
+    capacity_tokens: int
+    kv_wait_s: float
+    stream_to: Link
+
+
+@dataclass(frozen=True)
+class MigrateOut:
+    request_id: str
+    reservation: Reservation
+
+
+@dataclass(frozen=True)
+class CompleteMigration:
+    request_id: str
+    tokens_at_pause: list[int]
+    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -69,13 +100,29 @@ class DecodeActor(WorkerActorBase, DecodeService):
             else None
         )
         groups, wait_for_ranks = self._start_ranks(followers)
+        # One-rank DECODE instances move requests out with their KV over a second transport.
+        moves = transport is not None and not followers
+        migration_transport = (
+            make_transport(config.kv_transport, f"{self.instance_id}-move", config.link_key, self.host)
+            if moves
+            else None
+        )
         self.worker = DecodeWorker(
-            config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards
+            config.engine,
+            transport,
+            kv_timeout=config.kv_timeout_s,
+            groups=groups,
+            followers=self.shards,
+            migration_transport=migration_transport,
         )
         if wait_for_ranks is not None:
             wait_for_ranks()
         if self.worker.receiver is not None:
             self.worker.receiver.on_finished = self.loop.wake
+        if self.worker.migrations_out is not None:
+            self.worker.migrations_out.sender.on_finished = self.loop.wake
+        self._draining = threading.Event()
+        self._catch_sigterm()
         # Engine thread only: where each request's tokens go, and which ones had their first
         # token streamed by the prefill side already.
         self._streams: dict[str, Link] = {}
@@ -86,7 +133,34 @@ class DecodeActor(WorkerActorBase, DecodeService):
 
     def load(self) -> LoadReport:
         receiver = self.worker.receiver
-        return engine_load(self.worker.engine, len(self.worker.engine.scheduler.waiting_for_kv) if receiver else 0)
+        load = engine_load(self.worker.engine, len(self.worker.engine.scheduler.waiting_for_kv) if receiver else 0)
+        load.draining = self._draining.is_set()
+        return load
+
+    # ---- leaving ----------------------------------------------------------------------------------
+    def drain(self, exit_when_done: bool = False) -> None:
+        """Leave service: no new requests; routers move the ones here away with their KV (or, where
+        they cannot, let them finish here). With `exit_when_done`, the process ends once it holds
+        none, or after DRAIN_TIMEOUT_S (what is left then migrates by recompute)."""
+        if self._draining.is_set():
+            return
+        self._draining.set()
+        logger.info("instance %s draining", self.instance_id)
+        if exit_when_done:
+            threading.Thread(target=self._exit_when_drained, name="drain", daemon=True).start()
+
+    def _catch_sigterm(self) -> None:
+        """SIGTERM drains, then exits (the default would drop every request here at once)."""
+        if not sigterm.install(lambda: self.drain(exit_when_done=True)):
+            logger.warning("instance %s: SIGTERM cannot be caught here; it ends the process at once", self.instance_id)
+
+    def _exit_when_drained(self) -> None:
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while time.monotonic() < deadline and not self.worker.is_idle():
+            time.sleep(0.1)
+        time.sleep(0.5)  # the last deltas and acknowledgements leave
+        self._deregister()
+        os._exit(0)
 
     async def status(self) -> dict:
         receiver = self.worker.receiver
@@ -109,6 +183,38 @@ class DecodeActor(WorkerActorBase, DecodeService):
     def abort(self, request_id: str) -> Future:
         return self.loop.submit(AbortDecode(request_id))
 
+    def migration_layout(self) -> KVLayout | None:
+        return self.worker.migration_layout() if self.worker.migrations_out is not None else None
+
+    def reserve_migration(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        source: KVLayout,
+        capacity_tokens: int,
+        kv_wait_s: float,
+    ) -> Future:
+        return self.loop.submit(
+            ReserveMigration(request_id, token_ids, params, source, capacity_tokens, kv_wait_s, self.rpc.caller())
+        )
+
+    def migrate_out(self, request_id: str, reservation: Reservation) -> Future:
+        """Answered when the request paused here (the move's `paused`), not when it started."""
+        paused: Future = Future()
+
+        def started(future: Future) -> None:
+            if future.exception() is not None:
+                paused.set_exception(future.exception())
+            else:
+                future.result().paused.add_done_callback(lambda p: _copy_outcome(p, paused))
+
+        self.loop.submit(MigrateOut(request_id, reservation)).add_done_callback(started)
+        return paused
+
+    def complete_migration(self, request_id: str, tokens_at_pause: list[int], params: SamplingParams) -> Future:
+        return self.loop.submit(CompleteMigration(request_id, tokens_at_pause, params))
+
     def _link_closed(self, link: Link) -> None:
         self.loop.submit(DropStreamsOf(link))
 
@@ -118,6 +224,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
             Reserve: self._reserve,
             Submit: self._submit,
             AbortDecode: lambda c: self._abort(c.request_id),
+            ReserveMigration: self._reserve_migration,
+            MigrateOut: self._migrate_out,
+            CompleteMigration: lambda c: self.worker.complete_migration(c.request_id, c.tokens_at_pause, c.params),
             DropStreamsOf: self._drop_streams_of,
         }
 
@@ -129,6 +238,22 @@ class DecodeActor(WorkerActorBase, DecodeService):
             self._first_token_pending.add(command.request_id)
             self._streams[command.request_id] = command.stream_to
         return reservation
+
+    def _reserve_migration(self, command: ReserveMigration) -> Reservation | None:
+        reservation = self.worker.reserve_migration(
+            command.request_id, command.token_ids, command.params, command.source, command.capacity_tokens,
+            command.kv_wait_s,
+        )  # fmt: skip
+        if reservation is not None:
+            self._first_token_pending.add(command.request_id)  # its first output: the source's last token
+            self._streams[command.request_id] = command.stream_to
+        return reservation
+
+    def _migrate_out(self, command: MigrateOut):
+        move = self.worker.migrate_out(command.request_id, command.reservation)
+        # Once it runs there, nothing more of it leaves here (a failed move streams on from here).
+        move.done.add_done_callback(lambda done: done.result() and self._streams.pop(command.request_id, None))
+        return move
 
     def _submit(self, command: Submit) -> None:
         self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
@@ -212,3 +337,10 @@ class DecodeActor(WorkerActorBase, DecodeService):
         for request_id in ids:
             self.worker.abort(request_id)
         self._publish([TokenDelta.failed(r, f"decode step failed: {exc}") for r in ids])
+
+
+def _copy_outcome(source: Future, target: Future) -> None:
+    if source.exception() is not None:
+        target.set_exception(source.exception())
+    else:
+        target.set_result(source.result())

@@ -177,6 +177,9 @@ class MigrationTarget:
     def kv_arrived(self, result: TransferResult) -> None:
         self._arriving[result.request_id].kv = result
 
+    def has_ready(self) -> bool:
+        return any(i.kv is not None and i.tokens is not None for i in self._arriving.values())
+
     def forget(self, request_id: str) -> None:
         self._arriving.pop(request_id, None)
 

@@ -177,8 +177,10 @@ class DecodeWorker:
         return self.engine.abort_request(request_id)
 
     def needs_sync(self) -> bool:
-        """The other ranks hold transfers still under way: keep polling them."""
-        return self.followers is not None and self.tally.has_pending
+        """The other ranks hold transfers still under way, a move out ended, or a request that
+        moved here can join the batch: a step is due."""
+        moved_out = self.migrations_out is not None and self.migrations_out.sender.has_finished()
+        return moved_out or self.migrations_in.has_ready() or (self.followers is not None and self.tally.has_pending)
 
     def step(self) -> list[RequestOutput]:
         """Admit requests whose KV arrived (their first-token output comes first), then decode."""

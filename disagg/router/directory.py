@@ -250,7 +250,11 @@ class InstanceDirectory:
         self.last_refresh_ok = 0.0
 
     def healthy(self, role: str) -> list[Instance]:
-        return [i for i in self._instances.values() if i.role == role]
+        """The role's instances in placement (a draining one is not: it is on its way out)."""
+        return [i for i in self._instances.values() if i.role == role and not i.view.load.draining]
+
+    def draining(self, role: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.role == role and i.view.load.draining]
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)

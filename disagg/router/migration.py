@@ -52,9 +52,9 @@ class Progress:
         return dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done, resumed_tokens=done)
 
     def record(self, delta: TokenDelta) -> TokenDelta:
-        """Count a delta of the current attempt as streamed; its counts as of the whole request."""
+        """Count a delta of the current attempt as streamed; its counts as of the whole request
+        (an instance's own count differs after a migration, or a live move)."""
         self.streamed.extend(delta.token_ids)
-        if self.migrations:
-            delta.num_prompt_tokens = len(self.prompt_token_ids)
-            delta.num_output_tokens = len(self.streamed)
+        delta.num_prompt_tokens = len(self.prompt_token_ids)
+        delta.num_output_tokens = len(self.streamed)
         return delta

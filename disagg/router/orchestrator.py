@@ -62,6 +62,15 @@ class Placement:
     first_token_at: float | None = None
     num_tokens: int = 0
     queued: SentPrompt | None = None  # its prompt in the decode instance's queue, until its first token
+    # What a live move (disagg.router.live_moves) needs: the id the workers know the attempt by,
+    # its tokens so far (prompt and outputs), its params, and where its deltas come from.
+    request_id: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    params: SamplingParams | None = None
+    mailbox: Mailbox | None = None
+    handover: "Handover | None" = None  # set by a move: the stream goes on at another instance
+    moving_to: Instance | None = None  # a move's target, reserved: an end of the request aborts it there too
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         prefilled_by = self.prefill or (self.decode if self.choice is not None and self.choice.local else None)
@@ -77,12 +86,23 @@ class Placement:
             self.first_token_at = time.monotonic()
             self.dequeue()
         self.num_tokens += len(delta.token_ids)
+        self.token_ids.extend(delta.token_ids)
 
     def dequeue(self) -> None:
         """The prompt is through (or the request ended): out of its instance's queue."""
         if self.queued is not None and self.decode is not None:
             self.decode.prompt_queue.remove(self.queued)
             self.queued = None
+
+
+@dataclass
+class Handover:
+    """A move's second half: once the attempt has `at_tokens` outputs (all the source produced
+    before it paused), its deltas come from `decode` through `mailbox`."""
+
+    decode: Instance
+    mailbox: Mailbox
+    at_tokens: int
 
 
 class Orchestrator:
@@ -103,6 +123,7 @@ class Orchestrator:
         self.streams = streams
         self.block_size = block_size
         self._tasks: set[asyncio.Task] = set()
+        self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
 
     @property
     def disaggregated(self) -> bool:
@@ -189,7 +210,8 @@ class Orchestrator:
                 placement, mailbox = await self._start_whole(
                     request_id, prompt_token_ids, params, request, choice, started
                 )
-            async for delta in self._drain(mailbox):
+            self._track_live(placement, request_id, prompt_token_ids, params, mailbox)
+            async for delta in self._drain(placement):
                 placement.finished = delta.finished
                 placement.observe(delta)
                 yield placement.label(delta)
@@ -197,6 +219,12 @@ class Orchestrator:
         finally:
             if placement is not None:
                 await self._cleanup(request_id, placement, len(prompt_token_ids))
+
+    def _track_live(self, placement: Placement, request_id: str, prompt_token_ids, params, mailbox: Mailbox) -> None:
+        placement.request_id, placement.params, placement.mailbox = request_id, params, mailbox
+        placement.num_prompt_tokens = len(prompt_token_ids)
+        placement.token_ids[:0] = prompt_token_ids  # before the outputs observed so far
+        self.live[request_id] = placement
 
     def _blocks(self, prompt_token_ids: list[int]) -> int:
         return -(-len(prompt_token_ids) // self.block_size)
@@ -362,23 +390,45 @@ class Orchestrator:
         return placement, mailbox
 
     # ---- both --------------------------------------------------------------------------------------
-    async def _drain(self, mailbox: Mailbox) -> AsyncIterator[TokenDelta]:
+    async def _drain(self, placement: Placement) -> AsyncIterator[TokenDelta]:
         deadline = time.monotonic() + self.config.request_timeout_s
         while True:
+            self._take_handover(placement)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise asyncio.TimeoutError(f"request exceeded request_timeout_s={self.config.request_timeout_s}")
-            delta = await mailbox.get(remaining)
+            delta = await placement.mailbox.get(remaining)
+            if delta is None:
+                continue  # woken by a move's handover
             if delta.error:
                 raise (RequestFailedError if delta.request_fault else KVTransferError)(delta.error)
             yield delta
             if delta.finished:
                 return
 
+    def _take_handover(self, placement: Placement) -> None:
+        """A moved request: once every token of the source has come, read the target."""
+        handover = placement.handover
+        if handover is None or placement.num_tokens < handover.at_tokens:
+            return
+        source = placement.decode
+        self.streams.close(source.instance_id, placement.request_id)
+        source.request_ended()
+        source.outstanding_context_tokens = max(0, source.outstanding_context_tokens - placement.num_prompt_tokens)
+        placement.decode, placement.mailbox, placement.handover, placement.moving_to = (
+            handover.decode, handover.mailbox, None, None
+        )  # fmt: skip
+
     async def _cleanup(self, request_id: str, placement: Placement, num_prompt_tokens: int) -> None:
         """Forget the request here; unless it finished, tell both instances to drop it."""
         decode, aborts = placement.decode, []
         placement.dequeue()
+        if self.live.get(placement.request_id) is placement:
+            del self.live[placement.request_id]
+        if placement.moving_to is not None and not placement.finished:  # a move under way: its target holds blocks
+            target = placement.moving_to
+            self.streams.close(target.instance_id, placement.request_id)
+            aborts.append(target.decode_service.abort(placement.request_id, timeout_s=ABORT_TIMEOUT_S))
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
             decode.request_ended()

@@ -28,7 +28,12 @@ class Mailbox:
             self._pending.merge(delta)
         self._ready.set()
 
-    async def get(self, timeout_s: float) -> TokenDelta:
+    def wake(self) -> None:
+        """Return from a `get` with nothing (None) if nothing is pending: the reader has news
+        elsewhere (a live move's handover)."""
+        self._ready.set()
+
+    async def get(self, timeout_s: float) -> TokenDelta | None:
         # Not wait_for: on Python 3.11 it can swallow a cancel that lands as the delta arrives.
         async with asyncio.timeout(timeout_s):
             await self._ready.wait()

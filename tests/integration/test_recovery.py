@@ -1,11 +1,12 @@
-"""Workers die under load and no request is lost: real Ray actors killed with SIGKILL, a real
-redis-server, real gRPC on 127.0.0.1.
+"""Workers die under load and no request is lost: real Ray actors killed with SIGKILL (or told
+to leave with SIGTERM), a real redis-server, real gRPC on 127.0.0.1.
 
 One server for the module: 1 prefill + 2 decode instances of the default model. A killed
 decode worker's streams continue on the other decode instance (prompt + tokens so far
 recomputed), with the output a fault-free run gives; Ray relaunches the dead worker, which
 registers again and serves. A killed prefill worker (the only one) has its requests wait for
-the relaunch and resubmitted.
+the relaunch and resubmitted. A decode worker sent SIGTERM drains: its requests move to the
+other decode instance with their KV (nothing recomputed, output unchanged) before it exits.
 """
 
 from __future__ import annotations
@@ -107,13 +108,18 @@ def wait_relaunched(client, instance, old_pid: int) -> float:
         time.sleep(0.2)
 
 
-def migrations(server) -> float:
+def metric(server, prefix: str) -> float:
     text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("disagg:request_migrations_total{")
-    )
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def migrations(server) -> float:
+    """Requests that went on elsewhere by recomputing their context."""
+    return metric(server, "disagg:request_migrations_total{")
+
+
+def moved_with_kv(server) -> float:
+    return metric(server, 'disagg:live_moves_total{outcome="moved"}')
 
 
 def test_a_killed_decode_worker_loses_no_request_and_comes_back(server, client):
@@ -169,3 +175,28 @@ def test_a_killed_prefill_worker_has_its_requests_resubmitted_after_its_relaunch
     assert killed.is_set()
     assert got == expected
     wait_relaunched(client, victim, pid)
+
+
+def test_a_decode_worker_sent_sigterm_moves_its_requests_with_their_kv(server, client):
+    greedy = [request(q) for q in QUESTIONS]
+    seeded = [request(q, temperature=0.8, seed=21 + i) for i, q in enumerate(QUESTIONS[:2])]
+    expected = run_all(client, greedy + seeded)
+    recomputed_before, moved_before, told = migrations(server), moved_with_kv(server), {}
+
+    def terminate_the_busiest_decode_worker():
+        loads = {
+            i.instance_id: ray.get(i.actor.status.remote())["load"].num_running for i in instances(server, "decode")
+        }
+        told["instance"] = next(i for i in instances(server, "decode") if i.instance_id == max(loads, key=loads.get))
+        told["pid"] = worker_pid(told["instance"])
+        told["streams"] = max(loads.values())
+        os.kill(told["pid"], signal.SIGTERM)
+
+    got = run_all(client, greedy + seeded, kill=terminate_the_busiest_decode_worker)
+
+    assert told["streams"] >= 1, "the SIGTERM must hit streams in flight"
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected], "a token repeated, missing or changed"
+    assert [text for _, text in got] == [text for _, text in expected]
+    assert migrations(server) == recomputed_before, "a request recomputed its context: it should have moved with its KV"
+    assert moved_with_kv(server) - moved_before >= 1
+    wait_relaunched(client, told["instance"], told["pid"])  # it exited once drained; Ray brings it back

@@ -1,0 +1,134 @@
+"""Moving decoding requests between decode instances with their KV (live migration), so that an
+instance can leave (SIGTERM, scale-in, a role switch) without any request recomputing its
+context, and a loaded one can hand work to another.
+
+One move (disagg.decode_worker.migration does the workers' half): the target reserves blocks
+for the tokens known now plus room; the source pre-copies the KV while the request decodes on,
+pauses it at a step boundary, and answers its tokens at the pause; the router hands the stream
+over once every token the source produced has reached it, and the target completes and decodes
+on. The client sees one stream: no token repeated or missing, greedy and seeded output unchanged.
+A move that fails leaves the request decoding where it was; a source that dies during one
+fails its requests into the ordinary recompute migration (disagg.router.migration).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+
+from disagg.errors import RemoteError, WorkerLinkError
+from disagg.router.directory import Instance, InstanceDirectory
+from disagg.router.orchestrator import Handover, Orchestrator, Placement
+from disagg.rpc.messages import TokenDelta
+
+logger = logging.getLogger(__name__)
+HEADROOM_TOKENS = 64  # positions a target reserves beyond the known tokens (the source decodes on meanwhile)
+CALL_TIMEOUT_S = 10.0
+
+
+@dataclass
+class MoveStats:
+    moved: int = 0
+    failed: int = 0
+    pauses_ms: list[float] = dataclasses.field(default_factory=list)  # source paused -> handover set
+
+
+class LiveMoves:
+    def __init__(self, orchestrator: Orchestrator, directory: InstanceDirectory):
+        self.orchestrator = orchestrator
+        self.directory = directory
+        self.stats = MoveStats()
+
+    def requests_on(self, instance: Instance) -> list[Placement]:
+        return [
+            p
+            for p in self.orchestrator.live.values()
+            if p.decode is instance and p.handover is None and p.moving_to is None and p.num_tokens > 0
+        ]
+
+    async def drain(self, instance: Instance, timeout_s: float = 60.0) -> MoveStats:
+        """Move every request decoding on `instance` to the other decode instances (chosen as the
+        placement policy would for a new request), until none is left or `timeout_s` passed."""
+        stats = MoveStats()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (placements := self.requests_on(instance)):
+            results = await asyncio.gather(*(self._move_elsewhere(p, instance) for p in placements))
+            stats.moved += sum(results)
+            stats.failed += len(results) - sum(results)
+            if not any(results):
+                await asyncio.sleep(0.2)  # no room anywhere now: try again shortly
+        return stats
+
+    async def _move_elsewhere(self, placement: Placement, source: Instance) -> bool:
+        candidates = [i for i in self.directory.healthy("decode") if i is not source]  # (draining ones are not healthy)
+        blocks = -(-(len(placement.token_ids) + HEADROOM_TOKENS) // source.block_size)
+        target = self.orchestrator.policy.choose_decode(candidates, blocks) if candidates else None
+        return target is not None and await self.move(placement, target)
+
+    async def move(self, placement: Placement, target: Instance) -> bool:
+        """Move one decoding request to `target`; False (the request decodes on where it was) when
+        it cannot move."""
+        source, request_id, params = placement.decode, placement.request_id, placement.params
+        known = placement.token_ids[:-1]  # the last token's KV may not be computed yet
+        capacity = min(len(known) + HEADROOM_TOKENS, placement.num_prompt_tokens + params.max_tokens)
+        try:
+            layout = await self._migration_layout(source)
+            if layout is None:
+                return False
+            reservation = await target.decode_service.reserve_migration(
+                request_id, known, params, layout, capacity, self.orchestrator.config.kv_timeout_s,
+                timeout_s=CALL_TIMEOUT_S,
+            )  # fmt: skip
+        except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
+            logger.warning("move of %s: no reservation on %s: %s", request_id, target.instance_id, exc)
+            return self._failed()
+        if reservation is None:
+            return self._failed()
+        placement.moving_to = target
+        mailbox = self.orchestrator.streams.open(target, request_id)  # before it can stream anything
+        try:
+            tokens = await source.decode_service.migrate_out(request_id, reservation, timeout_s=CALL_TIMEOUT_S)
+        except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
+            logger.warning("move of %s from %s failed: %s", request_id, source.instance_id, exc)
+            await self._release_target(placement, target)
+            return self._failed()
+        paused_at = time.monotonic()
+        at_tokens = len(tokens) - placement.num_prompt_tokens
+        target.outstanding_requests += 1
+        target.outstanding_context_tokens += placement.num_prompt_tokens
+        placement.handover = Handover(target, mailbox, at_tokens)
+        placement.mailbox.wake()  # its stream may hand over at once
+        try:
+            done = len(tokens) - placement.num_prompt_tokens - 1  # outputs before the one the target starts with
+            moved = dataclasses.replace(
+                params, max_tokens=params.max_tokens - done, resumed_tokens=params.resumed_tokens + done
+            )
+            if not await target.decode_service.complete_migration(request_id, tokens, moved, timeout_s=CALL_TIMEOUT_S):
+                raise RemoteError(f"{target.instance_id} no longer holds {request_id}", "NOT_FOUND", target.instance_id)
+        except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
+            # The source let go at the target's ACK: the request lives (or died) there now.
+            mailbox.put(TokenDelta.failed(request_id, f"move to {target.instance_id} failed: {exc}"))
+            return self._failed()
+        self.stats.moved += 1
+        self.stats.pauses_ms.append((time.monotonic() - paused_at) * 1e3)
+        return True
+
+    async def _migration_layout(self, source: Instance):
+        if "migration_layout" not in source.extra:
+            source.extra["migration_layout"] = await source.decode_service.migration_layout(timeout_s=CALL_TIMEOUT_S)
+        return source.extra["migration_layout"]
+
+    async def _release_target(self, placement: Placement, target: Instance) -> None:
+        placement.moving_to = None
+        self.orchestrator.streams.close(target.instance_id, placement.request_id)
+        try:
+            await target.decode_service.abort(placement.request_id, timeout_s=CALL_TIMEOUT_S)
+        except (WorkerLinkError, RemoteError, asyncio.TimeoutError):
+            pass  # its reservation expires with the KV timeout
+
+    def _failed(self) -> bool:
+        self.stats.failed += 1
+        return False
