@@ -1,0 +1,149 @@
+"""Live migration under load, through the real service (issue 36): how long a request's stream
+stalls when it moves to another decode instance with its KV, against a decode step.
+
+A server of the default model (1 prefill + 2 decode instances, Ray, redis-server, gRPC on
+127.0.0.1). Every request first runs on decode instance A (B is kept out of placement); once
+each has streamed --move-after tokens, B comes back and A drains: every request moves to B.
+The same requests ran before with nothing moved. Prints, one per line: the requests moved, the
+tokens recomputed (requests that migrated by recompute instead), lost and wrong outputs, the
+stall at the move (the client's largest gap between two tokens from the drain on, p50 and max)
+and the decode step (the client's median gap between tokens outside the move).
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_live_migration.py [--requests 6] [--max-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+
+from disagg.client import DisaggClient, generate_request
+from disagg.config import ServingConfig
+from disagg.server import Server
+
+QUESTIONS = [
+    "Write a story about a dragon.",
+    "Describe the ocean.",
+    "Explain how rain forms.",
+    "Tell me about Rome.",
+    "Why is the sky blue?",
+    "Describe a busy market.",
+    "Write a poem about autumn.",
+    "Explain what a compiler does.",
+]
+
+
+def listed(client) -> set[str]:
+    return {i.instance_id for pool in client.cluster_status().pools for i in pool.instances}
+
+
+def wait_listed(client, instance_id: str, present: bool, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (instance_id in listed(client)) != present:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{instance_id} {'never came back' if present else 'is still listed'}")
+        time.sleep(0.1)
+
+
+def metric(server, prefix: str) -> float:
+    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def stream_all(client, requests, on_all_started=None, after_tokens: int = 0):
+    """[(tokens, arrival times, error)] of every request, streamed at once; `on_all_started` runs
+    once each has `after_tokens` tokens."""
+    barrier = threading.Barrier(len(requests) + 1, timeout=300)
+
+    def one(request):
+        tokens, times, error, told = [], [], None, False
+        try:
+            for msg in client.stream(request, timeout=600):
+                now = time.monotonic()
+                tokens += msg.token_ids
+                times += [now] * len(msg.token_ids)
+                if not told and len(tokens) >= after_tokens:
+                    told = True
+                    barrier.wait()
+        except Exception as exc:  # noqa: BLE001 - counted as lost
+            error = str(exc)
+        if not told:
+            barrier.wait()
+        return tokens, times, error
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(one, r) for r in requests]
+        barrier.wait()
+        moved_at = on_all_started() if on_all_started is not None else None
+        return [f.result() for f in futures], moved_at
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--move-after", type=int, default=24, help="tokens each request streams before the drain")
+    args = p.parse_args(argv)
+    config = ServingConfig.from_dict(
+        {
+            "engine": {"num_kv_blocks": 600, "max_num_batched_tokens": 256},
+            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
+            "port": 0,
+            "metrics_port": 0,
+            "heartbeat_interval_s": 0.3,
+            "heartbeat_ttl_s": 1.0,
+            "calibration_s": 0,
+        }
+    )
+    questions = (QUESTIONS * 4)[: args.requests]
+    requests = [
+        generate_request(
+            chat=[{"role": "user", "content": q}], ignore_eos=True, temperature=0.0, max_tokens=args.max_tokens
+        )
+        for q in questions
+    ]
+    with Server(config) as server, DisaggClient(server.address) as client:
+        a, b = sorted((i for i in server.launcher.instances if i.role == "decode"), key=lambda i: i.instance_id)
+        expected, _ = stream_all(client, requests)
+        recomputed_before = metric(server, "disagg:request_migrations_total{")
+        ray.get(b.actor.set_heartbeat_enabled.remote(False))  # every request starts on A
+        wait_listed(client, b.instance_id, present=False)
+
+        def drain_a() -> float:
+            ray.get(b.actor.set_heartbeat_enabled.remote(True))
+            wait_listed(client, b.instance_id, present=True)
+            started = time.monotonic()
+            ray.get(a.actor.drain.remote(False))
+            return started
+
+        got, drained_at = stream_all(client, requests, drain_a, after_tokens=args.move_after)
+        moved = server.live_moves.stats.moved
+        recomputed = metric(server, "disagg:request_migrations_total{") - recomputed_before
+    lost = sum(1 for _, _, error in got if error)
+    wrong = sum(1 for (tokens, _, error), (want, _, _) in zip(got, expected) if not error and tokens != want)
+    stalls, steps = [], []
+    for tokens, times, error in got:
+        gaps = [(t1 - t0, t1) for t0, t1 in zip(times, times[1:]) if t1 > t0]
+        after = [g for g, t1 in gaps if t1 >= drained_at]
+        if after:
+            stalls.append(max(after))
+        steps += [g for g, t1 in gaps if t1 < drained_at]
+    print(f"requests: {len(requests)}; moved with their KV: {moved}")
+    print(f"recomputed migrations: {int(recomputed)}")
+    print(f"lost: {lost}")
+    print(f"wrong outputs: {wrong}")
+    print(f"migration pause p50 ms: {statistics.median(stalls) * 1e3:.1f} (max {max(stalls) * 1e3:.1f})")
+    print(f"decode step p50 ms: {statistics.median(steps) * 1e3:.1f}")
+    return 0 if not (lost or wrong or recomputed) and moved == len(requests) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
