@@ -54,6 +54,7 @@ class ReserveMigration:
     request_id: str
     token_ids: list[int]
     params: SamplingParams
+    num_prompt_tokens: int
     source: KVLayout
     capacity_tokens: int
     kv_wait_s: float
@@ -64,13 +65,6 @@ class ReserveMigration:
 class MigrateOut:
     request_id: str
     reservation: Reservation
-
-
-@dataclass(frozen=True)
-class CompleteMigration:
-    request_id: str
-    tokens_at_pause: list[int]
-    params: SamplingParams
 
 
 @dataclass(frozen=True)
@@ -149,6 +143,10 @@ class DecodeActor(WorkerActorBase, DecodeService):
         if exit_when_done:
             threading.Thread(target=self._exit_when_drained, name="drain", daemon=True).start()
 
+    def resume_service(self) -> None:
+        """Back in service after a drain without exit (a role switch that failed, a benchmark)."""
+        self._draining.clear()
+
     def _catch_sigterm(self) -> None:
         """SIGTERM drains, then exits (the default would drop every request here at once)."""
         if not sigterm.install(lambda: self.drain(exit_when_done=True)):
@@ -191,13 +189,15 @@ class DecodeActor(WorkerActorBase, DecodeService):
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
+        num_prompt_tokens: int,
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
     ) -> Future:
-        return self.loop.submit(
-            ReserveMigration(request_id, token_ids, params, source, capacity_tokens, kv_wait_s, self.rpc.caller())
+        command = ReserveMigration(
+            request_id, token_ids, params, num_prompt_tokens, source, capacity_tokens, kv_wait_s, self.rpc.caller()
         )
+        return self.loop.submit(command)
 
     def migrate_out(self, request_id: str, reservation: Reservation) -> Future:
         """Answered when the request paused here (the move's `paused`), not when it started."""
@@ -212,9 +212,6 @@ class DecodeActor(WorkerActorBase, DecodeService):
         self.loop.submit(MigrateOut(request_id, reservation)).add_done_callback(started)
         return paused
 
-    def complete_migration(self, request_id: str, tokens_at_pause: list[int], params: SamplingParams) -> Future:
-        return self.loop.submit(CompleteMigration(request_id, tokens_at_pause, params))
-
     def _link_closed(self, link: Link) -> None:
         self.loop.submit(DropStreamsOf(link))
 
@@ -226,7 +223,6 @@ class DecodeActor(WorkerActorBase, DecodeService):
             AbortDecode: lambda c: self._abort(c.request_id),
             ReserveMigration: self._reserve_migration,
             MigrateOut: self._migrate_out,
-            CompleteMigration: lambda c: self.worker.complete_migration(c.request_id, c.tokens_at_pause, c.params),
             DropStreamsOf: self._drop_streams_of,
         }
 
@@ -241,8 +237,8 @@ class DecodeActor(WorkerActorBase, DecodeService):
 
     def _reserve_migration(self, command: ReserveMigration) -> Reservation | None:
         reservation = self.worker.reserve_migration(
-            command.request_id, command.token_ids, command.params, command.source, command.capacity_tokens,
-            command.kv_wait_s,
+            command.request_id, command.token_ids, command.params, command.num_prompt_tokens, command.source,
+            command.capacity_tokens, command.kv_wait_s,
         )  # fmt: skip
         if reservation is not None:
             self._first_token_pending.add(command.request_id)  # its first output: the source's last token

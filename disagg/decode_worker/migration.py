@@ -8,19 +8,19 @@ Source side (`MigrationSource`, on the engine thread of the instance that decode
 PRECOPY: the KV computed so far goes out at once (by reference on one host, packed between
 hosts: the same KVSender and protocol as a prefill's), while the request keeps decoding here.
 After `precopy_steps` more steps it pauses at a step boundary (out of the batch, blocks kept):
-only what those steps wrote goes out then, and the DONE carries the last sampled token. The
-pause lasts from there to the target's first step. AWAITING_ACK: on the target's
+only what those steps wrote goes out then, with the request's tokens (a TOKENS message), and the
+DONE carries the last sampled token. The pause lasts from there to the target's first step. AWAITING_ACK: on the target's
 acknowledgement the blocks here are freed (DONE); if the transfer fails, the request resumes
 here from where it paused (FAILED): a move that fails loses nothing.
 
 Target side (`MigrationTarget`): blocks are reserved for the tokens known when the move starts
-plus room for those the source adds before it pauses; the request joins the batch once its KV
-is in AND its caller has said which tokens that KV is of (`complete`: the source's tokens at the
-pause, which the caller learns from the source's `paused` future), in whichever order they come.
+plus room for those the source adds before it pauses; the request joins the batch at the first
+step boundary after its KV and tokens are in, with no other party's word needed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from concurrent.futures import Future
@@ -106,6 +106,7 @@ class MigrationSource:
         tokens = self.engine.pause_request(move.request_id)
         request = self.engine.scheduler.paused[move.request_id]
         self.sender.catch_up(move.request_id, request.block_ids, request.num_computed_tokens)
+        self.sender.send_tokens(move.request_id, tokens)
         self.sender.finish(move.request_id, tokens[-1])
         move.state = MigrationState.AWAITING_ACK
         move.paused.set_result(tokens)
@@ -146,10 +147,22 @@ class MigrationFailed(RuntimeError):
         self.request_id = request_id
 
 
+def continued_params(params: SamplingParams, num_prompt_tokens: int, num_tokens: int) -> SamplingParams:
+    """The params a request decodes on with at its target: `params` were its attempt's, for a
+    prompt of `num_prompt_tokens`; it moves with `num_tokens` (the last one its target's first
+    output). The outputs before that one count as done: max_tokens shrinks by them, and seeded
+    noise goes on at the right index (SamplingParams.resumed_tokens)."""
+    done = num_tokens - num_prompt_tokens - 1
+    if done < 0:
+        raise ValueError(f"migration: {num_tokens} tokens do not reach past the {num_prompt_tokens}-token prompt")
+    return dataclasses.replace(params, max_tokens=params.max_tokens - done, resumed_tokens=params.resumed_tokens + done)
+
+
 @dataclass
 class _Incoming:
+    num_prompt_tokens: int
+    params: SamplingParams  # its attempt's
     kv: TransferResult | None = None
-    tokens: tuple[list[int], int, SamplingParams] | None = None
 
 
 class MigrationTarget:
@@ -159,44 +172,49 @@ class MigrationTarget:
         self.engine = engine
         self._arriving: dict[str, _Incoming] = {}
 
-    def expect(self, request_id: str) -> None:
-        self._arriving[request_id] = _Incoming()
+    def reserve(
+        self,
+        request_id: str,
+        token_ids: list[int],
+        params: SamplingParams,
+        num_prompt_tokens: int,
+        capacity_tokens: int,
+    ) -> list[int] | None:
+        """Blocks for a request whose attempt (`params`, a prompt of `num_prompt_tokens`) has
+        `token_ids` with KV so far; None when there is no room."""
+        known = continued_params(params, num_prompt_tokens, len(token_ids) + 1)
+        block_ids = self.engine.reserve_for_migration(request_id, token_ids, known, capacity_tokens)
+        if block_ids is not None:
+            self._arriving[request_id] = _Incoming(num_prompt_tokens, params)
+        return block_ids
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._arriving
-
-    def complete(self, request_id: str, tokens_at_pause: list[int], params: SamplingParams) -> bool:
-        """What the KV is of: the source's tokens at its pause (the last one sampled, its KV not
-        computed), and the params to decode on with. False when the request is gone."""
-        incoming = self._arriving.get(request_id)
-        if incoming is None:
-            return False
-        incoming.tokens = (list(tokens_at_pause[:-1]), tokens_at_pause[-1], params)
-        return True
 
     def kv_arrived(self, result: TransferResult) -> None:
         self._arriving[result.request_id].kv = result
 
     def has_ready(self) -> bool:
-        return any(i.kv is not None and i.tokens is not None for i in self._arriving.values())
+        return any(i.kv is not None for i in self._arriving.values())
 
     def forget(self, request_id: str) -> None:
         self._arriving.pop(request_id, None)
 
     def ready(self) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Requests whose KV and tokens are both in, now decoding (their first outputs carry the
-        last token the source sampled, which the client already has); and (request id, error)
-        of those that cannot go on (aborted here)."""
+        """Requests whose KV and tokens are in, now decoding (their first outputs carry the last
+        token the source sampled, which the client already has); and (request id, error) of
+        those that cannot go on (aborted here)."""
         outputs, failed = [], []
         for request_id, incoming in list(self._arriving.items()):
-            if incoming.kv is None or incoming.tokens is None:
+            if incoming.kv is None:
                 continue
             del self._arriving[request_id]
-            tokens, last_token, params = incoming.tokens
+            tokens = incoming.kv.token_ids
             try:
-                if incoming.kv.first_token != last_token:
-                    raise ValueError(f"migration of {request_id}: the source's DONE carries another last token")
-                outputs.append(self.engine.finish_migration_import(request_id, tokens, last_token, params))
+                if not tokens or incoming.kv.first_token != tokens[-1]:
+                    raise ValueError(f"migration of {request_id}: its tokens did not come with its KV")
+                params = continued_params(incoming.params, incoming.num_prompt_tokens, len(tokens))
+                outputs.append(self.engine.finish_migration_import(request_id, tokens[:-1], tokens[-1], params))
             except ValueError as exc:
                 self.engine.abort_request(request_id)
                 failed.append((request_id, str(exc)))

@@ -124,29 +124,31 @@ class DecodeWorker:
         request_id: str,
         token_ids: list[int],
         sampling_params: SamplingParams,
+        num_prompt_tokens: int,
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float | None = None,
     ) -> Reservation | None:
         """Room for a request moving here from the instance whose migration senders are `source`:
-        its `token_ids` known now and up to `capacity_tokens` positions; None when there is none."""
+        its attempt (`sampling_params`, a prompt of `num_prompt_tokens`) has `token_ids` with KV
+        now; up to `capacity_tokens` positions. None when there is no room."""
         if self.receiver is None or self.followers is not None:
             raise ValueError("migration: only a one-rank DECODE instance takes moving requests")
-        block_ids = self.engine.reserve_for_migration(request_id, token_ids, sampling_params, capacity_tokens)
+        block_ids = self.migrations_in.reserve(
+            request_id, token_ids, sampling_params, num_prompt_tokens, capacity_tokens
+        )
         if block_ids is None:
             return None
         rank = self.kv_layout().ranks[0]
-        transfer_id = self.receiver.expect(
-            request_id, block_ids, {p.peer_id: p.address for p in source.ranks}, kv_wait_s
-        )
+        sources = {p.peer_id: p.address for p in source.ranks}
+        transfer_id = self.receiver.expect(request_id, block_ids, sources, kv_wait_s)
         self.tally.expect(request_id, 1)
-        self.migrations_in.expect(request_id)
         return Reservation(transfer_id, block_ids, {rank.peer_id: transfer_id}, self.kv_layout())
 
     def migrate_out(self, request_id: str, reservation: Reservation) -> Outgoing:
         """Start moving a decoding request into another instance's reservation. The returned
-        move's `paused` future gives the request's tokens at its pause (pass them to the target's
-        `complete_migration`); `done` says whether it runs there now or went on here."""
+        move's `paused` future gives the request's tokens at its pause (the target gets them with
+        the KV); `done` says whether it runs there now or went on here."""
         if self.migrations_out is None:
             raise ValueError("migration: this worker has no migration transport")
         cfg = self.engine.model_config
@@ -160,10 +162,6 @@ class DecodeWorker:
             cfg.num_key_value_heads,
         )
         return self.migrations_out.start(request_id, targets)
-
-    def complete_migration(self, request_id: str, tokens_at_pause: list[int], sampling_params: SamplingParams) -> bool:
-        """What an arriving request's KV is of (see MigrationTarget.complete)."""
-        return self.migrations_in.complete(request_id, tokens_at_pause, sampling_params)
 
     def abort(self, request_id: str) -> bool:
         if self.migrations_out is not None:
@@ -191,7 +189,7 @@ class DecodeWorker:
         self.transfer_results = self._finished_transfers()
         for result in self.transfer_results:
             if result.ok and result.request_id in self.migrations_in:
-                self.migrations_in.kv_arrived(result)  # joins once its tokens are known too
+                self.migrations_in.kv_arrived(result)
             elif result.ok:
                 outputs.append(self.engine.finish_kv_import(result.request_id, result.first_token))
             else:

@@ -27,6 +27,7 @@ class TransferResult:
     error: str | None = None
     seconds: float = 0.0
     num_bytes: int = 0
+    token_ids: list[int] | None = None  # a moving request's tokens at its pause (MsgType.TOKENS), if sent
 
 
 class KVConnector(abc.ABC):

@@ -7,6 +7,9 @@ derives from the header and its own cache geometry, so no shape metadata travels
 Between workers on one host whose prefill cache is in shared memory, KV_REF replaces KV: its
 payload (`BlockRef`) names the sender's cache and its blocks, and the receiver copies them
 itself, straight from the sender's cache into its own blocks.
+
+A request that moves between decode instances (disagg.decode_worker.migration) sends its
+tokens in a TOKENS message before its DONE, so the target can decode on without another party.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class MsgType(enum.IntEnum):
     ACK = 3  # the receiver has everything; the sender may free its blocks
     ABORT = 4  # either side gives up on the transfer (request aborted, cancelled or failed)
     KV_REF = 5  # as KV, but by reference to the sender's shared cache: a BlockRef payload follows
+    TOKENS = 6  # a moving request's tokens (int64 payload of num_blocks tokens), before its DONE
 
 
 @dataclass(frozen=True)

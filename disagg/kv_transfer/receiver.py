@@ -50,6 +50,7 @@ class _Incoming:
     first_token: int = -1
     num_bytes: int = 0
     first_byte_at: float | None = None
+    token_ids: list[int] | None = None  # a moving request's tokens (MsgType.TOKENS)
 
 
 class KVReceiver(KVEndpoint):
@@ -112,6 +113,8 @@ class KVReceiver(KVEndpoint):
     def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
         if header.type is MsgType.KV_REF:
             return BlockRef.empty(header.num_blocks)
+        if header.type is MsgType.TOKENS:
+            return torch.empty(header.num_blocks, dtype=torch.int64)
         if header.type is not MsgType.KV:
             return None
         cache = self.kv_cache
@@ -155,6 +158,8 @@ class KVReceiver(KVEndpoint):
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
                 self._import(tr, header, payload)
+            elif header.type is MsgType.TOKENS:
+                tr.token_ids = payload.tolist()
             elif header.type is MsgType.DONE:
                 ack = (tr.sources[peer_id], Header(MsgType.ACK, tr.transfer_id))
                 self._source_done(tr, peer_id, header.token)
@@ -275,6 +280,7 @@ class KVReceiver(KVEndpoint):
                 error,
                 time.monotonic() - (tr.first_byte_at or tr.started),
                 tr.num_bytes,
+                tr.token_ids,
             )
         )
 

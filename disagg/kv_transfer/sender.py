@@ -250,6 +250,13 @@ class KVSender(KVEndpoint):
                 self._post(tr, Header(MsgType.DONE, tr.target.transfer_id, token=first_token))
                 self._channel(tr.target.peer_id, tr.target.peer_address).wake_receiver()
 
+    def send_tokens(self, request_id: str, token_ids: list[int]) -> None:
+        """Before `finish`: the tokens the KV is of go to every target (a moving request's)."""
+        payload = torch.tensor(token_ids, dtype=torch.int64)
+        for tr in self._by_request.get(request_id, ()):
+            if tr.state in (TransferState.PENDING, TransferState.TRANSFERRING):
+                self._post(tr, Header(MsgType.TOKENS, tr.target.transfer_id, num_blocks=len(token_ids)), payload)
+
     def abort(self, request_id: str) -> None:
         """Give up on a request's transfers (e.g. the request was cancelled, or its step failed).
         A receiver that already got some of the KV is told, so that it frees its blocks now

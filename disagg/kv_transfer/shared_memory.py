@@ -48,7 +48,9 @@ def _attach_cuda(handle: SharedHandle, shape: tuple[int, ...], dtype: torch.dtyp
     try:
         return open_cuda(handle, descriptor, shape, dtype)
     except (ValueError, RuntimeError) as exc:
-        raise KVTransferError(f"cannot map the CUDA KV cache {ipc_name(handle.token)} of pid {handle.pid}: {exc}") from exc
+        raise KVTransferError(
+            f"cannot map the CUDA KV cache {ipc_name(handle.token)} of pid {handle.pid}: {exc}"
+        ) from exc
 
 
 def _touch_pages(tensor: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ class _Pending:
     first_token: int = -1
     seconds: float = 0.0
     num_bytes: int = 0
+    token_ids: list[int] | None = None
 
 
 @dataclass
@@ -46,11 +47,18 @@ class TransferTally:
             pending.first_token = result.first_token if result.first_token >= 0 else pending.first_token
             pending.seconds = max(pending.seconds, result.seconds)  # the ranks move their slices in parallel
             pending.num_bytes += result.num_bytes
+            pending.token_ids = result.token_ids if result.token_ids is not None else pending.token_ids
             if pending.remaining == 0:
                 del self._pending[result.request_id]
                 done.append(
                     TransferResult(
-                        result.request_id, True, pending.first_token, None, pending.seconds, pending.num_bytes
+                        result.request_id,
+                        True,
+                        pending.first_token,
+                        None,
+                        pending.seconds,
+                        pending.num_bytes,
+                        pending.token_ids,
                     )
                 )
         return done

@@ -4,9 +4,9 @@ context, and a loaded one can hand work to another.
 
 One move (disagg.decode_worker.migration does the workers' half): the target reserves blocks
 for the tokens known now plus room; the source pre-copies the KV while the request decodes on,
-pauses it at a step boundary, and answers its tokens at the pause; the router hands the stream
-over once every token the source produced has reached it, and the target completes and decodes
-on. The client sees one stream: no token repeated or missing, greedy and seeded output unchanged.
+pauses it at a step boundary, sends the rest with the request's tokens, and answers the router
+with those tokens; the target decodes on, and the router hands the stream over once every token
+the source produced has reached it. The client sees one stream: no token repeated or missing, greedy and seeded output unchanged.
 A move that fails leaves the request decoding where it was; a source that dies during one
 fails its requests into the ordinary recompute migration (disagg.router.migration).
 """
@@ -14,7 +14,6 @@ fails its requests into the ordinary recompute migration (disagg.router.migratio
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from dataclasses import dataclass
 from disagg.errors import RemoteError, WorkerLinkError
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.orchestrator import Handover, Orchestrator, Placement
-from disagg.rpc.messages import TokenDelta
 
 logger = logging.getLogger(__name__)
 HEADROOM_TOKENS = 64  # positions a target reserves beyond the known tokens (the source decodes on meanwhile)
@@ -33,7 +31,6 @@ CALL_TIMEOUT_S = 10.0
 class MoveStats:
     moved: int = 0
     failed: int = 0
-    pauses_ms: list[float] = dataclasses.field(default_factory=list)  # source paused -> handover set
 
 
 class LiveMoves:
@@ -79,8 +76,8 @@ class LiveMoves:
             if layout is None:
                 return False
             reservation = await target.decode_service.reserve_migration(
-                request_id, known, params, layout, capacity, self.orchestrator.config.kv_timeout_s,
-                timeout_s=CALL_TIMEOUT_S,
+                request_id, known, params, placement.num_prompt_tokens, layout, capacity,
+                self.orchestrator.config.kv_timeout_s, timeout_s=CALL_TIMEOUT_S,
             )  # fmt: skip
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
             logger.warning("move of %s: no reservation on %s: %s", request_id, target.instance_id, exc)
@@ -95,25 +92,11 @@ class LiveMoves:
             logger.warning("move of %s from %s failed: %s", request_id, source.instance_id, exc)
             await self._release_target(placement, target)
             return self._failed()
-        paused_at = time.monotonic()
-        at_tokens = len(tokens) - placement.num_prompt_tokens
         target.outstanding_requests += 1
         target.outstanding_context_tokens += placement.num_prompt_tokens
-        placement.handover = Handover(target, mailbox, at_tokens)
+        placement.handover = Handover(target, mailbox, len(tokens) - placement.num_prompt_tokens)
         placement.mailbox.wake()  # its stream may hand over at once
-        try:
-            done = len(tokens) - placement.num_prompt_tokens - 1  # outputs before the one the target starts with
-            moved = dataclasses.replace(
-                params, max_tokens=params.max_tokens - done, resumed_tokens=params.resumed_tokens + done
-            )
-            if not await target.decode_service.complete_migration(request_id, tokens, moved, timeout_s=CALL_TIMEOUT_S):
-                raise RemoteError(f"{target.instance_id} no longer holds {request_id}", "NOT_FOUND", target.instance_id)
-        except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
-            # The source let go at the target's ACK: the request lives (or died) there now.
-            mailbox.put(TokenDelta.failed(request_id, f"move to {target.instance_id} failed: {exc}"))
-            return self._failed()
         self.stats.moved += 1
-        self.stats.pauses_ms.append((time.monotonic() - paused_at) * 1e3)
         return True
 
     async def _migration_layout(self, source: Instance):

@@ -60,8 +60,8 @@ class DecodeService:
         raise NotImplementedError
 
     # Live migration (disagg.decode_worker.migration): a decoding request moves from a source
-    # instance to a target with its KV: the target reserves, the source pre-copies and pauses,
-    # the target completes. A one-rank DECODE instance only.
+    # instance to a target with its KV: the target reserves, the source pre-copies, pauses and
+    # sends the rest with the request's tokens. A one-rank DECODE instance only.
     def migration_layout(self) -> KVLayout | None:
         """Where requests moving out of here send their KV from (None: they cannot move out)."""
         raise NotImplementedError
@@ -71,27 +71,21 @@ class DecodeService:
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
+        num_prompt_tokens: int,
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
     ) -> Reservation | None:
-        """Target: blocks for a request moving here from `source` (its `token_ids` known now, room
-        for `capacity_tokens` positions), listening for its KV; None when there is no room."""
+        """Target: blocks for a request moving here from `source`: its attempt (`params`, a prompt
+        of `num_prompt_tokens`) has `token_ids` with KV now; room for `capacity_tokens` positions.
+        Its tokens stream on this link once it decodes here (the first after those the source
+        sent). None when there is no room."""
         raise NotImplementedError
 
     def migrate_out(self, request_id: str, reservation: Reservation) -> list[int]:
         """Source: move a decoding request into the target's reservation. Answers once it paused
-        here: its tokens then (the last one sampled, its KV not computed), which the caller hands
-        to the target's `complete_migration`. Fails (and the request goes on here) when it cannot."""
-        raise NotImplementedError
-
-    def complete_migration(self, request_id: str, tokens_at_pause: list[int], params: SamplingParams) -> bool:
-        """Target: what the arriving KV is of; the request decodes here once both are in, its
-        tokens streaming on this link (the first one after `tokens_at_pause`). False if gone."""
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> bool:
-        """Drop the request and free its blocks; False if it was not here."""
+        here: its tokens then (the last one sampled, its KV not computed); the target gets them
+        with the KV. Fails (and the request goes on here) when it cannot."""
         raise NotImplementedError
 
 

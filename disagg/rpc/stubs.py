@@ -66,6 +66,7 @@ class DecodeStub(DecodeService):
         request_id: str,
         token_ids: list[int],
         params: SamplingParams,
+        num_prompt_tokens: int,
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
@@ -73,16 +74,9 @@ class DecodeStub(DecodeService):
         timeout_s: float,
     ) -> Reservation | None:
         return await self.link.call(
-            DecodeService.reserve_migration, request_id, token_ids, params, source, capacity_tokens, kv_wait_s,
-            timeout_s=timeout_s,
+            DecodeService.reserve_migration, request_id, token_ids, params, num_prompt_tokens, source,
+            capacity_tokens, kv_wait_s, timeout_s=timeout_s,
         )  # fmt: skip
 
     async def migrate_out(self, request_id: str, reservation: Reservation, *, timeout_s: float) -> list[int]:
         return await self.link.call(DecodeService.migrate_out, request_id, reservation, timeout_s=timeout_s)
-
-    async def complete_migration(
-        self, request_id: str, tokens_at_pause: list[int], params: SamplingParams, *, timeout_s: float
-    ) -> bool:
-        return await self.link.call(
-            DecodeService.complete_migration, request_id, tokens_at_pause, params, timeout_s=timeout_s
-        )
