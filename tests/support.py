@@ -3,6 +3,8 @@ conftest.py files exist, and `from conftest import` would pick whichever loaded 
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -120,3 +122,27 @@ def self_signed_certificate(directory) -> tuple[str, str]:
         check=True, capture_output=True,
     )  # fmt: skip
     return str(cert), str(key)
+
+
+# ---- a PREFILL and a DECODE worker in one process (the KV protocol, role switches) ----------------
+def submit_transfer(prefill, decode, request_id: str, prompt: list[int], params) -> None:
+    """The router's handshake: reserve on decode, then start the prefill with its targets (they
+    are in force from the first layer of its first step on)."""
+    reservation = decode.reserve(request_id, prompt, params, prefill.kv_layout())
+    assert reservation is not None
+    prefill.add_request(request_id, prompt, params)
+    prefill.set_kv_targets(request_id, reservation)
+
+
+def run_transfers(prefill, decode, timeout: float = 60.0) -> dict[str, list[int]]:
+    finished: dict[str, list[int]] = {}
+    deadline = time.monotonic() + timeout
+    while not (prefill.is_idle() and decode.is_idle()):
+        assert time.monotonic() < deadline, "transfer did not complete"
+        prefill.step()
+        for out in decode.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+        if prefill.engine.scheduler.held_for_export and not decode.engine.scheduler.running:
+            time.sleep(0.001)  # waiting on the channel threads only
+    return finished

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from disagg.config import EngineConfig, Role
 from disagg.decode_worker.migration import MigrationSource, MigrationTarget, Outgoing
 from disagg.engine.distributed import InstanceGroups
+from disagg.engine.engine import LLMEngine
 from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.connector import assemble, instance_kv_layout
 from disagg.kv_transfer.endpoint import TransferResult
@@ -47,12 +48,16 @@ class DecodeWorker:
         groups: InstanceGroups | None = None,
         followers: ShardGroup | None = None,
         migration_transport: Transport | None = None,
+        engine: LLMEngine | None = None,
     ):
         """Without a transport: the COLOCATED role. `groups`, `followers`: rank 0 of a TP x PP
         instance (its process groups, the other ranks). `migration_transport`: what moving
-        requests out goes over (None: they cannot move out; one rank only)."""
+        requests out goes over (None: they cannot move out; one rank only). `engine`: an idle
+        engine to take over, switched to this role (disagg.worker.role_switch)."""
         role = Role.DECODE if transport is not None else Role.COLOCATED
-        built = assemble(config, role, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers)
+        built = assemble(
+            config, role, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers, engine=engine
+        )
         self.engine, self.receiver = built.engine, built.endpoint
         self.migrations_out: MigrationSource | None = None
         if migration_transport is not None:

@@ -89,15 +89,7 @@ class LLMEngine:
         self.model = self._build_model(source)
         self.kv_cache = self._build_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.block_manager,
-            role=config.role,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_waiting_requests=config.max_waiting_requests,
-            max_model_len=self.max_model_len,
-            policy=config.scheduling_policy,
-        )
+        self.scheduler = self._new_scheduler(config, self.block_manager)
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache)
@@ -121,6 +113,17 @@ class LLMEngine:
         self.num_steps = 0
 
     # ---- construction ------------------------------------------------------------------------
+    def _new_scheduler(self, config: EngineConfig, block_manager: BlockManager) -> Scheduler:
+        return Scheduler(
+            block_manager,
+            role=config.role,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting_requests=config.max_waiting_requests,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+        )
+
     def _build_model(self, source) -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # build parameters directly in the target dtype
@@ -393,6 +396,25 @@ class LLMEngine:
         """The prompt's KV is in place: decode from the first token on. Returns the first token's output."""
         request = self.scheduler.finish_kv_import(request_id, first_token_id)
         return self._output(request)
+
+    # ---- role switch: the same weights serve another pool (disagg.worker.role_switch) ---------
+    def switch_role(self, role: Role, kv_connector: KVConnector | None) -> None:
+        """Serve as `role` from now on, with `kv_connector` moving its KV: the scheduler, block
+        table and connector are made anew; the weights and the KV memory stay. Only an engine
+        that holds no request switches (drain it first); anything that fails leaves it as it
+        was: built first, swapped in last."""
+        if self.scheduler.requests or self.scheduler.paused:
+            raise ValueError(f"switch_role: {len(self.scheduler.requests)} requests still here; drain first")
+        if self.groups is not None:
+            raise ValueError("switch_role: an instance of several ranks cannot switch roles yet")
+        config = self.config.replace(role=role)
+        block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = self._new_scheduler(config, block_manager)
+        if kv_connector is not None:
+            kv_connector.register_kv_cache(self.kv_cache)
+        self.config, self.block_manager, self.scheduler = config, block_manager, scheduler
+        self.kv_connector = kv_connector
+        self.runner.kv_connector = kv_connector if kv_connector is not None and kv_connector.saves_layers else None
 
     # ---- live migration: a decoding request moves with its KV (disagg.decode_worker.migration) ---
     def pause_request(self, request_id: str) -> list[int]:

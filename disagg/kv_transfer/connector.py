@@ -35,10 +35,13 @@ def assemble(
     transport: Transport | None = None,
     groups: InstanceGroups | None = None,
     followers: Followers | None = None,
+    engine: LLMEngine | None = None,
 ) -> EngineWithKV:
     """The engine of `role` with its KV endpoint, which talks over `transport` (None only for a
     colocated instance, which moves no KV). `groups`: this rank's
-    process groups in a TP x PP instance; `followers`: rank 0's handle on the other ranks."""
+    process groups in a TP x PP instance; `followers`: rank 0's handle on the other ranks.
+    `engine`: an idle engine of this process to switch to `role` instead of loading one (its
+    weights stay: disagg.worker.role_switch)."""
     endpoint = None
     if role is not Role.COLOCATED:
         if transport is None:
@@ -47,6 +50,9 @@ def assemble(
             endpoint = KVSender(transport, timeout=kv_timeout)
         else:
             endpoint = KVReceiver(transport, timeout=kv_timeout, attention_backend=config.attention_backend)
+    if engine is not None:
+        engine.switch_role(role, endpoint)
+        return EngineWithKV(engine, endpoint)
     engine = LLMEngine(config.replace(role=role), groups=groups, kv_connector=endpoint, followers=followers)
     return EngineWithKV(engine, endpoint)
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from disagg.config import EngineConfig, Role
 from disagg.engine.distributed import InstanceGroups
+from disagg.engine.engine import LLMEngine
 from disagg.engine.outputs import RequestOutput
 from disagg.kv_transfer.connector import assemble, instance_kv_layout
 from disagg.kv_transfer.endpoint import TransferResult
@@ -70,10 +71,18 @@ class PrefillWorker:
         kv_timeout: float,
         groups: InstanceGroups | None = None,
         followers: ShardGroup | None = None,
+        engine: LLMEngine | None = None,
     ):
-        """`groups`, `followers`: rank 0 of a TP x PP instance (its process groups, the other ranks)."""
+        """`groups`, `followers`: rank 0 of a TP x PP instance (its process groups, the other ranks).
+        `engine`: an idle engine to take over, switched to PREFILL (disagg.worker.role_switch)."""
         built = assemble(
-            config, Role.PREFILL, kv_timeout=kv_timeout, transport=transport, groups=groups, followers=followers
+            config,
+            Role.PREFILL,
+            kv_timeout=kv_timeout,
+            transport=transport,
+            groups=groups,
+            followers=followers,
+            engine=engine,
         )
         self.engine, self.sender = built.engine, built.endpoint
         self.followers = followers

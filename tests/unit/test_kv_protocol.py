@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support import run_transfers as run, submit_transfer as submit
 
 from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
@@ -62,31 +63,6 @@ def pair(request):
     yield hub, prefill, decode
     prefill.close()
     decode.close()
-
-
-def submit(
-    prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int], params: SamplingParams
-) -> None:
-    """The router's handshake: reserve on decode, then start the prefill with its targets (they
-    are in force from the first layer of its first step on)."""
-    reservation = decode.reserve(request_id, prompt, params, prefill.kv_layout())
-    assert reservation is not None
-    prefill.add_request(request_id, prompt, params)
-    prefill.set_kv_targets(request_id, reservation)
-
-
-def run(prefill: PrefillWorker, decode: DecodeWorker, timeout: float = 60.0) -> dict[str, list[int]]:
-    finished: dict[str, list[int]] = {}
-    deadline = time.monotonic() + timeout
-    while not (prefill.is_idle() and decode.is_idle()):
-        assert time.monotonic() < deadline, "transfer did not complete"
-        prefill.step()
-        for out in decode.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0].token_ids
-        if prefill.engine.scheduler.held_for_export and not decode.engine.scheduler.running:
-            time.sleep(0.001)  # waiting on the channel threads only
-    return finished
 
 
 def message_kinds(monkeypatch) -> list[MsgType]:

@@ -1,0 +1,71 @@
+"""A worker switches pools with the same weights (disagg.instance.role_switch): a decode worker
+becomes a prefill worker and back, its weights never reloaded, and serves exactly as a fresh one
+of its new role would; a worker that holds requests refuses to switch and keeps serving."""
+
+from __future__ import annotations
+
+import pytest
+from support import run_transfers as run, submit_transfer as submit
+from test_kv_protocol import MODEL, greedy, prompts
+
+from disagg import LLM, Role
+from disagg.config import EngineConfig
+from disagg.decode_worker.worker import DecodeWorker
+from disagg.instance.role_switch import switch_worker
+from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
+
+
+@pytest.fixture(scope="module")
+def colocated_tokens() -> list[list[int]]:
+    llm = LLM(MODEL, num_kv_blocks=256)
+    params = greedy()
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts()], params)]
+
+
+def _config() -> EngineConfig:
+    return EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128)
+
+
+def _weights(worker) -> list[int]:
+    return [p.data_ptr() for p in worker.engine.model.parameters()]
+
+
+def test_decode_to_prefill_and_back_keeps_the_weights_and_serves_exactly(colocated_tokens):
+    hub = InProcessHub()
+    a = DecodeWorker(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
+    weights = _weights(a)
+    prefill = switch_worker(a, Role.PREFILL, InProcessTransport("a-kv-2", hub), kv_timeout=5.0)
+    assert prefill.engine is a.engine and _weights(prefill) == weights
+    assert prefill.engine.config.role is Role.PREFILL and prefill.engine.scheduler.role is Role.PREFILL
+    decode = DecodeWorker(_config(), InProcessTransport("b-kv", hub), kv_timeout=5.0)
+    for i, p in enumerate(prompts()):
+        submit(prefill, decode, f"r{i}", p, greedy())
+    finished = run(prefill, decode)
+    assert [finished[f"r{i}"] for i in range(len(prompts()))] == colocated_tokens
+    # ...and back to decoding, now taking KV from the other worker switched to prefill.
+    other = switch_worker(decode, Role.PREFILL, InProcessTransport("b-kv-2", hub), kv_timeout=5.0)
+    back = switch_worker(prefill, Role.DECODE, InProcessTransport("a-kv-3", hub), kv_timeout=5.0)
+    assert _weights(back) == weights and back.engine.config.role is Role.DECODE
+    for i, p in enumerate(prompts()):
+        submit(other, back, f"s{i}", p, greedy())
+    finished = run(other, back)
+    assert [finished[f"s{i}"] for i in range(len(prompts()))] == colocated_tokens
+    for worker in (other, back):
+        assert worker.engine.num_free_blocks == worker.engine.num_total_blocks
+        worker.close()
+
+
+def test_a_worker_with_requests_refuses_to_switch_and_serves_on(colocated_tokens):
+    hub = InProcessHub()
+    worker = DecodeWorker(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
+    worker.add_request("r0", prompts()[0], greedy())
+    with pytest.raises(ValueError, match="drain"):
+        switch_worker(worker, Role.PREFILL, InProcessTransport("a-kv-2", hub), kv_timeout=5.0)
+    assert worker.engine.config.role is Role.DECODE
+    tokens = []
+    while not worker.is_idle():
+        tokens += [t for out in worker.step() for t in out.new_token_ids]
+    assert tokens == colocated_tokens[0]
+    with pytest.raises(ValueError, match="only the prefill and decode"):
+        switch_worker(worker, Role.COLOCATED, InProcessTransport("a-kv-3", hub), kv_timeout=5.0)
+    worker.close()
