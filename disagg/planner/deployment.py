@@ -148,6 +148,17 @@ def _hardware(profile: Profile):
     return hardware
 
 
+def with_split(config: ServingConfig, num_prefill: int, num_decode: int) -> ServingConfig:
+    """A disaggregated config with these many prefill and decode instances (the re-planner's candidates)."""
+    if config.mode != "disaggregated":
+        raise ValueError("a prefill:decode split needs a disaggregated config")
+    pools = {
+        "prefill": replace(config.prefill, num_instances=num_prefill),
+        "decode": replace(config.decode, num_instances=num_decode),
+    }
+    return _replace_pools(config, pools)
+
+
 def _shape(pool: PoolConfig) -> tuple[int, int]:
     return pool.tensor_parallel_size, pool.pipeline_parallel_size
 

@@ -1,0 +1,152 @@
+"""The re-planner's decisions: which prefill:decode split of the instances serves the traffic of
+the last window best, and whether moving to it is worth a switch (issue 36, item 3).
+
+Every `decide`, the window's requests (their arrival pattern and lengths, as the router saw
+them) are replayed by the simulator (the classes `disagg plan` uses) on each reachable split:
+every (prefill, decode) of the same instances with at least one of each, since the last of a
+pool is never removed. The split with the highest predicted SLO attainment is the best. A switch
+is due only when (hysteresis, so that it never oscillates):
+
+- the best beats the current split by at least `min_gain` points of attainment (below that the
+  prediction's own error, and the switch's cost, outweigh it);
+- the same best has come out of `confirmations` decisions in a row (one noisy window moves
+  nothing);
+- `hold_s` have passed since the last switch (the traffic after a switch reflects it).
+
+A switch moves one instance at a time, toward the best split; the next decisions go on from
+there. The server's loop (and the simulator's replay of a re-planning server) apply them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from disagg.config import ServingConfig
+from disagg.placement.profile import Profile
+from disagg.planner.deployment import Deployment, with_split
+from disagg.planner.simulator import slo_attainment
+from disagg.planner.workload import SimRequest
+
+MIN_WINDOW_REQUESTS = 8  # fewer: too little to tell one split from another
+
+
+@dataclass(frozen=True)
+class Split:
+    prefill: int
+    decode: int
+
+    def __str__(self) -> str:
+        return f"{self.prefill}P:{self.decode}D"
+
+    def toward(self, target: "Split") -> "Split":
+        """One instance moved from the pool over target to the one under it."""
+        if target.prefill > self.prefill:
+            return Split(self.prefill + 1, self.decode - 1)
+        if target.prefill < self.prefill:
+            return Split(self.prefill - 1, self.decode + 1)
+        return self
+
+
+def reachable_splits(total: int) -> list[Split]:
+    """Every split of `total` instances that keeps one in each pool."""
+    if total < 2:
+        raise ValueError("re-planning needs at least two instances (one prefill, one decode)")
+    return [Split(p, total - p) for p in range(1, total)]
+
+
+class TrafficWindow:
+    """The requests that arrived in the last `window_s` seconds (at most `max_requests`)."""
+
+    def __init__(self, window_s: float = 30.0, max_requests: int = 4096):
+        self.window_s = window_s
+        self._seen: deque[tuple[float, int, int]] = deque(maxlen=max_requests)
+
+    def add(self, arrival_s: float, prompt_len: int, output_len: int) -> None:
+        self._seen.append((arrival_s, max(1, prompt_len), max(1, output_len)))
+
+    def requests(self, now: float) -> list[SimRequest]:
+        """The window's requests, arrivals counted from its start (what the simulator replays)."""
+        start = now - self.window_s
+        while self._seen and self._seen[0][0] < start:
+            self._seen.popleft()
+        first = self._seen[0][0] if self._seen else now
+        return [SimRequest(i, t - first, p, o) for i, (t, p, o) in enumerate(self._seen)]
+
+
+@dataclass
+class Decision:
+    now: float
+    current: Split
+    best: Split
+    predicted: dict[Split, float]  # attainment (percent) of each reachable split on the window's traffic
+    switch_to: Split | None  # the one-instance step toward `best`, when a switch is due
+    reason: str
+
+    @property
+    def gain(self) -> float:
+        return self.predicted.get(self.best, 0.0) - self.predicted.get(self.current, 0.0)
+
+
+@dataclass
+class Replanner:
+    """`simulate(split, requests)` -> the simulator's records of those requests on that split."""
+
+    simulate: Callable[[Split, list[SimRequest]], list]
+    total_instances: int
+    ttft_ms: float
+    tpot_ms: float
+    min_gain: float = 5.0  # points of attainment
+    confirmations: int = 2
+    hold_s: float = 20.0
+    history: list[Decision] = field(default_factory=list)
+    _last_switch_at: float = -math.inf
+    _streak: tuple[Split | None, int] = (None, 0)
+
+    def predict(self, requests: list[SimRequest]) -> dict[Split, float]:
+        return {
+            split: slo_attainment(self.simulate(split, requests), self.ttft_ms, self.tpot_ms)
+            for split in reachable_splits(self.total_instances)
+        }
+
+    def decide(self, now: float, current: Split, window: TrafficWindow) -> Decision:
+        requests = window.requests(now)
+        if len(requests) < MIN_WINDOW_REQUESTS:
+            return self._record(Decision(now, current, current, {}, None, f"{len(requests)} requests in the window"))
+        predicted = self.predict(requests)
+        # Ties go to the current split, then to the one nearest it: no switch that gains nothing.
+        best = max(predicted, key=lambda s: (predicted[s], s == current, -abs(s.prefill - current.prefill)))
+        decision = Decision(now, current, best, predicted, None, "")
+        streak = self._streak[1] + 1 if self._streak[0] == best else 1
+        self._streak = (best, streak)
+        if best == current:
+            decision.reason = "the current split is the best"
+        elif decision.gain < self.min_gain:
+            decision.reason = f"gain {decision.gain:.1f} points < {self.min_gain}"
+        elif streak < self.confirmations:
+            decision.reason = f"best {best} seen {streak} of {self.confirmations} times in a row"
+        elif now - self._last_switch_at < self.hold_s:
+            decision.reason = f"{now - self._last_switch_at:.0f}s since the last switch < {self.hold_s:.0f}s"
+        else:
+            decision.switch_to = current.toward(best)
+            decision.reason = f"{best} predicted {decision.gain:.1f} points over {current}"
+            self._last_switch_at = now
+            self._streak = (None, 0)
+        return self._record(decision)
+
+    def _record(self, decision: Decision) -> Decision:
+        self.history.append(decision)
+        del self.history[:-256]  # the latest decisions (for `disagg status` and the log)
+        return decision
+
+
+def split_simulator(config: ServingConfig, profiles: dict[str, Profile]) -> Callable[[Split, list[SimRequest]], list]:
+    """Replays requests on `config` with a given split: the server's deployment, as `disagg plan`
+    and `disagg simulate` build it (`profiles`: per role, as Deployment takes them)."""
+
+    def simulate(split: Split, requests: list[SimRequest]) -> list:
+        return Deployment(with_split(config, split.prefill, split.decode), profiles).simulator().run(requests)
+
+    return simulate

@@ -1,0 +1,124 @@
+"""The re-planner's decisions (disagg.planner.replanner): it picks the split the simulator ranks
+first for the traffic of its window, and its hysteresis keeps it from oscillating on a load that
+crosses the threshold back and forth."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from disagg.config import ServingConfig
+from disagg.placement.profile import load_profile
+from disagg.planner.replanner import Replanner, Split, TrafficWindow, reachable_splits, split_simulator
+from disagg.planner.simulator import slo_attainment
+
+PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
+TTFT_MS, TPOT_MS = 1500.0, 120.0
+
+
+def _window(prompt: tuple[int, int], output: tuple[int, int], rate: float, seconds: float, seed: int = 0):
+    rng, window, t = random.Random(seed), TrafficWindow(window_s=seconds), 0.0
+    while t < seconds:
+        window.add(t, rng.randint(*prompt), rng.randint(*output))
+        t += rng.expovariate(rate)
+    return window, t
+
+
+@pytest.fixture(scope="module")
+def simulate():
+    config = ServingConfig.from_dict(
+        {
+            "mode": "disaggregated",
+            "engine": {"num_kv_blocks": 2048, "max_num_batched_tokens": 512},
+            "prefill": {"num_instances": 1},
+            "decode": {"num_instances": 1},
+            "slo": {"ttft_ms": TTFT_MS, "tpot_ms": TPOT_MS},
+        }
+    )
+    profile = load_profile(PROFILE)
+    return split_simulator(config, {"prefill": profile, "decode": profile})
+
+
+def test_reachable_splits_keep_one_instance_in_each_pool():
+    assert reachable_splits(3) == [Split(1, 2), Split(2, 1)]
+    with pytest.raises(ValueError):
+        reachable_splits(1)
+
+
+@pytest.mark.parametrize(
+    "prompt,output,rate,expected_side",
+    [((700, 900), (4, 8), 1.5, "prefill"), ((20, 40), (150, 200), 8.0, "decode")],
+    ids=["prefill-heavy", "decode-heavy"],
+)
+def test_the_replanner_picks_the_split_the_simulator_ranks_first(simulate, prompt, output, rate, expected_side):
+    window, now = _window(prompt, output, rate=rate, seconds=30)
+    requests = window.requests(now)
+    ranked = {s: slo_attainment(simulate(s, requests), TTFT_MS, TPOT_MS) for s in reachable_splits(4)}
+    planner = Replanner(simulate, 4, TTFT_MS, TPOT_MS, confirmations=1, hold_s=0)
+    decision = planner.decide(now, Split(2, 2), window)
+    assert decision.predicted == ranked
+    assert ranked[decision.best] == max(ranked.values())
+    # The traffic's own side gets the instances (the simulator's answer is not arbitrary).
+    more = (
+        decision.best.prefill > decision.best.decode
+        if expected_side == "prefill"
+        else decision.best.decode > decision.best.prefill
+    )
+    assert more, decision
+    if decision.best != Split(2, 2) and decision.gain >= planner.min_gain:
+        assert decision.switch_to == Split(2, 2).toward(decision.best)
+
+
+def _scripted(predictions: list[dict[Split, float]]):
+    """A simulator stand-in whose attainments follow a script, one entry per decision."""
+    calls = iter(predictions)
+    current: dict[Split, float] = {}
+
+    def simulate(split: Split, requests):
+        nonlocal current
+        if split == Split(1, 2):  # the first split each decision asks about: the next entry
+            current = next(calls)
+        good = round(current[split])
+        return [_Record(ok=i < good) for i in range(100)]
+
+    return simulate
+
+
+class _Record:
+    def __init__(self, ok: bool):
+        self.success, self.ttft_s, self.tpot_s = ok, 0.0, 0.0
+
+
+def test_a_load_that_crosses_the_threshold_back_and_forth_never_switches():
+    # The best alternates between the two splits each window, each time by more than min_gain.
+    flip = [{Split(1, 2): 90.0, Split(2, 1): 80.0}, {Split(1, 2): 80.0, Split(2, 1): 90.0}] * 10
+    planner = Replanner(_scripted(flip), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=2, hold_s=0)
+    current = Split(1, 2)
+    for i in range(len(flip)):
+        decision = planner.decide(10.0 + i, current, _recent(10.0 + i))
+        assert decision.switch_to is None, decision
+    assert all(d.switch_to is None for d in planner.history)
+
+
+def test_a_sustained_shift_switches_once_one_instance_at_a_time_and_holds():
+    shifted = [{Split(1, 2): 60.0, Split(2, 1): 95.0}] * 12
+    planner = Replanner(_scripted(shifted), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=2, hold_s=5)
+    current, switches = Split(1, 2), []
+    for i in range(len(shifted)):
+        decision = planner.decide(10.0 + i, current, _recent(10.0 + i))
+        if decision.switch_to is not None:
+            switches.append((i, decision.switch_to))
+            current = decision.switch_to
+    assert switches == [(1, Split(2, 1))]  # on the second confirming window; then it holds there
+    small = [{Split(1, 2): 90.0, Split(2, 1): 93.0}] * 4  # 3 points: below min_gain, no switch
+    planner = Replanner(_scripted(small), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=1, hold_s=0)
+    assert all(planner.decide(10.0 + i, Split(1, 2), _recent(10.0 + i)).switch_to is None for i in range(4))
+
+
+def _recent(now: float, count: int = 20) -> TrafficWindow:
+    """`count` requests in the 10 s before `now` (the scripted simulator ignores their lengths)."""
+    window = TrafficWindow(window_s=10.0)
+    for i in range(count):
+        window.add(now - 10.0 + 10.0 * i / count, 50, 20)
+    return window
