@@ -39,6 +39,11 @@ def _add_simulate(sub) -> None:
     p.add_argument("--json", help="write {requests: [{ttft_ms, tpot_ms}], slo_attainment, summary} here")
     p.add_argument("--result-file", "-o", help="write a `disagg bench`-format result here (for `disagg report`)")
     p.add_argument("--label", help="name of the run in reports")
+    p.add_argument(
+        "--replan",
+        action="store_true",
+        help="disaggregated: with the re-planner switching instances between the pools, against every static split",
+    )
     p.set_defaults(func=simulate_command)
 
 
@@ -48,6 +53,8 @@ def simulate_command(args) -> int:
 
     deployment, requests, slo, rate = _simulation(args)
     slo = parse_slo(args.slo) if args.slo else slo
+    if args.replan:
+        return _replan_command(deployment, requests)
     records = deployment.simulator().run(requests)
     label = args.label or f"simulated {deployment.config.mode}"
     result = bench_result(label, requests, records, rate, slo, {"profile": args.profile})
@@ -57,6 +64,25 @@ def simulate_command(args) -> int:
     if args.json:
         rows = [{"ttft_ms": _ms(r.ttft_s), "tpot_ms": _ms(r.tpot_s)} for r in records]
         _write(args.json, {"requests": rows, "slo_attainment": result["summary"]["slo_attainment_pct"], **result})
+    return 0
+
+
+def _replan_command(deployment, requests) -> int:
+    from disagg.planner.replan_sim import replan_report
+
+    if deployment.config.mode != "disaggregated" or deployment.system is not None:
+        raise ValueError(
+            "simulate --replan: give a disaggregated --config (the re-planner moves instances between its pools)"
+        )
+    report = replan_report(deployment.config, deployment.profiles, requests)
+    for split, value in report["static_goodput"].items():
+        print(f"static {split} goodput: {value:.3f}")
+    print(f"best static goodput: {report['best_static_goodput']:.3f}")
+    print(f"replan goodput: {report['replan_goodput']:.3f}")
+    print(f"replan goodput ratio: {report['replan_goodput_ratio']:.3f}")
+    for decided, instance, role, done in report["switches"]:
+        ready = f"serving at {done:.1f}s" if done is not None else "not done by the end"
+        print(f"switch at {decided:.1f}s: {instance} -> {role} ({ready})")
     return 0
 
 

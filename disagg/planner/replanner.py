@@ -68,12 +68,14 @@ class TrafficWindow:
         self._seen.append((arrival_s, max(1, prompt_len), max(1, output_len)))
 
     def requests(self, now: float) -> list[SimRequest]:
-        """The window's requests, arrivals counted from its start (what the simulator replays)."""
+        """The window's requests in arrival order, arrivals counted from the first (what the
+        simulator replays)."""
         start = now - self.window_s
         while self._seen and self._seen[0][0] < start:
             self._seen.popleft()
-        first = self._seen[0][0] if self._seen else now
-        return [SimRequest(i, t - first, p, o) for i, (t, p, o) in enumerate(self._seen)]
+        recent = sorted(seen for seen in self._seen if seen[0] >= start)
+        first = recent[0][0] if recent else now
+        return [SimRequest(i, t - first, p, o) for i, (t, p, o) in enumerate(recent)]
 
 
 @dataclass

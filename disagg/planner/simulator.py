@@ -167,19 +167,8 @@ class SimInstance:
 
     def __init__(self, instance_id: str, pool: SimPool, sim: "Simulator"):
         self.instance_id = instance_id
-        self.pool = pool
-        self.role = Role(pool.role)
         self.sim = sim
-        self.step_model = pool.step_model
-        self.scheduler = Scheduler(
-            BlockManager(pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False),
-            role=self.role,
-            max_num_batched_tokens=pool.max_num_batched_tokens,
-            max_num_seqs=pool.max_num_seqs,
-            max_waiting_requests=pool.max_waiting_requests,
-            max_model_len=pool.max_model_len,
-            policy=pool.scheduling_policy,
-        )
+        self.become(pool)
         self.pending: deque[Callable[[float], None]] = deque()  # inputs waiting for a step boundary
         self.busy = False
         self.generation = 0  # invalidates a step-end event when a run of decode steps is cut short
@@ -197,6 +186,28 @@ class SimInstance:
         self.reserve_queue: deque[_Flight] = deque()  # "queue" admission: waiting for room, in order
         self.num_reserved = 0  # inputs that will add a request
         self.link_free_at = 0.0  # a prefill instance sends one request's KV at a time: its link's queue
+
+    def become(self, pool: SimPool) -> None:
+        """Serve in `pool` from now on, with an empty engine of its role (a role switch: the
+        re-planner's, disagg.planner.replan_sim)."""
+        self.pool = pool
+        self.role = Role(pool.role)
+        self.step_model = pool.step_model
+        self.scheduler = Scheduler(
+            BlockManager(pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False),
+            role=self.role,
+            max_num_batched_tokens=pool.max_num_batched_tokens,
+            max_num_seqs=pool.max_num_seqs,
+            max_waiting_requests=pool.max_waiting_requests,
+            max_model_len=pool.max_model_len,
+            policy=pool.scheduling_policy,
+        )
+
+    @property
+    def is_idle(self) -> bool:
+        """Nothing computing, queued, held for a transfer or on its way here."""
+        s = self.scheduler
+        return not (self.busy or self.pending or self.num_reserved or s.has_unfinished_requests() or s.held_for_export)
 
     # the load a placement policy reads (disagg.placement.policies.InstanceLoad)
     @property
@@ -419,6 +430,7 @@ class Simulator:
     max_inflight: int | None = None  # the frontend's limit: a request arriving beyond it is refused at once
     # Every instance on one host, its steps slower while another computes (None: separate devices).
     host_sharing: HostSharing | None = None
+    on_arrive: Callable[[SimRequest], None] | None = None  # told of each request as it arrives (a re-planner's window)
 
     def __post_init__(self) -> None:
         roles = {p.role for p in self.pools}
@@ -472,6 +484,8 @@ class Simulator:
 
     # ---- routing ---------------------------------------------------------------------------------
     def _arrive(self, now: float, sim_request: SimRequest, record: SimRecord) -> None:
+        if self.on_arrive is not None:
+            self.on_arrive(sim_request)
         request_id = str(record.index)
         flight = _Flight(sim_request, record, deadline=now + self.admission_timeout_s)
         if self.max_inflight is not None and len(self.flights) >= self.max_inflight:
