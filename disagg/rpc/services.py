@@ -59,6 +59,10 @@ class DecodeService:
         """Run the whole request here (colocated, or a local prefill on a decode instance)."""
         raise NotImplementedError
 
+    def abort(self, request_id: str) -> bool:
+        """Drop the request and free its blocks; False if it was not here."""
+        raise NotImplementedError
+
     # Live migration (disagg.decode_worker.migration): a decoding request moves from a source
     # instance to a target with its KV: the target reserves, the source pre-copies, pauses and
     # sends the rest with the request's tokens. A one-rank DECODE instance only.

@@ -248,3 +248,16 @@ def test_a_caller_that_says_nothing_is_dropped_after_the_hello_timeout(server):
         started = time.monotonic()
         assert raw.recv(1) == b""
         assert time.monotonic() - started < HELLO_TIMEOUT_S + 2
+
+
+def test_every_stub_method_is_a_method_its_service_declares():
+    """A stub calling a method its service does not declare is refused by every worker, and the
+    router swallows a failed abort: such a gap would leave aborted requests running."""
+    from disagg.rpc.services import DecodeService, PrefillService, method_names
+    from disagg.rpc.stubs import DecodeStub, PrefillStub
+
+    for stub, service in ((DecodeStub, DecodeService), (PrefillStub, PrefillService)):
+        called = {name for name in vars(stub) if callable(vars(stub)[name]) and not name.startswith("_")}
+        assert called <= method_names(service), (
+            f"{stub.__name__} calls undeclared {sorted(called - method_names(service))}"
+        )
