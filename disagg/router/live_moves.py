@@ -92,6 +92,8 @@ class LiveMoves:
             logger.warning("move of %s from %s failed: %s", request_id, source.instance_id, exc)
             await self._release_target(placement, target)
             return self._failed()
+        if self.orchestrator.live.get(request_id) is not placement:
+            return self._failed()  # it ended meanwhile (its end aborted the target too)
         target.outstanding_requests += 1
         target.outstanding_context_tokens += placement.num_prompt_tokens
         placement.handover = Handover(target, mailbox, len(tokens) - placement.num_prompt_tokens)
@@ -100,9 +102,12 @@ class LiveMoves:
         return True
 
     async def _migration_layout(self, source: Instance):
-        if "migration_layout" not in source.extra:
-            source.extra["migration_layout"] = await source.decode_service.migration_layout(timeout_s=CALL_TIMEOUT_S)
-        return source.extra["migration_layout"]
+        """Where the source's moving KV comes from; asked once per process of it (a relaunched
+        worker listens elsewhere: its request link's address changes too)."""
+        key = ("migration_layout", source.view.info.rpc_address)
+        if key not in source.extra:
+            source.extra[key] = await source.decode_service.migration_layout(timeout_s=CALL_TIMEOUT_S)
+        return source.extra[key]
 
     async def _release_target(self, placement: Placement, target: Instance) -> None:
         placement.moving_to = None
