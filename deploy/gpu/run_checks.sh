@@ -19,7 +19,16 @@ if [ -f /tmp/gpu-model/model.part-aa ] && [ -f /tmp/gpu-model/model.part-ab ] &&
 fi
 step() { local name=$1 limit=$2; shift 2; echo "== $name: $*" | tee -a "$OUT/$STAGE.log"
   timeout "$limit" "$@" >>"$OUT/$STAGE.log" 2>&1; echo "== $name: exit $?" | tee -a "$OUT/$STAGE.log"; }
-STAGE=${1:?tests or bench}
+# Engine speed against HF, and the planner's profile: `bench` and `speed` both run them.
+speed_steps() {
+  step gpu_engine 80 $PY loadtest/bench_gpu_engine.py --out "$OUT/gpu_engine.json"
+  step engine_vs_hf 130 $PY loadtest/bench_engine.py --device cuda --model random:llama3-8b --dtype bfloat16 \
+    --threads 8 --num-requests 128 --max-batch 64 --min-prompt 128 --max-prompt 512 --min-output 64 --max-output 256 \
+    --kv-cache-gib 20 --out "$OUT/engine_vs_hf.json"
+  step profile 90 $PY -m disagg.profiling.cli --model random:llama3-8b --device cuda --dtype bfloat16 \
+    --max-prompt-len 2048 --max-batch 64 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
+}
+STAGE=${1:?tests, bench or speed}
 case $STAGE in
 tests)
   step env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; $PY -c "import torch, transformers; print(torch.__version__, torch.version.cuda, transformers.__version__)"'
@@ -28,20 +37,10 @@ tests)
   ;;
 bench)
   step pytest_default 120 $PY -m pytest -q --timeout 180 tests/gpu/test_cuda_engine.py -k default_model -p no:cacheprovider -rs
-  step gpu_engine 120 $PY loadtest/bench_gpu_engine.py --out "$OUT/gpu_engine.json"
-  step engine_vs_hf 150 $PY loadtest/bench_engine.py --device cuda --model random:llama3-8b --dtype bfloat16 \
-    --threads 8 --num-requests 128 --max-batch 64 --min-prompt 128 --max-prompt 512 --min-output 64 --max-output 256 \
-    --kv-cache-gib 20 --out "$OUT/engine_vs_hf.json"
-  step profile 90 $PY -m disagg.profiling.cli --model random:llama3-8b --device cuda --dtype bfloat16 \
-    --max-prompt-len 2048 --max-batch 64 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
+  speed_steps
   ;;
 speed)
   step kv_ipc 30 $PY loadtest/bench_kv_ipc.py --device cuda --repeats 10
-  step gpu_engine 80 $PY loadtest/bench_gpu_engine.py --out "$OUT/gpu_engine.json"
-  step engine_vs_hf 130 $PY loadtest/bench_engine.py --device cuda --model random:llama3-8b --dtype bfloat16 \
-    --threads 8 --num-requests 128 --max-batch 64 --min-prompt 128 --max-prompt 512 --min-output 64 --max-output 256 \
-    --kv-cache-gib 20 --out "$OUT/engine_vs_hf.json"
-  step profile 90 $PY -m disagg.profiling.cli --model random:llama3-8b --device cuda --dtype bfloat16 \
-    --max-prompt-len 2048 --max-batch 64 --repeats 2 -o "$OUT/llama3-8b-h100-tp1.json"
+  speed_steps
   ;;
 esac

@@ -122,22 +122,24 @@ def moved_with_kv(server) -> float:
     return metric(server, 'disagg:live_moves_total{outcome="moved"}')
 
 
+def signal_the_busiest_decode_worker(server, signum: int) -> dict:
+    """Send `signum` to the decode worker running most streams; returns its instance, pid and streams."""
+    loads = {i.instance_id: ray.get(i.actor.status.remote())["load"].num_running for i in instances(server, "decode")}
+    busiest = next(i for i in instances(server, "decode") if i.instance_id == max(loads, key=loads.get))
+    told = {"instance": busiest, "pid": worker_pid(busiest), "streams": max(loads.values())}
+    os.kill(told["pid"], signum)
+    return told
+
+
 def test_a_killed_decode_worker_loses_no_request_and_comes_back(server, client):
     greedy = [request(q) for q in QUESTIONS]
     seeded = [request(q, temperature=0.8, seed=11 + i) for i, q in enumerate(QUESTIONS[:2])]
     expected = run_all(client, greedy + seeded)
     before, killed = migrations(server), {}
 
-    def kill_the_busiest_decode_worker():
-        loads = {
-            i.instance_id: ray.get(i.actor.status.remote())["load"].num_running for i in instances(server, "decode")
-        }
-        killed["instance"] = next(i for i in instances(server, "decode") if i.instance_id == max(loads, key=loads.get))
-        killed["pid"] = worker_pid(killed["instance"])
-        killed["streams"] = max(loads.values())
-        os.kill(killed["pid"], signal.SIGKILL)
-
-    got = run_all(client, greedy + seeded, kill=kill_the_busiest_decode_worker)
+    got = run_all(
+        client, greedy + seeded, kill=lambda: killed.update(signal_the_busiest_decode_worker(server, signal.SIGKILL))
+    )
 
     assert killed["streams"] >= 1, "the kill must hit streams in flight"
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected], "a token repeated, missing or changed"
@@ -183,16 +185,9 @@ def test_a_decode_worker_sent_sigterm_moves_its_requests_with_their_kv(server, c
     expected = run_all(client, greedy + seeded)
     recomputed_before, moved_before, told = migrations(server), moved_with_kv(server), {}
 
-    def terminate_the_busiest_decode_worker():
-        loads = {
-            i.instance_id: ray.get(i.actor.status.remote())["load"].num_running for i in instances(server, "decode")
-        }
-        told["instance"] = next(i for i in instances(server, "decode") if i.instance_id == max(loads, key=loads.get))
-        told["pid"] = worker_pid(told["instance"])
-        told["streams"] = max(loads.values())
-        os.kill(told["pid"], signal.SIGTERM)
-
-    got = run_all(client, greedy + seeded, kill=terminate_the_busiest_decode_worker)
+    got = run_all(
+        client, greedy + seeded, kill=lambda: told.update(signal_the_busiest_decode_worker(server, signal.SIGTERM))
+    )
 
     assert told["streams"] >= 1, "the SIGTERM must hit streams in flight"
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected], "a token repeated, missing or changed"
