@@ -132,11 +132,13 @@ class _Option:
 
     @property
     def headroom(self) -> float:
-        return self.slo.headroom(self.ttft_ms, self.tpot_ms)
+        room = self.slo.headroom(self.ttft_ms, self.tpot_ms)
+        return -math.inf if math.isnan(room) else room  # a prediction that is no number promises nothing
 
     @property
     def latency(self) -> float:
-        return self.ttft_ms + self.tpot_ms
+        total = self.ttft_ms + self.tpot_ms
+        return math.inf if math.isnan(total) else total
 
 
 def _stall_allowed(stall_ms: float, step_ms: float, request: RequestShape) -> bool:

@@ -19,6 +19,7 @@ metrics and ClusterStatus.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from disagg.placement.fitting import (
@@ -58,7 +59,7 @@ class OnlineStepModel:
         self.num_samples = 0
 
     def observe(self, step: MeasuredStep) -> None:
-        if step.ms <= 0 or step.work.is_empty:
+        if not (0 < step.ms < math.inf) or step.work.is_empty:  # (NaN too: it would poison every fit)
             return
         self._errors.append(abs(self.model.step_ms(step.work) - step.ms) / step.ms)
         self.num_samples += 1
@@ -98,8 +99,8 @@ class OnlineStepModel:
         # A kind not fitted yet keeps its terms: the steps that carry its work wait in the window.
         steps = [step for kind in KINDS if fits[kind] for step in self._steps[kind]]
         weights = _fit_joint(steps)
-        if weights is None:
-            return self.model
+        if weights is None or not all(math.isfinite(w) for w in weights.values()):
+            return self.model  # (an ill-conditioned window can overflow: such a fit predicts nothing)
         fitted = _joint_model(self.model, weights, fits)
         if _median_error(fitted, steps) > _median_error(self.model, steps):
             return self.model  # e.g. too little variety in the window to pin the terms down

@@ -113,11 +113,18 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             # Ended by Abort: the client's stream ends now, with a last message saying so.
             self._aborted.discard(request_id)
             yield stream.response(request_id, TokenDelta(request_id, [], finished=True, finish_reason="abort"))
-        except (DisaggError, ValueError, asyncio.TimeoutError) as exc:
+        except (DisaggError, asyncio.TimeoutError) as exc:
             code = "DEADLINE_EXCEEDED" if isinstance(exc, asyncio.TimeoutError) else grpc_code_name(exc)
             self.metrics.observe_failure(code)
             await asyncio.wait([headers])  # the status follows the headers, never races them
             await context.abort(getattr(grpc.StatusCode, code), str(exc) or type(exc).__name__)
+        except (ValueError, ArithmeticError) as exc:
+            # Bad input was refused above as InvalidRequestError (or by a worker, as RemoteError):
+            # this is the router's own bug, and the client must not be told it sent garbage.
+            logger.exception("request %s failed inside the router", request_id)
+            self.metrics.observe_failure("INTERNAL")
+            await asyncio.wait([headers])
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
         except Exception as exc:  # a worker died mid-request (RayActorError and friends)
             if context.cancelled():  # no: the client went away (before the headers went out, say)
                 self.metrics.observe_failure("CANCELLED")

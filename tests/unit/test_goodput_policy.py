@@ -336,3 +336,13 @@ def test_on_a_guessed_model_a_warm_prefix_still_counts_as_less_work():
     request = RequestShape(64, 8, Slo(), block_hashes=(1, 2, 3))
     choice = GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request)
     assert choice.prefill is warm and choice.cached_tokens == 48
+
+
+def test_an_instance_predicted_as_no_number_is_placed_last_and_nothing_fails():
+    """A NaN prediction compared false with everything: the tie set came out empty and the
+    request failed. It is now the worst option, taken only where nothing else is."""
+    broken = StepModel(Coefficients(float("nan"), 0.1, 1e-4), TRUE.decode_small, TRUE.decode_large)
+    sick, healthy = Inst("p-sick", step_model=broken), Inst("p-ok")
+    assert GoodputPolicy().choose_pair([sick, healthy], [Inst("d0")], shape()).prefill is healthy
+    alone = GoodputPolicy(best_effort=True).choose_pair([sick], [Inst("d0")], shape())
+    assert alone.prefill is sick and alone.headroom == float("-inf")

@@ -80,3 +80,14 @@ def test_a_mixed_step_counts_towards_both_kinds_calibration():
     assert not online.calibrated("prefill") and not online.calibrated("decode")
     online.observe(_steps(["mixed"], seed=3)[0])
     assert online.calibrated("prefill") and online.calibrated("decode")
+
+
+@pytest.mark.parametrize("bad_ms", [float("nan"), float("inf")])
+def test_a_step_timed_as_no_number_teaches_nothing(bad_ms):
+    """One such step in the window would make every later fit NaN (0 * inf in the normal
+    equations), and every prediction on the instance with it."""
+    steps = _steps(["prefill", "decode", "mixed"] * 30)
+    poisoned = [*steps[:40], steps[40].with_ms(bad_ms), *steps[40:]]
+    model = _learnt(poisoned).model
+    assert model.prefill.to_list() == pytest.approx(TRUE.prefill.to_list(), rel=1e-6)
+    assert model.decode_small.to_list() == pytest.approx(TRUE.decode_small.to_list(), rel=1e-6)
