@@ -46,7 +46,7 @@ def _add_profile_command(sub) -> None:
 
 def _add_planner_commands(sub) -> None:
     """`disagg simulate | plan` live with the planner (disagg/planner/)."""
-    from disagg.planner.cli import add_commands
+    from disagg.planner_cli.simulate_cli import add_commands
 
     add_commands(sub)
 

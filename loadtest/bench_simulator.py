@@ -53,7 +53,7 @@ from disagg.bench.metrics import RequestRecord, attainment_crossing, parse_slo
 from disagg.bench.report import load_runs, write_report
 from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
-from disagg.planner.bench_records import bench_result
+from disagg.planner_cli.bench_records import bench_result
 from disagg.planner.deployment import Deployment
 from disagg.planner.simulator import SimRecord
 from disagg.planner.workload import SimRequest

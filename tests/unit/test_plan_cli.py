@@ -13,7 +13,7 @@ from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.profile import Profile
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.models import model_spec
-from disagg.planner.plan_cli import check_serve_model, cluster_kinds, comparison
+from disagg.planner_cli.plan_cli import check_serve_model, cluster_kinds, comparison
 from disagg.planner.plan_config import hardware_label_comment, serving_config_dict
 from disagg.planner.reference import ReferencePool, parse_reference, reference_candidate
 from disagg.planner.search import SLO, Candidate, NodeKind, PoolPlan, Search

@@ -73,7 +73,7 @@ def test_the_max_rate_is_where_the_slo_starts_to_fail():
 
 
 def test_bad_clusters_and_slos_are_refused():
-    from disagg.planner.plan_cli import _parse_cluster
+    from disagg.planner_cli.plan_cli import _parse_cluster
 
     with pytest.raises(ValueError):
         _parse_cluster("4by8", "a100-80gb")

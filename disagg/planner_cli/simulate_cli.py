@@ -49,7 +49,7 @@ def _add_simulate(sub) -> None:
 
 def simulate_command(args) -> int:
     from disagg.bench.metrics import format_summary, parse_slo
-    from disagg.planner.bench_records import bench_result
+    from disagg.planner_cli.bench_records import bench_result
 
     deployment, requests, slo, rate = _simulation(args)
     slo = parse_slo(args.slo) if args.slo else slo
@@ -160,7 +160,7 @@ def _write(path: str, data: dict) -> None:
 
 # ---- plan --------------------------------------------------------------------------------------
 def _add_plan(sub) -> None:
-    from disagg.planner import plan_cli
+    from disagg.planner_cli import plan_cli
 
     p = sub.add_parser("plan", help="search TP/PP, instances and modes for the most goodput per device")
     plan_cli.add_arguments(p, argparse)
