@@ -96,7 +96,23 @@ def _status(args) -> int:
                 f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago"
             )
             print(f"  {'':9} {_model_line(i.latency_model)}")
+    _print_replanning(status)
     return 0
+
+
+def _print_replanning(status, shown: int = 5) -> None:
+    if not status.replan:
+        print("re-planning: off")
+        return
+    print(f"re-planning: on; latest {min(shown, len(status.replan_decisions))} decisions")
+    for d in status.replan_decisions[:shown]:
+        when = time.strftime("%H:%M:%S", time.localtime(d.unix_time))
+        switch = (
+            f"; switched {d.switched_instance}: {d.switch_outcome} in {d.switch_seconds:.1f}s"
+            if d.switched_instance
+            else ""
+        )
+        print(f"  {when} {d.current} -> best {d.best} (+{d.predicted_gain:.1f} points): {d.reason}{switch}")
 
 
 def _model_line(m) -> str:

@@ -300,6 +300,14 @@ class ServingConfig:
     threads_per_worker: int = 1
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
+    # The closed loop (disagg.router.replanning): instances switch between prefill and decode
+    # as the traffic shifts. Every replan_interval_s, the last replan_window_s of arrivals are
+    # replayed by the simulator on each split; at most one switch per replan_hold_s.
+    replan: bool = True
+    replan_interval_s: float = 5.0
+    replan_window_s: float = 30.0
+    replan_hold_s: float = 20.0
+    replan_min_gain: float = 5.0  # points of predicted SLO attainment a switch must gain
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
@@ -336,6 +344,8 @@ class ServingConfig:
             "kv_timeout_s",
             "heartbeat_interval_s",
             "heartbeat_ttl_s",
+            "replan_interval_s",
+            "replan_window_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(
@@ -358,6 +368,13 @@ class ServingConfig:
         if self.mode == "colocated":
             return [("colocated", self.colocated)]
         return [("prefill", self.prefill), ("decode", self.decode)]
+
+    def switchable(self) -> bool:
+        """Whether its instances may switch between prefill and decode: re-planning on, two
+        pools of one-worker instances that no node label pins (a switch keeps its process)."""
+        if not self.replan or self.mode != "disaggregated":
+            return False
+        return all(p.workers_per_instance == 1 and not p.resources for p in (self.prefill, self.decode))
 
     def on_cluster(self) -> "ServingConfig":
         """This config on a running Ray cluster (`disagg serve --cluster`, what `ray up` starts): it

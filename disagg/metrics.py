@@ -57,6 +57,7 @@ class ServingMetrics:
         self._define_request_metrics()
         self._define_transfer_metrics()
         self._define_instance_gauges()
+        self._define_replan_metrics()
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, buckets=tuple(buckets), registry=self.registry)
@@ -102,7 +103,35 @@ class ServingMetrics:
             "Median relative error of the router's step-time predictions for the instance (its last steps).",
         )
 
+    def _define_replan_metrics(self) -> None:
+        self.replan_decisions = self._counter(
+            "disagg:replan_decisions_total", "Re-planning decisions, by whether they asked for a switch.", ("switch",)
+        )
+        self.replan_predicted_gain = Gauge(
+            "disagg:replan_predicted_gain_points",
+            "The best split's predicted SLO attainment over the current split's, at the last decision.",
+            registry=self.registry,
+        )
+        self.replan_switches = self._counter(
+            "disagg:replan_switches_total", "Instances switched between prefill and decode.", ("outcome",)
+        )
+        self.replan_switch_time = self._histogram(
+            "disagg:replan_switch_seconds", "From a switch's decision to the instance serving in its new role."
+        )
+        self.pool_size = Gauge(
+            "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
+        )
+
     # -- observations -------------------------------------------------------------------------------
+    def observe_replan(self, switch: bool, gain_points: float) -> None:
+        self.replan_decisions.labels(switch=str(switch).lower()).inc()
+        self.replan_predicted_gain.set(gain_points)
+
+    def observe_switch(self, outcome: str, seconds: float) -> None:
+        """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""
+        self.replan_switches.labels(outcome=outcome).inc()
+        if outcome == "done":
+            self.replan_switch_time.observe(seconds)
 
     def observe_finished(
         self,

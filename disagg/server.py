@@ -46,6 +46,7 @@ from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
 from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
+from disagg.router.replanning import ReplanLoop, live_profile
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.calibration import calibrate
@@ -68,6 +69,7 @@ class Server:
         self.address: str | None = None
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
+        self.replanning: ReplanLoop | None = None  # the closed loop, where instances may switch
         self.launcher: PoolLauncher | None = None
         self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
@@ -196,12 +198,16 @@ class Server:
         self.live_moves = LiveMoves(orchestrator, directory)
         gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
         leavers = asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")
+        replanning = self._replanning(directory, model, metrics, orchestrator)
+        replan_task = asyncio.create_task(replanning.run(), name="replanning") if replanning else None
         health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
         self._started.set()
         await self._stop.wait()
         gauges.cancel()
         leavers.cancel()
         health_task.cancel()
+        if replan_task is not None:
+            replan_task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
         await self.servicer.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
@@ -211,6 +217,26 @@ class Server:
         if metrics_server:
             metrics_server.stop()
         registry.close()
+
+    def _replanning(self, directory, model, metrics, orchestrator) -> ReplanLoop | None:
+        """The closed loop, where instances may switch (ServingConfig.switchable) and there is a
+        split to choose (three instances or more)."""
+        config = self.config
+        if not config.switchable() or config.prefill.num_instances + config.decode.num_instances < 3:
+            return None
+        base = load_profile(config.profile) if config.profile else None
+        dtype_bytes = 4 if config.engine.dtype == "float32" else 2
+        kv_bytes = model.config.kv_bytes_per_token * dtype_bytes
+        layers = model.config.num_hidden_layers
+
+        def profile():
+            return live_profile(base, directory, config.engine.model, kv_bytes, layers)
+
+        on_switched = self.launcher.switched if self.launcher is not None else (lambda instance_id, role: None)
+        loop = ReplanLoop(config, directory, profile, metrics, on_switched)
+        orchestrator.on_arrival = loop.arrived
+        self.replanning = self.servicer.replanning = loop
+        return loop
 
     @staticmethod
     async def _refresh_gauges(directory: InstanceDirectory, metrics: ServingMetrics, interval_s: float = 1.0) -> None:

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
             "calibration_s": 0,
+            "replan": False,  # the drain is what is measured, not switches
         }
     )
     questions = (QUESTIONS * 4)[: args.requests]

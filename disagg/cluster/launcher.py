@@ -138,7 +138,11 @@ class PoolLauncher:
             relaunched=relaunched,
         )
         shards = self._launch_shards(pool, group, config)
-        if role == "prefill":
+        if self.config.switchable():
+            from disagg.instance.actor import InstanceActor
+
+            actor = ray.remote(InstanceActor).options(**options).remote(config)
+        elif role == "prefill":
             from disagg.prefill_worker.actor import PrefillActor
 
             actor = ray.remote(PrefillActor).options(**options).remote(config, followers=shards or None)
@@ -225,6 +229,13 @@ class PoolLauncher:
             self.instances[self.instances.index(inst)] = fresh
         ray.get(fresh.actor.ready.remote(), timeout=ready_timeout_s)
         logger.info("instance %s is back (relaunch %d)", inst.instance_id, fresh.relaunches)
+
+    def switched(self, instance_id: str, role: str) -> None:
+        """An instance now serves in `role` (the re-planner switched it)."""
+        with self._lock:
+            for inst in self.instances:
+                if inst.instance_id == instance_id:
+                    inst.role = role
 
     def abandon(self) -> None:
         """The cluster is gone, and every worker with it: nothing to stop, and no Ray call

@@ -111,19 +111,23 @@ class DecodeActor(WorkerActorBase, DecodeService):
         )
         if wait_for_ranks is not None:
             wait_for_ranks()
+        self._attach_decode_worker()
+        self._draining = threading.Event()
+        self._catch_sigterm()
+        self._start()
+
+    def _attach_decode_worker(self) -> None:
+        """The actor's state for `self.worker` (a new one, after a role switch, too)."""
         if self.worker.receiver is not None:
             self.worker.receiver.on_finished = self.loop.wake
         if self.worker.migrations_out is not None:
             self.worker.migrations_out.sender.on_finished = self.loop.wake
-        self._draining = threading.Event()
-        self._catch_sigterm()
         # Engine thread only: where each request's tokens go, and which ones had their first
         # token streamed by the prefill side already.
         self._streams: dict[str, Link] = {}
         self._first_token_pending: set[str] = set()
         self._prefilled_here: set[str] = set()  # submitted whole (colocated, or a local prefill)
         self._transfers: dict[str, tuple[float, int]] = {}  # seconds, bytes
-        self._start()
 
     def load(self) -> LoadReport:
         receiver = self.worker.receiver

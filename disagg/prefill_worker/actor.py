@@ -51,10 +51,14 @@ class PrefillActor(WorkerActorBase, PrefillService):
         )
         if wait_for_ranks is not None:
             wait_for_ranks()
+        self._attach_prefill_worker()
+        self._start()
+
+    def _attach_prefill_worker(self) -> None:
+        """The actor's state for `self.worker` (a new one, after a role switch, too)."""
         self.worker.sender.on_finished = self.loop.wake
         # request id -> (its first token, the link that asked); set on link threads, completed on the engine thread
         self._first_tokens: dict[str, tuple[Future, Link]] = {}
-        self._start()
 
     def load(self) -> LoadReport:
         return engine_load(self.worker.engine)

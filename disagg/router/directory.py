@@ -245,13 +245,26 @@ class InstanceDirectory:
         self.namespace = namespace
         self.refresh_interval_s = refresh_interval_s
         self._instances: dict[str, Instance] = {}
+        self._held_out: set[str] = set()
         self._task: asyncio.Task | None = None
         self._links: dict[str, RpcClient] = {}  # request-link address -> its client, reused when an instance comes back
         self.last_refresh_ok = 0.0
 
     def healthy(self, role: str) -> list[Instance]:
-        """The role's instances in placement (a draining one is not: it is on its way out)."""
-        return [i for i in self._instances.values() if i.role == role and not i.view.load.draining]
+        """The role's instances in placement (a draining one is not: it is on its way out, nor
+        one held out of it: being switched to another pool)."""
+        return [
+            i
+            for i in self._instances.values()
+            if i.role == role and not i.view.load.draining and i.instance_id not in self._held_out
+        ]
+
+    def hold_out(self, instance_id: str) -> None:
+        """Out of placement at once (its report says it is draining only a heartbeat later)."""
+        self._held_out.add(instance_id)
+
+    def release(self, instance_id: str) -> None:
+        self._held_out.discard(instance_id)
 
     def draining(self, role: str) -> list[Instance]:
         return [i for i in self._instances.values() if i.role == role and i.view.load.draining]
@@ -344,6 +357,14 @@ class InstanceDirectory:
             return OnlineStepModel(self.profile.step_model(tp, pp), seeded_from_profile=True)
         return OnlineStepModel(NEUTRAL_SEED)
 
+    def _join_pool(self, instance: Instance, before: Instance) -> None:
+        """An instance that switched roles is predicted as its new pool's peers are (in the old
+        role it never ran the new role's steps), and its residuals start from theirs."""
+        peers = [i for i in self._instances.values() if i.role == instance.role and i is not before]
+        instance.online = _pool_model(instance.role, peers, before.online)
+        instance.ttft_residual = Residual(seed_ms=_median(p.ttft_residual.value for p in peers))
+        instance.tpot_residual = Residual(seed_ms=_median(p.tpot_residual.value for p in peers))
+
     def _update(self, view: InstanceView) -> None:
         failed = self._failed.get(view.info.instance_id)
         if failed is not None:
@@ -352,7 +373,8 @@ class InstanceDirectory:
                 return  # the dead process's last heartbeat, still in Redis
             del self._failed[view.info.instance_id]
         known = self._instances.get(view.info.instance_id)
-        if known is not None and known.view.info.rpc_address == view.info.rpc_address:
+        same_role = known is not None and known.role == view.info.role  # else it switched: anew in its pool
+        if same_role and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
                 known.reserved_blocks = 0  # the new report already counts earlier reservations
                 known.learn_report(view.load)
@@ -379,7 +401,9 @@ class InstanceDirectory:
             block_size=self.block_size,
         )
         known = known or self._learnt.pop(info.instance_id, None)
-        if known is not None:  # the same instance back (at a new address): what was learnt of it holds
+        if known is not None and known.role != info.role:  # switched pools (disagg.router.replanning)
+            self._join_pool(instance, known)
+        elif known is not None:  # the same instance back (at a new address): what was learnt of it holds
             instance.online, instance.ttft_residual, instance.tpot_residual = (
                 known.online,
                 known.ttft_residual,
@@ -392,6 +416,17 @@ class InstanceDirectory:
             instance.tpot_residual = Residual(seed_ms=_median(p.tpot_residual.value for p in peers))
         instance.learn_report(view.load)
         self._instances[info.instance_id] = instance
+
+
+def _pool_model(role: str, peers: list[Instance], fallback: OnlineStepModel) -> OnlineStepModel:
+    """A switched instance's model in its new pool: that of a peer fitted on the pool's steps
+    (the same engine on the same kind of host; its own steps refine it from there), or what it
+    learnt in its old pool."""
+    kind = "decode" if role == "decode" else "prefill"
+    for peer in peers:
+        if peer.online.calibrated(kind):
+            return OnlineStepModel(peer.online.model, seeded_from_profile=True)
+    return fallback
 
 
 def _median(values) -> float:

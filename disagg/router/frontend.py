@@ -23,6 +23,7 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
+from disagg.router.replanning import LoggedDecision, ReplanLoop
 from disagg.router.validation import (
     PRIORITY_NAMES,
     check_priority,
@@ -64,6 +65,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         self._active: dict[str, asyncio.Task] = {}
         self._aborted: set[str] = set()  # ended by the Abort RPC: their streams end with finish_reason "abort"
         self.draining = False
+        self.replanning: ReplanLoop | None = None  # the server sets it when its instances may switch
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -238,6 +240,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             model=self.model_name,
             mode=self.orchestrator.config.mode,
             default_slo=serving_pb2.Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms),
+            replan=self.replanning is not None,
+            replan_decisions=[_replan_decision(e) for e in reversed(self.replanning.log)] if self.replanning else [],
         )
 
     async def _check_key(self, context) -> None:
@@ -344,4 +348,18 @@ def _latency_model(inst) -> serving_pb2.LatencyModel:
         recent_error=online.recent_error() or 0.0,
         num_steps=online.num_samples,
         calibrated=online.calibrated(kind),
+    )
+
+
+def _replan_decision(entry: LoggedDecision) -> serving_pb2.ReplanDecision:
+    decision, switch = entry.decision, entry.switch
+    return serving_pb2.ReplanDecision(
+        unix_time=entry.at,
+        current=str(decision.current),
+        best=str(decision.best),
+        predicted_gain=decision.gain,
+        reason=decision.reason,
+        switched_instance=switch.instance_id if switch else "",
+        switch_outcome=switch.outcome if switch else "",
+        switch_seconds=switch.seconds if switch else 0.0,
     )

@@ -124,6 +124,9 @@ class Orchestrator:
         self.block_size = block_size
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
+        # Each request as it arrives: (time.monotonic(), prompt tokens, output tokens asked for);
+        # the re-planner's traffic window listens (disagg.router.replanning).
+        self.on_arrival = lambda at, prompt_tokens, max_tokens: None
 
     @property
     def disaggregated(self) -> bool:
@@ -144,6 +147,7 @@ class Orchestrator:
         client, so the residuals learn what the predictions miss of that (now, if not given)."""
         progress = Progress(list(prompt_token_ids), params)
         slo = slo or self.default_slo
+        self.on_arrival(time.monotonic(), len(prompt_token_ids), params.max_tokens)
         while True:
             # Once admitted, a request is not refused again: its later attempts are critical.
             demand = (slo, priority if not progress.migrations else "critical")

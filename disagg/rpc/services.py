@@ -94,5 +94,12 @@ class DecodeService:
 
 
 def method_names(service: type) -> frozenset[str]:
-    """The remote methods a service declares (its public functions)."""
-    return frozenset(name for name, value in vars(service).items() if callable(value) and not name.startswith("_"))
+    """The remote methods a service declares (its public functions, and its bases': a service
+    may be the union of others, as a switchable instance's is)."""
+    return frozenset(
+        name
+        for cls in service.__mro__
+        if cls is not object
+        for name, value in vars(cls).items()
+        if callable(value) and not name.startswith("_")
+    )

@@ -207,13 +207,37 @@ class Pool(_message.Message):
     def __init__(self, role: _Optional[str] = ..., instances: _Optional[_Iterable[_Union[Instance, _Mapping]]] = ...) -> None: ...
 
 class ClusterStatusResponse(_message.Message):
-    __slots__ = ("pools", "model", "mode", "default_slo")
+    __slots__ = ("pools", "model", "mode", "default_slo", "replan", "replan_decisions")
     POOLS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SLO_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_FIELD_NUMBER: _ClassVar[int]
+    REPLAN_DECISIONS_FIELD_NUMBER: _ClassVar[int]
     pools: _containers.RepeatedCompositeFieldContainer[Pool]
     model: str
     mode: str
     default_slo: Slo
-    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ...) -> None: ...
+    replan: bool
+    replan_decisions: _containers.RepeatedCompositeFieldContainer[ReplanDecision]
+    def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ..., replan: _Optional[bool] = ..., replan_decisions: _Optional[_Iterable[_Union[ReplanDecision, _Mapping]]] = ...) -> None: ...
+
+class ReplanDecision(_message.Message):
+    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds")
+    UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GAIN_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SWITCHED_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    unix_time: float
+    current: str
+    best: str
+    predicted_gain: float
+    reason: str
+    switched_instance: str
+    switch_outcome: str
+    switch_seconds: float
+    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ...) -> None: ...

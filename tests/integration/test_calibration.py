@@ -28,6 +28,7 @@ def server(ray_session):
             "port": 0,
             "heartbeat_interval_s": 0.2,
             "calibration_s": CALIBRATION_S,
+            "replan": False,
         }
     )
     started = time.monotonic()

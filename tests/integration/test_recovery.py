@@ -44,6 +44,7 @@ def server(ray_session):
             "heartbeat_ttl_s": 1.0,
             "recovery_timeout_s": RELAUNCH_TIMEOUT_S,
             "calibration_s": 0,  # placement is not what this tests (test_calibration.py is)
+            "replan": False,  # the roles these tests kill and signal stay put (test_replanning.py)
         }
     )
     with Server(config) as srv:

@@ -65,6 +65,7 @@ def server(ray_session):
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
             "recovery_timeout_s": 3.0,  # how long requests wait for a pool that emptied to refill
+            "replan": False,  # a switch would move instances these tests count on (test_replanning.py)
         }
     )
     with Server(config) as srv:

@@ -1,0 +1,153 @@
+"""Instances switch between prefill and decode inside a running server (issue 36): real Ray
+actors (InstanceActor), a real redis-server, real gRPC on 127.0.0.1.
+
+One server for the module: 1 prefill + 2 decode instances of the default model, re-planning on
+but its own rounds far apart, so that the tests drive each switch (the loop's decisions are
+tests/unit/test_replanner.py's). A switch under load loses nothing and changes no output: the
+decoding requests of a leaving decode instance move with their KV; the instance then serves in
+its new pool. A switch refused (the instance still holds requests) leaves it serving in its
+old role.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import ray
+
+from disagg.client import DisaggClient, generate_request
+from disagg.config import ServingConfig
+from disagg.server import Server
+
+QUESTIONS = ["Write a story about a dragon.", "Describe the ocean.", "Explain how rain forms.", "Tell me about Rome."]
+FRESH_QUESTIONS = ["Name three rivers.", "What is a prime number?", "How do bees make honey?", "Why is the sky blue?"]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def server(ray_session):
+    config = ServingConfig.from_dict(
+        {
+            "engine": {"num_kv_blocks": 400, "max_num_batched_tokens": 256},
+            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+            "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
+            "port": 0,
+            "metrics_port": 0,
+            "heartbeat_interval_s": 0.3,
+            "heartbeat_ttl_s": 1.0,
+            "calibration_s": 0,
+            "replan_interval_s": 3600,  # the tests switch; the loop's own rounds would race them
+        }
+    )
+    with Server(config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with DisaggClient(server.address) as c:
+        yield c
+
+
+def request(question: str, **sampling):
+    sampling.setdefault("temperature", 0.0)
+    sampling.setdefault("max_tokens", MAX_TOKENS)
+    return generate_request(chat=[{"role": "user", "content": question}], ignore_eos=True, **sampling)
+
+
+def stream_all(client, requests, during=None, after_tokens: int = 4) -> list[list[int]]:
+    """Every request at once; once each has `after_tokens` tokens, `during()` runs (and is awaited)."""
+    started = threading.Barrier(len(requests) + 1, timeout=120)
+
+    def one(req):
+        tokens, told = [], False
+        for msg in client.stream(req, timeout=300):
+            tokens += msg.token_ids
+            if not told and len(tokens) >= after_tokens:
+                told = True
+                started.wait()
+        if not told:
+            started.wait()
+        return tokens
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(one, r) for r in requests]
+        started.wait()
+        if during is not None:
+            during()
+        return [f.result() for f in futures]
+
+
+def on_server_loop(server, coroutine, timeout_s: float = 90):
+    return asyncio.run_coroutine_threadsafe(coroutine, server._loop).result(timeout_s)
+
+
+def pools(client) -> dict[str, list[str]]:
+    status = client.cluster_status()
+    return {p.role: sorted(i.instance_id for i in p.instances) for p in status.pools}
+
+
+def workload():
+    greedy = [request(q) for q in QUESTIONS]
+    seeded = [request(q, temperature=0.8, seed=7 + i) for i, q in enumerate(QUESTIONS[:2])]
+    return greedy + seeded
+
+
+def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(server, client):
+    assert client.cluster_status().replan
+    requests = workload()
+    expected = stream_all(client, requests)
+    switches = []
+
+    to_prefill = stream_all(
+        client,
+        requests,
+        during=lambda: switches.append(on_server_loop(server, server.replanning.switch("decode", "prefill"))),
+    )
+    assert to_prefill == expected, "a token repeated, missing or changed across the switch"
+    assert switches[0].outcome == "done", switches[0].reason
+    moved = switches[0].instance_id
+    assert moved in pools(client)["prefill"] and len(pools(client)["decode"]) == 1
+    assert [i.role for i in server.launcher.instances if i.instance_id == moved] == ["prefill"]
+
+    # It prefills now: fresh prompts (the old ones are cached on the first prefill instance, and
+    # go there) are placed over both prefill instances, and come out as they do a second time.
+    fresh = [request(q) for q in FRESH_QUESTIONS]
+    assert stream_all(client, fresh) == stream_all(client, fresh)
+    actor = ray.get_actor(f"disagg-{moved}", namespace="disagg")
+    assert ray.get(actor.status.remote())["kv_bytes_sent"] > 0, "the switched instance never prefilled"
+
+    back = stream_all(
+        client,
+        requests,
+        during=lambda: switches.append(on_server_loop(server, server.replanning.switch("prefill", "decode"))),
+    )
+    assert back == expected
+    assert switches[1].outcome == "done", switches[1].reason
+    assert len(pools(client)["prefill"]) == 1 and len(pools(client)["decode"]) == 2
+    assert all(s.seconds < 30 for s in switches)
+
+
+def test_a_switch_refused_while_the_instance_holds_requests_leaves_it_serving_in_its_role(server, client):
+    requests = workload()
+    expected = stream_all(client, requests)
+    decodes = [i for i in server.launcher.instances if i.role == "decode"]
+    refusals = []
+
+    def refuse():
+        busiest = max(decodes, key=lambda i: ray.get(i.actor.status.remote())["load"].num_running)
+        try:
+            ray.get(busiest.actor.switch_role.remote("prefill"), timeout=30)
+        except Exception as exc:  # noqa: BLE001 - Ray wraps the worker's ValueError
+            refusals.append((busiest.instance_id, str(exc)))
+
+    assert stream_all(client, requests, during=refuse) == expected
+    assert refusals and "drain it first" in refusals[0][1]
+    assert refusals[0][0] in pools(client)["decode"]
+    time.sleep(1)  # a heartbeat or three: it is still registered, as decode
+    assert refusals[0][0] in pools(client)["decode"]
+    assert stream_all(client, requests) == expected
