@@ -110,10 +110,12 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    prefill = [allowed for name, sets in on_it.items() if "PrefillActor" in name for allowed in sets]
-    decode = [allowed for name, sets in on_it.items() if "DecodeActor" in name for allowed in sets]
-    assert prefill == [{engine_cpu}], f"one thread of the prefill worker, and only on its CPU: {on_it}"
-    assert decode == [cpus], f"the decode engine thread, anywhere: {on_it}"
+    # Both workers' processes are titled ray::InstanceActor (either may switch roles): of their
+    # threads, one (the prefill engine's) runs only on that CPU, one (the decode engine's) anywhere.
+    workers = [allowed for name, sets in on_it.items() if "Actor" in name for allowed in sets]
+    assert sorted(workers, key=len) == [{engine_cpu}, cpus], (
+        f"the prefill engine alone there, the decode one anywhere: {on_it}"
+    )
     assert sum(len(sets) for sets in on_it.values()) == 2, f"nothing else may run there: {on_it}"
 
 
