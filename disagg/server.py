@@ -200,14 +200,20 @@ class Server:
         leavers = asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")
         replanning = self._replanning(directory, model, metrics, orchestrator)
         replan_task = asyncio.create_task(replanning.run(), name="replanning") if replanning else None
+        rebalancing = (
+            asyncio.create_task(_rebalance(self.live_moves, config.slo.tpot_ms, metrics), name="rebalancing")
+            if config.switchable()
+            else None
+        )
         health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
         self._started.set()
         await self._stop.wait()
         gauges.cancel()
         leavers.cancel()
         health_task.cancel()
-        if replan_task is not None:
-            replan_task.cancel()
+        for task in (replan_task, rebalancing):
+            if task is not None:
+                task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
         await self.servicer.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
@@ -362,6 +368,21 @@ def _init_ray(config: ServingConfig) -> None:
             num_cpus=max(2, os.cpu_count() or 2),
             _system_config={"worker_niceness": 0},
         )
+
+
+async def _rebalance(moves: LiveMoves, tpot_ms: float, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
+    """Decode instances whose batch is predicted to miss the TPOT target hand requests to others
+    with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            stats = await moves.rebalance(tpot_ms)
+        except Exception:  # noqa: BLE001 - one bad round must not end rebalancing
+            logger.exception("rebalancing round failed")
+            continue
+        if stats.moved or stats.failed:
+            metrics.observe_live_moves(stats.moved, stats.failed)
+            logger.info("rebalanced: %d requests moved with their KV, %d not", stats.moved, stats.failed)
 
 
 async def _drain_leavers(

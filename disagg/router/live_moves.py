@@ -1,6 +1,7 @@
 """Moving decoding requests between decode instances with their KV (live migration), so that an
 instance can leave (SIGTERM, scale-in, a role switch) without any request recomputing its
-context, and a loaded one can hand work to another.
+context, and a loaded one can hand work to another (`rebalance`: a batch predicted to miss its
+TPOT target hands requests to an instance with room, disagg.placement.rebalance).
 
 One move (disagg.decode_worker.migration does the workers' half): the target reserves blocks
 for the tokens known now plus room; the source pre-copies the KV while the request decodes on,
@@ -19,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from disagg.errors import RemoteError, WorkerLinkError
+from disagg.placement.rebalance import rebalance
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.orchestrator import Handover, Orchestrator, Placement
 
@@ -58,6 +60,13 @@ class LiveMoves:
             if not any(results):
                 await asyncio.sleep(0.2)  # no room anywhere now: try again shortly
         return stats
+
+    async def rebalance(self, tpot_ms: float) -> MoveStats:
+        """One round of disagg.placement.rebalance on the decode instances in placement: requests
+        of a batch predicted to miss `tpot_ms` move to an instance with room."""
+        plan = rebalance(self.directory.healthy("decode"), self.requests_on, lambda p: len(p.token_ids), tpot_ms)
+        results = await asyncio.gather(*(self.move(m.request, m.target) for m in plan))
+        return MoveStats(sum(results), len(results) - sum(results))
 
     async def _move_elsewhere(self, placement: Placement, source: Instance) -> bool:
         candidates = [i for i in self.directory.healthy("decode") if i is not source]  # (draining ones are not healthy)
