@@ -246,8 +246,10 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
 
     runs = {
-        "2P:1D": run("static 2P:1D", fresh(workload), prefill={"num_instances": 2, **POOL}, decode={"num_instances": 1, **POOL}),
-        "1P:2D": run("static 1P:2D", fresh(workload), prefill={"num_instances": 1, **POOL}, decode={"num_instances": 2, **POOL}),
+        "2P:1D": run("static 2P:1D", fresh(workload), replan=False, prefill={"num_instances": 2, **POOL},
+                     decode={"num_instances": 1, **POOL}),
+        "1P:2D": run("static 1P:2D", fresh(workload), replan=False, prefill={"num_instances": 1, **POOL},
+                     decode={"num_instances": 2, **POOL}),
     }  # fmt: skip
     replanned = run("replan from 2P:1D", fresh(workload), prefill={"num_instances": 2, **POOL},
                     decode={"num_instances": 1, **POOL}, replan=True, **REPLAN)  # fmt: skip

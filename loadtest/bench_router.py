@@ -82,7 +82,7 @@ def mape(pairs: list[tuple[float, float]]) -> float:
 
 def prediction_phase(requests, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement="goodput")
+        dep = Deployment(Path(tmp), replan=False, placement="goodput")
         try:
             run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
             base = run(dep.address, requests, math.inf, num=12, concurrency=1)["summary"]
@@ -120,7 +120,7 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_tt
     results = {}
     slo = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement=policy, slo=slo)
+        dep = Deployment(Path(tmp), replan=False, placement=policy, slo=slo)
         try:
             run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration, as above
             for factor in (2, 3):
@@ -184,7 +184,7 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
              "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
     requests = prefix_workload(200, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement=policy, **pools)
+        dep = Deployment(Path(tmp), replan=False, placement=policy, **pools)
         try:
             run(dep.address, requests[:16], math.inf, num=16, concurrency=2)  # calibration
             out = run(dep.address, requests[16:], rate, duration_s=args.seconds)
@@ -196,7 +196,7 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
 def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
     requests = workload(200, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo)
+        dep = Deployment(Path(tmp), replan=False, placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo)
         try:
             run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
             out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
@@ -229,7 +229,7 @@ def heterogeneity_phase(policy: str, rates: list[float], slo: dict | None, args)
     requests = heterogeneous_workload(400, seed=3)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), placement=policy, prefill=HETEROGENEOUS_PREFILL,
+        dep = Deployment(Path(tmp), replan=False, placement=policy, prefill=HETEROGENEOUS_PREFILL,
                          decode={"num_instances": 1, "num_cpus_per_worker": 0.5})  # fmt: skip
         try:
             run(dep.address, requests, math.inf, num=32, concurrency=2)  # calibration
