@@ -90,7 +90,7 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
     from disagg.bench.experiment import free_port
 
     config = tmp_path / "bound.yaml"
-    config.write_text("cpu_binding: on\nmetrics_port: null\n")
+    config.write_text("cpu_binding: on\nmetrics_port: null\ncalibration_s: 0\n")  # (calibration: not what it checks)
     proc, _, _ = _serve(tmp_path, "--config", str(config), "--port", str(free_port()))
     cpus = os.sched_getaffinity(0)
     engine_cpu = max(cpus)
