@@ -1,0 +1,153 @@
+"""The server's re-planning loop (disagg.router.replanning) on stand-ins for the directory and
+the instances' actors: what a decision sets in motion (which instance leaves, in what order it
+is drained, switched and resumed), a switch refused until its deadline, and the split it
+watches. No Ray: the actors' methods are awaitables recording their calls."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from disagg.config import ServingConfig
+from disagg.metrics import ServingMetrics
+from disagg.planner.replanner import Decision, Split
+from disagg.router import replanning
+from disagg.router.replanning import ReplanLoop
+
+
+class Actor:
+    """Each method's `.remote(*args)` is awaitable and logs the call; switch_role refuses
+    (as a busy worker does) `refusals` times, or for good with `refusals` < 0."""
+
+    def __init__(self, log: list, name: str, refusals: int = 0):
+        self.log, self.name, self.refusals = log, name, refusals
+
+    def __getattr__(self, method: str):
+        actor = self
+
+        class Method:
+            @staticmethod
+            async def remote(*args):
+                actor.log.append((actor.name, method, *args))
+                if method == "switch_role" and actor.refusals != 0:
+                    actor.refusals -= 1
+                    raise ValueError("switch: the instance still holds requests; drain it first")
+
+        return Method
+
+
+@dataclass
+class Load:
+    num_running: int = 0
+    num_waiting: int = 0
+
+
+@dataclass
+class View:
+    load: Load = field(default_factory=Load)
+
+
+@dataclass
+class Inst:
+    instance_id: str
+    role: str
+    actor: Actor
+    view: View = field(default_factory=View)
+
+
+class Directory:
+    def __init__(self, instances: list[Inst]):
+        self.instances, self.held = instances, set()
+
+    def healthy(self, role):
+        return [i for i in self.instances if i.role == role and i.instance_id not in self.held]
+
+    def get(self, instance_id):
+        return next((i for i in self.instances if i.instance_id == instance_id), None)
+
+    def hold_out(self, instance_id):
+        self.held.add(instance_id)
+
+    def release(self, instance_id):
+        self.held.discard(instance_id)
+
+
+def setup(refusals: int = 0):
+    log: list = []
+    instances = [
+        Inst("p0", "prefill", Actor(log, "p0")),
+        Inst("d0", "decode", Actor(log, "d0", refusals), View(Load(num_running=1))),
+        Inst("d1", "decode", Actor(log, "d1", refusals), View(Load(num_running=5))),
+    ]
+    directory = Directory(instances)
+    config = ServingConfig.from_dict({"prefill": {"num_instances": 1}, "decode": {"num_instances": 2}})
+    switched = []
+
+    def on_switched(instance_id, role):
+        directory.get(instance_id).role = role  # as its next heartbeat would show it
+        switched.append((instance_id, role))
+
+    loop = ReplanLoop(config, directory, lambda: object(), ServingMetrics(), on_switched)
+    return loop, directory, log, switched
+
+
+def deciding(loop: ReplanLoop, switch_to: Split | None) -> None:
+    def decide(now, current, window):
+        return Decision(now, current, switch_to or current, {}, switch_to, "stand-in")
+
+    loop.replanner.decide = decide
+
+
+def test_a_switch_drains_the_least_busy_instance_then_switches_and_resumes_it(monkeypatch):
+    loop, directory, log, switched = setup()
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)  # the stand-in directory changes role only on_switched
+    assert loop.current_split() == Split(1, 2)
+    deciding(loop, Split(2, 1))
+    entry = asyncio.run(loop.step())
+    assert entry.switch.outcome == "done" and entry.switch.instance_id == "d0"  # d0 runs 1 request, d1 5
+    assert [call[1:] for call in log] == [("drain",), ("switch_role", "prefill"), ("resume_service",)]
+    assert switched == [("d0", "prefill")] and not directory.held
+    assert loop.current_split() == Split(2, 1)
+    assert list(loop.log) == [entry]
+
+
+def test_a_switch_refused_until_the_deadline_leaves_the_instance_in_its_role_and_in_service(monkeypatch):
+    loop, directory, log, switched = setup(refusals=-1)
+    monkeypatch.setattr(replanning, "SWITCH_TIMEOUT_S", 0.3)
+    deciding(loop, Split(2, 1))
+    entry = asyncio.run(loop.step())
+    assert entry.switch.outcome == "failed" and "still held requests" in entry.switch.reason
+    assert log[-1][1:] == ("resume_service",) and switched == [] and not directory.held
+    assert loop.current_split() == Split(1, 2)
+
+
+def test_a_busy_instance_is_switched_once_it_has_drained():
+    loop, _, log, switched = setup(refusals=2)
+    deciding(loop, Split(2, 1))
+    entry = asyncio.run(loop.step())
+    assert entry.switch.outcome == "done"
+    assert [c[1] for c in log].count("switch_role") == 3 and switched == [("d0", "prefill")]
+
+
+def test_no_decision_while_an_instance_is_away_or_nothing_to_price_with():
+    loop, directory, log, _ = setup()
+    deciding(loop, Split(2, 1))
+    directory.hold_out("d1")  # e.g. failed, or draining
+    assert loop.current_split() is None and asyncio.run(loop.step()) is None
+    directory.release("d1")
+    loop.profile = lambda: None  # no fitted model and no profile yet
+    assert asyncio.run(loop.step()) is None and log == []
+
+
+def test_the_last_instance_of_a_pool_is_never_taken():
+    loop, _, log, _ = setup()
+    assert asyncio.run(loop.switch("prefill", "decode")) is None and log == []
+
+
+def test_a_decision_without_a_switch_is_logged_and_moves_nothing():
+    loop, _, log, _ = setup()
+    deciding(loop, None)
+    entry = asyncio.run(loop.step())
+    assert entry.switch is None and log == [] and list(loop.log) == [entry]
