@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-import pytest
 
 from disagg.config import ServingConfig
 from disagg.metrics import ServingMetrics
