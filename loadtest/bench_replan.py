@@ -271,7 +271,11 @@ def main(argv: list[str] | None = None) -> None:
         gaps.append(best_here - attainment(window(replanned["requests"])))
     reference_tokens = {r.index: r.tokens for r in reference["requests"] if r.ok}
     wrong = sum(1 for r in replanned["requests"] if r.ok and reference_tokens.get(r.index, r.tokens) != r.tokens)
-    lost = sum(1 for r in replanned["requests"] if not r.ok)
+    # Refused by admission (RESOURCE_EXHAUSTED: predicted to miss, or the in-flight limit) is the
+    # goodput policy shedding load, a miss; lost is any other failure.
+    refused = {name: sum(r.error.startswith("RESOURCE_EXHAUSTED") for r in run_["requests"])
+               for name, run_ in {**runs, "replan": replanned}.items()}  # fmt: skip
+    lost = sum(1 for r in replanned["requests"] if not r.ok and not r.error.startswith("RESOURCE_EXHAUSTED"))
     switch_s = [s["seconds"] for s in replanned["switches"] if s["outcome"] == "done"]
     pauses = pauses_ms(replanned["requests"], replanned["switches"])
     steps = [g * 1e3 for r in replanned["requests"] if phase_of(r.arrival_s, args.phase_s) == 1 for _, g in r.gaps()]
@@ -287,6 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         "decode step p50 ms": statistics.median(steps) if steps else math.nan,
         "recomputed requests on drain": replanned["recomputed"],
         "moved with their KV": replanned["moved"],
+        **{f"refused by admission ({name})": n for name, n in refused.items()},
         "lost": lost,
         "wrong outputs": wrong,
         "reference outputs": len(reference_tokens),
@@ -299,8 +304,22 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"switches: {json.dumps(replanned['switches'])}")
     print(f"phase attainment gaps (points): {[round(g, 1) for g in gaps]}")
+    for name, run_ in {**runs, "replan": replanned}.items():
+        by_phase = [attainment([r for r in run_["requests"] if phase_of(r.arrival_s, args.phase_s) == k])
+                    for k in range(len(ORDER))]  # fmt: skip
+        print(f"attainment by phase, {name}: {[round(a, 1) for a in by_phase]}")
     if args.json:
-        Path(args.json).write_text(json.dumps({**figures, "switches": replanned["switches"], "rates": rates}, indent=1))
+        rows = {name: [_row(r, args.phase_s) for r in run_["requests"]]
+                for name, run_ in {**runs, "replan": replanned}.items()}  # fmt: skip
+        everything = {**figures, "switches": replanned["switches"], "rates": rates, "requests": rows}
+        Path(args.json).write_text(json.dumps(everything))
+
+
+def _row(r: Sent, phase_s: float) -> dict:
+    timed = bool(r.times)
+    return {"arrival_s": round(r.arrival_s, 3), "phase": phase_of(r.arrival_s, phase_s), "ok": r.ok,
+            "meets": r.meets(), "error": r.error[:80], "ttft_ms": round(r.ttft_ms(), 1) if timed else None,
+            "tpot_ms": round(r.tpot_ms(), 1) if timed else None}  # fmt: skip
 
 
 if __name__ == "__main__":
