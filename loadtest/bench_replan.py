@@ -4,9 +4,9 @@ Three instances of the default model, one thread each, on this machine (`disagg 
 process: Ray, redis-server, gRPC on 127.0.0.1). The workload shifts: a prefill-heavy phase (long
 prompts, short outputs), a decode-heavy phase (short prompts, long outputs), the prefill-heavy
 phase again, each `--phase-s` seconds of Poisson arrivals at `--load` (0.8) of the best static
-split's capacity for that phase. Capacities come from the simulator on the measured profile
-(deploy/profiles/smollm2-135m-cpu-1t.json; each split's highest rate at 90% attainment): the one
-thing taken from a model, said here so that it can be checked against the static runs.
+split's capacity for that phase: measured (`--prefill-capacity`, `--decode-capacity`, req/s), or
+else the simulator's on the measured profile (deploy/profiles/smollm2-135m-cpu-1t.json; each
+split's highest rate at 90% attainment), which is optimistic on this host (RESULTS.md).
 
 The same requests (random prompt token ids, greedy) run on 2P:1D and 1P:2D with re-planning off,
 on 2P:1D with re-planning on (it must move an instance at each phase change), and on a
@@ -120,8 +120,12 @@ def capacity(phase: str, prefill: int, decode: int, profile) -> float:
     return low
 
 
-def trace(phase_s: float, load: float, profile) -> tuple[list[SimRequest], dict[str, float]]:
-    rates = {phase: load * max(capacity(phase, 2, 1, profile), capacity(phase, 1, 2, profile)) for phase in PHASES}
+def trace(phase_s: float, load: float, profile, capacities: dict[str, float | None]) -> tuple[list[SimRequest], dict]:
+    """`capacities`: each phase's best static capacity (req/s), measured; None: the simulator's."""
+    rates = {
+        phase: load * (capacities.get(phase) or max(capacity(phase, 2, 1, profile), capacity(phase, 1, 2, profile)))
+        for phase in PHASES
+    }
     rng, requests = random.Random(1), []
     for k, phase in enumerate(ORDER):
         requests += phase_requests(phase, rates[phase], phase_s, k * phase_s, rng)
@@ -234,10 +238,13 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase-s", type=float, default=60.0)
     p.add_argument("--load", type=float, default=0.8, help="of the best static split's capacity in each phase")
+    p.add_argument("--prefill-capacity", type=float, help="req/s: the prefill-heavy phase's measured best capacity")
+    p.add_argument("--decode-capacity", type=float, help="req/s: the decode-heavy phase's measured best capacity")
     p.add_argument("--json", help="write every figure here too")
     args = p.parse_args(argv)
     profile = load_profile(PROFILE)
-    workload, rates = trace(args.phase_s, args.load, profile)
+    measured = {"prefill-heavy": args.prefill_capacity, "decode-heavy": args.decode_capacity}
+    workload, rates = trace(args.phase_s, args.load, profile, measured)
     duration = len(ORDER) * args.phase_s
     print(f"trace: {len(workload)} requests; rates (req/s) {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
     simulated = replan_report(
