@@ -47,6 +47,7 @@ from disagg.placement.factory import placement_policy
 from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
 from disagg.router.replanning import ReplanLoop, live_profile
+from disagg.router.request_path import RequestPath
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.calibration import calibrate
@@ -67,6 +68,7 @@ class Server:
     def __init__(self, config: ServingConfig):
         self.config = config
         self.address: str | None = None
+        self.request_path: RequestPath | None = None  # what the frontend runs each request through
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
         self.replanning: ReplanLoop | None = None  # the closed loop, where instances may switch
@@ -186,9 +188,8 @@ class Server:
         if config.placement == "goodput" and not config.profile and config.calibration_s > 0:
             self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
-        self.servicer = ServingServicer(
-            orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model
-        )
+        self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records)
+        self.servicer = ServingServicer(self.request_path, directory, config.engine.model)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
         metrics_server = (
             metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
@@ -215,7 +216,7 @@ class Server:
             if task is not None:
                 task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
-        await self.servicer.drain(DRAIN_GRACE_S)
+        await self.request_path.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
         await streams.stop()
         await directory.stop()
