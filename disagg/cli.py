@@ -53,11 +53,14 @@ def _add_planner_commands(sub) -> None:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serve the model over gRPC (default: local Ray, local Redis, 1 prefill + 1 decode worker)"
+        "serve",
+        help="serve the model over gRPC and an OpenAI-compatible HTTP API "
+        "(default: local Ray, local Redis, 1 prefill + 1 decode worker)",
     )
     p.add_argument("--config", help="YAML serving config (see deploy/configs/)")
     p.add_argument("--model", help="override the config's model")
     p.add_argument("--port", type=int, help="override the config's gRPC port")
+    p.add_argument("--http-port", type=int, help="override the config's HTTP port (0: no HTTP API)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
     p.add_argument("--ready-file", help="write HOST:PORT here once serving (for scripts)")
     p.add_argument(
@@ -73,7 +76,8 @@ def _serve(args) -> int:
     from disagg.server import main_serve
 
     logging.getLogger("disagg").setLevel(logging.INFO)
-    overrides = {k: v for k, v in {"model": args.model, "port": args.port, "mode": args.mode}.items() if v is not None}
+    given = {"model": args.model, "port": args.port, "http_port": args.http_port, "mode": args.mode}
+    overrides = {k: v for k, v in given.items() if v is not None}
     return main_serve(args.config, overrides, args.ready_file, args.cluster)
 
 

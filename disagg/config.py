@@ -269,6 +269,8 @@ class ServingConfig:
     colocated: PoolConfig = field(default_factory=PoolConfig)
     host: str = "127.0.0.1"  # where the gRPC frontend listens
     port: int = 50051
+    http_host: str = "127.0.0.1"  # where the OpenAI-compatible HTTP API listens (disagg.router.http_frontend)
+    http_port: int = 8000  # 0: no HTTP API
     worker_host: str | None = (
         None  # where workers listen (request link, KV); None: loopback on one node, each node's IP on several
     )
@@ -308,8 +310,8 @@ class ServingConfig:
     replan_window_s: float = 30.0
     replan_hold_s: float = 20.0
     replan_min_gain: float = 5.0  # points of predicted SLO attainment a switch must gain
-    api_key: str | None = None  # if set, clients send it as `x-api-key` metadata
-    tls_cert_file: str | None = None
+    api_key: str | None = None  # if set, clients send it as `x-api-key` metadata (HTTP: `Authorization: Bearer`)
+    tls_cert_file: str | None = None  # TLS on the gRPC and the HTTP port alike
     tls_key_file: str | None = None
 
     def __post_init__(self) -> None:
@@ -325,6 +327,8 @@ class ServingConfig:
             f"must be one of {', '.join(CPU_BINDINGS)}, got {self.cpu_binding!r}",
         )
         _require(0 <= self.port < 65536, "port", "must be in [0, 65535]")
+        _require(0 <= self.http_port < 65536, "http_port", "must be in [0, 65535] (0: no HTTP API)")
+        _require(isinstance(self.http_host, str) and self.http_host != "", "http_host", "must be a non-empty string")
         _require(
             self.worker_host is None or self.worker_host not in ("0.0.0.0", "::", ""),
             "worker_host",

@@ -1,4 +1,4 @@
-"""Exception classes and their one mapping to gRPC status codes.
+"""Exception classes and their one mapping to gRPC status codes (and from those to HTTP's).
 
 Bad input is a `ValueError` subclass so that plain Python callers can catch it the usual way.
 """
@@ -85,3 +85,22 @@ def grpc_code_name(exc: BaseException) -> str:
     if isinstance(exc, TimeoutError):
         return "DEADLINE_EXCEEDED"
     return "INTERNAL"
+
+
+# The HTTP status of each gRPC status code name, so that the OpenAI-compatible HTTP API answers
+# every failure as gRPC does (disagg.router.openai_errors); a code not listed is a 500.
+HTTP_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "CANCELLED": 499,  # nginx's "client closed request": nobody reads it, but logs and metrics do
+    "INTERNAL": 500,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+
+
+def http_status(code_name: str) -> int:
+    """The HTTP status answering a gRPC status code name (e.g. 429 for "RESOURCE_EXHAUSTED")."""
+    return HTTP_STATUS.get(code_name, 500)

@@ -1,10 +1,11 @@
 """`disagg serve`: Ray (local unless given), Redis (local unless given), the worker pools and the
-gRPC frontend, started in that order and stopped in reverse on Ctrl-C or SIGTERM.
+frontends (gRPC, then the OpenAI-compatible HTTP API on the same event loop), started in that
+order and stopped in reverse on Ctrl-C or SIGTERM.
 
 On a Ray cluster of several nodes the workers listen on their nodes' IPs and a local Redis on
 this node's, so that every node reaches them (disagg.hosts.addressing).
 
-Shutdown is graceful: new requests get UNAVAILABLE, those in flight get a grace period to
+Shutdown is graceful: new requests get UNAVAILABLE (HTTP 503), those in flight get a grace period to
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
 """
 
@@ -42,11 +43,13 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
+from disagg.router.http_frontend import HttpFrontend
 from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
 from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
 from disagg.router.replanning import ReplanLoop, live_profile
+from disagg.router.request_path import RequestPath
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.calibration import calibrate
@@ -60,13 +63,15 @@ class Server:
     """A running service: usable in-process (tests, benchmarks) or from `disagg serve`.
 
     Uses the Ray already initialised in this process if there is one, else starts a local Ray;
-    starts a local redis-server when the config names none. The gRPC frontend runs on its own
-    event loop on a background thread.
+    starts a local redis-server when the config names none. The gRPC frontend and the HTTP API
+    run on one event loop of their own on a background thread.
     """
 
     def __init__(self, config: ServingConfig):
         self.config = config
-        self.address: str | None = None
+        self.address: str | None = None  # gRPC's HOST:PORT
+        self.http_address: str | None = None  # the OpenAI-compatible API's HOST:PORT; None: off (http_port 0)
+        self.request_path: RequestPath | None = None  # what both frontends run each request through
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
         self.replanning: ReplanLoop | None = None  # the closed loop, where instances may switch
@@ -186,10 +191,15 @@ class Server:
         if config.placement == "goodput" and not config.profile and config.calibration_s > 0:
             self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
-        self.servicer = ServingServicer(
-            orchestrator, directory, tokenizer, limits, metrics, records, config.engine.model
-        )
+        self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records)
+        self.servicer = ServingServicer(self.request_path, directory, config.engine.model)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
+        try:
+            http = await _start_http(config, self.request_path, directory)
+        except BaseException:
+            await server.stop(grace=None)  # a failed start leaves no port of ours bound
+            raise
+        self.http_address = http.address if http is not None else None
         metrics_server = (
             metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
         )
@@ -215,8 +225,10 @@ class Server:
             if task is not None:
                 task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
-        await self.servicer.drain(DRAIN_GRACE_S)
+        await self.request_path.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
+        if http is not None:
+            await http.stop()
         await streams.stop()
         await directory.stop()
         records.close()
@@ -297,6 +309,9 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     extra = f", metrics on {server.metrics_url}" if server.metrics_url else ""
     print(f"disagg: serving {config.engine.model} ({config.mode}) on {server.address}{extra}", flush=True)
+    if server.http_address:
+        scheme = "https" if config.tls_cert_file else "http"
+        print(f"disagg: OpenAI-compatible API on {scheme}://{server.http_address}/v1", flush=True)
     if ready_file:
         with open(ready_file, "w") as f:
             f.write(f"{server.address}\n")
@@ -446,6 +461,15 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:
+    """The OpenAI-compatible HTTP API on this event loop, unless http_port is 0."""
+    if not config.http_port:
+        return None
+    http = HttpFrontend(path, directory, config, config.engine.model)
+    await http.start()
+    return http
 
 
 async def _set_health(health_servicer, status) -> None:

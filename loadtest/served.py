@@ -27,7 +27,7 @@ class Deployment:
     """`disagg serve` in its own session; its processes found by their session id."""
 
     def __init__(self, workdir: Path, **config_overrides):
-        config = {"port": free_port(), "metrics_port": free_port(), **config_overrides}
+        config = {"port": free_port(), "metrics_port": free_port(), "http_port": 0, **config_overrides}
         (workdir / "chaos.yaml").write_text(yaml.safe_dump(config))
         self.metrics_url = f"http://127.0.0.1:{config['metrics_port']}/metrics"
         self.ready, self.log = workdir / "ready", workdir / "serve.log"

@@ -77,6 +77,8 @@ class ServeProcess:
             self.config_path,
             "--port",
             str(free_port()),
+            "--http-port",  # the benchmarks speak gRPC; servers side by side must not share port 8000
+            "0",
             "--ready-file",
             str(self._ready),
         ]

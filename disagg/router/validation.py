@@ -135,6 +135,13 @@ def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
     return messages
 
 
+def max_tokens_that_fit(num_prompt_tokens: int, limits: ModelLimits) -> int:
+    """The most output tokens a prompt of this length leaves room for, in the model's context and
+    in an instance's KV cache."""
+    room = min(limits.max_model_len, limits.max_blocks_per_request * limits.block_size)
+    return room - num_prompt_tokens
+
+
 def check_fits(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimits) -> None:
     check_prompt_fits(
         num_prompt_tokens,

@@ -6,11 +6,13 @@ everything it started must be gone after SIGTERM.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -65,6 +67,13 @@ def test_generate_against_the_default_server_answers_sensibly(default_server):
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) != 2, reason="what the default does on a machine of two CPUs")
+def test_the_default_server_also_serves_the_openai_api_on_port_8000_and_says_so(default_server):
+    _, _, log = default_server
+    assert "OpenAI-compatible API on http://127.0.0.1:8000/v1" in log.read_text()
+    with urllib.request.urlopen("http://127.0.0.1:8000/v1/models", timeout=10) as reply:
+        assert json.load(reply)["data"][0]["id"] == "smollm2-135m-instruct"
+
+
 def test_rays_token_file_is_readable_by_its_owner_only(default_server):
     if not RAY_TOKEN_FILE.exists():
         pytest.skip("this Ray keeps no token file")
@@ -91,7 +100,7 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
 
     config = tmp_path / "bound.yaml"
     config.write_text("cpu_binding: on\nmetrics_port: null\ncalibration_s: 0\n")  # (calibration: not what it checks)
-    proc, _, _ = _serve(tmp_path, "--config", str(config), "--port", str(free_port()))
+    proc, _, _ = _serve(tmp_path, "--config", str(config), "--port", str(free_port()), "--http-port", "0")
     cpus = os.sched_getaffinity(0)
     engine_cpu = max(cpus)
     try:
@@ -135,7 +144,7 @@ def test_a_plan_written_by_disagg_plan_starts_under_disagg_serve(tmp_path):
     assert planned.returncode == 0, planned.stdout + planned.stderr
     config = yaml.safe_load(plan.read_text())
     assert config["threads_per_worker"] == 1, "a 1-thread profile plans 1-thread workers"
-    proc, address, _ = _serve(tmp_path, "--config", str(plan), "--port", str(free_port()))
+    proc, address, _ = _serve(tmp_path, "--config", str(plan), "--port", str(free_port()), "--http-port", "0")
     try:
         status = subprocess.run([str(BIN), "status", "--server", address], capture_output=True, text=True, timeout=60)
         answer = subprocess.run(
