@@ -53,6 +53,7 @@ def config(model: str, pools: dict, mode: str) -> ServingConfig:
     data = {
         "mode": mode,
         "port": 0,
+        "http_port": 0,  # the module runs servers side by side: they cannot all have the default HTTP port
         "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 24},
     }
     data.update({role: {**small, **pool} for role, pool in pools.items()})
