@@ -6,6 +6,8 @@ never the process-global default registry), so two servers can run in one proces
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -24,6 +26,7 @@ TOKEN_LATENCY_BUCKETS = (
 )  # fmt: skip
 
 INSTANCE_LABELS = ("instance", "role")
+SLO_WINDOW_S = 60.0  # what the attainment and goodput gauges cover
 
 
 @dataclass
@@ -58,6 +61,7 @@ class ServingMetrics:
         self._define_transfer_metrics()
         self._define_instance_gauges()
         self._define_replan_metrics()
+        self._define_slo_metrics()
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> Histogram:
         return Histogram(name, doc, buckets=tuple(buckets), registry=self.registry)
@@ -102,6 +106,25 @@ class ServingMetrics:
             "disagg:latency_model_error_ratio",
             "Median relative error of the router's step-time predictions for the instance (its last steps).",
         )
+
+    def _define_slo_metrics(self) -> None:
+        self.slo_requests = self._counter(
+            "disagg:slo_requests_total",
+            "Requests by SLO class (their priority) and whether they met both their TTFT and TPOT targets "
+            "(one refused or failed after it was read did not).",
+            ("slo_class", "met"),
+        )
+        window = f"the last {SLO_WINDOW_S:.0f} s"
+        self.slo_attainment = Gauge(
+            "disagg:slo_attainment_ratio", f"Share of {window}'s requests that met both SLO targets, per SLO class.",
+            labelnames=("slo_class",), registry=self.registry,
+        )  # fmt: skip
+        self.goodput = Gauge(
+            "disagg:goodput_requests_per_second", f"Requests a second meeting both SLO targets over {window}, per SLO class.",
+            labelnames=("slo_class",), registry=self.registry,
+        )  # fmt: skip
+        self._slo_window: deque[tuple[float, str, bool]] = deque(maxlen=100_000)
+        self._slo_classes: set[str] = set()
 
     def _define_replan_metrics(self) -> None:
         self.replan_decisions = self._counter(
@@ -156,6 +179,26 @@ class ServingMetrics:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.request_success.labels(finish_reason=finish_reason).inc()
+
+    def observe_slo(self, slo_class: str, met: bool, now: float | None = None) -> None:
+        """A request judged against its SLO (its priority names its class)."""
+        self.slo_requests.labels(slo_class=slo_class, met=str(met).lower()).inc()
+        self._slo_window.append((time.monotonic() if now is None else now, slo_class, met))
+        self.refresh_slo_window(now)
+
+    def refresh_slo_window(self, now: float | None = None) -> None:
+        """The attainment and goodput gauges over the last SLO_WINDOW_S (also as it empties)."""
+        now = time.monotonic() if now is None else now
+        while self._slo_window and self._slo_window[0][0] < now - SLO_WINDOW_S:
+            self._slo_window.popleft()
+        judged: dict[str, list[bool]] = {}
+        for _, slo_class, met in self._slo_window:
+            judged.setdefault(slo_class, []).append(met)
+        self._slo_classes |= set(judged)
+        for slo_class in self._slo_classes:  # (a class seen before, now quiet, shows an empty window)
+            verdicts = judged.get(slo_class, [])
+            self.slo_attainment.labels(slo_class=slo_class).set(sum(verdicts) / len(verdicts) if verdicts else 1.0)
+            self.goodput.labels(slo_class=slo_class).set(sum(verdicts) / SLO_WINDOW_S)
 
     def observe_transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_transfer_time.observe(seconds)

@@ -273,6 +273,9 @@ class Server:
                 current.add((inst.instance_id, inst.role))
             for instance_id, role in shown - current:
                 metrics.remove_instance(instance_id, role)
+            for role in ("prefill", "decode", "colocated"):  # the current plan (0: no such pool, or emptied)
+                metrics.pool_size.labels(role=role).set(len(directory.healthy(role)))
+            metrics.refresh_slo_window()
             shown = current
             await asyncio.sleep(interval_s)
 

@@ -147,7 +147,10 @@ class RequestPath:
                     # Abort's cancel can be lost (it may land while the frontend writes, outside
                     # this generator): the next delta ends the stream instead.
                     raise asyncio.CancelledError
-                yield delta, self._observe(request_id, stats, delta)
+                outcome = self._observe(request_id, stats, delta)
+                if outcome is not None:
+                    self.metrics.observe_slo(demand[1], meets_slo(outcome, demand[0]))
+                yield delta, outcome
         except asyncio.CancelledError:
             await deltas.aclose()  # the attempt's cleanup (aborts on the workers) runs now
             self._active.pop(request_id, None)  # no longer counts against admission, whatever cleanup is left
@@ -159,6 +162,7 @@ class RequestPath:
             yield last, self._observe(request_id, stats, last)
         except (DisaggError, asyncio.TimeoutError) as exc:
             code = "DEADLINE_EXCEEDED" if isinstance(exc, asyncio.TimeoutError) else grpc_code_name(exc)
+            self.metrics.observe_slo(demand[1], False)  # refused on its prediction, or failed: a miss
             raise self._failed(code, str(exc) or type(exc).__name__) from exc
         except (ValueError, ArithmeticError) as exc:
             # Bad input was refused by prepare() (or by a worker, as RemoteError): this is the
@@ -220,3 +224,12 @@ class RequestPath:
             await asyncio.sleep(0.05)
         for task in list(self._active.values()):
             task.cancel()
+
+
+def meets_slo(outcome: Outcome, slo: Slo) -> bool:
+    """Both targets met (a target of 0 is none); an aborted request is judged on what it got."""
+    tpot_s = (
+        (outcome.e2e_s - outcome.ttft_s) / (outcome.completion_tokens - 1) if outcome.completion_tokens > 1 else 0.0
+    )
+    ttft_ok = slo.ttft_ms <= 0 or outcome.ttft_s * 1e3 <= slo.ttft_ms
+    return ttft_ok and (slo.tpot_ms <= 0 or tpot_s * 1e3 <= slo.tpot_ms)
