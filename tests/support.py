@@ -3,7 +3,9 @@ conftest.py files exist, and `from conftest import` would pick whichever loaded 
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -146,3 +148,36 @@ def run_transfers(prefill, decode, timeout: float = 60.0) -> dict[str, list[int]
         if prefill.engine.scheduler.held_for_export and not decode.engine.scheduler.running:
             time.sleep(0.001)  # waiting on the channel threads only
     return finished
+
+
+def chat_request(question: str, **sampling):
+    """A chat request, greedy unless `sampling` says otherwise, EOS ignored."""
+    from disagg.client import generate_request
+
+    sampling.setdefault("temperature", 0.0)
+    return generate_request(chat=[{"role": "user", "content": question}], ignore_eos=True, **sampling)
+
+
+def stream_all(client, requests, during=None, after_tokens: int = 4) -> list[tuple[list[int], str]]:
+    """Stream every request at once; once each has `after_tokens` tokens, call `during()` (a kill,
+    a switch), and return each request's (tokens, text)."""
+    started = threading.Barrier(len(requests) + 1, timeout=120)
+
+    def one(req):
+        tokens, text, told = [], [], False
+        for msg in client.stream(req, timeout=300):
+            tokens += msg.token_ids
+            text.append(msg.text)
+            if not told and len(tokens) >= after_tokens:
+                told = True
+                started.wait()
+        if not told:
+            started.wait()
+        return tokens, "".join(text)
+
+    with ThreadPoolExecutor(len(requests)) as pool:
+        futures = [pool.submit(one, r) for r in requests]
+        started.wait()
+        if during is not None:
+            during()
+        return [f.result() for f in futures]

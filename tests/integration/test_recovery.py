@@ -16,13 +16,12 @@ import signal
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
-from support import listed, wait_listed
+from support import chat_request, listed, stream_all, wait_listed
 
-from disagg.client import DisaggClient, generate_request
+from disagg.client import DisaggClient
 from disagg.config import ServingConfig
 from disagg.server import Server
 
@@ -58,33 +57,12 @@ def client(server):
 
 
 def request(question: str, **sampling):
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", MAX_TOKENS)
-    return generate_request(chat=[{"role": "user", "content": question}], ignore_eos=True, **sampling)
+    return chat_request(question, **{"max_tokens": MAX_TOKENS, **sampling})
 
 
 def run_all(client, requests, kill=None, after_tokens: int = 4) -> list[tuple[list[int], str]]:
     """Stream every request at once; once each has `after_tokens` tokens, call `kill()`."""
-    started = threading.Barrier(len(requests) + 1, timeout=120)
-
-    def one(req):
-        tokens, text, told = [], [], False
-        for msg in client.stream(req, timeout=300):
-            tokens += msg.token_ids
-            text.append(msg.text)
-            if not told and len(tokens) >= after_tokens:
-                told = True
-                started.wait()
-        if not told:
-            started.wait()
-        return tokens, "".join(text)
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(one, r) for r in requests]
-        started.wait()
-        if kill is not None:
-            kill()
-        return [f.result() for f in futures]
+    return stream_all(client, requests, during=kill, after_tokens=after_tokens)
 
 
 def worker_pid(instance) -> int:

@@ -12,14 +12,14 @@ old role.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
-from disagg.client import DisaggClient, generate_request
+from support import chat_request, stream_all
+
+from disagg.client import DisaggClient
 from disagg.config import ServingConfig
 from disagg.server import Server
 
@@ -54,32 +54,12 @@ def client(server):
 
 
 def request(question: str, **sampling):
-    sampling.setdefault("temperature", 0.0)
-    sampling.setdefault("max_tokens", MAX_TOKENS)
-    return generate_request(chat=[{"role": "user", "content": question}], ignore_eos=True, **sampling)
+    return chat_request(question, **{"max_tokens": MAX_TOKENS, **sampling})
 
 
-def stream_all(client, requests, during=None, after_tokens: int = 4) -> list[list[int]]:
-    """Every request at once; once each has `after_tokens` tokens, `during()` runs (and is awaited)."""
-    started = threading.Barrier(len(requests) + 1, timeout=120)
-
-    def one(req):
-        tokens, told = [], False
-        for msg in client.stream(req, timeout=300):
-            tokens += msg.token_ids
-            if not told and len(tokens) >= after_tokens:
-                told = True
-                started.wait()
-        if not told:
-            started.wait()
-        return tokens
-
-    with ThreadPoolExecutor(len(requests)) as pool:
-        futures = [pool.submit(one, r) for r in requests]
-        started.wait()
-        if during is not None:
-            during()
-        return [f.result() for f in futures]
+def streamed_tokens(client, requests, during=None) -> list[list[int]]:
+    """Every request at once (`during()` once each has 4 tokens): each one's tokens."""
+    return [tokens for tokens, _ in stream_all(client, requests, during)]
 
 
 def on_server_loop(server, coroutine, timeout_s: float = 90):
@@ -100,10 +80,10 @@ def workload():
 def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(server, client):
     assert client.cluster_status().replan
     requests = workload()
-    expected = stream_all(client, requests)
+    expected = streamed_tokens(client, requests)
     switches = []
 
-    to_prefill = stream_all(
+    to_prefill = streamed_tokens(
         client,
         requests,
         during=lambda: switches.append(on_server_loop(server, server.replanning.switch("decode", "prefill"))),
@@ -117,11 +97,11 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
     # It prefills now: fresh prompts (the old ones are cached on the first prefill instance, and
     # go there) are placed over both prefill instances, and come out as they do a second time.
     fresh = [request(q) for q in FRESH_QUESTIONS]
-    assert stream_all(client, fresh) == stream_all(client, fresh)
+    assert streamed_tokens(client, fresh) == streamed_tokens(client, fresh)
     actor = ray.get_actor(f"disagg-{moved}", namespace="disagg")
     assert ray.get(actor.status.remote())["kv_bytes_sent"] > 0, "the switched instance never prefilled"
 
-    back = stream_all(
+    back = streamed_tokens(
         client,
         requests,
         during=lambda: switches.append(on_server_loop(server, server.replanning.switch("prefill", "decode"))),
@@ -134,7 +114,7 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
 
 def test_a_switch_refused_while_the_instance_holds_requests_leaves_it_serving_in_its_role(server, client):
     requests = workload()
-    expected = stream_all(client, requests)
+    expected = streamed_tokens(client, requests)
     decodes = [i for i in server.launcher.instances if i.role == "decode"]
     refusals = []
 
@@ -145,9 +125,9 @@ def test_a_switch_refused_while_the_instance_holds_requests_leaves_it_serving_in
         except Exception as exc:  # noqa: BLE001 - Ray wraps the worker's ValueError
             refusals.append((busiest.instance_id, str(exc)))
 
-    assert stream_all(client, requests, during=refuse) == expected
+    assert streamed_tokens(client, requests, during=refuse) == expected
     assert refusals and "drain it first" in refusals[0][1]
     assert refusals[0][0] in pools(client)["decode"]
     time.sleep(1)  # a heartbeat or three: it is still registered, as decode
     assert refusals[0][0] in pools(client)["decode"]
-    assert stream_all(client, requests) == expected
+    assert streamed_tokens(client, requests) == expected
