@@ -87,6 +87,9 @@ class EngineConfig:
     attention_backend: str = field(default_factory=lambda: _env_choice("DISAGG_ATTENTION_BACKEND", "auto"))
     # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear). (README: DISAGG_CPU_GEMM)
     cpu_gemm: str = field(default_factory=lambda: _env_choice("DISAGG_CPU_GEMM", "onednn"))
+    # Structured output: tokens a request's grammar forces are appended without sampling them
+    # (SGLang's jump-forward); off: each is decoded in a step of its own.
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):

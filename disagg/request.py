@@ -15,6 +15,9 @@ from disagg.errors import InvalidRequestError
 MAX_STOP_STRINGS = 64  # vLLM and SGLang set no bound; a stop list costs engine time per token
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# A grammar is compiled on the engine thread: its text is bounded so that one request cannot stall a batch.
+MAX_GRAMMAR_CHARS = 64 * 1024
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
 
 
 class FinishReason(str, enum.Enum):
@@ -53,6 +56,26 @@ _FINISH_REASON = {
 }
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar every output token must follow (disagg.engine.grammar compiles it).
+
+    kind: json_object (any JSON object; spec empty), json_schema (spec: the schema as JSON
+    text), regex, grammar (EBNF: llama.cpp's GBNF or Lark), choice (spec: a JSON list of the
+    strings allowed)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(
+            self.kind in STRUCTURED_KINDS, "structured", f"kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}"
+        )
+        _check(isinstance(self.spec, str), "structured", "spec must be a string")
+        _check(len(self.spec) <= MAX_GRAMMAR_CHARS, "structured", f"spec: at most {MAX_GRAMMAR_CHARS} characters")
+        _check(self.kind == "json_object" or self.spec.strip() != "", "structured", f"{self.kind} needs a spec")
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token. temperature=0.0 means greedy (vLLM's convention)."""
@@ -70,6 +93,7 @@ class SamplingParams:
     # Tokens of this request generated before it came here (a request migrated from a failed
     # instance resumes with them appended to its prompt): its seeded stream continues at this index.
     resumed_tokens: int = 0
+    structured: StructuredOutput | None = None  # a grammar the output follows (structured output)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -114,6 +138,11 @@ class SamplingParams:
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "must be non-negative integers"
         )
         _check(
+            self.structured is None or isinstance(self.structured, StructuredOutput),
+            "structured",
+            "must be a StructuredOutput or None",
+        )
+        _check(
             self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
             "logprobs",
             f"must be None or an integer in [0, 20], got {self.logprobs!r}",
@@ -122,6 +151,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def jumps_forward(self) -> bool:
+        """Whether tokens its grammar forces may be appended without sampling them: not when
+        each token's logprob is asked for (a forced token has none)."""
+        return self.structured is not None and self.logprobs is None
 
 
 def _is_int(x) -> bool:

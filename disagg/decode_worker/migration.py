@@ -35,6 +35,9 @@ from disagg.request import SamplingParams
 
 logger = logging.getLogger(__name__)
 PRECOPY_STEPS = 1  # decode steps the request keeps running here while its earlier KV is copied
+# A request pauses only between two single-token steps; after tokens its grammar forced
+# (jump-forward) it waits for their KV, at most this many steps, before the move gives up.
+MAX_PAUSE_WAIT_STEPS = 16
 
 
 class MigrationState(enum.Enum):
@@ -49,6 +52,7 @@ class Outgoing:
     request_id: str
     steps_left: int
     state: MigrationState = MigrationState.PRECOPY
+    pause_waits: int = 0  # steps the pause waited for forced tokens' KV
     paused: Future = field(default_factory=Future)  # the request's tokens at the pause
     done: Future = field(default_factory=Future)  # True: it runs there now; False: it went on here
 
@@ -85,6 +89,10 @@ class MigrationSource:
                 self._fail(move, "the request ended or was preempted before it could move")
             elif move.steps_left > 0:
                 move.steps_left -= 1
+            elif request.num_tokens - request.num_computed_tokens != 1:
+                move.pause_waits += 1  # forced tokens wait for their KV: the move cannot carry them
+                if move.pause_waits > MAX_PAUSE_WAIT_STEPS:
+                    self._fail(move, "its grammar kept forcing tokens; it decodes here on")
             else:
                 self._pause(move)
 

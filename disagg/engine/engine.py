@@ -18,6 +18,8 @@ import torch
 from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.distributed import InstanceGroups
+from disagg.engine.grammar import GrammarCompiler
+from disagg.engine.guided_decoding import GrammarError, GuidedDecoding
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import select_decode_kernel
@@ -104,6 +106,8 @@ class LLMEngine:
             pipe=groups.pipe if groups is not None else None,
             returns_logits=groups is None or groups.place.tp_rank == 0,
         )
+        self.guided = GuidedDecoding(self._grammar_compiler, config.jump_forward)
+        self._compiler: GrammarCompiler | None = None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._prompts: dict[str, str | None] = {}
         self._num_reported: dict[str, int] = {}
@@ -123,6 +127,16 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
         )
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured", "structured output needs a tokenizer; this model has none")
+        if self._compiler is None:
+            tokenizer = self.tokenizer
+            self._compiler = GrammarCompiler(
+                tokenizer.hf_tokenizer, self.model_config.vocab_size, tokenizer.eos_token_ids
+            )
+        return self._compiler
 
     def _build_model(self, source) -> LlamaForCausalLM:
         previous = torch.get_default_dtype()
@@ -198,6 +212,8 @@ class LLMEngine:
         params.validate()
         if params.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; this model has none")
+        if params.structured is not None:
+            self._grammar_compiler().check(params.structured)
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         bm = self.block_manager
         check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks)
@@ -240,6 +256,7 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         for table in (self._detokenizers, self._prompts, self._num_reported):
             table.pop(request_id, None)
+        self.guided.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -255,6 +272,8 @@ class LLMEngine:
             return []
         started = time.perf_counter()
         sampled, failed = self._execute(plan)
+        if self.config.role is not Role.PREFILL:  # a prefill instance samples one token: none follows
+            self._follow_grammars(plan, sampled, failed)
         self.last_step_seconds = time.perf_counter() - started
         self.num_steps += 1
         self.step_stats.append(MeasuredStep(plan.work, self.last_step_seconds * 1e3, self.num_steps))
@@ -270,7 +289,7 @@ class LLMEngine:
 
     def _execute(self, plan: SchedulerOutput) -> tuple[dict[str, SampledToken], dict[str, tuple[Request, Exception]]]:
         try:
-            return self.runner.execute(plan, self._token_generator), {}
+            return self.runner.execute(plan, self._token_generator, self.guided.mask), {}
         except Exception as exc:
             if self.groups is not None:  # the other ranks ran it in lockstep: no rank may retry alone
                 raise
@@ -289,12 +308,26 @@ class LLMEngine:
         middle = len(chunks) // 2
         for half in (chunks[:middle], chunks[middle:]):
             try:
-                sampled.update(self.runner.execute(SchedulerOutput(half), self._token_generator))
+                sampled.update(self.runner.execute(SchedulerOutput(half), self._token_generator, self.guided.mask))
             except Exception as half_exc:
                 half_sampled, half_failed = self._isolate(half, half_exc)
                 sampled.update(half_sampled)
                 failed.update(half_failed)
         return sampled, failed
+
+    def _follow_grammars(self, plan: SchedulerOutput, sampled: dict[str, SampledToken], failed: dict) -> None:
+        """Each structured request's grammar takes its sampled token; what it forces next rides
+        along (jump-forward), and a complete grammar ends the request."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            token = sampled.get(request.request_id)
+            if token is None or request.sampling_params.structured is None:
+                continue
+            try:
+                token.forced, token.ends = self.guided.advance(request, token.token_id)
+            except GrammarError as exc:
+                del sampled[request.request_id]
+                failed[request.request_id] = (request, exc)
 
     def _fail(self, request: Request, exc: Exception) -> RequestOutput:
         """End a request that failed in a step; its output carries the error."""

@@ -55,8 +55,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, out: SchedulerOutput, generator_of: Callable[[Request], torch.Generator | None]
+        self,
+        out: SchedulerOutput,
+        generator_of: Callable[[Request], torch.Generator | None],
+        mask: Callable[[list[Request], torch.Tensor], None] | None = None,
     ) -> dict[str, SampledToken]:
+        """Run a step; `mask(requests, logits)` may forbid tokens (structured output) before sampling."""
         chunks = _decodes_first(out.chunks)
         # A multi-worker instance: the other ranks start the same step before this one computes.
         pending = self.followers.submit(chunks) if self.followers is not None else None
@@ -68,9 +72,13 @@ class ModelRunner:
         if not sampling:
             return {}
         requests = [c.request for c in sampling]
-        tokens, logprobs = self.sampler(
-            logits, [r.sampling_params for r in requests], [generator_of(r) for r in requests]
-        )
+        params = [r.sampling_params for r in requests]
+        raw = logits
+        if mask is not None:
+            if any(p.structured is not None and p.logprobs is not None for p in params):
+                raw = logits.clone()  # logprobs are the model's own, as without a grammar
+            mask(requests, logits)
+        tokens, logprobs = self.sampler(logits, params, [generator_of(r) for r in requests], raw_logits=raw)
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, tokens, logprobs)}
 
     @torch.inference_mode()

@@ -18,9 +18,14 @@ class Sampler:
         self._seed = seed
 
     def __call__(
-        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> tuple[list[int], list[dict[int, float] | None]]:
-        """logits: [N, vocab] float32. Returns the chosen token per row and, where asked, logprobs."""
+        """logits: [N, vocab] float32. Returns the chosen token per row and, where asked, logprobs
+        (of `raw_logits` when given: the model's before a grammar masked them)."""
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         if greedy_rows:
@@ -33,7 +38,7 @@ class Sampler:
             noise = self._exponential_noise(probs, [generators[i] for i in random_rows])
             tokens[index] = (probs / noise).argmax(dim=-1)
         token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, params, token_list)
+        return token_list, self._logprobs(logits if raw_logits is None else raw_logits, params, token_list)
 
     def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)

@@ -68,6 +68,8 @@ class SchedulerOutput:
 class SampledToken:
     token_id: int
     logprobs: dict[int, float] | None = None
+    forced: list[int] = field(default_factory=list)  # what the request's grammar forces next (jump-forward)
+    ends: bool = False  # the request's grammar is complete: nothing may follow
 
 
 SCHEDULING_POLICIES = ("chunked", "prefill_first")
@@ -283,10 +285,24 @@ class Scheduler:
             request.append_output_token(token.token_id, token.logprobs)
             if request.timings.first_token is None:
                 request.timings.first_token = now
-            if not self._check_stop(request) and self.role is Role.PREFILL:
+            if not self._append_forced(request, token) and self.role is Role.PREFILL:
                 self._hold_for_export(request)
             updated.append(request)
         return updated
+
+    def _append_forced(self, request: Request, token: SampledToken) -> bool:
+        """After the sampled token: the tokens its grammar forces (their KV is computed next
+        step, as a short chunk), each checked for a stop; returns whether the request finished."""
+        finished = self._check_stop(request)
+        for forced in token.forced:
+            if finished:
+                break
+            request.append_output_token(forced)
+            finished = self._check_stop(request)
+        if token.ends and not finished:
+            self.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            finished = True
+        return finished
 
     def _check_stop(self, request: Request) -> bool:
         """Finish the request if its last token ends it; returns whether it finished."""

@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI API (`/v1/completions`, `/v1/chat/completions`, with vLLM's
-extensions `top_k`, `ignore_eos`, `stop_token_ids`, `min_tokens` and ours, `priority` and `slo`)
+extensions `top_k`, `ignore_eos`, `stop_token_ids`, `min_tokens`, structured output (see
+openai_structured) and ours, `priority` and `slo`)
 read into the request path's plain message, a `GenerateRequest`, beside what only the HTTP
 answer needs (choices, streaming, usage and logprobs in it).
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from disagg.errors import InvalidRequestError
 from disagg.request import SamplingParams
+from disagg.router.openai_structured import STRUCTURED_FIELDS, structured_output
 from disagg.v1 import serving_pb2
 
 MAX_CHOICES = 128  # OpenAI's bound on n
@@ -41,12 +43,11 @@ ONLY_DEFAULT = {
     "skip_special_tokens": (True,),
     "tools": ([],),
     "tool_choice": ("none", "auto"),
-    "response_format": ({"type": "text"},),
 }
 IGNORED = {"user", "metadata", "store", "service_tier", "parallel_tool_calls"}  # change nothing in the answer
 COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
-    "stream_options", "ignore_eos", "priority", "slo", "logprobs", *ONLY_DEFAULT, *IGNORED,
+    "stream_options", "ignore_eos", "priority", "slo", "logprobs", *ONLY_DEFAULT, *IGNORED, *STRUCTURED_FIELDS,
 }  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "best_of"}
 CHAT_FIELDS = COMMON | {"messages", "top_logprobs", "max_completion_tokens"}
@@ -155,6 +156,9 @@ def _generate_request(body: dict) -> serving_pb2.GenerateRequest:
     sampling.stop.extend(_stop(body.get("stop")))
     sampling.stop_token_ids.extend(_token_ids(body, "stop_token_ids", allow_empty=True))
     sampling.ignore_eos = _optional_bool(body, "ignore_eos", False)
+    structured = structured_output(body)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     return serving_pb2.GenerateRequest(
         sampling=sampling, slo=_slo(body.get("slo")), priority=_priority(body.get("priority"))
     )

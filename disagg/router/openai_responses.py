@@ -27,7 +27,12 @@ ERROR_TYPES = {
     "DEADLINE_EXCEEDED": "timeout_error",
 }
 # gRPC's names of the request's fields (disagg.router.validation) as OpenAI's.
-_PARAM_NAMES = {"chat": "messages", "chat.messages": "messages", "prompt_token_ids": "prompt"}
+_PARAM_NAMES = {
+    "chat": "messages",
+    "chat.messages": "messages",
+    "prompt_token_ids": "prompt",
+    "structured": "response_format",
+}
 
 
 def error_body(code: str, message: str, param: str | None = None) -> dict:

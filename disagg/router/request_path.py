@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
+from disagg.engine.grammar import GrammarCompiler
 from disagg.errors import DisaggError, InvalidRequestError, OverloadedError, UnavailableError, grpc_code_name
 from disagg.metrics import ServingMetrics
 from disagg.placement.policies import Slo
@@ -69,6 +70,7 @@ class RequestPath:
         self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
         self._aborted: set[str] = set()  # ended by Abort: their streams end with finish_reason "abort"
         self.draining = False
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request
 
     # ---- before any work -------------------------------------------------------------------------
     def authorized(self, given_key: str) -> bool:
@@ -111,13 +113,28 @@ class RequestPath:
             params = sampling_params(request.sampling, self.tokenizer)
             check_model_bounds(params, self.limits)
             check_text_size(request, self.limits)
-            # Tokenizing grows with the text: off the event loop that streams everyone's tokens.
+            # Tokenizing grows with the text, compiling with the grammar: off the event loop that
+            # streams everyone's tokens.
             ids = await asyncio.to_thread(prompt_token_ids, request, self.tokenizer, self.limits.vocab_size)
             check_fits(len(ids), params, self.limits)
+            if params.structured is not None:
+                await asyncio.to_thread(self._check_grammar, params)
         except InvalidRequestError:
             self.metrics.observe_failure("INVALID_ARGUMENT")
             raise
         return ids, params
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """A grammar the engines could not compile is refused here, before it costs them anything."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("sampling.structured", "structured output needs a tokenizer; this model has none")
+        if self._grammars is None:
+            tokenizer = self.tokenizer
+            self._grammars = GrammarCompiler(tokenizer.hf_tokenizer, self.limits.vocab_size, tokenizer.eos_token_ids)
+        try:
+            self._grammars.check(params.structured)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
 
     def demand(self, request: serving_pb2.GenerateRequest) -> tuple[Slo, str]:
         """The request's SLO (each target 0: the server's) and priority name."""

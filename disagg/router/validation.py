@@ -6,13 +6,14 @@ downstream and gets INVALID_ARGUMENT at once.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import InvalidRequestError
-from disagg.request import SamplingParams
+from disagg.request import SamplingParams, StructuredOutput
 from disagg.request import check_fits as check_prompt_fits
 from disagg.v1 import serving_pb2
 
@@ -50,9 +51,28 @@ def sampling_params(proto: serving_pb2.SamplingParams, tokenizer: Tokenizer | No
             stop_token_ids=list(proto.stop_token_ids),
             ignore_eos=proto.ignore_eos,
             logprobs=opt("logprobs", None),
+            structured=structured_output(proto),
         )
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
+
+
+def structured_output(proto: serving_pb2.SamplingParams) -> StructuredOutput | None:
+    """The grammar a request's output follows, None for free text (its validity is checked by
+    the grammar compiler, disagg.engine.grammar)."""
+    if not proto.HasField("structured"):
+        return None
+    structured = proto.structured
+    kind = structured.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("structured", "set one of json_object, json_schema, regex, grammar, choice")
+    if kind == "json_object":
+        if not structured.json_object:
+            raise InvalidRequestError("structured", "json_object must be true when it is the kind set")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", json.dumps(list(structured.choice.choices)))
+    return StructuredOutput(kind, getattr(structured, kind))
 
 
 def check_request_id(request_id: str) -> None:

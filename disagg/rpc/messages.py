@@ -7,7 +7,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from disagg.kv_transfer.layout import KVLayout, KVRank
-from disagg.request import SamplingParams
+from disagg.request import SamplingParams, StructuredOutput
 
 
 @dataclass
@@ -99,4 +99,4 @@ class Reservation:
 
 
 # Every class a request link's frame may hold (disagg.rpc.framing).
-MESSAGE_TYPES = (TokenDelta, PrefillResult, Reservation, KVLayout, KVRank, SamplingParams)
+MESSAGE_TYPES = (TokenDelta, PrefillResult, Reservation, KVLayout, KVRank, SamplingParams, StructuredOutput)

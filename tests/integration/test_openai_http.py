@@ -11,6 +11,8 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import jsonschema
 import openai
 import pytest
 import ray
@@ -20,6 +22,7 @@ from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
 from disagg.config import ServingConfig
 from disagg.server import Server
+from disagg.v1 import serving_pb2
 from tests.support import self_signed_certificate
 
 API_KEY = "http-test-key"
@@ -269,6 +272,70 @@ def test_invalid_json_bad_chat_role_and_unknown_model(raw, client):
     assert reply.status == 400 and reply.json()["error"]["param"] == "messages[0].role"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="hi")
+
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "population_in_millions": {"type": "number"},
+        "is_capital_city": {"type": "boolean"},
+    },
+    "required": ["name", "population_in_millions", "is_capital_city"],
+    "additionalProperties": False,
+}
+CITY_QUESTION = [{"role": "user", "content": "Describe Paris as JSON: name, population_in_millions, is_capital_city."}]
+
+
+def test_every_output_of_a_json_schema_request_parses_and_validates(client):
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=CITY_QUESTION,
+        temperature=1.0,
+        seed=3,
+        n=3,
+        max_tokens=128,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+    )
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), CITY)
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CITY_QUESTION,
+            temperature=0,
+            max_tokens=128,
+            stream=True,
+            response_format={"type": "json_object"},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop" and isinstance(json.loads(text), dict), text
+
+
+def test_the_first_token_sampled_by_the_prefill_worker_follows_the_grammar(server, tls):
+    """Unconstrained, this question's answer starts "The capital": a first token sampled without
+    the mask would break the grammar on the decode worker."""
+    structured = serving_pb2.StructuredOutput(regex="[0-9]{4}")
+    with DisaggClient(server.address, api_key=API_KEY, tls_ca=tls[0]) as grpc_client:
+        _, text, final = grpc_client.generate(
+            generate_request(chat=QUESTION, temperature=0.0, max_tokens=16, structured=structured), timeout=60
+        )
+    assert len(text) == 4 and text.isdigit() and final.finish_reason == "stop", text
+
+
+def test_an_invalid_grammar_is_400_over_http_and_invalid_argument_over_grpc(server, raw, tls):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}
+    reply = raw.post("/v1/chat/completions", {"messages": QUESTION, "response_format": bad})
+    assert reply.status == 400 and reply.json()["error"]["param"] == "response_format", reply.body
+    assert "objectx" in reply.json()["error"]["message"]
+    with DisaggClient(server.address, api_key=API_KEY, tls_ca=tls[0]) as grpc_client:
+        with pytest.raises(grpc.RpcError) as refused:
+            grpc_client.generate(
+                generate_request(chat=QUESTION, structured=serving_pb2.StructuredOutput(regex="[a-")), timeout=60
+            )
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.structured" in refused.value.details()
 
 
 def test_priority_and_slo_are_accepted(client):

@@ -99,6 +99,41 @@ def test_a_request_moved_mid_stream_decodes_exactly_as_unmoved(tiny_gqa_dir, pro
     b.close()
 
 
+@pytest.mark.slow
+def test_a_structured_request_moves_with_its_grammar_state():
+    """The grammar's state goes with the request (rebuilt at the target from the tokens it
+    generated): the moved request's output is the unmoved one's, and still follows the schema,
+    with jump-forward's multi-token steps on both sides of the move."""
+    import json
+
+    import jsonschema
+
+    from disagg.config import DEFAULT_MODEL
+    from disagg.request import StructuredOutput
+
+    keys = ["the_name_of_the_city", "the_population_of_the_city_in_millions"]
+    schema = {"type": "object", "properties": {keys[0]: {"type": "string"}, keys[1]: {"type": "integer"}}}
+    schema.update(required=keys, additionalProperties=False)
+    params = SamplingParams(
+        temperature=0.8, seed=5, max_tokens=48, structured=StructuredOutput("json_schema", json.dumps(schema))
+    )
+    prompts = random_prompts([40, 9], 49152, seed=3)
+    expected = _unmoved(DEFAULT_MODEL, prompts, params)
+    got, move, a, b = _run_with_move(DEFAULT_MODEL, prompts, params)
+    assert move is not None and move.done.result() is True, "the move did not complete"
+    assert got == expected
+    moved_at = len(prompts[0]) + MOVE_AFTER - 1
+    forced_chunks = [c for s in b.engine.step_stats for c in s.work.chunks]
+    assert forced_chunks, "the target never appended forced tokens: jump-forward untested across the move"
+    assert all(c.start >= moved_at for c in forced_chunks), "the target recomputed KV"
+    assert len(got[0]) < params.max_tokens, "the moved request did not reach its grammar's end"
+    jsonschema.validate(json.loads(a.engine.tokenizer.decode(got[0])), schema)
+    for worker in (a, b):
+        assert worker.engine.num_free_blocks == worker.engine.num_total_blocks
+    a.close()
+    b.close()
+
+
 def test_a_move_the_target_drops_resumes_at_the_source(tiny_gqa_dir, prompts):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     expected = _unmoved(tiny_gqa_dir, prompts, params)

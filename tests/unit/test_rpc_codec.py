@@ -12,7 +12,7 @@ import msgpack
 import pytest
 
 from disagg.kv_transfer.layout import KVLayout, KVRank
-from disagg.request import SamplingParams
+from disagg.request import SamplingParams, StructuredOutput
 from disagg.rpc.codec import Codec, FrameError
 from disagg.rpc.framing import CODEC, decode, encode
 from disagg.rpc.messages import PrefillResult, Reservation, TokenDelta
@@ -41,6 +41,7 @@ def test_every_message_type_comes_back_equal():
         PrefillResult("r2", 7, "x", None, False, None, 12, 0, 0.001, 0.05),
         Reservation(3, [4, 5], {"d/rank0": 3}, layout),
         SamplingParams(temperature=0.0, max_tokens=4, stop=["\n"], seed=3, logprobs=1),
+        SamplingParams(structured=StructuredOutput("regex", "[0-9]+"), resumed_tokens=2),
     ]
     for value in values:
         assert roundtrip(value) == value
