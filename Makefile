@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 # apt as root, or through sudo for another user (a `ray up` node's SSH user).
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast deploy-test serve bench loadtest clean proto
+.PHONY: setup lint test test-fast deploy-test serve bench loadtest bench-guidellm clean proto
 
 setup: $(STAMP)
 
@@ -57,8 +57,23 @@ bench: setup
 loadtest: setup
 	$(PY) loadtest/run_locust.py
 
+# GuideLLM in a virtual environment of its own (its pins stay apart from ours); it wants torch,
+# so it gets the same CPU wheel as .venv on a machine without CUDA.
+GUIDELLM_VENV  ?= .venv-guidellm
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.setup-done
+
+$(GUIDELLM_STAMP): Makefile
+	test -x $(GUIDELLM_VENV)/bin/python || python3 -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet "guidellm==0.8.1" "$(TORCH_SPEC)"
+	touch $(GUIDELLM_STAMP)
+
+# A rate sweep of GuideLLM against a fresh `disagg serve`; its report in loadtest/results/guidellm/.
+bench-guidellm: setup $(GUIDELLM_STAMP)
+	PYTHONPATH=. $(PY) loadtest/bench_guidellm.py --guidellm $(GUIDELLM_VENV)/bin/guidellm
+
 proto: setup
 	$(PY) proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(GUIDELLM_VENV) build *.egg-info

@@ -1,13 +1,18 @@
-"""Locust load test of the `Generate` stream (gRPC), with seeded real-text workloads.
+"""Locust load test of the server's streams, with seeded real-text workloads: `GenerateUser` speaks
+gRPC (`Generate`), `HttpGenerateUser` the OpenAI-compatible HTTP API (`POST /v1/chat/completions`,
+streamed as server-sent events). Name a class to choose it (`locust -f loadtest/locustfile.py
+HttpGenerateUser --host http://127.0.0.1:8000`); with no class named, GenerateUser alone runs.
 
-Every request is reported to Locust as request events (type "grpc"), so Locust's console, CSV
-and HTML reports show them: "Generate TTFT", "Generate TPOT" (per request), "Generate ITL" (per
-token gap), "Generate E2E" (per request; failures are reported here, with their status code), and
-"Generate SLO": one per request, a failure when it missed the SLO (Locust's failures table says
-which target, or the error code of a refused or failed request). So that row's failure ratio is
-100% minus the SLO attainment and its RPS minus its failures/s is the goodput. The SLO is the
-server's default (read from ClusterStatus at the start), or --slo-ttft-ms / --slo-tpot-ms, which
-are then sent with each request.
+Every request is reported to Locust as request events (type "grpc" or "http"), so Locust's
+console, CSV and HTML reports show them: "Generate TTFT", "Generate TPOT" (per request),
+"Generate ITL" (per token gap), "Generate E2E" (per request; failures are reported here, with
+their status code), and "Generate SLO": one per request, a failure when it missed the SLO
+(Locust's failures table says which target, or the error code of a refused or failed request).
+SLO attainment, goodput and TTFT/TPOT percentiles are also figures of their own (locust_slo.py):
+an "SLO" tab in the web UI, PREFIX_slo.csv and PREFIX_slo_history.csv beside Locust's CSV, and a
+section of the HTML report. The SLO is the server's default (read from ClusterStatus at the start;
+HTTP has no call that says it, so an HTTP-only run needs the options), or --slo-ttft-ms /
+--slo-tpot-ms, which are then sent with each request.
 Locust rounds the times it keeps for percentiles, so each request is also written as one exact
 row to --rows-csv (or $DISAGG_LOCUST_ROWS); `disagg report ROWS.csv` reads those rows.
 
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import os
 import time
 import uuid
+from http.client import HTTPException
 
 from grpc.experimental import gevent as grpc_gevent
 
@@ -32,10 +39,13 @@ grpc_gevent.init_gevent()  # before any channel exists: gRPC must yield to Locus
 
 import gevent  # noqa: E402
 import grpc  # noqa: E402
+from geventhttpclient import HTTPClient  # noqa: E402
 from locust import LoadTestShape, User, events, task  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
+from locust_slo import SloReport  # noqa: E402  (beside this file: Locust puts its folder on sys.path)
 
 from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row, slo_misses  # noqa: E402
+from disagg.bench.openai_stream import ChatStreamTimer  # noqa: E402
 from disagg.bench.workloads import (  # noqa: E402
     WORKLOADS,
     WorkloadConfig,
@@ -68,15 +78,14 @@ def _arguments(parser) -> None:
 
 
 class _Run:
-    """What the users of one test run share: the workload, its cursor and the rows file."""
+    """What the users of one test run share: the workload, its cursor, the SLO and the rows file."""
 
-    def __init__(self, options):
-        tokenizer, context = load_tokenizer(options.model)
-        config = WorkloadConfig(
-            options.workload, options.workload_size, options.workload_seed, context, options.length_scale
-        )
-        self.requests = make_workload(config, tokenizer)
-        self.slo, self.request_slo = _slo(options)
+    def __init__(self, environment):
+        options = environment.parsed_options
+        # Off the event loop: a worker that tokenizes for seconds there misses its heartbeats to
+        # the master, which then counts it as gone (Python threads still take turns at the GIL).
+        self.requests = gevent.get_hub().threadpool.apply(_workload, (options,))
+        self.slo, self.request_slo = _slo(options, speaks_grpc=GenerateUser in environment.user_classes)
         self.max_tokens = options.max_tokens
         self.timeout = options.request_timeout
         self.cursor = itertools.count()
@@ -104,14 +113,34 @@ class _Run:
             self.rows_file = self.rows = None
 
 
+def _workload(options) -> list:
+    tokenizer, context = load_tokenizer(options.model)
+    config = WorkloadConfig(
+        options.workload, options.workload_size, options.workload_seed, context, options.length_scale
+    )
+    return make_workload(config, tokenizer)
+
+
 _run: _Run | None = None
+_slo_report: SloReport | None = None
+
+
+@events.init.add_listener
+def _on_init(environment, **_) -> None:
+    global _slo_report
+    _slo_report = SloReport(environment)
+    options = environment.parsed_options
+    if options and not options.user_classes and not options.class_picker:
+        # Locust runs every class of the locustfile unless told which: the gRPC one stays the default
+        environment.user_classes[:] = [c for c in environment.user_classes if c is not HttpGenerateUser]
 
 
 @events.test_start.add_listener
 def _on_test_start(environment, **_) -> None:
     global _run
     if _run is None:
-        _run = _Run(environment.parsed_options)
+        _run = _Run(environment)
+    _slo_report.judge_by(_run.slo)
 
 
 @events.quitting.add_listener
@@ -177,76 +206,131 @@ class GenerateUser(User):
             record.error_code, record.error = exc.code().name, exc.details() or ""
         if not record.success:
             record.e2el = time.perf_counter() - sent
-        self._report(record)
-        _run.write(record)
+        _report(self.environment, "grpc", record)
 
-    def _report(self, record: RequestRecord) -> None:
-        fire = self.environment.events.request.fire
-        if any(_run.slo.values()):
-            misses = slo_misses(record, _run.slo)
-            fire(
-                request_type="grpc",
-                name="Generate SLO",
-                response_time=record.e2el * 1e3,
-                response_length=record.output_len,
-                exception=SloMissed(", ".join(misses)) if misses else None,
-                context={},
-            )
+
+class HttpGenerateUser(User):
+    """The same closed-loop user over the OpenAI-compatible HTTP API: one streamed chat completion
+    (server-sent events) per request. Not Locust's FastHttpUser: its streamed reads wait for a
+    whole chunk of bytes, which would hold back a token's arrival until later ones fill it."""
+
+    host = "http://127.0.0.1:8000"
+
+    def wait_time(self) -> float:
+        return self.environment.parsed_options.think_time
+
+    def on_start(self) -> None:
+        self.http = HTTPClient.from_url(self.host, connection_timeout=10.0, network_timeout=_run.timeout)
+        self.model = _served_model(self.http)
+
+    def on_stop(self) -> None:
+        self.http.close()
+
+    @task
+    def generate(self) -> None:
+        index, req, output_len = _run.next_request()
+        record = RequestRecord(
+            index=index,
+            prompt_len=req.prompt_len,
+            target_output_len=output_len,
+            request_id=f"locust-{uuid.uuid4().hex[:12]}",
+        )
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": req.prompt}],
+            "max_tokens": output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **({"slo": {k: v for k, v in _run.slo.items() if v}} if _run.request_slo else {}),
+        }
+        sent = time.perf_counter()
+        record.sent_at = sent - _run.started
+        try:
+            with gevent.Timeout(_run.timeout, TimeoutError(f"no answer in {_run.timeout:g}s")):
+                self._exchange(body, record, sent)
+        except (OSError, HTTPException, ValueError, gevent.Timeout) as exc:  # no answer, or not one we can read
+            record.error_code = _failure_code(exc)
+            record.error = f"{type(exc).__name__}: {exc}"
+            self.http.close()  # a half-read answer must not be read as the next one's
+            self.http = HTTPClient.from_url(self.host, connection_timeout=10.0, network_timeout=_run.timeout)
         if not record.success:
-            fire(
-                request_type="grpc",
-                name="Generate E2E",
-                response_time=record.e2el * 1e3,
-                response_length=0,
-                exception=RuntimeError(f"{record.error_code}: {record.error}"),
-                context={},
-            )
+            record.e2el = time.perf_counter() - sent
+        _report(self.environment, "http", record)
+
+    def _exchange(self, body: dict, record: RequestRecord, sent: float) -> None:
+        response = self.http.post("/v1/chat/completions", json.dumps(body), headers=_JSON)
+        if response.status_code != 200:
+            error = json.loads(response.read() or b"{}").get("error") or {}
+            record.error_code = str(error.get("code") or f"HTTP_{response.status_code}").upper()
+            record.error = error.get("message", "")
             return
-        fire(
-            request_type="grpc",
-            name="Generate TTFT",
-            response_time=record.ttft * 1e3,
-            response_length=1,
-            exception=None,
+        stream = ChatStreamTimer(sent)
+        while line := response.readline(b"\n"):  # b"": the answer is complete
+            stream.on_line(line, time.perf_counter())
+        stream.finish(record, time.perf_counter())
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _failure_code(exc: BaseException) -> str:
+    """A failure with no answer from the server, named as gRPC names its kind."""
+    if isinstance(exc, (TimeoutError, gevent.Timeout)):
+        return "DEADLINE_EXCEEDED"
+    return "INVALID_RESPONSE" if isinstance(exc, ValueError) else "UNAVAILABLE"
+
+
+def _served_model(http: HTTPClient) -> str:
+    """The model the server names (GET /v1/models): a request must name it."""
+    response = http.get("/v1/models")
+    if response.status_code != 200:
+        raise RuntimeError(f"GET /v1/models answered {response.status_code}: {response.read()[:200]!r}")
+    return json.loads(response.read())["data"][0]["id"]
+
+
+def _report(environment, api: str, record: RequestRecord) -> None:
+    """The request's events (of type `api`), its SLO figures and its exact row."""
+    _slo_report.add(api, record)
+    _run.write(record)
+
+    def fire(name: str, seconds: float, length: int, exception: Exception | None = None) -> None:
+        environment.events.request.fire(
+            request_type=api,
+            name=name,
+            response_time=seconds * 1e3,
+            response_length=length,
+            exception=exception,
             context={},
         )
-        if record.output_len > 1:
-            fire(
-                request_type="grpc",
-                name="Generate TPOT",
-                response_time=record.tpot * 1e3,
-                response_length=record.output_len - 1,
-                exception=None,
-                context={},
-            )
-        for gap in record.itl:
-            fire(
-                request_type="grpc",
-                name="Generate ITL",
-                response_time=gap * 1e3,
-                response_length=1,
-                exception=None,
-                context={},
-            )
-        fire(
-            request_type="grpc",
-            name="Generate E2E",
-            response_time=record.e2el * 1e3,
-            response_length=record.output_len,
-            exception=None,
-            context={},
-        )
+
+    if any(_run.slo.values()):
+        misses = slo_misses(record, _run.slo)
+        fire("Generate SLO", record.e2el, record.output_len, SloMissed(", ".join(misses)) if misses else None)
+    if not record.success:
+        fire("Generate E2E", record.e2el, 0, RuntimeError(f"{record.error_code}: {record.error}"))
+        return
+    fire("Generate TTFT", record.ttft, 1)
+    if record.output_len > 1:
+        fire("Generate TPOT", record.tpot, record.output_len - 1)
+    for gap in record.itl:
+        fire("Generate ITL", gap, 1)
+    fire("Generate E2E", record.e2el, record.output_len)
 
 
 class SloMissed(Exception):
     """A request that missed its SLO (the message says which target, or its error code)."""
 
 
-def _slo(options) -> tuple[dict[str, float], serving_pb2.Slo | None]:
+def _slo(options, speaks_grpc: bool) -> tuple[dict[str, float], serving_pb2.Slo | None]:
     """The targets requests are judged by, and what each request sends (None: the server's)."""
     if options.slo_ttft_ms is not None or options.slo_tpot_ms is not None:
         slo = {"ttft_ms": options.slo_ttft_ms or 0.0, "tpot_ms": options.slo_tpot_ms or 0.0}
         return slo, serving_pb2.Slo(**slo)
+    if not speaks_grpc:
+        print("locustfile: no SLO events (the HTTP API does not say its SLO: give --slo-ttft-ms/--slo-tpot-ms)")
+        return {"ttft_ms": 0.0, "tpot_ms": 0.0}, None
     host = options.host or GenerateUser.host
     try:
         with DisaggClient(host) as client:

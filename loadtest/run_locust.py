@@ -5,10 +5,14 @@ run Locust headless against it for a bounded time, stop the server, write the re
     python loadtest/run_locust.py --users 8 --run-time 60s --workload code
     python loadtest/run_locust.py --server 127.0.0.1:50051 # an already running server
     python loadtest/run_locust.py -- --max-tokens 32      # anything after -- goes to Locust
+    python loadtest/run_locust.py --http                  # HttpGenerateUser: the OpenAI-compatible API
 
 Reports (under --out-dir, default loadtest/results/locust): Locust's CSV (locust_stats.csv, ...)
-and HTML (locust.html), the exact per-request rows (rows.csv), and `disagg report`'s table and
-TTFT/TPOT CDFs of those rows (report/).
+with SLO attainment, goodput and TTFT/TPOT percentiles (locust_slo.csv, locust_slo_history.csv),
+HTML (locust.html, with the same figures), the exact per-request rows (rows.csv), and
+`disagg report`'s table and TTFT/TPOT CDFs of those rows (report/).
+With --http the requests are judged by the server's default SLO, read over gRPC (the HTTP API
+does not say it), unless Locust's --slo-ttft-ms / --slo-tpot-ms are given after --.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from disagg.bench.experiment import ServeProcess, config_without_fixed_ports
+from disagg.bench.experiment import ServeProcess, config_without_fixed_ports, free_port
 from disagg.bench.report import load_runs, write_report
+from disagg.client import DisaggClient
 
 HERE = Path(__file__).resolve().parent
 
@@ -28,7 +33,9 @@ HERE = Path(__file__).resolve().parent
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(HERE.parent / "deploy" / "configs" / "disaggregated.yaml"))
-    parser.add_argument("--server", help="HOST:PORT of a running server (then none is started)")
+    parser.add_argument("--server", help="HOST:PORT of a running server's gRPC API (then none is started)")
+    parser.add_argument("--http", action="store_true", help="HttpGenerateUser instead of the gRPC GenerateUser")
+    parser.add_argument("--http-url", help="with --server: its HTTP API (default http://127.0.0.1:8000)")
     parser.add_argument("--users", type=int, default=4)
     parser.add_argument("--spawn-rate", type=float, default=2.0)
     parser.add_argument("--run-time", default="30s")
@@ -39,12 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
-        address = args.server
+        address, http_url = args.server, args.http_url or "http://127.0.0.1:8000"
         if address is None:
             config = config_without_fixed_ports(Path(args.config), out / "serving-config.yaml")
             print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
-            address = stack.enter_context(ServeProcess(str(config), str(out / "serve.log"))).address
-        print(f"running Locust for {args.run_time} against {address} ...", flush=True)
+            http_port = free_port() if args.http else 0
+            address = stack.enter_context(
+                ServeProcess(str(config), str(out / "serve.log"), http_port=http_port)
+            ).address
+            http_url = f"http://127.0.0.1:{http_port}"
+        users = ["HttpGenerateUser", "--host", http_url, *_server_slo(address)] if args.http else ["--host", address]
+        print(f"running Locust for {args.run_time} against {http_url if args.http else address} ...", flush=True)
         code = subprocess.call(
             [
                 sys.executable,
@@ -62,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.run_time,
                 "--stop-timeout",
                 "120",
-                "--host",
-                address,
+                *users,
                 "--csv",
                 str(out / "locust"),
                 "--html",
@@ -77,8 +88,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     paths = write_report(load_runs([str(out / "rows.csv")]), str(out / "report"))
     print(f"\nLocust: {out / 'locust_stats.csv'}, {out / 'locust.html'}\nper-request rows: {out / 'rows.csv'}")
+    print(f"SLO attainment, goodput, TTFT/TPOT percentiles: {out / 'locust_slo.csv'}")
     print("report: " + ", ".join(paths.values()))
     return code
+
+
+def _server_slo(address: str) -> list[str]:
+    """Locust's options that judge HTTP requests by the server's default SLO."""
+    with DisaggClient(address) as client:
+        slo = client.cluster_status(timeout=30).default_slo
+    return ["--slo-ttft-ms", f"{slo.ttft_ms:g}", "--slo-tpot-ms", f"{slo.tpot_ms:g}"]
 
 
 if __name__ == "__main__":

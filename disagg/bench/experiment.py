@@ -44,10 +44,19 @@ MODE_CONFIGS = {
 
 
 class ServeProcess:
-    """`disagg serve --config CONFIG --port FREE --ready-file F` as a context manager."""
+    """`disagg serve --config CONFIG --port FREE --ready-file F` as a context manager; its HTTP API
+    on `http_port` (0: none)."""
 
-    def __init__(self, config_path: str, log_path: str, start_timeout_s: float = 300.0, stop_timeout_s: float = 60.0):
+    def __init__(
+        self,
+        config_path: str,
+        log_path: str,
+        start_timeout_s: float = 300.0,
+        stop_timeout_s: float = 60.0,
+        http_port: int = 0,
+    ):
         self.config_path = config_path
+        self.http_port = http_port
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.stop_timeout_s = stop_timeout_s
@@ -77,8 +86,8 @@ class ServeProcess:
             self.config_path,
             "--port",
             str(free_port()),
-            "--http-port",  # the benchmarks speak gRPC; servers side by side must not share port 8000
-            "0",
+            "--http-port",  # servers side by side must not share port 8000: 0 unless one is given
+            str(self.http_port),
             "--ready-file",
             str(self._ready),
         ]

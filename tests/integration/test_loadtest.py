@@ -1,6 +1,7 @@
 """Load-testing tools against a real server (default model, 1 prefill + 1 decode worker):
-`disagg bench` (open loop), Locust headless (closed loop), and `disagg report` on their output.
-Low load and short outputs: every request must succeed and the reports must agree with each other.
+`disagg bench` (open loop), Locust headless (closed loop, over gRPC and over the HTTP API), and
+`disagg report` on their output. Low load and short outputs: every request must succeed and the
+reports must agree with each other (Locust's SLO figures with the exact rows).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.metrics import read_rows, slo_misses
+from disagg.bench.experiment import free_port
+from disagg.bench.metrics import read_rows, slo_misses, summarize
 from disagg.cli import main as disagg_main
 from disagg.server import Server
 from disagg.config import ServingConfig
@@ -32,6 +34,7 @@ def server(ray_session):
             "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "port": 0,
+            "http_port": free_port(),
             # Locust judges requests by the server's SLO: TTFT met by all, TPOT by none (placed
             # anyway: best effort), so both sides of its SLO events are seen
             "slo": SERVER_SLO,
@@ -76,47 +79,67 @@ def bench_result(server, out_dir) -> Path:
     return path
 
 
+def run_locust(prefix: Path, *args: str, run_time: str = "15s") -> None:
+    """Locust headless, 2 users, short chat requests, the reports under `prefix`."""
+    command = [
+        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), *args,
+        "--headless", "--only-summary", "-u", "2", "-r", "2", "-t", run_time, "--stop-timeout", "60",
+        "--csv", str(prefix), "--html", f"{prefix}.html", "--rows-csv", f"{prefix}_rows.csv",
+        "--workload", "chat", "--length-scale", "0.1", "--max-tokens", "8", "--workload-size", "60",
+        "--think-time", "0.2",
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def locust_run(server, out_dir) -> Path:
     prefix = out_dir / "locust"
-    command = [
-        sys.executable,
-        "-m",
-        "locust",
-        "-f",
-        str(REPO / "loadtest" / "locustfile.py"),
-        "--headless",
-        "--only-summary",
-        "-u",
-        "2",
-        "-r",
-        "2",
-        "-t",
-        "15s",
-        "--stop-timeout",
-        "60",
-        "--host",
-        server.address,
-        "--csv",
-        str(prefix),
-        "--html",
-        f"{prefix}.html",
-        "--rows-csv",
-        f"{prefix}_rows.csv",
-        "--workload",
-        "chat",
-        "--length-scale",
-        "0.1",
-        "--max-tokens",
-        "8",
-        "--workload-size",
-        "60",
-        "--think-time",
-        "0.2",
-    ]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_locust(prefix, "--host", server.address)
     return prefix
+
+
+@pytest.fixture(scope="module")
+def locust_http_run(server, out_dir) -> Path:
+    """HttpGenerateUser chosen by name; the HTTP API does not say the server's SLO: given here."""
+    prefix = out_dir / "locust_http"
+    slo = ["--slo-ttft-ms", f"{SERVER_SLO['ttft_ms']:g}", "--slo-tpot-ms", f"{SERVER_SLO['tpot_ms']:g}"]
+    run_locust(prefix, "HttpGenerateUser", "--host", f"http://{server.http_address}", *slo, run_time="10s")
+    return prefix
+
+
+def slo_figures(prefix: Path) -> dict[str, dict]:
+    with open(f"{prefix}_slo.csv", newline="") as f:
+        return {row["name"]: row for row in csv.DictReader(f)}
+
+
+def assert_slo_figures_agree_with_the_rows(prefix: Path, api: str) -> None:
+    """Locust's SLO figures (CSV and HTML report) are `summarize` of the exact rows."""
+    rows = read_rows(f"{prefix}_rows.csv")
+    figures = slo_figures(prefix)
+    assert set(figures) == {api}
+    row = figures[api]
+    duration = float(row["duration_s"])
+    expected = summarize(rows, duration, SERVER_SLO)
+    assert int(row["requests"]) == len(rows) and int(row["succeeded"]) == expected["completed"]
+    assert int(row["good"]) == expected["num_good"]
+    assert float(row["attainment_pct"]) == pytest.approx(expected["slo_attainment_pct"])
+    assert float(row["goodput_rps"]) == pytest.approx(expected["goodput"])
+    assert float(row["throughput_rps"]) == pytest.approx(len(rows) / duration)
+    assert 0.5 < duration < 20, "from the users' start (after the workload is made) to their stop"
+    for metric in ("ttft", "tpot"):
+        for p in ("p50", "p90", "p99"):
+            # the rows keep microseconds; the tally kept the unrounded times
+            assert float(row[f"{metric}_{p}_ms"]) == pytest.approx(expected[f"{metric}_ms"][p], abs=0.01)
+    assert row["slo"] == "ttft_ms=30000,tpot_ms=1"
+    with open(f"{prefix}_slo_history.csv", newline="") as f:
+        history = list(csv.DictReader(f))
+    assert history and history[-1]["requests"] == row["requests"]  # the last line of the history is the end
+    page = Path(f"{prefix}.html").read_text()
+    section = page[page.index('<section id="disagg-slo"') :]
+    assert page.count('id="disagg-slo"') == 1 and section.index("</section>") < section.index("</body>")
+    cells = [f"<td>{api}</td>", f"<td>{len(rows)}</td>", f"<td>{round(float(row['attainment_pct']), 3)}</td>"]
+    assert all(cell in section for cell in cells), section
 
 
 def test_bench_against_a_real_server(bench_result):
@@ -159,6 +182,25 @@ def test_locust_headless_reports_agree_with_the_exact_rows(locust_run):
         assert r.success and r.output_len == r.target_output_len <= 8
         assert 0 < r.ttft < r.e2el
     assert len({r.request_id for r in rows}) == len(rows)
+
+
+def test_locust_slo_figures_agree_with_the_exact_rows(locust_run):
+    assert_slo_figures_agree_with_the_rows(locust_run, "grpc")
+
+
+def test_locust_http_user_streams_chat_completions(locust_http_run):
+    rows = read_rows(f"{locust_http_run}_rows.csv")
+    with open(f"{locust_http_run}_stats.csv", newline="") as f:
+        stats = {(row["Type"], row["Name"]): row for row in csv.DictReader(f)}
+    assert len(rows) >= 2 and all(r.success and r.finish_reason == "length" for r in rows)
+    for r in rows:
+        assert r.output_len == r.target_output_len <= 8, "usage's completion tokens, EOS ignored"
+        assert 0 < r.ttft < r.e2el and 1 <= len(r.itl) <= r.output_len - 1
+    assert int(stats[("http", "Generate E2E")]["Request Count"]) == len(rows)
+    assert int(stats[("http", "Generate ITL")]["Request Count"]) == sum(len(r.itl) for r in rows)
+    assert int(stats[("http", "Generate SLO")]["Failure Count"]) == sum(bool(slo_misses(r, SERVER_SLO)) for r in rows)
+    assert not any(kind == "grpc" for kind, _ in stats), "with HttpGenerateUser named, the gRPC user stays idle"
+    assert_slo_figures_agree_with_the_rows(locust_http_run, "http")
 
 
 def test_locust_reports_slo_attainment_by_the_servers_slo(locust_run):
