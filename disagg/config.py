@@ -22,6 +22,7 @@ DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 3.0
 ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
 CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
+WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4")  # EngineConfig.weights
 # How KV moves between instances (disagg.kv_transfer.factory): torch_dist is torch.distributed,
 # gloo for CPU tensors and NCCL for CUDA ones.
 KV_TRANSPORTS = ("torch_dist",)
@@ -87,6 +88,10 @@ class EngineConfig:
     attention_backend: str = field(default_factory=lambda: _env_choice("DISAGG_ATTENTION_BACKEND", "auto"))
     # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear). (README: DISAGG_CPU_GEMM)
     cpu_gemm: str = field(default_factory=lambda: _env_choice("DISAGG_CPU_GEMM", "onednn"))
+    # How weights are kept: auto (a GGUF's 4-bit blocks as int4, its other quantized ones as int8,
+    # on CPU; float checkpoints dense), fp32 or bf16 (dense; the dtype unless `dtype` sets one), int8 or int4 (quantized at
+    # load, CPU). (disagg/engine/layers/quantized.py; README: DISAGG_WEIGHTS)
+    weights: str = field(default_factory=lambda: _env_choice("DISAGG_WEIGHTS", "auto"))
     # Structured output: tokens a request's grammar forces are appended without sampling them
     # (SGLang's jump-forward); off: each is decoded in a step of its own.
     jump_forward: bool = True
@@ -119,6 +124,8 @@ class EngineConfig:
             "must be chunked or prefill_first",
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _require(self.weights in WEIGHT_SETTINGS, "weights", f"must be one of {', '.join(WEIGHT_SETTINGS)}")
+
         _require(self.max_waiting_requests >= 1, "max_waiting_requests", "must be >= 1")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", "must be >= 2")
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads", "must be >= 1")

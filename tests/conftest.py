@@ -6,8 +6,16 @@ seeds, so that a test can load it both into our engine and into transformers as 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Tests run the engine with dense float32 weights unless they ask otherwise (weights="auto"):
+# quantized weights load slower (they are packed at load) and change greedy outputs where a
+# model is torn between two tokens, which tests comparing two runs token for token would trip
+# on. Set before any engine, Ray worker or served subprocess starts, so that they inherit it.
+os.environ.setdefault("DISAGG_WEIGHTS", "fp32")
 
 NUM_THREADS = 2
 

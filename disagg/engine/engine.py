@@ -45,7 +45,9 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str, device: torch.device, weights: str = "auto") -> torch.dtype:
+    if dtype == "auto" and weights in ("fp32", "bf16"):
+        return torch.float32 if weights == "fp32" else torch.bfloat16
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
@@ -73,7 +75,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.weights)
         if self.device.type == "cpu":
             bound_onednn_caches()
         source = load_model_source(
@@ -159,6 +161,10 @@ class LLMEngine:
         finally:
             torch.set_default_dtype(previous)
         model.load_weights(source.iter_weights())
+        # A GGUF's quantized blocks stay quantized where the kernels are (CPU); asked for, anywhere.
+        weights = self.config.weights
+        if weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu"):
+            model.quantize_weights(weights, source.gguf_types())
         return model.eval()
 
     def _build_kv_cache(self) -> KVCache:

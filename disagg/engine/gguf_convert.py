@@ -8,6 +8,8 @@ reader never sees half a cache entry even when two processes convert the same fi
 
 from __future__ import annotations
 
+import functools
+
 import errno
 import hashlib
 import json
@@ -249,6 +251,14 @@ def _hf_name(gguf_name: str, path: str) -> str:
     if hf is None or suffix not in ("weight", "bias"):
         raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} (not a Llama-family decoder?)")
     return f"{hf}.{suffix}"
+
+
+@functools.lru_cache(maxsize=8)
+def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
+    """Hugging Face tensor name -> the GGUF type it is stored as ("Q4_1", "Q8_0", "F32", ...):
+    how the engine keeps each weight quantized (EngineConfig.weights = "auto")."""
+    reader = open_gguf(gguf_path)
+    return {_hf_name(t.name, gguf_path): t.tensor_type.name for t in reader.tensors if t.name not in _SKIPPED}
 
 
 def _output_dtype(t) -> torch.dtype:

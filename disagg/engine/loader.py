@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from disagg.config import DEFAULT_MODEL
-from disagg.engine.gguf_convert import cached_hf_dir
+from disagg.engine.gguf_convert import cached_hf_dir, gguf_tensor_types
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.model_shapes import expected_weight_shapes, named_shapes
 from disagg.engine.model_specs import RANDOM_PREFIX, SUPPORTED_HF_MODEL_TYPES
@@ -44,6 +44,13 @@ class ModelSource:
     # (the values then differ by device; speed does not depend on them).
     random_device: torch.device = torch.device("cpu")
     seed: int = 0
+    gguf_path: str | None = None  # the GGUF file the weights were converted from, if any
+
+    def gguf_types(self) -> dict[str, str]:
+        """Hugging Face tensor name -> its GGUF storage type ({} if not from a GGUF): the
+        converted directory holds the weights dequantized; EngineConfig.weights = "auto" keeps
+        them quantized. Read on demand: parsing a GGUF's index takes seconds."""
+        return gguf_tensor_types(self.gguf_path) if self.gguf_path is not None else {}
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) pairs, one tensor alive at a time (on the host; random weights on random_device)."""
@@ -72,6 +79,8 @@ def load_model_source(
         _check_safetensors(hf_dir, config)
         own_tokenizer = load_hf_tokenizer(hf_dir, converted=converted) if tokenizer is None else None
         source = ModelSource(config, own_tokenizer, hf_dir)
+        if converted:
+            source.gguf_path = _gguf_path_of(model)
     if tokenizer is not None:
         source.tokenizer = _tokenizer_of(tokenizer, cache_dir)
     _check_tokenizer_fits(source, tokenizer or model)
@@ -91,6 +100,10 @@ def _hf_dir_of(spec: str, cache_dir: str) -> tuple[str, str, bool]:
     raise ModelLoadError(
         f"model {spec!r}: no such file or directory (expected a .gguf file, a Hugging Face directory, '{RANDOM_PREFIX}<shape>' or {DEFAULT_MODEL!r})"
     )
+
+
+def _gguf_path_of(spec: str) -> str:
+    return default_gguf_path() if spec == DEFAULT_MODEL else os.path.expanduser(spec)
 
 
 def default_gguf_path() -> str:

@@ -8,7 +8,7 @@ from disagg import LLM, SamplingParams
 
 
 def test_bfloat16_engine_answers_the_default_question():
-    llm = LLM(dtype="bfloat16", num_kv_blocks=64)
+    llm = LLM(dtype="bfloat16", weights="bf16", num_kv_blocks=64)
     assert llm.engine.kv_cache.tensor.dtype is torch.bfloat16
     assert next(llm.engine.model.parameters()).dtype is torch.bfloat16
     out = llm.chat(

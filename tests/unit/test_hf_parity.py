@@ -143,7 +143,7 @@ def default_case(default_reference):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_default_model_greedy_matches_hf(default_case, budget):
     prompts, expected, margins = default_case
-    llm = LLM(dtype="float32", max_num_batched_tokens=budget)
+    llm = LLM(dtype="float32", weights="fp32", max_num_batched_tokens=budget)
     got = _run_engine(llm, prompts, DEFAULT_MAX_TOKENS)
     assert got == expected, f"default model, budget {budget}:\n" + describe_mismatches(prompts, expected, got, margins)
     _assert_all_blocks_free(llm)

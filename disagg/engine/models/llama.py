@@ -21,6 +21,7 @@ from disagg.engine.layers.cpu_gemm import PackedWeight
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.parallel import SINGLE, TPGroup
+from disagg.engine.layers.quantized import Int8Weight, quantize, weight_format
 from disagg.engine.layers.rotary import RotaryEmbedding
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.partition import layer_range
@@ -148,6 +149,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not isinstance(self.logits_weight, PackedWeight):  # quantized: it holds the weight itself
+            return self.logits_weight.linear(hidden).float()
         return self.logits_weight.linear(hidden, self._vocab_weight()).float()
 
     def _vocab_weight(self) -> torch.Tensor:
@@ -169,9 +172,40 @@ class LlamaForCausalLM(nn.Module):
     def packed_gemms(self) -> list[tuple[PackedWeight, torch.Tensor]]:
         """Each GEMM that keeps a prepacked weight (layers/cpu_gemm.py), with that weight."""
         gemms = [(m.packed, m.weight) for m in self.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]
-        if self.is_last_stage:
+        if self.is_last_stage and isinstance(self.logits_weight, PackedWeight):
             gemms.append((self.logits_weight, self._vocab_weight()))
         return gemms
+
+    # ---- quantized weights (layers/quantized.py) ---------------------------------------------
+    def quantize_weights(self, setting: str, gguf_types: dict[str, str]) -> None:
+        """Keep each GEMM's weight quantized where `setting` (EngineConfig.weights) says so,
+        freeing its dense copy. The vocabulary projection goes to int8 whenever anything is
+        quantized, and a tied embedding to int8 blocks (QuantizedEmbedding)."""
+        quantized = False
+        for name, module in self.named_modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                types = [gguf_types.get(n) for n in self._checkpoint_names(name)]
+                fmt = weight_format(setting, types)
+                if fmt is not None:
+                    module.packed = quantize(module.weight.data, fmt, types)
+                    module.weight = _freed(module.weight)
+                    quantized = True
+        if not (quantized and self.is_last_stage):
+            return
+        vocab = Int8Weight(self._vocab_weight().data)
+        self.logits_weight = vocab
+        if self.lm_head is not None:
+            self.lm_head.weight = _freed(self.lm_head.weight)
+        elif self.config.hidden_size % QuantizedEmbedding.BLOCK == 0:  # else the embedding stays dense
+            self.embed_tokens = QuantizedEmbedding(self.embed_tokens.weight.data)
+
+    def _checkpoint_names(self, module_name: str) -> list[str]:
+        """The checkpoint tensors a (possibly fused) linear of this stage is loaded from."""
+        prefix, _, local = module_name.partition(".")  # "layers", "3.self_attn.qkv_proj"
+        index, _, rest = local.partition(".")
+        layer = f"model.layers.{int(index) + self.start_layer}"
+        parts = [src for src, (fused, _) in self._SHARDS.items() if fused == rest] or [rest]
+        return [f"{layer}.{part}.weight" for part in parts]
 
     _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
     _SHARDS = {
@@ -225,3 +259,28 @@ class LlamaForCausalLM(nn.Module):
         with torch.no_grad():
             param.copy_(tensor)
         return param_name
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding kept int8 in blocks of 32 with a scale each (GGUF's Q8_0, whose values
+    it keeps exactly). Not the vocabulary projection's per-row int8: a lookup reads a few rows,
+    so the finer scales cost nothing, and the coarser ones flip near-tied first tokens."""
+
+    BLOCK = 32
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        vocab, hidden = weight.shape
+        blocks = weight.detach().float().view(vocab, hidden // self.BLOCK, self.BLOCK)
+        self.scales = (blocks.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        self.q = (blocks / self.scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.dtype = weight.dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.q[input_ids].to(self.dtype) * self.scales[input_ids].to(self.dtype).unsqueeze(-1)
+        return rows.flatten(-2)
+
+
+def _freed(weight: nn.Parameter) -> nn.Parameter:
+    """An empty stand-in for a weight now held quantized: its memory goes back."""
+    return nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)

@@ -1,0 +1,104 @@
+"""Weights kept quantized against float32, on the default model, one run (issue 38).
+
+Each side (`engine.weights`: fp32, auto = the GGUF's Q4_1 blocks as int4, its Q8_0 embedding as
+int8) runs in its own subprocess, so that its peak RSS is its own: an `LLM` engine decodes
+greedy requests (windows of Python's documentation, 100 tokens, EOS ignored) at batch 1, 8 and 32, and a
+prefill of 16 prompts of 512 tokens. Then the greedy outputs of a prompt set are compared with
+float32's: the share of prompts whose first 32 tokens agree, and the mean agreeing prefix.
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_quantized.py [--sides fp32 auto] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BATCHES = (1, 8, 32)
+DECODE_TOKENS = 64
+AGREEMENT_TOKENS = 32
+
+
+def prompts(llm, count: int, length: int) -> list[list[int]]:
+    """Disjoint windows of real text (Python's own documentation, as bench_engine.py takes)."""
+    import pydoc_data.topics
+
+    ids = llm.tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
+    return [ids[i * length : (i + 1) * length] for i in range(count)]
+
+
+def side(weights: str) -> dict:
+    """One side's figures (run in a subprocess of its own)."""
+    import torch
+
+    from disagg import LLM, SamplingParams
+
+    torch.set_num_threads(2)
+    llm = LLM(num_kv_blocks=1024, weights=weights)
+    greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts(llm, 1, 100)[0]}], greedy, use_tqdm=False)  # warm up
+    figures = {}
+    for batch in BATCHES:
+        batch_prompts = [{"prompt_token_ids": p} for p in prompts(llm, batch, 100)]
+        started = time.perf_counter()
+        llm.generate(batch_prompts, greedy, use_tqdm=False)
+        figures[f"decode_tok_s@{batch}"] = batch * DECODE_TOKENS / (time.perf_counter() - started)
+    long = [{"prompt_token_ids": p} for p in prompts(llm, 16, 512)]
+    started = time.perf_counter()
+    llm.generate(long, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    figures["prefill_tok_s"] = 16 * 512 / (time.perf_counter() - started)
+    check = SamplingParams(temperature=0.0, max_tokens=AGREEMENT_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts(llm, 24, 60)], check, use_tqdm=False)
+    figures["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
+    figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return figures
+
+
+def run_side(weights: str) -> dict:
+    code = f"import json, loadtest.bench_quantized as b; print(json.dumps(b.side({weights!r})))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def agreement(reference: list[list[int]], got: list[list[int]]) -> tuple[float, float]:
+    """(share of outputs equal to the reference, mean length of the agreeing prefix)."""
+    prefixes = []
+    for want, have in zip(reference, got):
+        n = next((i for i, (a, b) in enumerate(zip(want, have)) if a != b), min(len(want), len(have)))
+        prefixes.append(n)
+    return sum(p == len(r) for p, r in zip(prefixes, reference)) / len(reference), sum(prefixes) / len(prefixes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sides", nargs="+", default=["fp32", "auto"])
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    results = {weights: run_side(weights) for weights in args.sides}
+    base = results[args.sides[0]]
+    for weights, figures in results.items():
+        rates = ", ".join(f"{k} {v:.1f}" for k, v in figures.items() if k.endswith("tok_s") or "tok_s@" in k)
+        print(f"{weights}: {rates}, peak RSS {figures['peak_rss_mib']:.0f} MiB")
+    for weights, figures in list(results.items())[1:]:
+        for batch in BATCHES:
+            key = f"decode_tok_s@{batch}"
+            print(f"decode ratio {weights}/{args.sides[0]} @{batch}: {figures[key] / base[key]:.2f}")
+        print(f"prefill ratio {weights}/{args.sides[0]}: {figures['prefill_tok_s'] / base['prefill_tok_s']:.2f}")
+        print(f"peak RSS ratio {weights}/{args.sides[0]}: {figures['peak_rss_mib'] / base['peak_rss_mib']:.2f}")
+        same, prefix = agreement(base["outputs"], figures["outputs"])
+        print(
+            f"greedy agreement with {args.sides[0]}: {same:.0%} of 24 outputs whole, mean prefix {prefix:.1f}/{AGREEMENT_TOKENS}"
+        )
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        slim = {w: {k: v for k, v in f.items() if k != "outputs"} for w, f in results.items()}
+        Path(args.json).write_text(json.dumps(slim, indent=2))
+
+
+if __name__ == "__main__":
+    main()
