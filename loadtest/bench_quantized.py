@@ -40,9 +40,9 @@ def side(weights: str) -> dict:
 
     torch.set_num_threads(2)
     llm = LLM(num_kv_blocks=1024, weights=weights)
+    figures = {"rss_after_load_mib": _rss_mib()}
     greedy = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts(llm, 1, 100)[0]}], greedy, use_tqdm=False)  # warm up
-    figures = {}
     for batch in BATCHES:
         batch_prompts = [{"prompt_token_ids": p} for p in prompts(llm, batch, 100)]
         started = time.perf_counter()
@@ -57,6 +57,11 @@ def side(weights: str) -> dict:
     figures["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return figures
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
 def run_side(weights: str) -> dict:
@@ -83,13 +88,15 @@ def main(argv: list[str] | None = None) -> None:
     base = results[args.sides[0]]
     for weights, figures in results.items():
         rates = ", ".join(f"{k} {v:.1f}" for k, v in figures.items() if k.endswith("tok_s") or "tok_s@" in k)
-        print(f"{weights}: {rates}, peak RSS {figures['peak_rss_mib']:.0f} MiB")
+        rss = f"RSS after load {figures['rss_after_load_mib']:.0f} MiB, peak {figures['peak_rss_mib']:.0f} MiB"
+        print(f"{weights}: {rates}, {rss} (KV cache 1024 blocks included)")
     for weights, figures in list(results.items())[1:]:
         for batch in BATCHES:
             key = f"decode_tok_s@{batch}"
             print(f"decode ratio {weights}/{args.sides[0]} @{batch}: {figures[key] / base[key]:.2f}")
         print(f"prefill ratio {weights}/{args.sides[0]}: {figures['prefill_tok_s'] / base['prefill_tok_s']:.2f}")
-        print(f"peak RSS ratio {weights}/{args.sides[0]}: {figures['peak_rss_mib'] / base['peak_rss_mib']:.2f}")
+        for rss in ("rss_after_load_mib", "peak_rss_mib"):
+            print(f"{rss.removesuffix('_mib')} ratio {weights}/{args.sides[0]}: {figures[rss] / base[rss]:.2f}")
         same, prefix = agreement(base["outputs"], figures["outputs"])
         print(
             f"greedy agreement with {args.sides[0]}: {same:.0%} of 24 outputs whole, mean prefix {prefix:.1f}/{AGREEMENT_TOKENS}"

@@ -160,11 +160,13 @@ class LLMEngine:
                     )
         finally:
             torch.set_default_dtype(previous)
-        model.load_weights(source.iter_weights())
         # A GGUF's quantized blocks stay quantized where the kernels are (CPU); asked for, anywhere.
         weights = self.config.weights
-        if weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu"):
+        quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
+        model.load_weights(source.iter_weights(), pack=not quantized)
+        if quantized:
             model.quantize_weights(weights, source.gguf_types())
+            model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
         return model.eval()
 
     def _build_kv_cache(self) -> KVCache:

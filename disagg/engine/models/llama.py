@@ -157,14 +157,20 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     # ---- weights ---------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, each rank/stage taking its own slice."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], pack: bool = True) -> None:
+        """Load Hugging Face-named tensors, each rank/stage taking its own slice. `pack`: make
+        the oneDNN copies now (not when the weights are about to be quantized: `pack_gemms`
+        after that, so that the float32 copies never all exist at once)."""
         loaded: set[str] = set()
         for name, tensor in weights:
             loaded.update(self._load_one(name, tensor))
         missing = {n for n, _ in self.named_parameters()} - loaded
         if missing:
             raise ModelLoadError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        if pack:
+            self.pack_gemms()
+
+    def pack_gemms(self) -> None:
         # Loads write through .data, which moves no version counter: pack again, now.
         for holder, weight in self.packed_gemms():
             holder.pack(weight)
