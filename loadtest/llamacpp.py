@@ -7,11 +7,19 @@ it was built on, and this machine's CPU changes from one session to the next. Th
 under `nice -n 19`: it takes minutes on 2 cores, and must not slow whatever else runs.
 
     PYTHONPATH=. .venv/bin/python loadtest/llamacpp.py     # build (or find) and print the binaries
+    PYTHONPATH=. .venv/bin/python loadtest/llamacpp.py --perplexity loadtest/data/perplexity_pydoc.txt
+
+`--perplexity FILE`: llama.cpp's own perplexity of the default GGUF on FILE (`llama-perplexity
+-c 512`), the reference an engine's perplexity on the same file is checked against.
+loadtest/data/perplexity_pydoc.txt is real English prose: the topics "objects", "execmodel" and
+"import" of Python 3.11.7's `pydoc_data.topics` (the Language Reference), joined by blank lines.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -157,6 +165,30 @@ class LlamaServer:
             self.process.wait(timeout=30)
 
 
-if __name__ == "__main__":
-    for name, path in binaries().items():
+def perplexity(binary: Path, gguf: str, text: Path, context: int = 512, threads: int = 2) -> tuple[float, str]:
+    """llama-perplexity's final estimate on `text`, and its command line."""
+    command = [str(binary), "-m", gguf, "-f", str(text), "-c", str(context), "-t", str(threads)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=True)
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
+    if not found:
+        raise RuntimeError(f"no final estimate in llama-perplexity's output:\n{run.stderr[-2000:]}")
+    return float(found.group(1)), " ".join(command)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", default=VERSION, help="of the llama-cpp-python sdist")
+    p.add_argument("--perplexity", type=Path, help="a text file: print llama.cpp's perplexity on it")
+    args = p.parse_args()
+    found = binaries(args.version)
+    for name, path in found.items():
         print(name, path)
+    if args.perplexity:
+        from disagg.engine.loader import default_gguf_path
+
+        ppl, command = perplexity(found["llama-perplexity"], default_gguf_path(), args.perplexity)
+        print(f"{command}\nPPL = {ppl:.4f}")
+
+
+if __name__ == "__main__":
+    main()
