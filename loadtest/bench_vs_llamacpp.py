@@ -119,8 +119,10 @@ async def closed_loop(url: str, prompts: list[str], streams: int, max_tokens: in
 
 async def measure(url: str, plan: dict[int, list[str]], warm_up: list[str], max_tokens: int) -> list[Level]:
     # Warm-up: one request alone, then as many at once as the most streams (buffers for big batches).
-    await closed_loop(url, warm_up[:1], 1, WARM_UP_TOKENS)
-    await closed_loop(url, warm_up[1:], len(warm_up) - 1, WARM_UP_TOKENS)
+    for warm in (await closed_loop(url, warm_up[:1], 1, WARM_UP_TOKENS),
+                 await closed_loop(url, warm_up[1:], len(warm_up) - 1, WARM_UP_TOKENS)):  # fmt: skip
+        if warm.failures:
+            print(f"  warm-up: {describe(warm)}", flush=True)
     levels = []
     for streams, prompts in plan.items():
         levels.append(await closed_loop(url, prompts, streams, max_tokens))
@@ -186,7 +188,8 @@ def run_disagg(args, plan, warm_up, workdir: Path) -> list[Level]:
 
 def git_commit() -> str:
     def git(*a):
-        return subprocess.run(["git", *a], capture_output=True, text=True, timeout=10).stdout.strip()
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
 
     return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "disagg") else "")
 
@@ -194,7 +197,8 @@ def git_commit() -> str:
 def report(results: dict[str, list[Level]]) -> None:
     for ours, theirs in zip(results["disagg"], results["llama.cpp"]):
         n = ours.streams
-        print(f"tok/s ratio @{n}: {ours.tokens_per_s / theirs.tokens_per_s:.2f}  "
+        ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("nan")
+        print(f"tok/s ratio @{n}: {ratio:.2f}  "
               f"(disagg {ours.tokens_per_s:.1f}, llama.cpp {theirs.tokens_per_s:.1f})")  # fmt: skip
         print(f"TTFT p50 @{n}: disagg {ours.ttft_p50_s:.2f} s, llama.cpp {theirs.ttft_p50_s:.2f} s")
 
