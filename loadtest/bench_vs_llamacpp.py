@@ -109,8 +109,11 @@ async def closed_loop(url: str, prompts: list[str], streams: int, max_tokens: in
             level.output_tokens += tokens
             level.short_outputs += tokens < max_tokens
 
+    # A connection per request: llama-server may close a kept-alive one as the next request goes
+    # out on it (seen as ServerDisconnectedError); both servers get the same.
+    connector = aiohttp.TCPConnector(limit=streams, force_close=True)
     started = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=streams)) as session:
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         await asyncio.gather(*(client(session) for _ in range(streams)))
     level.wall_s = time.perf_counter() - started
     level.load_avg_1m = os.getloadavg()[0]
