@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -32,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import aiohttp
+import yaml
 
-from disagg.bench.experiment import free_port
+from disagg.bench.experiment import ServeProcess, free_port
 from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload
 from disagg.engine.loader import default_gguf_path
 from loadtest import llamacpp
-from loadtest.served import Deployment
 
 MODEL = "smollm2-135m-instruct"
 REQUEST_TIMEOUT_S = 600  # one request; at 32 streams on 2 cores a request may queue for minutes
@@ -179,14 +180,13 @@ def run_llamacpp(args, gguf: str, plan, warm_up, workdir: Path) -> list[Level]:
 
 
 def run_disagg(args, plan, warm_up, workdir: Path) -> list[Level]:
-    http_port = free_port()
     # The default deployment; re-planning and the start-up calibration off, to start sooner.
-    print("disagg: disagg serve (default config, replan: false, calibration_s: 0)", flush=True)
-    deployment = Deployment(workdir, http_port=http_port, replan=False, calibration_s=0)
-    try:
+    config = workdir / "disagg.yaml"
+    config.write_text(yaml.safe_dump({"replan": False, "calibration_s": 0}))
+    print(f"disagg: disagg serve --config {config} (defaults otherwise)", flush=True)
+    http_port = free_port()
+    with ServeProcess(str(config), str(workdir / "disagg-serve.log"), http_port=http_port):
         return asyncio.run(measure(f"http://127.0.0.1:{http_port}", plan, warm_up, args.max_tokens))
-    finally:
-        deployment.stop()
 
 
 def git_commit() -> str:
@@ -206,10 +206,10 @@ def report(results: dict[str, list[Level]]) -> None:
         print(f"TTFT p50 @{n}: disagg {ours.ttft_p50_s:.2f} s, llama.cpp {theirs.ttft_p50_s:.2f} s")
 
 
-def write_json(path: str, args, results: dict[str, list[Level]], quiet: bool) -> None:
+def write_json(path: str, args, results: dict[str, list[Level]], quiet: dict[str, bool]) -> None:
     meta = {"commit": git_commit(), "cpu": platform.processor() or platform.machine(),
             "cpu_flags": llamacpp.cpu_tag(llamacpp.cpu_flags()), "llamacpp_version": args.llamacpp_version,
-            "load_below_threshold_at_start": quiet, "args": vars(args)}  # fmt: skip
+            "load_below_max_at_start": quiet, "args": vars(args)}  # fmt: skip
     levels = {
         server: [{**asdict(lv), "tokens_per_s": lv.tokens_per_s, "ttft_p50_s": lv.ttft_p50_s} for lv in found]
         for server, found in results.items()
@@ -236,17 +236,21 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # SIGTERM (`timeout`, a CI) unwinds like Ctrl-C, so that the server running is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.prompt_len + args.max_tokens > args.slot_context:
         sys.exit("--prompt-len + --max-tokens must fit --slot-context")
     gguf = default_gguf_path()
     llamacpp.binaries(args.llamacpp_version)  # the build (minutes, once) before any waiting or measuring
     plan, warm_up = make_prompts(args)
-    quiet = wait_for_quiet(args.max_load, args.max_load_wait_s)
     # The servers' logs stay for a post-mortem (loadtest/out/ is git-ignored).
     OUT.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=OUT))
     print(f"commit {git_commit()}, {gguf}, {llamacpp.cpu_tag(llamacpp.cpu_flags())}, logs in {workdir}", flush=True)
+    # Before each server, not once: another job may start while the first one is measured.
+    quiet = {"llama.cpp": wait_for_quiet(args.max_load, args.max_load_wait_s)}
     results = {"llama.cpp": run_llamacpp(args, gguf, plan, warm_up, workdir)}
+    quiet["disagg"] = wait_for_quiet(args.max_load, args.max_load_wait_s)
     results["disagg"] = run_disagg(args, plan, warm_up, workdir)
     report(results)
     if args.json:
