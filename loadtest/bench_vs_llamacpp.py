@@ -43,6 +43,7 @@ from loadtest import llamacpp
 MODEL = "smollm2-135m-instruct"
 REQUEST_TIMEOUT_S = 600  # one request; at 32 streams on 2 cores a request may queue for minutes
 WARM_UP_TOKENS = 16
+SERVERS = ("llama.cpp", "disagg")
 OUT = Path(__file__).resolve().parent / "out"
 
 
@@ -230,6 +231,7 @@ def parse_args(argv):
     p.add_argument("--llamacpp-version", default=llamacpp.VERSION, help="of the llama-cpp-python sdist")
     p.add_argument("--max-load", type=float, default=1.2, help="wait for a 1-min load average below this")
     p.add_argument("--max-load-wait-s", type=float, default=1500)
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="one alone: no ratio")
     p.add_argument("--json", help="write the figures here")
     return p.parse_args(argv)
 
@@ -247,12 +249,15 @@ def main(argv: list[str] | None = None) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=OUT))
     print(f"commit {git_commit()}, {gguf}, {llamacpp.cpu_tag(llamacpp.cpu_flags())}, logs in {workdir}", flush=True)
-    # Before each server, not once: another job may start while the first one is measured.
-    quiet = {"llama.cpp": wait_for_quiet(args.max_load, args.max_load_wait_s)}
-    results = {"llama.cpp": run_llamacpp(args, gguf, plan, warm_up, workdir)}
-    quiet["disagg"] = wait_for_quiet(args.max_load, args.max_load_wait_s)
-    results["disagg"] = run_disagg(args, plan, warm_up, workdir)
-    report(results)
+    runs = {"llama.cpp": lambda: run_llamacpp(args, gguf, plan, warm_up, workdir),
+            "disagg": lambda: run_disagg(args, plan, warm_up, workdir)}  # fmt: skip
+    quiet, results = {}, {}
+    for server in args.servers:
+        # Before each server, not once: another job may start while the first one is measured.
+        quiet[server] = wait_for_quiet(args.max_load, args.max_load_wait_s)
+        results[server] = runs[server]()
+    if len(results) == 2:
+        report(results)
     if args.json:
         write_json(args.json, args, results, quiet)
 
