@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.prompt_len + args.max_tokens > args.slot_context:
         sys.exit("--prompt-len + --max-tokens must fit --slot-context")
     gguf = default_gguf_path()
-    llamacpp.binaries(args.llamacpp_version)  # the build (minutes, once) before any waiting or measuring
+    if "llama.cpp" in args.servers:
+        llamacpp.binaries(args.llamacpp_version)  # the build (minutes, once) before any waiting or measuring
     plan, warm_up = make_prompts(args)
     # The servers' logs stay for a post-mortem (loadtest/out/ is git-ignored).
     OUT.mkdir(parents=True, exist_ok=True)
