@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 # apt as root, or through sudo for another user (a `ray up` node's SSH user).
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast deploy-test serve bench loadtest bench-guidellm clean proto
+.PHONY: setup lint test test-fast deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto
 
 setup: $(STAMP)
 
@@ -71,6 +71,11 @@ $(GUIDELLM_STAMP): Makefile
 # A rate sweep of GuideLLM against a fresh `disagg serve`; its report in loadtest/results/guidellm/.
 bench-guidellm: setup $(GUIDELLM_STAMP)
 	PYTHONPATH=. $(PY) loadtest/bench_guidellm.py --guidellm $(GUIDELLM_VENV)/bin/guidellm
+
+# disagg against llama.cpp's llama-server on this CPU (issue 38); llama.cpp is built once, niced,
+# under ~/.cache/disagg/llama.cpp/ (cmake and a C++ compiler needed).
+bench-llamacpp: setup
+	PYTHONPATH=. $(PY) loadtest/bench_vs_llamacpp.py --json loadtest/out/bench_vs_llamacpp.json
 
 proto: setup
 	$(PY) proto/generate.py

@@ -1,0 +1,267 @@
+"""disagg against llama.cpp's server on the same CPU, same GGUF, same prompts (issue 38).
+
+What a user on a CPU machine would pick instead of disagg is llama.cpp's `llama-server`, tried
+as a new user would: the default GGUF (SmolLM2-135M-Instruct Q4_1), as many slots as the most
+streams, a context for them all, 2 threads, defaults otherwise. llama.cpp is built once from the
+sources in the `llama-cpp-python` sdist (loadtest/llamacpp.py, cached). Against it, `disagg
+serve`'s default deployment (1 prefill + 1 decode worker) over its OpenAI-compatible HTTP API.
+
+One server at a time (2 cores): each is started, warmed up, measured at every number of streams,
+and stopped. The load is closed loop: `streams` clients send streamed `/v1/completions` back to
+back (prose prompts of `--prompt-len` tokens from disagg.bench.workloads, each prompt once per
+server, `--max-tokens` out, EOS ignored, greedy). Per level: output tokens/s (tokens from each
+stream's usage) and TTFT p50 (first chunk with text). Prints `tok/s ratio @N` (disagg /
+llama.cpp) and both TTFT p50s.
+
+    PYTHONPATH=. .venv/bin/python loadtest/bench_vs_llamacpp.py [--streams 1 8 32] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from disagg.bench.experiment import ServeProcess, free_port
+from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload
+from disagg.engine.loader import default_gguf_path
+from loadtest import llamacpp
+
+MODEL = "smollm2-135m-instruct"
+REQUEST_TIMEOUT_S = 600  # one request; at 32 streams on 2 cores a request may queue for minutes
+WARM_UP_TOKENS = 16
+SERVERS = ("llama.cpp", "disagg")
+OUT = Path(__file__).resolve().parent / "out"
+
+
+@dataclass
+class Level:
+    """One server at one number of streams."""
+
+    streams: int
+    requests: int = 0
+    failures: list[str] = field(default_factory=list)
+    output_tokens: int = 0
+    short_outputs: int = 0  # requests that came back with fewer tokens than asked (EOS not ignored?)
+    wall_s: float = 0.0
+    ttfts_s: list[float] = field(default_factory=list)
+    load_avg_1m: float = 0.0  # when the level ended: how busy the machine was meanwhile
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def ttft_p50_s(self) -> float:
+        return statistics.median(self.ttfts_s) if self.ttfts_s else float("nan")
+
+
+async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
+    """(TTFT, output tokens) of one streamed completion; both servers accept this body as it is."""
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    started, first, chunks, usage = time.perf_counter(), None, 0, None
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.content:
+            text = line.decode().strip()
+            if not text.startswith("data: ") or text == "data: [DONE]":
+                continue
+            event = json.loads(text[6:])
+            if event.get("error"):
+                raise RuntimeError(f"error event: {event['error']}")
+            usage = event.get("usage") or usage
+            if any(c.get("text") for c in event.get("choices") or ()):
+                first = first or time.perf_counter()
+                chunks += 1
+    if first is None:
+        raise RuntimeError("the stream carried no text")
+    # The usage counts tokens exactly (a chunk may carry several, or none mid-character).
+    return first - started, usage["completion_tokens"] if usage else chunks
+
+
+async def closed_loop(url: str, prompts: list[str], streams: int, max_tokens: int) -> Level:
+    """`streams` clients taking the prompts in turn, each sending its next as its last ends."""
+    level, queue = Level(streams), list(reversed(prompts))
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+
+    async def client(session):
+        while queue:
+            prompt = queue.pop()
+            level.requests += 1
+            try:
+                ttft, tokens = await complete(session, url, prompt, max_tokens)
+            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, KeyError) as e:
+                level.failures.append(f"{type(e).__name__}: {e}"[:200])
+                continue
+            level.ttfts_s.append(ttft)
+            level.output_tokens += tokens
+            level.short_outputs += tokens < max_tokens
+
+    # A connection per request: llama-server may close a kept-alive one as the next request goes
+    # out on it (seen as ServerDisconnectedError); both servers get the same.
+    connector = aiohttp.TCPConnector(limit=streams, force_close=True)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        await asyncio.gather(*(client(session) for _ in range(streams)))
+    level.wall_s = time.perf_counter() - started
+    level.load_avg_1m = os.getloadavg()[0]
+    return level
+
+
+async def measure(url: str, plan: dict[int, list[str]], warm_up: list[str], max_tokens: int) -> list[Level]:
+    # Warm-up: one request alone, then as many at once as the most streams (buffers for big batches).
+    for warm in (await closed_loop(url, warm_up[:1], 1, WARM_UP_TOKENS),
+                 await closed_loop(url, warm_up[1:], len(warm_up) - 1, WARM_UP_TOKENS)):  # fmt: skip
+        if warm.failures:
+            print(f"  warm-up: {describe(warm)}", flush=True)
+    levels = []
+    for streams, prompts in plan.items():
+        levels.append(await closed_loop(url, prompts, streams, max_tokens))
+        print(f"  {describe(levels[-1])}", flush=True)
+    return levels
+
+
+def describe(level: Level) -> str:
+    failed = f", {len(level.failures)} FAILED ({level.failures[0]})" if level.failures else ""
+    failed += f", {level.short_outputs} SHORT" if level.short_outputs else ""
+    return (
+        f"@{level.streams}: {level.tokens_per_s:.1f} tok/s, TTFT p50 {level.ttft_p50_s:.2f} s, "
+        f"{level.requests} requests, {level.output_tokens} tokens in {level.wall_s:.1f} s, "
+        f"load {level.load_avg_1m:.2f}{failed}"
+    )
+
+
+def make_prompts(args) -> tuple[dict[int, list[str]], list[str]]:
+    """Per level its own prompts (no level hits a prefix another cached), and the warm-up's."""
+    tokenizer, context = load_tokenizer()
+    counts = [max(args.min_requests, n * args.requests_per_stream) for n in args.streams]
+    config = WorkloadConfig(name="fixed", num_requests=sum(counts) + 1 + max(args.streams), seed=args.seed,
+                            context_len=context, input_len=args.prompt_len, output_len=args.max_tokens)  # fmt: skip
+    texts = [r.prompt for r in make_workload(config, tokenizer)]
+    plan, at = {}, 0
+    for streams, count in zip(args.streams, counts):
+        plan[streams], at = texts[at : at + count], at + count
+    return plan, texts[at:]
+
+
+def wait_for_quiet(max_load: float, max_wait_s: float, poll_s: float = 30) -> bool:
+    """Whether the 1-min load average fell below `max_load` within `max_wait_s` (then go on)."""
+    deadline = time.monotonic() + max_wait_s
+    while (load := os.getloadavg()[0]) >= max_load:
+        if time.monotonic() > deadline:
+            print(f"load average still {load:.2f} after {max_wait_s:.0f}s: measuring anyway", flush=True)
+            return False
+        print(f"load average {load:.2f} >= {max_load}: waiting {poll_s:.0f}s", flush=True)
+        time.sleep(poll_s)
+    return True
+
+
+def run_llamacpp(args, gguf: str, plan, warm_up, workdir: Path) -> list[Level]:
+    binary = llamacpp.binaries(args.llamacpp_version)["llama-server"]
+    server = llamacpp.LlamaServer(binary, gguf, free_port(), slots=max(args.streams),
+                                  slot_context=args.slot_context, threads=args.threads,
+                                  log=workdir / "llama-server.log")  # fmt: skip
+    print(f"llama.cpp: {' '.join(server.command)}", flush=True)
+    with server:
+        return asyncio.run(measure(server.url, plan, warm_up, args.max_tokens))
+
+
+def run_disagg(args, plan, warm_up, workdir: Path) -> list[Level]:
+    # The default deployment; re-planning and the start-up calibration off, to start sooner.
+    config = workdir / "disagg.yaml"
+    config.write_text(yaml.safe_dump({"replan": False, "calibration_s": 0}))
+    print(f"disagg: disagg serve --config {config} (defaults otherwise)", flush=True)
+    http_port = free_port()
+    with ServeProcess(str(config), str(workdir / "disagg-serve.log"), http_port=http_port):
+        return asyncio.run(measure(f"http://127.0.0.1:{http_port}", plan, warm_up, args.max_tokens))
+
+
+def git_commit() -> str:
+    def git(*a):
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
+
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "disagg") else "")
+
+
+def report(results: dict[str, list[Level]]) -> None:
+    for ours, theirs in zip(results["disagg"], results["llama.cpp"]):
+        n = ours.streams
+        ratio = ours.tokens_per_s / theirs.tokens_per_s if theirs.tokens_per_s else float("nan")
+        print(f"tok/s ratio @{n}: {ratio:.2f}  "
+              f"(disagg {ours.tokens_per_s:.1f}, llama.cpp {theirs.tokens_per_s:.1f})")  # fmt: skip
+        print(f"TTFT p50 @{n}: disagg {ours.ttft_p50_s:.2f} s, llama.cpp {theirs.ttft_p50_s:.2f} s")
+
+
+def write_json(path: str, args, results: dict[str, list[Level]], quiet: dict[str, bool]) -> None:
+    meta = {"commit": git_commit(), "cpu": platform.processor() or platform.machine(),
+            "cpu_flags": llamacpp.cpu_tag(llamacpp.cpu_flags()), "llamacpp_version": args.llamacpp_version,
+            "load_below_max_at_start": quiet, "args": vars(args)}  # fmt: skip
+    levels = {
+        server: [{**asdict(lv), "tokens_per_s": lv.tokens_per_s, "ttft_p50_s": lv.ttft_p50_s} for lv in found]
+        for server, found in results.items()
+    }
+    Path(path).write_text(json.dumps({"meta": meta, "levels": levels}, indent=2) + "\n")
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--requests-per-stream", type=int, default=2, help="requests per level: this x streams ...")
+    p.add_argument("--min-requests", type=int, default=4, help="... and at least this many")
+    p.add_argument("--prompt-len", type=int, default=160)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2, help="llama-server's -t")
+    p.add_argument("--slot-context", type=int, default=512, help="llama-server's -c is this x slots")
+    p.add_argument("--llamacpp-version", default=llamacpp.VERSION, help="of the llama-cpp-python sdist")
+    p.add_argument("--max-load", type=float, default=1.2, help="wait for a 1-min load average below this")
+    p.add_argument("--max-load-wait-s", type=float, default=1500)
+    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="one alone: no ratio")
+    p.add_argument("--json", help="write the figures here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # SIGTERM (`timeout`, a CI) unwinds like Ctrl-C, so that the server running is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if args.prompt_len + args.max_tokens > args.slot_context:
+        sys.exit("--prompt-len + --max-tokens must fit --slot-context")
+    gguf = default_gguf_path()
+    if "llama.cpp" in args.servers:
+        llamacpp.binaries(args.llamacpp_version)  # the build (minutes, once) before any waiting or measuring
+    plan, warm_up = make_prompts(args)
+    # The servers' logs stay for a post-mortem (loadtest/out/ is git-ignored).
+    OUT.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=OUT))
+    print(f"commit {git_commit()}, {gguf}, {llamacpp.cpu_tag(llamacpp.cpu_flags())}, logs in {workdir}", flush=True)
+    runs = {"llama.cpp": lambda: run_llamacpp(args, gguf, plan, warm_up, workdir),
+            "disagg": lambda: run_disagg(args, plan, warm_up, workdir)}  # fmt: skip
+    quiet, results = {}, {}
+    for server in args.servers:
+        # Before each server, not once: another job may start while the first one is measured.
+        quiet[server] = wait_for_quiet(args.max_load, args.max_load_wait_s)
+        results[server] = runs[server]()
+    if len(results) == 2:
+        report(results)
+    if args.json:
+        write_json(args.json, args, results, quiet)
+
+
+if __name__ == "__main__":
+    main()
