@@ -18,7 +18,6 @@ import threading
 from collections import OrderedDict
 
 import llguidance
-import llguidance.hf
 
 from disagg.errors import InvalidRequestError
 from disagg.request import StructuredOutput
@@ -71,6 +70,8 @@ class GrammarCompiler:
     then copied per request, which costs microseconds."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
+        import llguidance.hf  # here: it imports transformers, which a router need not load otherwise
+
         eos = list(eos_token_ids) or None
         self._tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size

@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
 import torch
 
 from disagg.engine.grammar import GrammarCompiler
@@ -47,9 +46,13 @@ class GuidedDecoding:
         rows = [i for i, r in enumerate(requests) if r.sampling_params.structured is not None]
         if not rows:
             return
-        bitmask = torch.empty(llguidance.torch.get_bitmask_shape(len(rows), logits.shape[1]), dtype=torch.int32)
+        # One bit per token, 32 to an int32 (llguidance's layout). Not llguidance.torch's helpers:
+        # importing that module compiles a kernel with torch.compile, 3 s in every process.
+        bitmask = torch.empty((len(rows), (logits.shape[1] + 31) // 32), dtype=torch.int32)
+        row_bytes = bitmask.shape[1] * bitmask.element_size()
         for j, i in enumerate(rows):
-            llguidance.torch.fill_next_token_bitmask(self._caught_up(requests[i]).matcher, bitmask, j)
+            matcher = self._caught_up(requests[i]).matcher
+            matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), row_bytes)
         allowed = _unpack(bitmask, logits.shape[1]).to(logits.device)
         index = torch.tensor(rows, device=logits.device)
         logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
