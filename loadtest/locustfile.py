@@ -176,13 +176,7 @@ class GenerateUser(User):
 
     @task
     def generate(self) -> None:
-        index, req, output_len = _run.next_request()
-        record = RequestRecord(
-            index=index,
-            prompt_len=req.prompt_len,
-            target_output_len=output_len,
-            request_id=f"locust-{uuid.uuid4().hex[:12]}",
-        )
+        req, output_len, record = _next_record()
         message = generate_request(
             req.prompt,
             request_id=record.request_id,
@@ -209,6 +203,18 @@ class GenerateUser(User):
         _report(self.environment, "grpc", record)
 
 
+def _next_record():
+    """The next request of the workload, its output length, and its record (not yet sent)."""
+    index, req, output_len = _run.next_request()
+    record = RequestRecord(
+        index=index,
+        prompt_len=req.prompt_len,
+        target_output_len=output_len,
+        request_id=f"locust-{uuid.uuid4().hex[:12]}",
+    )
+    return req, output_len, record
+
+
 class HttpGenerateUser(User):
     """The same closed-loop user over the OpenAI-compatible HTTP API: one streamed chat completion
     (server-sent events) per request. Not Locust's FastHttpUser: its streamed reads wait for a
@@ -228,13 +234,7 @@ class HttpGenerateUser(User):
 
     @task
     def generate(self) -> None:
-        index, req, output_len = _run.next_request()
-        record = RequestRecord(
-            index=index,
-            prompt_len=req.prompt_len,
-            target_output_len=output_len,
-            request_id=f"locust-{uuid.uuid4().hex[:12]}",
-        )
+        req, output_len, record = _next_record()
         body = {
             "model": self.model,
             "messages": [{"role": "user", "content": req.prompt}],
