@@ -87,6 +87,16 @@ class ModelRunner:
         of the sampled rows from the last stage's first TP rank, None from the others."""
         return self._forward_logits(chunks)
 
+    @torch.inference_mode()
+    def logits_at_every_position(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """One chunk's logits at each of its positions, not only the last (scoring a text:
+        perplexity). A single-worker engine only: no other rank takes part."""
+        if self.followers is not None or not (self.model.is_first_stage and self.model.is_last_stage):
+            raise ValueError("scoring needs a single-worker engine")
+        input_ids, positions, meta = self._prepare([chunk])
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden)
+
     def _forward_logits(self, chunks) -> torch.Tensor | None:
         input_ids, positions, meta = self._prepare(chunks)
         connector = self.kv_connector
