@@ -51,6 +51,9 @@ class FollowerLoop:
         except (PeerGone, ChannelTimeout) as exc:
             if not self._stopping.is_set():
                 logger.warning("the step channel to rank 0 broke (%s): this rank takes no more steps", exc)
+        except Exception:  # noqa: BLE001 - e.g. the channel closed under it while stopping
+            if not self._stopping.is_set():
+                logger.exception("the step loop failed: this rank takes no more steps")
 
     def _answer(self, payload: bytearray) -> bytes:
         number = -1
