@@ -179,13 +179,13 @@ class Ring:
 
 
 class RingWriter:
-    """The ring's one writer; `reader_pids`: the readers' processes (a dead one fails a send)."""
+    """The ring's one writer; `peer_pids`: the processes whose exit fails a send (its readers)."""
 
-    def __init__(self, ring: Ring, reader_pids: list[int]):
+    def __init__(self, ring: Ring, peer_pids: list[int]):
         h = ring.handle
         self.ring = ring
         self._side = h.num_readers
-        self._waiter = Waiter(h.wakeup("w"), lambda a: ring.set_asleep(self._side, a), PeerWatch(reader_pids))
+        self._waiter = Waiter(h.wakeup("w"), lambda a: ring.set_asleep(self._side, a), PeerWatch(peer_pids))
         self._readers = [Waker(h.wakeup(f"r{r}")) for r in range(h.num_readers)]
         self._next_seq = 1
 
@@ -226,15 +226,16 @@ class RingWriter:
 
 
 class RingReader:
-    """Reader `index` of a ring; `writer_pid`: the writer's process (its exit fails a receive)."""
+    """Reader `index` of a ring; `peer_pids`: the processes whose exit fails a receive (its
+    writer, and any other the message waits on)."""
 
-    def __init__(self, ring: Ring, index: int, writer_pid: int):
+    def __init__(self, ring: Ring, index: int, peer_pids: list[int]):
         h = ring.handle
         if not 0 <= index < h.num_readers:
             raise ValueError(f"reader {index}: the ring has {h.num_readers} readers")
         self.ring = ring
         self.index = index
-        self._waiter = Waiter(h.wakeup(f"r{index}"), lambda a: ring.set_asleep(index, a), PeerWatch([writer_pid]))
+        self._waiter = Waiter(h.wakeup(f"r{index}"), lambda a: ring.set_asleep(index, a), PeerWatch(peer_pids))
         self._writer = Waker(h.wakeup("w"))
         self._next_seq = 1
 

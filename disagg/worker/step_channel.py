@@ -1,7 +1,7 @@
 """The channel rank 0 of a TP x PP instance drives its followers over, step by step, without Ray.
 
-A Ray actor call per step costs a millisecond or more (the call, its arguments and reply through
-Ray's object store); a step of a small model on a GPU, or of a decode batch of one, costs a few.
+A Ray actor call per step (its arguments and reply through Ray's scheduler and object store)
+can cost as much as the step itself, for a decode batch of one or a small model on a GPU.
 So Ray keeps only the instance's lifecycle (join, expect, abort_transfers, shutdown) and the steps
 go over a channel of rank 0's own, opened once when the instance starts:
 
@@ -148,9 +148,12 @@ class ChannelOffer:
                 pipes = accept_pipes(self.listener, len(self.remote), key, timeout_s)
             finally:
                 self.listener.close()
-        writer = RingWriter(self.order_ring, [self.pids[i] for i in self.local]) if self.order_ring else None
+        local_pids = [self.pids[i] for i in self.local]
+        writer = RingWriter(self.order_ring, local_pids) if self.order_ring else None
+        # Any follower's exit fails the wait for any answer: the others may be stuck in a
+        # collective with it until the group's timeout.
         inboxes = [
-            RingReader(self.answer_rings[i], 0, self.pids[i]) if i in self.answer_rings else pipes[i]
+            RingReader(self.answer_rings[i], 0, local_pids) if i in self.answer_rings else pipes[i]
             for i in range(len(self.pids))
         ]
         rings = [r for r in [self.order_ring, *self.answer_rings.values()] if r is not None]
@@ -163,6 +166,6 @@ def open_follower_channel(invite: ChannelInvite, key: bytes, timeout_s: float) -
         pipe = connect_pipe(invite.host, invite.port, key, invite.index, timeout_s)
         return FollowerChannel(pipe, pipe, [])
     orders, answers = Ring.attach(invite.order_ring), Ring.attach(invite.answer_ring)
-    inbox = RingReader(orders, invite.reader_index, invite.driver_pid)
+    inbox = RingReader(orders, invite.reader_index, [invite.driver_pid])
     outbox = RingWriter(answers, [invite.driver_pid])
     return FollowerChannel(inbox, outbox, [orders, answers])

@@ -23,7 +23,7 @@ def ring_pair(num_slots: int = 4, slot_bytes: int = 64, num_readers: int = 1):
     """A ring, its writer, and its readers each on their own mapping (as in another process)."""
     ring = Ring.create(num_slots, slot_bytes, num_readers)
     writer = RingWriter(ring, [ME] * num_readers)
-    readers = [RingReader(Ring.attach(ring.handle), r, ME) for r in range(num_readers)]
+    readers = [RingReader(Ring.attach(ring.handle), r, [ME]) for r in range(num_readers)]
     return ring, writer, readers
 
 
@@ -103,7 +103,7 @@ import sys, time
 from disagg.worker.shm_ring import Ring, RingHandle, RingReader, RingWriter
 role, parent = sys.argv[1], int(sys.argv[2])
 if role == "reader":  # reads one message of the parent's ring, then exits
-    reader = RingReader(Ring.attach(RingHandle(*map(int, sys.argv[3:]))), 0, parent)
+    reader = RingReader(Ring.attach(RingHandle(*map(int, sys.argv[3:]))), 0, [parent])
     print("ready", flush=True)
     reader.recv(timeout_s=10)
 else:  # writes one message on a ring of its own, then lives until killed
@@ -144,7 +144,7 @@ def test_a_reader_fails_at_once_when_its_writer_was_killed():
     child = peer("writer", ME)
     try:
         handle = RingHandle(*map(int, child.stdout.readline().split()))
-        reader = RingReader(Ring.attach(handle), 0, child.pid)
+        reader = RingReader(Ring.attach(handle), 0, [child.pid])
         child.stdin.write("go\n")
         child.stdin.flush()
         assert reader.recv(timeout_s=10) == b"hello"

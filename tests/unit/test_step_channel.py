@@ -169,28 +169,69 @@ loop._thread.join()
 """
 
 
+def follower_process() -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-c", FOLLOWER]
+    return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def invite_process(child: subprocess.Popen, invite) -> None:
+    child.stdin.write(pickle.dumps((invite, KEY)).hex() + "\n")
+    child.stdin.flush()
+
+
+def fails_at_once_when_killed(group: ShardGroup, child: subprocess.Popen) -> None:
+    """A step that `child` hangs in fails soon after it is killed, well before the group's timeout."""
+    pending = group.submit([chunk("hang")])
+    threading.Timer(0.3, child.kill).start()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError):
+        pending.result()
+    assert time.monotonic() - started < 5, "rank 0 waited for its timeout, not for the rank's exit"
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shared-memory", "tcp"])
 def test_a_killed_rank_fails_the_step_at_once(shared_memory):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen(
-        [sys.executable, "-c", FOLLOWER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
-    )
+    child = follower_process()
     broken: list = []
     try:
         offer = ChannelOffer([(child.pid, channel_key())], "127.0.0.1", shared_memory=shared_memory)
-        child.stdin.write(pickle.dumps((offer.invites[0], KEY)).hex() + "\n")
-        child.stdin.flush()
+        invite_process(child, offer.invites[0])
         group = ShardGroup([(PLACES[0], object())], timeout_s=120, on_broken=broken.append)
         group.channel = offer.accept(KEY, 30)
         assert child.stdout.readline().strip() == "open"
         assert group.submit([chunk()]).result() is None
-        pending = group.submit([chunk("hang")])
-        threading.Timer(0.3, child.kill).start()
-        started = time.monotonic()
-        with pytest.raises(ConnectionError):
-            pending.result()
-        assert time.monotonic() - started < 5, "rank 0 waited for its timeout, not for the rank's exit"
+        fails_at_once_when_killed(group, child)
         assert len(broken) == 1
     finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_killed_rank_fails_the_wait_for_another_ranks_answer():
+    """Rank 0 waits for follower 0, which hangs (in a collective with the killed follower 1, say):
+    follower 1's exit ends that wait too."""
+    child = follower_process()
+    released = threading.Event()
+
+    def stuck_until_released(chunks, commands, wait_s):
+        if chunks and chunks[0].request.request_id == "hang":
+            released.wait(60)
+        return ShardReply()
+
+    loop = None
+    try:
+        offer = ChannelOffer([(os.getpid(), channel_key()), (child.pid, channel_key())], "127.0.0.1")
+        invite_process(child, offer.invites[1])
+        loop = FollowerLoop(open_follower_channel(offer.invites[0], KEY, 10), 0, stuck_until_released, "follower-0")
+        loop.start()
+        group = ShardGroup([(p, object()) for p in PLACES[:2]], timeout_s=120)
+        group.channel = offer.accept(KEY, 30)
+        assert child.stdout.readline().strip() == "open"
+        fails_at_once_when_killed(group, child)
+    finally:
+        released.set()
+        if loop is not None:
+            loop.stop()
         child.kill()
         child.wait()
