@@ -56,12 +56,13 @@ def serving_config(tp: int, pp: int, args) -> dict:
 @contextlib.contextmanager
 def code_at(revision: str):
     """A detached worktree of this repository at `revision`, removed afterwards."""
-    path = Path(tempfile.mkdtemp(prefix="bench-shard-step-")) / "code"
-    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), revision], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
+    with tempfile.TemporaryDirectory(prefix="bench-shard-step-") as parent:
+        path = Path(parent) / "code"
+        subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(path), revision], check=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
 
 
 @contextlib.contextmanager
