@@ -1,14 +1,19 @@
 """A non-driver rank of a multi-worker instance (TP x PP > 1), as a Ray actor.
 
 It holds its shard of the model, its slice of the KV cache and its own KV endpoint (each rank
-moves its own slice). It schedules nothing: rank 0 calls `step` once per engine step with the
-step's chunks, in order, and the rank runs its part, all ranks meeting in the all-reduces and
-the stage hand-offs. The same call carries rank 0's KV commands for this rank and brings back
-this rank's finished transfers.
+moves its own slice). It schedules nothing: rank 0 sends it each engine step's chunks over the
+step channel, in order, and the rank's follower loop runs its part (`run_step`), all ranks
+meeting in the all-reduces and the stage hand-offs. The same order carries rank 0's KV commands
+for this rank and the answer brings back this rank's finished transfers.
+
+Ray calls the lifecycle (join, open_channel, expect, abort_transfers, shutdown) on the actor's
+own thread, beside the follower loop's: a lock lets a call and a step run only one at a time,
+as they did when the steps came through Ray too.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -21,7 +26,17 @@ from disagg.kv_transfer.connector import assemble
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.factory import make_transport
-from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardCommand, ShardReply, ShardService
+from disagg.shard_worker.follower_loop import FollowerLoop
+from disagg.worker.shard_service import (
+    AddTargets,
+    CatchUp,
+    FinishTransfer,
+    JoinedRank,
+    ShardCommand,
+    ShardReply,
+    ShardService,
+)
+from disagg.worker.step_channel import OPEN_TIMEOUT_S, ChannelInvite, channel_key, open_follower_channel
 
 
 class ShardActor(ShardService):
@@ -35,8 +50,10 @@ class ShardActor(ShardService):
         self.engine: LLMEngine | None = None
         self.endpoint: KVSender | KVReceiver | None = None
         self._finished = threading.Event()
+        self._lock = threading.Lock()  # a step and a lifecycle call never overlap
+        self.loop: FollowerLoop | None = None
 
-    def join(self, store_address: str) -> tuple[str, str]:
+    def join(self, store_address: str) -> JoinedRank:
         groups = join_instance(self.place, store_address, resolve_device(self.config.engine.device))
         built = assemble(
             self.config.engine,
@@ -48,13 +65,25 @@ class ShardActor(ShardService):
             groups=groups,
         )
         self.engine, self.endpoint = built.engine, built.endpoint
-        if self.endpoint is None:
-            return self.peer_id, ""
-        self.endpoint.on_finished = self._finished.set
-        return self.peer_id, self.endpoint.address()
+        address = ""
+        if self.endpoint is not None:
+            self.endpoint.on_finished = self._finished.set
+            address = self.endpoint.address()
+        return JoinedRank(self.peer_id, address, os.getpid(), channel_key())
 
-    # ---- rank 0's calls, one at a time, in its order ------------------------------------------
-    def step(self, chunks, commands: list[ShardCommand], wait_s: float = 0.0) -> ShardReply:
+    def open_channel(self, invite: ChannelInvite) -> None:
+        channel = open_follower_channel(invite, self.config.link_key, OPEN_TIMEOUT_S)
+        self.loop = FollowerLoop(channel, invite.index, self.run_step, name=f"steps-{self.peer_id}")
+        self.loop.start()
+
+    # ---- rank 0's steps and calls, one at a time, in its order ------------------------------------
+    def run_step(self, chunks, commands: list[ShardCommand], wait_s: float = 0.0) -> ShardReply:
+        """Apply rank 0's commands, run this rank's part of the step (none: wait up to wait_s
+        for a transfer to finish) and report this rank's finished transfers."""
+        with self._lock:
+            return self._run_step(chunks, commands, wait_s)
+
+    def _run_step(self, chunks, commands: list[ShardCommand], wait_s: float) -> ShardReply:
         for command in commands:
             self._apply(command)
         reply = ShardReply()
@@ -80,11 +109,15 @@ class ShardActor(ShardService):
                 raise TypeError(f"unknown shard command {command!r}")
 
     def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:
-        return self.endpoint.expect(request_id, block_ids, sources, timeout)
+        with self._lock:
+            return self.endpoint.expect(request_id, block_ids, sources, timeout)
 
     def abort_transfers(self, request_id: str) -> None:
-        self.endpoint.abort(request_id)
+        with self._lock:
+            self.endpoint.abort(request_id)
 
     def shutdown(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
         if self.endpoint is not None:
             self.endpoint.close()

@@ -149,17 +149,16 @@ class WorkerActorBase:
         have loaded their shards; (None, None) for an instance of one worker."""
         if not followers:
             return None, None
-        self.shards = ShardGroup(followers)
-        self.shards.on_broken = self._leave_service
+        device = resolve_device(self.engine_config.device)
+        self.shards = ShardGroup(
+            followers, host=self.host, link_key=self.config.link_key, device=device, on_broken=self._leave_service
+        )
         store, port = serve_store(self.host)
         address = f"{self.host}:{port}"  # join_instance splits at the last colon
         joining = self.shards.start_join(address)
         p = self.engine_config.parallel
         groups = join_instance(
-            RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size),
-            address,
-            resolve_device(self.engine_config.device),
-            store=store,
+            RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, device, store=store
         )
         return groups, lambda: self.shards.finish_join(joining)
 

@@ -1,66 +1,117 @@
 """Rank 0's handle on the other ranks of its instance.
 
 Each engine step rank 0 sends every other rank the step's chunks (plain copies) together with
-the KV commands queued for that rank since the last call, then runs its own part; the replies
-bring the last stage's logits and each rank's finished transfers. Calls to one actor run in the
-order they are made, so a command always reaches a rank before any later step. Every wait has
-a timeout: a rank that died or hangs fails the step instead of stalling the instance.
+the KV commands queued for each rank since the last step, then runs its own part; the answers
+bring the last stage's logits and each rank's finished transfers. The steps go over rank 0's
+step channel (disagg.worker.step_channel: shared memory on one host), not through Ray, whose
+calls stay for the lifecycle (join, expect, abort_transfers, shutdown).
+
+A command always reaches a rank before any later step: the commands ride in the step's own
+order, in the order they were queued, and the calls through Ray return only once the rank has
+run them, all from rank 0's engine thread, which sends a step only between such calls (a rank
+runs a call and a step one at a time: disagg.shard_worker.actor). Every wait has a timeout: a
+rank that died fails the step at once, one that hangs at STEP_TIMEOUT_S, instead of stalling
+the instance.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
+import torch
 
 from disagg.engine.distributed import RankPlace
 from disagg.engine.step_chunks import portable
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVRank, KVTarget
-from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardCommand
+from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, JoinedRank, ShardCommand
+from disagg.worker.step_channel import OPEN_TIMEOUT_S, ChannelOffer, DriverChannel
+from disagg.worker.step_messages import StepAnswer, StepOrder, decode_answer, encode_order
 
 STEP_TIMEOUT_S = 120.0  # one forward pass of a shard, with room for a slow first step
 IDLE_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
 class ShardGroup:
-    def __init__(self, actors: list[tuple[RankPlace, "ray.actor.ActorHandle"]], timeout_s: float = STEP_TIMEOUT_S):
-        """`actors`: (place, Ray handle of a ShardService) of every other rank."""
+    def __init__(
+        self,
+        actors: list[tuple[RankPlace, "ray.actor.ActorHandle"]],
+        timeout_s: float = STEP_TIMEOUT_S,
+        *,
+        host: str = "127.0.0.1",
+        link_key: bytes = b"",
+        device: torch.device | None = None,
+        on_broken: Callable[[str], None] | None = None,
+    ):
+        """`actors`: (place, Ray handle of a ShardService) of every other rank. `host`: where
+        rank 0 listens for ranks on other hosts, which prove they hold `link_key`; `device`:
+        where the logits the last stage sends belong; `on_broken`: called once, with the reason,
+        when the group breaks."""
         self.places = [place for place, _ in actors]
         self.actors = [actor for _, actor in actors]  # Ray handles of ShardService actors
         self.timeout_s = timeout_s
+        self.host = host
+        self.link_key = link_key
+        self.device = device
         self.kv_ranks: list[KVRank] = []
+        self.channel: DriverChannel | None = None  # open once the ranks joined
         self._commands: list[list[ShardCommand]] = [[] for _ in self.actors]
         self._results: list[TransferResult] = []
+        self._step_number = 0
         # Set when a call to a rank failed: the ranks may no longer be in lockstep (one may be
         # dead, or stuck in a collective), so nothing more is sent; rank 0 leaves service.
         self.broken: str | None = None
-        self.on_broken = None  # called once, with the reason, when the group breaks
+        self.on_broken = on_broken
 
     # ---- setup: every rank joins the instance's groups at once -----------------------------------
     def start_join(self, store_address: str) -> list:
         return [actor.join.remote(store_address) for actor in self.actors]
 
     def finish_join(self, pending: list) -> None:
-        endpoints = ray.get(pending, timeout=self.timeout_s)
-        self.kv_ranks = [
-            KVRank(peer_id, address, p.tp_rank, p.pp_rank) for (peer_id, address), p in zip(endpoints, self.places)
-        ]
+        """Wait for the ranks to have joined, then open the step channel to them."""
+        joined: list[JoinedRank] = ray.get(pending, timeout=self.timeout_s)
+        self.kv_ranks = [KVRank(j.peer_id, j.kv_address, p.tp_rank, p.pp_rank) for j, p in zip(joined, self.places)]
+        offer = ChannelOffer([(j.pid, j.channel_key) for j in joined], self.host)
+        opening = [actor.open_channel.remote(invite) for actor, invite in zip(self.actors, offer.invites)]
+        self.channel = offer.accept(self.link_key, OPEN_TIMEOUT_S)
+        ray.get(opening, timeout=OPEN_TIMEOUT_S)
 
-    # ---- per step ------------------------------------------------------------------------------
+    # ---- per step: over the step channel -------------------------------------------------------------
     def submit(self, chunks) -> "_PendingStep":
         """Start the step on every other rank (disagg.engine.kv_connector.Followers)."""
-        self._check()
-        plain = portable(chunks)
-        return _PendingStep(
-            self, [actor.step.remote(plain, self._take_commands(i)) for i, actor in enumerate(self.actors)]
-        )
+        return _PendingStep(self, self._send(portable(chunks), wait_s=0.0))
 
     def sync(self) -> None:
         """No step to run: deliver queued commands and collect finished transfers. With no
         commands to deliver, each rank waits up to IDLE_POLL_S for a transfer to finish."""
-        self._check()
         wait_s = 0.0 if self.has_commands() else IDLE_POLL_S
-        refs = [actor.step.remote(None, self._take_commands(i), wait_s) for i, actor in enumerate(self.actors)]
-        self._collect(refs)
+        self._collect(self._send(None, wait_s))
+
+    def _send(self, chunks, wait_s: float) -> int:
+        """Send the step's order (with every rank's queued commands); the step's number."""
+        self._check()
+        self._step_number += 1
+        commands = [self._take_commands(i) for i in range(len(self.actors))]
+        order = StepOrder(self._step_number, chunks, commands, wait_s)
+        self._guarded(lambda: self.channel.send(encode_order(order), self.timeout_s))
+        return order.number
+
+    def _collect(self, number: int):
+        """Every rank's answer to step `number`; the last stage's logits, if a rank sent them."""
+        answers = self._guarded(lambda: [decode_answer(p, self.device) for p in self.channel.recv_all(self.timeout_s)])
+        for place, answer in zip(self.places, answers):
+            self._check_answer(place, answer, number)
+        for answer in answers:
+            self._results.extend(answer.reply.results)
+        return next((a.reply.logits for a in answers if a.reply.logits is not None), None)
+
+    def _check_answer(self, place: RankPlace, answer: StepAnswer, number: int) -> None:
+        if answer.error is None and answer.number == number:
+            return
+        what = answer.error or f"answered step {answer.number} to step {number}"
+        self.mark_broken(f"rank {place.rank} failed: {what}")
+        raise RuntimeError(f"rank {place.rank} of the instance failed its step: {what}")
 
     # ---- KV commands: queued, delivered with the next step (or sync) ---------------------------------
     def add_targets(self, rank_index: int, request_id: str, targets: list[KVTarget]) -> None:
@@ -102,6 +153,8 @@ class ShardGroup:
             ray.get([actor.shutdown.remote() for actor in self.actors], timeout=10)
         except Exception:  # dead ranks are killed by the launcher anyway
             pass
+        if self.channel is not None:
+            self.channel.close()
 
     def _take_commands(self, index: int) -> list[ShardCommand]:
         commands, self._commands[index] = self._commands[index], []
@@ -112,8 +165,12 @@ class ShardGroup:
             raise RuntimeError(f"instance out of service: {self.broken}")
 
     def _get(self, refs):
+        return self._guarded(lambda: ray.get(refs, timeout=self.timeout_s))
+
+    def _guarded(self, call):
+        """`call()`; any failure breaks the group."""
         try:
-            return ray.get(refs, timeout=self.timeout_s)
+            return call()
         except Exception as exc:
             self.mark_broken(f"a rank failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
             raise
@@ -124,18 +181,12 @@ class ShardGroup:
             if self.on_broken is not None:
                 self.on_broken(reason)
 
-    def _collect(self, refs: list):
-        replies = self._get(refs)
-        for reply in replies:
-            self._results.extend(reply.results)
-        return next((r.logits for r in replies if r.logits is not None), None)
-
 
 class _PendingStep:
-    def __init__(self, group: ShardGroup, refs: list):
+    def __init__(self, group: ShardGroup, number: int):
         self.group = group
-        self.refs = refs
+        self.number = number
 
     def result(self):
         """Wait for every rank; the last stage's logits (None when rank 0 computes them)."""
-        return self.group._collect(self.refs)
+        return self.group._collect(self.number)

@@ -1,9 +1,10 @@
 """What rank 0 of a multi-worker instance calls on its other ranks, and the commands it sends.
 
-`ShardService` declares the ranks' interface (disagg.shard_worker.ShardActor implements it;
-disagg.worker.shard_group.ShardGroup calls it). KV commands are plain frozen data: rank 0
-queues them and they ride along with the next step, so a rank applies them, in order, before
-it computes that step.
+`ShardService` declares the ranks' lifecycle, called through Ray (disagg.shard_worker.ShardActor
+implements it; disagg.worker.shard_group.ShardGroup calls it). The steps themselves go over rank
+0's step channel (disagg.worker.step_channel), not through Ray. KV commands are plain frozen
+data: rank 0 queues them and they ride along with the next step, so a rank applies them, in
+order, before it computes that step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVTarget
+from disagg.worker.step_channel import ChannelInvite
 
 
 @dataclass(frozen=True)
@@ -50,16 +52,26 @@ class ShardReply:
     results: list[TransferResult] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class JoinedRank:
+    """What a rank tells rank 0 once it joined: its KV endpoint, and how to reach it per step."""
+
+    peer_id: str
+    kv_address: str  # empty for a colocated instance
+    pid: int
+    channel_key: str  # disagg.worker.step_channel.channel_key of its process
+
+
 class ShardService(abc.ABC):
     @abc.abstractmethod
-    def join(self, store_address: str) -> tuple[str, str]:
-        """Join the instance's groups and load this rank's shard; this rank's KV endpoint (peer
-        id, address), the address empty for a colocated instance."""
+    def join(self, store_address: str) -> JoinedRank:
+        """Join the instance's groups and load this rank's shard."""
 
     @abc.abstractmethod
-    def step(self, chunks, commands: list[ShardCommand], wait_s: float = 0.0) -> ShardReply:
-        """Apply rank 0's commands, run this rank's part of the step (none: wait up to wait_s
-        for a transfer to finish) and report this rank's finished transfers."""
+    def open_channel(self, invite: ChannelInvite) -> None:
+        """Open this rank's end of rank 0's step channel and start taking steps from it: apply
+        rank 0's commands, run this rank's part of each step (none: wait up to the order's
+        wait_s for a transfer to finish) and answer with this rank's finished transfers."""
 
     @abc.abstractmethod
     def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:

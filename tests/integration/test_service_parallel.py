@@ -6,6 +6,7 @@ unsharded offline engine's, and every rank's blocks are free afterwards."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import grpc
@@ -67,6 +68,21 @@ def assert_all_blocks_free(server: Server) -> None:
         while (load := ray.get(actor.status.remote())["load"]).num_free_blocks != load.num_total_blocks:
             assert time.monotonic() < deadline, f"{inst.instance_id} still holds blocks"
             time.sleep(0.05)
+
+
+def step_rings_of(server: Server) -> list[int]:
+    """How many step-channel rings (disagg.worker.shm_ring) each instance's rank 0 holds."""
+    counts = []
+    for inst in server.launcher.instances:
+        pid = ray.get(ray.get_actor(inst.actor_name, namespace=NAMESPACE).ready.remote())["pid"]
+        links = []
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:  # closed meanwhile
+                pass
+        counts.append(len({link for link in links if link.startswith("/memfd:disagg-ring-")}))  # mmap dups its fd
+    return counts
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +150,4 @@ def test_colocated_tp2_pp2(ray_session, tiny_untied_dir):
     with Server(config(tiny_untied_dir, pools, "colocated")) as server:
         assert served_tokens(server) == expected
         assert_all_blocks_free(server)
+        assert step_rings_of(server) == [4]  # the steps went over shared memory: one ring out, one back per rank

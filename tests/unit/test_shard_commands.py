@@ -48,7 +48,9 @@ def test_commands_apply_by_type_in_order():
     assert isinstance(rank, ShardService)
     rank.endpoint = sender = RecordingSender()
     target = KVTarget("d", "addr", 1, [4], (0, 2), (1, 2))
-    rank.step(None, [AddTargets("r", [target]), CatchUp("r", [4], 9), FinishTransfer("r"), FinishTransfer("unknown")])
+    rank.run_step(
+        None, [AddTargets("r", [target]), CatchUp("r", [4], 9), FinishTransfer("r"), FinishTransfer("unknown")]
+    )
     assert sender.calls == [("add", "r", [target]), ("catch_up", "r", [4], 9), ("finish", "r", -1)]
 
 
@@ -56,7 +58,7 @@ def test_an_unknown_command_is_refused():
     rank = follower()
     rank.endpoint = RecordingSender()
     with pytest.raises(TypeError, match="unknown shard command"):
-        rank.step(None, [("add", "r", [])])
+        rank.run_step(None, [("add", "r", [])])
 
 
 def test_the_group_queues_commands_per_rank_until_the_next_step():
