@@ -1,6 +1,7 @@
 """Weights kept quantized: each GGUF format the engine keeps (Q4_0, Q4_1 as int4; Q8_0 as int8)
-against gguf's own dequantized reference on random blocks, the format chosen per weight, and
-the default model served with its weights quantized."""
+against gguf's own dequantized reference on random blocks, with our kernels (csrc/
+quantized_gemv.cpp) and with torch's; the format chosen per weight; and the default model
+served with its weights quantized."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from disagg import LLM, SamplingParams
+from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.engine.layers.quantized import Int4Weight, Int8Weight, quantize, weight_format
 from disagg.engine.models.llama import QuantizedEmbedding
 
@@ -28,16 +30,64 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).norm() / want.norm()).item()
 
 
+@pytest.fixture(params=["ours", "torch"])
+def kernels(request):
+    """torch.ops.disagg_cpu where our kernels are asked for (skipped where they did not build),
+    None for torch's."""
+    if request.param == "torch":
+        return None
+    ops = cpu_ops(torch.device("cpu"), "auto")
+    if ops is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    return ops
+
+
 @pytest.mark.parametrize("type_name, fmt", [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
-def test_a_gguf_format_kept_quantized_computes_what_its_dequantized_weights_do(type_name, fmt):
-    torch.manual_seed(0)
+@pytest.mark.parametrize("rows", [1, 3, 5, 9])  # 5 and 9: past the few-rows path, and past our 8-row tiles
+def test_a_gguf_format_kept_quantized_computes_what_its_dequantized_weights_do(type_name, fmt, rows, kernels):
+    torch.manual_seed(rows)
     reference = _gguf_roundtrip(torch.randn(OUT, IN) * 0.05, type_name)
-    kept = quantize(reference, fmt, [type_name])
-    x = torch.randn(5, IN)
-    # bfloat16 activations and scales: ~0.4% each; a dense float32 GEMM is the reference.
+    kept = quantize(reference, fmt, [type_name], kernels)
+    x = torch.randn(rows, IN)
+    # int8 or bfloat16 activations: ~0.5% each; a dense float32 GEMM is the reference.
     assert _relative_error(kept.linear(x), x @ reference.T) < 0.02
-    if fmt == "int4":  # 4-bit blocks are kept at their own values, up to the scales' bfloat16
-        assert _relative_error(kept.dequantized(), reference) < 0.01
+    assert _relative_error(kept._narrow(x), x @ reference.T) < 0.02  # the quantized kernel itself, at any rows
+    # Blocks are kept at their own values (torch's int4 rounds the scales to bfloat16; ours keeps
+    # GGUF's float16 ones, and Q8_0's exactly).
+    tolerance = 0.01 if kernels is None else 1e-6
+    if fmt == "int4" or kernels is not None:
+        assert _relative_error(kept.dequantized(), reference) < tolerance
+
+
+def test_our_int4_blocks_are_gguf_s_q4_1_bytes(kernels):
+    if kernels is None:
+        pytest.skip("torch's int4 keeps its own packing")
+    import gguf
+
+    torch.manual_seed(2)
+    raw = gguf.quants.quantize((torch.randn(OUT, IN) * 0.05).numpy(), gguf.GGMLQuantizationType.Q4_1)
+    values = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_1)).reshape(OUT, IN)
+    assert torch.equal(Int4Weight(values, kernels=kernels).blocks, torch.from_numpy(raw.view(np.uint8)).view(OUT, -1))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 7])
+def test_fused_gate_up_gives_silu_of_gate_times_up(rows, kernels):
+    torch.manual_seed(3)
+    gate_up = _gguf_roundtrip(torch.randn(2 * OUT, IN) * 0.05, "Q4_1")
+    x = torch.randn(rows, IN)
+    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+    got = quantize(gate_up, "int4", ["Q4_1"], kernels).silu_mul(x)
+    assert _relative_error(got, torch.nn.functional.silu(gate) * up) < 0.03
+
+
+def test_our_kernels_refuse_what_they_cannot_take(kernels):
+    if kernels is None:
+        pytest.skip("ours only")
+    weight = Int4Weight(torch.randn(OUT, IN), kernels=kernels)
+    with pytest.raises(RuntimeError, match="features"):
+        kernels.q4_gemv(torch.randn(2, IN + 32), weight.blocks)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.q4_gemv(torch.randn(2, IN, dtype=torch.float64), weight.blocks)
 
 
 def test_int4_is_far_closer_to_q4_blocks_than_to_arbitrary_weights():
@@ -53,7 +103,7 @@ def test_int4_is_far_closer_to_q4_blocks_than_to_arbitrary_weights():
 
 def test_int8_per_row_and_the_embedding_s_int8_blocks():
     weight = _gguf_roundtrip(torch.randn(50, 64) * torch.logspace(-2, 0, 64), "Q8_0")  # scales vary along a row
-    vocab = Int8Weight(weight)
+    vocab = Int8Weight(weight)  # torch's kernel: one scale per row
     assert _relative_error(vocab.dequantized(), weight) < 0.05
     assert vocab._own_bytes() < weight.numel() * weight.element_size() / 3
     ids = torch.tensor([3, 0, 49])
@@ -97,6 +147,8 @@ def test_the_default_model_kept_quantized_answers_and_is_smaller():
     layers = quantized.engine.model.layers[0]
     assert isinstance(layers.mlp.gate_up_proj.packed, Int4Weight)
     assert isinstance(quantized.engine.model.logits_weight, Int8Weight)
+    if cpu_ops(torch.device("cpu"), "auto") is not None:  # ours: the vocabulary held once, by the embedding
+        assert quantized.engine.model.logits_weight.q is quantized.engine.model.embed_tokens.q
 
     def weight_bytes(llm) -> int:
         return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())

@@ -34,7 +34,8 @@ from disagg.config import ATTENTION_BACKENDS
 logger = logging.getLogger(__name__)
 
 SOURCES = [
-    Path(__file__).with_name("csrc") / name for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp", "quantized_gemv.cpp")
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool

@@ -7,6 +7,7 @@ checkpoint tensor (`load`), so the model's weight loading is the same at any TP 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.layers.cpu_gemm import PackedWeight
@@ -45,6 +46,14 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate; up] projection: one kernel where a quantized weight has one."""
+        fused = getattr(self.packed, "silu_mul", None)
+        if fused is not None and self.bias is None:
+            return fused(x)
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class RowParallelLinear(nn.Module):

@@ -1,19 +1,27 @@
-"""Weights kept 8- or 4-bit in memory, multiplied by torch's CPU weight-only kernels.
+"""Weights kept 8- or 4-bit in memory, multiplied without making them dense again.
 
 A decode step at small batches reads every weight once, so its time is the weights' bytes over
-the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. The kernels are
-torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`). Their float32-input path is
-scalar and 10-20x slower than their bfloat16 one on this project's AVX-512 host (RESULTS.md,
-"Quantized weights"), so activations enter them as bfloat16 and leave as the model's dtype.
+the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two kernel families:
 
-- int4: groups of 32 weights along the input, each with its scale and offset, asymmetric
-  (w = scale * (q - 8) + zero). GGUF's Q4_0 and Q4_1 blocks are exactly this (32 weights, a
-  scale, and for Q4_1 a minimum), so a GGUF quantized so is kept at its own values: a Q4_1
-  block's minimum and maximum give back its scale and minimum, a Q4_0 block's largest magnitude
-  its scale.
-- int8: one scale per output row, symmetric. Used for GGUF's Q8_0 and 5/6-bit formats (a small
-  rounding of their values) and for the vocabulary projection (a tied embedding keeps int8 rows
-  of its own, in blocks: disagg.engine.models.llama.QuantizedEmbedding).
+- ours (csrc/quantized_gemv.cpp, `kernels`: torch.ops.disagg_cpu), the default on CPU where the
+  C++ kernels build: float32 rows in and out, the rows quantized to int8 blocks and each block's
+  dot product taken in integers (VNNI or AVX2), as llama.cpp computes; the MLP's gate and up
+  projections and the SiLU between them are one call.
+- torch's (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), where ours did not build
+  (attention_backend: torch). Their float32-input path is scalar and 10-20x slower than their
+  bfloat16 one on this project's AVX-512 host (RESULTS.md, "Quantized weights"), so activations
+  enter them as bfloat16.
+
+Formats:
+- int4: groups of 32 weights along the input, each with its scale and offset (w = scale * q +
+  low, q in 0..15). GGUF's Q4_0 and Q4_1 blocks are exactly this (32 weights, a scale, and for
+  Q4_1 a minimum), so a GGUF quantized so is kept at its own values: a Q4_1 block's minimum and
+  maximum give back its scale and minimum, a Q4_0 block's largest magnitude its scale. Our
+  kernel keeps GGUF's Q4_1 block layout (float16 scale and offset); torch's keeps bfloat16 ones.
+- int8: for our kernel, a scale per 32 weights (GGUF's Q8_0, kept exactly); for torch's, one
+  scale per output row. Used for GGUF's Q8_0 and 5/6-bit formats (a small rounding of their
+  values) and for the vocabulary projection (with a tied embedding, its int8 blocks are shared:
+  disagg.engine.models.llama.QuantizedEmbedding).
 """
 
 from __future__ import annotations
@@ -42,18 +50,24 @@ class _QuantizedGemm:
 
     def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
-        rows = x.to(_COMPUTE_DTYPE)
         if self._wide is not None and x.dim() == 2 and x.shape[0] > QUANTIZED_MAX_ROWS:
-            out = torch.ops.mkldnn._linear_pointwise(rows.contiguous(), self._wide, None, "none", [], "")
+            rows = x.to(_COMPUTE_DTYPE).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(rows, self._wide, None, "none", [], "").to(x.dtype)
         else:
-            out = self._narrow(rows)
-        out = out.to(x.dtype)
+            out = self._narrow(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused [gate; up] weight's product with x."""
+        gate, up = self.linear(x).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, in] -> [n, out], in rows' dtype: the quantized kernel."""
         raise NotImplementedError
 
     def dequantized(self) -> torch.Tensor:
+        """The weights as the kernel sees them, [out, in] float32."""
         raise NotImplementedError
 
     def _pack_wide(self, values: torch.Tensor) -> None:
@@ -72,80 +86,154 @@ class _QuantizedGemm:
 
 
 class Int8Weight(_QuantizedGemm):
-    """[out, in] int8 with one scale per output row."""
+    """[out, in] int8 with a scale per block of 32 inputs (our kernel) or per output row (torch's)."""
 
-    def __init__(self, weight: torch.Tensor):
-        w = weight.detach().float()
-        scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        self.scales = scales.to(_COMPUTE_DTYPE)
+    def __init__(self, weight: torch.Tensor, kernels=None):
+        self.kernels = kernels
         self.shape = tuple(weight.shape)
+        if kernels is not None:
+            self.q, self.scales = int8_blocks(weight)
+        else:
+            w = weight.detach().float()
+            scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+            self.q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+            self.scales = scales.to(_COMPUTE_DTYPE)
         self._pack_wide(self.dequantized())
 
+    @classmethod
+    def of_blocks(cls, q: torch.Tensor, scales: torch.Tensor, kernels) -> "Int8Weight":
+        """Our kernel over int8 blocks held elsewhere (q [out, in], scales [out, in / 32]
+        float32: a tied embedding's), shared rather than copied."""
+        weight = cls.__new__(cls)
+        weight.kernels, weight.shape, weight.q, weight.scales = kernels, tuple(q.shape), q, scales
+        weight._pack_wide(weight.dequantized())
+        return weight
+
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(rows, self.q, self.scales)
+        if self.kernels is not None:
+            return self.kernels.q8_gemv(rows.float(), self.q, self.scales).to(rows.dtype)
+        return torch._weight_int8pack_mm(rows.to(_COMPUTE_DTYPE), self.q, self.scales).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
+        if self.kernels is not None:
+            out, inp = self.shape
+            return (self.q.float().view(out, -1, INT4_GROUP) * self.scales[..., None]).view(out, inp)
         return self.q.float() * self.scales.float()[:, None]
 
     def _own_bytes(self) -> int:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
+def int8_blocks(weight: torch.Tensor, block: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (int8 q [out, in], float32 scales [out, in / block]): GGUF's Q8_0 grid."""
+    out, inp = weight.shape
+    blocks = weight.detach().float().view(out, inp // block, block)
+    scales = (blocks.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (blocks / scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+    return q.view(out, inp), scales
+
+
 class Int4Weight(_QuantizedGemm):
     """[out, in] in groups of INT4_GROUP input weights, each with a scale and an offset."""
 
-    def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False):
+    def __init__(self, weight: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False, kernels=None):
         """`symmetric`: w = scale * (q - 8), the scale set by the group's largest magnitude
-        (GGUF's Q4_0); else w = scale * q + low over the group's range (Q4_1, and float weights)."""
+        (GGUF's Q4_0); else w = scale * q + low over the group's range (Q4_1, and float weights).
+        `kernels`: ours (their block layout, group 32), else torch's."""
         out_features, in_features = weight.shape
         if in_features % group:
             raise ValueError(f"int4: {in_features} input features are not a multiple of the group size {group}")
-        w = weight.detach().float().view(out_features, in_features // group, group)
-        tiny = torch.finfo(torch.float32).tiny
-        if symmetric:  # the extreme maps to q = 0 (as Q4_0 does): a signed scale
-            extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
-            scales = torch.where(extreme.abs() < tiny, torch.full_like(extreme, tiny), extreme / -8)
-            low = -8 * scales
+        if kernels is not None and group != INT4_GROUP:
+            raise ValueError(f"int4: the CPU kernels take groups of {INT4_GROUP}, not {group}")
+        q, scales, low = _int4_grid(weight.detach().float().view(out_features, in_features // group, group), symmetric)
+        self.kernels, self.group, self.shape = kernels, group, (out_features, in_features)
+        if kernels is not None:
+            scales, low = scales.half(), low.half()  # GGUF's own float16 scale and minimum
+            self.blocks = _q4_blocks(q, scales, low)
         else:
-            low, high = w.amin(dim=-1), w.amax(dim=-1)
-            scales = ((high - low) / 15).clamp_min(tiny)
-        q = ((w - low[..., None]) / scales[..., None]).round_().clamp_(0, 15).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            q.view(out_features, in_features), _INT4_INNER_K_TILES
-        )
-        # The kernel's layout: [groups, out, 2] of (scale, zero) with w = scale * (q - 8) + zero.
-        zeros = low + 8 * scales
-        self.scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(_COMPUTE_DTYPE)
-        self.group = group
-        self.shape = (out_features, in_features)
-        # The kernel's values, from its bfloat16 scales and zeros: both paths compute one weight.
-        scales, zeros = (t.float() for t in self.scales_and_zeros.transpose(0, 1).unbind(-1))
-        values = (q.float() - 8) * scales[..., None] + zeros[..., None]
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.view(out_features, in_features), _INT4_INNER_K_TILES
+            )
+            # The kernel's layout: [groups, out, 2] of (scale, zero) with w = scale * (q - 8) + zero.
+            zeros = low + 8 * scales
+            self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(_COMPUTE_DTYPE)
+            scales, zeros = (t.float() for t in self.scales_and_zeros.transpose(0, 1).unbind(-1))
+            low = zeros - 8 * scales
+        # The kernel's own values (its rounded scales): both paths compute one weight.
+        values = q.float() * scales.float()[..., None] + low.float()[..., None]
         self._pack_wide(values.view(out_features, in_features))
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
+        if self.kernels is not None:
+            return self.kernels.q4_gemv(rows.float(), self.blocks).to(rows.dtype)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.to(_COMPUTE_DTYPE), self.packed, self.group, self.scales_and_zeros
+        )
+        return out.to(rows.dtype)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is None or x.dim() != 2 or (self._wide is not None and x.shape[0] > QUANTIZED_MAX_ROWS):
+            return super().silu_mul(x)
+        return self.kernels.q4_gemv_silu_mul(x.float(), self.blocks).to(x.dtype)
 
     def dequantized(self) -> torch.Tensor:
-        """The weights as the kernel sees them, in float32."""
-        return self._narrow(torch.eye(self.shape[1], dtype=_COMPUTE_DTYPE)).float().T.contiguous()
+        if self.kernels is not None:
+            return _q4_values(self.blocks, self.shape)
+        return self._narrow(torch.eye(self.shape[1])).T.contiguous()
 
     def _own_bytes(self) -> int:
+        if self.kernels is not None:
+            return self.blocks.numel()
         return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.numel() * 2
 
 
-def quantize(weight: torch.Tensor, fmt: str, gguf_types: list[str | None] = ()) -> Int8Weight | Int4Weight:
+def _int4_grid(w: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, groups, group] -> (q [out, groups, group] int32 in 0..15, scale, low [out, groups])."""
+    tiny = torch.finfo(torch.float32).tiny
+    if symmetric:  # the extreme maps to q = 0 (as Q4_0 does): a signed scale
+        extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).squeeze(-1)
+        scales = torch.where(extreme.abs() < tiny, torch.full_like(extreme, tiny), extreme / -8)
+        low = -8 * scales
+    else:
+        low, high = w.amin(dim=-1), w.amax(dim=-1)
+        scales = ((high - low) / 15).clamp_min(tiny)
+    q = ((w - low[..., None]) / scales[..., None]).round_().clamp_(0, 15).to(torch.int32)
+    return q, scales, low
+
+
+def _q4_blocks(q: torch.Tensor, scales: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """GGUF's Q4_1 layout, [out, groups * 20] uint8: per block float16 scale, float16 minimum,
+    then 16 bytes whose low nibbles are weights 0-15 and high nibbles 16-31."""
+    out, groups, _ = q.shape
+    nibbles = (q[..., :16] | (q[..., 16:] << 4)).to(torch.uint8)
+    head = torch.stack([scales, low], dim=-1).contiguous().view(torch.uint8).view(out, groups, 4)
+    return torch.cat([head, nibbles], dim=-1).view(out, groups * 20).contiguous()
+
+
+def _q4_values(blocks: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """_q4_blocks' weights, [out, in] float32."""
+    out, groups = shape[0], shape[1] // INT4_GROUP
+    b = blocks.view(out, groups, 20)
+    scales, low = b[..., :4].contiguous().view(torch.float16).float().unbind(-1)
+    nibbles = b[..., 4:].to(torch.int32)
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)
+    return (q * scales[..., None] + low[..., None]).view(shape)
+
+
+def quantize(weight: torch.Tensor, fmt: str, gguf_types: list[str | None] = (), kernels=None) -> _QuantizedGemm:
     """`weight` [out, in] as `fmt` (one of QUANTIZED_FORMATS); `gguf_types`: what it was stored
-    as, so that 4-bit blocks keep their own grid."""
+    as, so that 4-bit blocks keep their own grid; `kernels`: ours (torch.ops.disagg_cpu), else torch's."""
     if weight.device.type != "cpu":
         raise ValueError(
             f"weights: {fmt} runs on CPU only so far; use weights: auto or a float dtype on {weight.device}"
         )
+    if kernels is not None and weight.shape[1] % INT4_GROUP:
+        kernels = None  # ours take whole blocks of 32 inputs
     if fmt == "int8":
-        return Int8Weight(weight)
+        return Int8Weight(weight, kernels)
     if fmt == "int4":
-        return Int4Weight(weight, symmetric=bool(gguf_types) and all(t == "Q4_0" for t in gguf_types))
+        symmetric = bool(gguf_types) and all(t == "Q4_0" for t in gguf_types)
+        return Int4Weight(weight, symmetric=symmetric, kernels=kernels)
     raise ValueError(f"weights: {fmt!r} is not one of {QUANTIZED_FORMATS}")
 
 

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.engine.kv_cache import KVCache
@@ -21,7 +20,8 @@ from disagg.engine.layers.cpu_gemm import PackedWeight
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.fused import FusedRMSNorm, Rotary
 from disagg.engine.layers.parallel import SINGLE, TPGroup
-from disagg.engine.layers.quantized import Int8Weight, quantize, weight_format
+from disagg.engine.layers.cpu_kernels import cpu_ops
+from disagg.engine.layers.quantized import Int8Weight, int8_blocks, quantize, weight_format
 from disagg.engine.layers.rotary import RotaryEmbedding
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.partition import layer_range
@@ -76,8 +76,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -107,6 +106,7 @@ class LlamaForCausalLM(nn.Module):
     ):
         super().__init__()
         self.config = cfg
+        self.backends = backends
         self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
@@ -188,22 +188,28 @@ class LlamaForCausalLM(nn.Module):
         freeing its dense copy. The vocabulary projection goes to int8 whenever anything is
         quantized, and a tied embedding to int8 blocks (QuantizedEmbedding)."""
         quantized = False
+        kernels = cpu_ops(self._device(), self.backends.attention)  # ours where they build, else torch's
         for name, module in self.named_modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 types = [gguf_types.get(n) for n in self._checkpoint_names(name)]
                 fmt = weight_format(setting, types)
                 if fmt is not None:
-                    module.packed = quantize(module.weight.data, fmt, types)
+                    module.packed = quantize(module.weight.data, fmt, types, kernels)
                     module.weight = _freed(module.weight)
                     quantized = True
         if not (quantized and self.is_last_stage):
             return
-        vocab = Int8Weight(self._vocab_weight().data)
-        self.logits_weight = vocab
+        dense = self._vocab_weight().data
+        self.logits_weight = quantize(dense, "int8", kernels=kernels)
         if self.lm_head is not None:
             self.lm_head.weight = _freed(self.lm_head.weight)
         elif self.config.hidden_size % QuantizedEmbedding.BLOCK == 0:  # else the embedding stays dense
-            self.embed_tokens = QuantizedEmbedding(self.embed_tokens.weight.data)
+            self.embed_tokens = QuantizedEmbedding(dense)
+            if kernels is not None:  # ours reads the embedding's own int8 blocks: one copy of the vocabulary
+                self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
+
+    def _device(self) -> torch.device:
+        return next(p.device for p in self.parameters())
 
     def _checkpoint_names(self, module_name: str) -> list[str]:
         """The checkpoint tensors a (possibly fused) linear of this stage is loaded from."""
@@ -276,14 +282,12 @@ class QuantizedEmbedding(nn.Module):
 
     def __init__(self, weight: torch.Tensor):
         super().__init__()
-        vocab, hidden = weight.shape
-        blocks = weight.detach().float().view(vocab, hidden // self.BLOCK, self.BLOCK)
-        self.scales = (blocks.abs().amax(dim=-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        self.q = (blocks / self.scales[..., None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.q, self.scales = int8_blocks(weight, self.BLOCK)  # [vocab, hidden], [vocab, hidden / 32]
         self.dtype = weight.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.q[input_ids].to(self.dtype) * self.scales[input_ids].to(self.dtype).unsqueeze(-1)
+        q = self.q[input_ids].view(*input_ids.shape, -1, self.BLOCK)
+        rows = q.to(self.dtype) * self.scales[input_ids].to(self.dtype).unsqueeze(-1)
         return rows.flatten(-2)
 
 
