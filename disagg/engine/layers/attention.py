@@ -84,6 +84,8 @@ def paged_attention(
 
     Returns [T, H, D].
     """
+    if meta.decode is not None and not meta.prefills:  # a decode-only step: no scatter into `out`
+        return decode_attention(q, kv_layer, meta.decode, scale)
     out = torch.empty_like(q)
     if meta.decode is not None:
         n = meta.num_decode_tokens

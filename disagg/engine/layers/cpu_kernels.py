@@ -63,7 +63,13 @@ def decode_kernel(device: torch.device, backend: str) -> DecodeKernel | None:
     if ops is None:
         return None
     kernel = ops.decode_attention
-    return lambda q, *rest: kernel(q.float(), *rest).to(q.dtype)
+
+    def attend(q: torch.Tensor, *rest) -> torch.Tensor:
+        if q.dtype == torch.float32:  # no conversions (two calls into torch a layer, at every step)
+            return kernel(q, *rest)
+        return kernel(q.float(), *rest).to(q.dtype)
+
+    return attend
 
 
 def cpu_ops(device: torch.device, backend: str):

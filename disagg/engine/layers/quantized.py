@@ -50,11 +50,14 @@ class _QuantizedGemm:
 
     def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
-        if self._wide is not None and x.dim() == 2 and x.shape[0] > QUANTIZED_MAX_ROWS:
-            rows = x.to(_COMPUTE_DTYPE).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(rows, self._wide, None, "none", [], "").to(x.dtype)
+        rows = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
+        if self._wide is not None and rows.shape[0] > QUANTIZED_MAX_ROWS:
+            wide = rows.to(_COMPUTE_DTYPE).contiguous()
+            out = torch.ops.mkldnn._linear_pointwise(wide, self._wide, None, "none", [], "").to(x.dtype)
         else:
-            out = self._narrow(x.reshape(-1, self.shape[1])).view(*x.shape[:-1], self.shape[0])
+            out = self._narrow(rows)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +114,7 @@ class Int8Weight(_QuantizedGemm):
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.q8_gemv(rows.float(), self.q, self.scales).to(rows.dtype)
+            return _in_dtype(self.kernels.q8_gemv(_float(rows), self.q, self.scales), rows.dtype)
         return torch._weight_int8pack_mm(rows.to(_COMPUTE_DTYPE), self.q, self.scales).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
@@ -122,6 +125,15 @@ class Int8Weight(_QuantizedGemm):
 
     def _own_bytes(self) -> int:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """Our kernels take float32 (checked without a call into torch: a decode step makes hundreds)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def _in_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def int8_blocks(weight: torch.Tensor, block: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +177,7 @@ class Int4Weight(_QuantizedGemm):
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
-            return self.kernels.q4_gemv(rows.float(), self.blocks).to(rows.dtype)
+            return _in_dtype(self.kernels.q4_gemv(_float(rows), self.blocks), rows.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows.to(_COMPUTE_DTYPE), self.packed, self.group, self.scales_and_zeros
         )
@@ -174,7 +186,7 @@ class Int4Weight(_QuantizedGemm):
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is None or x.dim() != 2 or (self._wide is not None and x.shape[0] > QUANTIZED_MAX_ROWS):
             return super().silu_mul(x)
-        return self.kernels.q4_gemv_silu_mul(x.float(), self.blocks).to(x.dtype)
+        return _in_dtype(self.kernels.q4_gemv_silu_mul(_float(x), self.blocks), x.dtype)
 
     def dequantized(self) -> torch.Tensor:
         if self.kernels is not None:
