@@ -10,9 +10,10 @@ Only the tokens each request asked for count as useful output. Each side runs in
 subprocess, so peak RSS (ru_maxrss) is measured per side; with --repeats the sides alternate
 and the medians are reported (the machine is noisy).
 
-    python loadtest/bench_engine.py                       # 64 requests, SmolLM2-135M fp32
+    python loadtest/bench_engine.py                       # 64 requests, SmolLM2-135M as its GGUF keeps it (Q4_1), fp32 activations
     python loadtest/bench_engine.py --quick               # smoke run
     python loadtest/bench_engine.py --model random:llama2-7b --dtype bfloat16 --skip-hf
+    python loadtest/bench_engine.py --weights fp32 --skip-hf     # the quantized engine against float32
 """
 
 from __future__ import annotations
@@ -135,7 +136,11 @@ def run_ours(job: dict) -> dict:
     rss_start = peak_rss_mib()
     started = time.perf_counter()
     engine_args = dict(
-        dtype=job["dtype"], max_num_seqs=job["max_batch"], num_threads=job["threads"], device=job.get("device", "cpu")
+        dtype=job["dtype"],
+        max_num_seqs=job["max_batch"],
+        num_threads=job["threads"],
+        device=job.get("device", "cpu"),
+        weights=job.get("weights", "auto"),
     )
     if job.get("kv_cache_gib"):
         engine_args["kv_cache_memory_bytes"] = int(job["kv_cache_gib"] * (1 << 30))
@@ -357,6 +362,10 @@ def parse_args(argv=None):
         "--model", default=None, help="HF directory, .gguf file or random:<shape> (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
+        help="our engine.weights (auto: a GGUF's quantized blocks kept quantized on CPU); HF runs dense",
+    )  # fmt: skip
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=32, help="HF static batch size = our max_num_seqs")
     p.add_argument("--min-prompt", type=int, default=32)
@@ -403,6 +412,7 @@ def main(argv=None) -> None:
     workload = {
         "model": args.model or "smollm2-135m-instruct (default)",
         "dtype": args.dtype,
+        "weights": args.weights,
         "device": args.device,
         "threads": args.threads,
         "num_requests": len(requests),
@@ -420,6 +430,7 @@ def main(argv=None) -> None:
     job = {
         "model": args.model,
         "dtype": args.dtype,
+        "weights": args.weights,
         "device": args.device,
         "threads": args.threads,
         "max_batch": args.max_batch,

@@ -183,8 +183,9 @@ def run_llamacpp(args, gguf: str, plan, warm_up, workdir: Path) -> list[Level]:
 def run_disagg(args, plan, warm_up, workdir: Path) -> list[Level]:
     # The default deployment; re-planning and the start-up calibration off, to start sooner.
     config = workdir / "disagg.yaml"
-    config.write_text(yaml.safe_dump({"replan": False, "calibration_s": 0}))
-    print(f"disagg: disagg serve --config {config} (defaults otherwise)", flush=True)
+    settings = {"replan": False, "calibration_s": 0, **dict(args.disagg_set)}
+    config.write_text(yaml.safe_dump(settings))
+    print(f"disagg: disagg serve --config {config}: {settings} (defaults otherwise)", flush=True)
     http_port = free_port()
     with ServeProcess(str(config), str(workdir / "disagg-serve.log"), http_port=http_port):
         return asyncio.run(measure(f"http://127.0.0.1:{http_port}", plan, warm_up, args.max_tokens))
@@ -233,7 +234,18 @@ def parse_args(argv):
     p.add_argument("--max-load-wait-s", type=float, default=1500)
     p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS), help="one alone: no ratio")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument(
+        "--disagg-set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+        help="a setting of disagg's config (YAML value), e.g. threads_per_worker=2; repeatable",
+    )  # fmt: skip
     return p.parse_args(argv)
+
+
+def _setting(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
 
 
 def main(argv: list[str] | None = None) -> None:
