@@ -9,6 +9,7 @@ until `release_kv`; in the DECODE role a request's blocks are reserved up front
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from collections import deque
@@ -37,6 +38,15 @@ from disagg.step_work import MeasuredStep
 
 logger = logging.getLogger(__name__)
 STEP_STATS_KEPT = 512
+
+
+def _return_freed_memory() -> None:
+    """Give the heap's free pages back to the OS. glibc keeps freed memory for reuse, so the dense
+    weights a quantized model was made from would stay in its RSS (hundreds of MiB)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def resolve_device(device: str) -> torch.device:
@@ -167,6 +177,7 @@ class LLMEngine:
         if quantized:
             model.quantize_weights(weights, source.gguf_types())
             model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
+            _return_freed_memory()  # the dense float32 copies just freed
         return model.eval()
 
     def _build_kv_cache(self) -> KVCache:
