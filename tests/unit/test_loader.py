@@ -102,8 +102,8 @@ def write_gguf(
             writer.add_tensor(gguf_name(name), gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name(name), array)
-    for name, array in extra_tensors:
-        writer.add_tensor(name, array)
+    for name, array, *raw_dtype in extra_tensors:  # (name, array) or (name, raw bytes, their GGML type)
+        writer.add_tensor(name, array, raw_dtype=raw_dtype[0] if raw_dtype else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -425,6 +425,20 @@ def test_unwritable_cache_dir(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ModelLoadError, match="cache_dir"):
         load_model_source(path, cache_dir=str(tmp_path / "file"))
+
+
+def test_gguf_with_a_quantization_it_cannot_read(tmp_path):
+    """Q8_1 (llama.cpp's activation format) has no dequantizer: the load fails naming it, not later."""
+    state = save_hf_model(tmp_path / "hf")
+    name = "model.layers.1.mlp.up_proj.weight"
+    rows, cols = state.pop(name).shape
+    block_elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_1]
+    raw = np.zeros((rows, cols // block_elements * block_bytes), dtype=np.uint8)
+    path = write_gguf(
+        tmp_path / "m.gguf", state, extra_tensors=[(gguf_name(name), raw, gguf.GGMLQuantizationType.Q8_1)]
+    )
+    with pytest.raises(ModelLoadError, match=r"m.gguf: tensor blk.1.ffn_up.weight has unsupported type Q8_1"):
+        load_model_source(path, cache_dir=str(tmp_path / "c"))
 
 
 def test_gguf_of_unsupported_architecture(tmp_path):
