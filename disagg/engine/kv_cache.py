@@ -53,6 +53,10 @@ class KVCache:
             self.tensor = torch.zeros(shape, dtype=dtype, device=device)
             if shared and self.tensor.device.type == "cuda":
                 self.shared_handle = export_cuda(self.tensor)
+        # Each layer's views, made once: a decode step writes and reads every layer, and making
+        # them per step is 4 calls into torch a layer.
+        self._layers = list(self.tensor.unbind(0))  # [2, KVH, blocks, bs, D] each
+        self._slots = [layer.view(2, num_kv_heads, -1, head_dim).unbind(0) for layer in self._layers]
 
     @staticmethod
     def bytes_per_block(
@@ -66,7 +70,7 @@ class KVCache:
 
     def layer(self, layer_idx: int) -> torch.Tensor:
         """[2, num_kv_heads, num_blocks, block_size, head_dim] view of one layer."""
-        return self.tensor[layer_idx]
+        return self._layers[layer_idx]
 
     # ---- a block view for the KV transfer: slices addressed by global layer and head indices --------
     def slice_bytes(self, num_layers: int, heads: tuple[int, int], num_blocks: int) -> int:
@@ -111,10 +115,9 @@ class KVCache:
 
     def write(self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K and V ([T, kv_heads, head_dim]) at flat slots block*block_size+offset."""
-        layer = self.tensor[layer_idx]
-        flat = layer.view(2, layer.shape[1], -1, layer.shape[-1])  # [2, KVH, blocks*bs, D]
-        flat[0].index_copy_(1, slot_mapping, k.transpose(0, 1))
-        flat[1].index_copy_(1, slot_mapping, v.transpose(0, 1))
+        keys, values = self._slots[layer_idx]  # [KVH, blocks*bs, D] each
+        keys.index_copy_(1, slot_mapping, k.transpose(0, 1))
+        values.index_copy_(1, slot_mapping, v.transpose(0, 1))
 
     def export_blocks(self, block_ids: list[int], layer_idx: int | None = None) -> torch.Tensor:
         """A packed copy of the blocks: [num_layers, 2, KVH, n, bs, D], or [2, KVH, n, bs, D] for one layer."""
