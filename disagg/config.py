@@ -26,11 +26,11 @@ WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4")  # EngineConfig.weigh
 # How KV moves between instances (disagg.kv_transfer.factory): torch_dist is torch.distributed,
 # gloo for CPU tensors and NCCL for CUDA ones.
 KV_TRANSPORTS = ("torch_dist",)
+DEFAULT_KV_TRANSPORT = "torch_dist"
 # The waiting queue's order within a priority (disagg.engine.queue_order): fcfs, or ltr (shortest
 # predicted output first, issue 39).
 SCHEDULING_ORDERS = ("fcfs", "ltr")
 DEFAULT_PRIORITY_AGING_S = 10.0
-DEFAULT_KV_TRANSPORT = "torch_dist"
 
 
 class Role(str, enum.Enum):

@@ -95,7 +95,7 @@ class Scheduler:
         clock: Callable[[], float] = time.perf_counter,
     ):
         """`order`, `priority_aging_s`: see disagg.engine.queue_order; `clock`: what waits are
-        measured on (the simulator's is virtual)."""
+        measured on (a simulation passes its own)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
         check_order(order, priority_aging_s)
