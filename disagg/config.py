@@ -27,6 +27,10 @@ WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4")  # EngineConfig.weigh
 # gloo for CPU tensors and NCCL for CUDA ones.
 KV_TRANSPORTS = ("torch_dist",)
 DEFAULT_KV_TRANSPORT = "torch_dist"
+# The waiting queue's order within a priority (disagg.engine.queue_order): fcfs, or ltr (shortest
+# predicted output first, issue 39).
+SCHEDULING_ORDERS = ("fcfs", "ltr")
+DEFAULT_PRIORITY_AGING_S = 10.0
 
 
 class Role(str, enum.Enum):
@@ -70,6 +74,12 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 * GiB
     max_num_batched_tokens: int = 512  # the per-step token budget (Sarathi-Serve)
     scheduling_policy: str = "chunked"  # or "prefill_first" (whole prompts first, decodes stall: vLLM v0)
+    # Requests are served by priority (critical, standard, sheddable; vLLM's integers, lower
+    # first) in the queue, the batch and preemption, then by `scheduling_order` (SCHEDULING_ORDERS).
+    # A waiting request rises one priority per `priority_aging_s` waited, so none waits without
+    # bound (disagg/engine/queue_order.py).
+    scheduling_order: str = "fcfs"
+    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     max_num_seqs: int = 128  # running requests at most
     max_waiting_requests: int = 4096  # bounded admission queue
     max_model_len: int | None = None  # defaults to the model's context length
@@ -122,6 +132,19 @@ class EngineConfig:
             self.scheduling_policy in ("chunked", "prefill_first"),
             "scheduling_policy",
             "must be chunked or prefill_first",
+        )
+        _require(
+            self.scheduling_order in SCHEDULING_ORDERS,
+            "scheduling_order",
+            f"must be one of {', '.join(SCHEDULING_ORDERS)}, got {self.scheduling_order!r}",
+        )
+        _require(
+            isinstance(self.priority_aging_s, (int, float))
+            and not isinstance(self.priority_aging_s, bool)
+            and self.priority_aging_s > 0,
+            "priority_aging_s",
+            f"must be a number of seconds > 0 (a waiting request rises one priority per as many), "
+            f"got {self.priority_aging_s!r}",
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.weights in WEIGHT_SETTINGS, "weights", f"must be one of {', '.join(WEIGHT_SETTINGS)}")

@@ -18,6 +18,9 @@ MAX_STOP_TOKEN_IDS = 1024
 # A grammar is compiled on the engine thread: its text is bounded so that one request cannot stall a batch.
 MAX_GRAMMAR_CHARS = 64 * 1024
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar", "choice")
+# A request's priority as the engine orders it, vLLM's convention: a lower value is served
+# earlier, 0 is the default. Our API's names are three of these values.
+PRIORITY_VALUES = {"critical": -1, "standard": 0, "sheddable": 1}
 
 
 class FinishReason(str, enum.Enum):
@@ -229,6 +232,13 @@ class Request:
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_reason: int | str | None = None
     timings: RequestTimings = field(default_factory=RequestTimings)
+    priority: int = 0  # lower is served earlier (PRIORITY_VALUES)
+    # A guess at how many tokens it will output (a ranker's, issue 39): what `scheduling_order:
+    # ltr` orders by. None: no guess.
+    predicted_output_len: int | None = None
+    # When it entered this engine's scheduler, on the scheduler's clock: its wait since raises its
+    # priority (disagg.engine.queue_order). Kept across preemptions.
+    queued_at: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)
@@ -260,6 +270,17 @@ class Request:
         self.token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+
+def priority_value(priority: int | str) -> int:
+    """The engine's priority for our name of one (critical | standard | sheddable) or vLLM's
+    integer (lower is earlier)."""
+    if isinstance(priority, str) and priority in PRIORITY_VALUES:
+        return PRIORITY_VALUES[priority]
+    _check(
+        _is_int(priority), "priority", f"must be one of {', '.join(PRIORITY_VALUES)} or an integer, got {priority!r}"
+    )
+    return priority
 
 
 def check_fits(

@@ -38,6 +38,7 @@ class Reserve:
     params: SamplingParams
     prefill: KVLayout
     kv_wait_s: float
+    priority: int
     stream_to: Link
 
 
@@ -46,6 +47,7 @@ class Submit:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int
     stream_to: Link
 
 
@@ -58,6 +60,7 @@ class ReserveMigration:
     source: KVLayout
     capacity_tokens: int
     kv_wait_s: float
+    priority: int
     stream_to: Link
 
 
@@ -176,11 +179,13 @@ class DecodeActor(WorkerActorBase, DecodeService):
         params: SamplingParams,
         prefill: KVLayout,
         kv_wait_s: float,
+        priority: int = 0,
     ) -> Future:
-        return self.loop.submit(Reserve(request_id, prompt_token_ids, params, prefill, kv_wait_s, self.rpc.caller()))
+        command = Reserve(request_id, prompt_token_ids, params, prefill, kv_wait_s, priority, self.rpc.caller())
+        return self.loop.submit(command)
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
-        return self.loop.submit(Submit(request_id, prompt_token_ids, params, self.rpc.caller()))
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> Future:
+        return self.loop.submit(Submit(request_id, prompt_token_ids, params, priority, self.rpc.caller()))
 
     def abort(self, request_id: str) -> Future:
         return self.loop.submit(AbortDecode(request_id))
@@ -197,10 +202,12 @@ class DecodeActor(WorkerActorBase, DecodeService):
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
+        priority: int = 0,
     ) -> Future:
         command = ReserveMigration(
-            request_id, token_ids, params, num_prompt_tokens, source, capacity_tokens, kv_wait_s, self.rpc.caller()
-        )
+            request_id, token_ids, params, num_prompt_tokens, source, capacity_tokens, kv_wait_s, priority,
+            self.rpc.caller(),
+        )  # fmt: skip
         return self.loop.submit(command)
 
     def migrate_out(self, request_id: str, reservation: Reservation) -> Future:
@@ -232,8 +239,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
 
     def _reserve(self, command: Reserve) -> Reservation | None:
         reservation = self.worker.reserve(
-            command.request_id, command.prompt_token_ids, command.params, command.prefill, command.kv_wait_s
-        )
+            command.request_id, command.prompt_token_ids, command.params, command.prefill, command.kv_wait_s,
+            command.priority,
+        )  # fmt: skip
         if reservation is not None:
             self._first_token_pending.add(command.request_id)
             self._streams[command.request_id] = command.stream_to
@@ -242,7 +250,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
     def _reserve_migration(self, command: ReserveMigration) -> Reservation | None:
         reservation = self.worker.reserve_migration(
             command.request_id, command.token_ids, command.params, command.num_prompt_tokens, command.source,
-            command.capacity_tokens, command.kv_wait_s,
+            command.capacity_tokens, command.kv_wait_s, command.priority,
         )  # fmt: skip
         if reservation is not None:
             self._first_token_pending.add(command.request_id)  # its first output: the source's last token
@@ -256,7 +264,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
         return move
 
     def _submit(self, command: Submit) -> None:
-        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
+        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params, command.priority)
         self._streams[command.request_id] = command.stream_to
         self._prefilled_here.add(command.request_id)
 

@@ -187,11 +187,13 @@ class MigrationTarget:
         params: SamplingParams,
         num_prompt_tokens: int,
         capacity_tokens: int,
+        priority: int = 0,
     ) -> list[int] | None:
         """Blocks for a request whose attempt (`params`, a prompt of `num_prompt_tokens`) has
-        `token_ids` with KV so far; None when there is no room."""
+        `token_ids` with KV so far; None when there is no room. It keeps its `priority` here (the
+        request object made now is the one that decodes: finish_migration_import keeps it)."""
         known = continued_params(params, num_prompt_tokens, len(token_ids) + 1)
-        block_ids = self.engine.reserve_for_migration(request_id, token_ids, known, capacity_tokens)
+        block_ids = self.engine.reserve_for_migration(request_id, token_ids, known, capacity_tokens, priority)
         if block_ids is not None:
             self._arriving[request_id] = _Incoming(num_prompt_tokens, params)
         return block_ids

@@ -91,10 +91,14 @@ class DecodeWorker:
         sender = self.migrations_out.sender
         return KVLayout.single(sender.worker_id, sender.address())
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, priority: int = 0
+    ) -> None:
         """Run the whole request here: the COLOCATED role, or a short prompt the router chose to
         prefill on this DECODE instance (conditional disaggregation) as a chunk of its steps."""
-        self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+        self.engine.add_request(
+            request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params, priority=priority
+        )
 
     def reserve(
         self,
@@ -103,13 +107,16 @@ class DecodeWorker:
         sampling_params: SamplingParams,
         prefill: KVLayout,
         kv_wait_s: float | None = None,
+        priority: int = 0,
     ) -> Reservation | None:
         """The handshake with the prefill instance whose ranks are `prefill` (any parallel plan):
         pre-allocate the prompt's blocks and have every rank of this instance listen to the
         prefill ranks that hold its slice of the KV; None when there is no room now. The first
         KV must arrive within `kv_wait_s` (None: the kv timeout), and each later arrival within
         the kv timeout of the one before, else the request fails."""
-        block_ids = self.engine.reserve_for_remote_prefill(request_id, prompt_token_ids, sampling_params)
+        block_ids = self.engine.reserve_for_remote_prefill(
+            request_id, prompt_token_ids, sampling_params, priority=priority
+        )
         if block_ids is None:
             return None
         cfg, layout = self.engine.model_config, self.kv_layout()
@@ -133,14 +140,15 @@ class DecodeWorker:
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float | None = None,
+        priority: int = 0,
     ) -> Reservation | None:
         """Room for a request moving here from the instance whose migration senders are `source`:
-        its attempt (`sampling_params`, a prompt of `num_prompt_tokens`) has `token_ids` with KV
-        now; up to `capacity_tokens` positions. None when there is no room."""
+        its attempt (`sampling_params`, a prompt of `num_prompt_tokens`, `priority`) has `token_ids`
+        with KV now; up to `capacity_tokens` positions. None when there is no room."""
         if self.receiver is None or self.followers is not None:
             raise ValueError("migration: only a one-rank DECODE instance takes moving requests")
         block_ids = self.migrations_in.reserve(
-            request_id, token_ids, sampling_params, num_prompt_tokens, capacity_tokens
+            request_id, token_ids, sampling_params, num_prompt_tokens, capacity_tokens, priority
         )
         if block_ids is None:
             return None

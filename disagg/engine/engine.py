@@ -33,7 +33,7 @@ from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from disagg.errors import InvalidRequestError
-from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits
+from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits, priority_value
 from disagg.step_work import MeasuredStep
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,8 @@ class LLMEngine:
             max_waiting_requests=config.max_waiting_requests,
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
+            order=config.scheduling_order,
+            priority_aging_s=config.priority_aging_s,
         )
 
     def _grammar_compiler(self) -> GrammarCompiler:
@@ -218,14 +220,18 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int | str = 0,
     ) -> Request:
-        request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time)
+        """`priority`: vLLM's (lower runs first, 0 by default) or our name of one (critical,
+        standard, sheddable): it orders the queue, the batch and preemption (disagg.engine.queue_order)."""
+        request = self._make_request(request_id, prompt, prompt_token_ids, sampling_params, arrival_time, priority)
         self.scheduler.add_request(request)
         self._track(request, prompt)
         return request
 
-    def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time) -> Request:
+    def _make_request(self, request_id, prompt, prompt_token_ids, sampling_params, arrival_time, priority) -> Request:
         params = sampling_params or SamplingParams()
+        priority = priority_value(priority)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", "must be a SamplingParams")
         params.validate()
@@ -243,6 +249,7 @@ class LLMEngine:
             params,
             eos_token_ids=tuple(eos),
             arrival_time=arrival_time or time.perf_counter(),
+            priority=priority,
         )
 
     def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
@@ -436,9 +443,10 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int | str = 0,
     ) -> list[int] | None:
         """DECODE role: pre-allocate the prompt's blocks; None when there is no room now."""
-        request = self._make_request(request_id, None, prompt_token_ids, sampling_params, arrival_time)
+        request = self._make_request(request_id, None, prompt_token_ids, sampling_params, arrival_time, priority)
         if not self.scheduler.reserve_for_remote_prefill(request):
             return None
         self._track(request, None)
@@ -483,11 +491,17 @@ class LLMEngine:
             self._forget(request_id)
 
     def reserve_for_migration(
-        self, request_id: str, token_ids: list[int], sampling_params: SamplingParams, capacity_tokens: int
+        self,
+        request_id: str,
+        token_ids: list[int],
+        sampling_params: SamplingParams,
+        capacity_tokens: int,
+        priority: int | str = 0,
     ) -> list[int] | None:
         """Blocks for a request arriving with its KV: `token_ids` known so far, room for
-        `capacity_tokens` positions; None when there is no room now."""
-        request = self._make_request(request_id, None, token_ids, sampling_params, None)
+        `capacity_tokens` positions; None when there is no room now. `priority`: the one it had
+        where it came from."""
+        request = self._make_request(request_id, None, token_ids, sampling_params, None, priority)
         if not self.scheduler.reserve_for_migration(request, capacity_tokens):
             return None
         self._track(request, None)

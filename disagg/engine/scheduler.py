@@ -2,8 +2,10 @@
 
 Each step (Sarathi-Serve's stall-free batching): running decodes first (one token each), then
 chunks of prompts already started, then new requests, until `max_num_batched_tokens` is spent.
-When blocks run out, the most recently admitted request is preempted (its blocks freed, its
-tokens recomputed later), so the oldest requests always make progress and nothing deadlocks.
+When blocks run out, the lowest-priority, most recently admitted request is preempted (its
+blocks freed, its tokens recomputed later), so the oldest requests always make progress and
+nothing deadlocks. Priorities, the order within one, and the bound on any request's wait are
+disagg.engine.queue_order's; with every request of one priority, all is first-come-first-served.
 
 With `policy="prefill_first"` (vLLM v0's default, the other baseline) a step runs either whole
 new prompts, unchunked, or, when none waits, the decodes: decodes stall while prompts run.
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disagg.config import Role
+from disagg.config import DEFAULT_PRIORITY_AGING_S, Role
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.queue_order import batch_order, check_order, preemption_victim, waiting_order
 from disagg.errors import OverloadedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.step_work import StepWork
@@ -86,10 +90,19 @@ class Scheduler:
         max_waiting_requests: int = 4096,
         max_model_len: int = 8192,
         policy: str = "chunked",
+        order: str = "fcfs",
+        priority_aging_s: float = DEFAULT_PRIORITY_AGING_S,
+        clock: Callable[[], float] = time.perf_counter,
     ):
+        """`order`, `priority_aging_s`: see disagg.engine.queue_order; `clock`: what waits are
+        measured on (a simulation passes its own)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        check_order(order, priority_aging_s)
         self.policy = policy
+        self.order = order
+        self.priority_aging_s = priority_aging_s
+        self.clock = clock
         self.block_manager = block_manager
         self.role = role
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -183,6 +196,8 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting_requests:
             raise OverloadedError(f"waiting queue is full ({self.max_waiting_requests} requests)")
         self.requests[request.request_id] = request
+        if request.queued_at is None:
+            request.queued_at = self.clock()
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -196,8 +211,9 @@ class Scheduler:
     def _schedule_whole_prompts(self, out: SchedulerOutput) -> None:
         """Prefill-first: admit waiting prompts whole (the first one even beyond the budget)."""
         budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in self._waiting_in_order():
+            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+                break
             num_new = request.num_tokens - request.num_computed_tokens
             if out.chunks and num_new > budget:
                 break
@@ -209,8 +225,9 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled: set[str] = set()
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        running = batch_order(self.running)
+        decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in running if r.num_tokens - r.num_computed_tokens > 1]
         for request in decodes + prefills:
             if budget == 0:
                 break
@@ -226,8 +243,9 @@ class Scheduler:
         return out
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
-        while self.waiting and budget > 0 and len(self.running) + len(self.waiting_for_kv) < self.max_num_seqs:
-            request = self.waiting[0]
+        for request in self._waiting_in_order():
+            if budget <= 0 or len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+                break
             cached = self.block_manager.find_cached_prefix(request)
             num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget)
             if not self._admit_waiting(request, num_new, out, cached):
@@ -235,12 +253,17 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def _waiting_in_order(self) -> list[Request]:
+        """The waiting requests, the next to admit first. Admission stops at the first that does
+        not fit: one behind it must not take the blocks it waits for."""
+        return waiting_order(self.waiting, self.clock(), self.order, self.priority_aging_s)
+
     def _admit_waiting(self, request: Request, num_new: int, out: SchedulerOutput, cached: list[int]) -> bool:
-        """Move the head of the waiting queue to running with a first chunk of num_new tokens."""
+        """Move a waiting request to running with a first chunk of num_new tokens."""
         if not self.block_manager.allocate_slots(request, num_new, cached):
             return False
         num_cached = len(cached) * self.block_manager.block_size
-        self.waiting.popleft()
+        self.waiting.remove(request)
         request.num_computed_tokens = num_cached
         if request.num_output_tokens == 0:
             request.num_cached_tokens = num_cached
@@ -253,9 +276,8 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
-            victim = next(
-                (r for r in reversed(self.running) if r is not request and r.request_id not in scheduled), None
-            )
+            candidates = [r for r in self.running if r is not request and r.request_id not in scheduled]
+            victim = preemption_victim(candidates, self.order)
             self._preempt(victim or request, out)
             if victim is None:
                 return False

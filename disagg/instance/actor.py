@@ -117,17 +117,18 @@ class InstanceActor(DecodeActor, PrefillActor):
         return PrefillActor if self.held_role is Role.PREFILL else DecodeActor
 
     # ---- the request path: each role's calls only while it holds that role ----------------------
-    def prefill(self, request_id, prompt_token_ids, params):
-        return PrefillActor.prefill(self._holding(Role.PREFILL), request_id, prompt_token_ids, params)
+    def prefill(self, request_id, prompt_token_ids, params, priority=0):
+        return PrefillActor.prefill(self._holding(Role.PREFILL), request_id, prompt_token_ids, params, priority)
 
     def set_kv_targets(self, request_id, reservation):
         return PrefillActor.set_kv_targets(self._holding(Role.PREFILL), request_id, reservation)
 
-    def reserve(self, request_id, prompt_token_ids, params, prefill, kv_wait_s):
-        return DecodeActor.reserve(self._holding(Role.DECODE), request_id, prompt_token_ids, params, prefill, kv_wait_s)
+    def reserve(self, request_id, prompt_token_ids, params, prefill, kv_wait_s, priority=0):
+        held = self._holding(Role.DECODE)
+        return DecodeActor.reserve(held, request_id, prompt_token_ids, params, prefill, kv_wait_s, priority)
 
-    def submit(self, request_id, prompt_token_ids, params):
-        return DecodeActor.submit(self._holding(Role.DECODE), request_id, prompt_token_ids, params)
+    def submit(self, request_id, prompt_token_ids, params, priority=0):
+        return DecodeActor.submit(self._holding(Role.DECODE), request_id, prompt_token_ids, params, priority)
 
     def reserve_migration(self, *args):
         return DecodeActor.reserve_migration(self._holding(Role.DECODE), *args)

@@ -28,6 +28,7 @@ class StartPrefill:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,13 @@ class PrefillActor(WorkerActorBase, PrefillService):
         return {"load": self.load(), "kv_bytes_sent": self.worker.sender.num_bytes_total}
 
     # ---- PrefillService (on the link's thread) -------------------------------------------------
-    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Future:
+    def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> Future:
         first_token: Future = Future()
         self._first_tokens[request_id] = (first_token, self.rpc.caller())
         try:
-            added = self.loop.submit(StartPrefill(request_id, prompt_token_ids, params))
+            added = self.loop.submit(StartPrefill(request_id, prompt_token_ids, params, priority))
         except BaseException:
             self._first_tokens.pop(request_id, None)
             raise
@@ -101,7 +104,7 @@ class PrefillActor(WorkerActorBase, PrefillService):
         return {StartPrefill: self._start_prefill, AbortPrefill: self._abort}
 
     def _start_prefill(self, command: StartPrefill) -> None:
-        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params)
+        self.worker.add_request(command.request_id, command.prompt_token_ids, command.params, command.priority)
 
     def _abort(self, command: AbortPrefill) -> bool:
         return self.worker.abort(command.request_id)

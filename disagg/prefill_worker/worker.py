@@ -106,9 +106,13 @@ class PrefillWorker:
         return self._layout
 
     # ---- requests (engine thread, except set_kv_targets) ---------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams) -> None:
-        """Start the prefill now; its KV waits here for `set_kv_targets` (at most the kv timeout)."""
-        self.engine.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params)
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, priority: int = 0
+    ) -> None:
+        """Queue the prefill (by `priority`); its KV waits here for `set_kv_targets` (at most the kv timeout)."""
+        self.engine.add_request(
+            request_id, prompt_token_ids=prompt_token_ids, sampling_params=sampling_params, priority=priority
+        )
         self._prefills[request_id] = _Prefill(time.monotonic() + self.kv_timeout)
 
     def set_kv_targets(self, request_id: str, reservation: Reservation) -> Future:

@@ -86,7 +86,7 @@ class LiveMoves:
                 return False
             reservation = await target.decode_service.reserve_migration(
                 request_id, known, params, placement.num_prompt_tokens, layout, capacity,
-                self.orchestrator.config.kv_timeout_s, timeout_s=CALL_TIMEOUT_S,
+                self.orchestrator.config.kv_timeout_s, placement.priority, timeout_s=CALL_TIMEOUT_S,
             )  # fmt: skip
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
             logger.warning("move of %s: no reservation on %s: %s", request_id, target.instance_id, exc)

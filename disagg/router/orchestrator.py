@@ -36,7 +36,7 @@ from disagg.errors import (
 )
 from disagg.engine.block_manager import BlockManager
 from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
-from disagg.request import SamplingParams
+from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.migration import Progress, is_migratable
 from disagg.router.prompt_queue import SentPrompt
@@ -63,11 +63,12 @@ class Placement:
     num_tokens: int = 0
     queued: SentPrompt | None = None  # its prompt in the decode instance's queue, until its first token
     # What a live move (disagg.router.live_moves) needs: the id the workers know the attempt by,
-    # its tokens so far (prompt and outputs), its params, and where its deltas come from.
+    # its tokens so far (prompt and outputs), its params and priority, and where its deltas come from.
     request_id: str = ""
     token_ids: list[int] = field(default_factory=list)
     num_prompt_tokens: int = 0
     params: SamplingParams | None = None
+    priority: int = 0  # the engine's (disagg.request.PRIORITY_VALUES)
     mailbox: Mailbox | None = None
     handover: "Handover | None" = None  # set by a move: the stream goes on at another instance
     moving_to: Instance | None = None  # a move's target, reserved: an end of the request aborts it there too
@@ -142,11 +143,15 @@ class Orchestrator:
         received_at: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """Deltas of the request, the first token first; the last one has finished=True. `slo`:
-        the request's targets (None: the server's); `priority`: who is refused first;
+        the request's targets (None: the server's); `priority`: who is refused first, and who
+        goes first in an instance's queue, batch and preemption;
         `received_at`: when the frontend got it (time.monotonic()), where its TTFT starts for the
         client, so the residuals learn what the predictions miss of that (now, if not given)."""
         progress = Progress(list(prompt_token_ids), params)
         slo = slo or self.default_slo
+        # In the engines a request keeps its own priority on every attempt (only admission treats
+        # a later attempt as critical): a sheddable one does not pass others because it moved.
+        engine_priority = priority_value(priority)
         self.on_arrival(time.monotonic(), len(prompt_token_ids), params.max_tokens)
         while True:
             # Once admitted, a request is not refused again: its later attempts are critical.
@@ -154,8 +159,8 @@ class Orchestrator:
             started = received_at if received_at is not None and not progress.migrations else time.monotonic()
             try:
                 attempt = self._attempt(
-                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(), demand,
-                    started,
+                    progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(),
+                    engine_priority, demand, started,
                 )  # fmt: skip
                 async for delta in attempt:
                     yield progress.record(delta)
@@ -187,10 +192,11 @@ class Orchestrator:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        priority: int,
         demand: tuple[Slo, str],
         started: float,
     ) -> AsyncIterator[TokenDelta]:
-        """One try on one placement; `started`: when its TTFT is measured from."""
+        """One try on one placement; `priority`: the engines'; `started`: when its TTFT is measured from."""
         placement, mailbox = None, None
         hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
         request = RequestShape(
@@ -204,7 +210,7 @@ class Orchestrator:
                 choice = self._place(pool, pool, request)
             if self.disaggregated and not choice.local:
                 placement, mailbox, first = await self._start_disaggregated(
-                    request_id, prompt_token_ids, params, request, choice, started
+                    request_id, prompt_token_ids, params, priority, request, choice, started
                 )
                 placement.observe(first)
                 yield placement.label(first)
@@ -212,9 +218,9 @@ class Orchestrator:
                     return
             else:
                 placement, mailbox = await self._start_whole(
-                    request_id, prompt_token_ids, params, request, choice, started
+                    request_id, prompt_token_ids, params, priority, request, choice, started
                 )
-            self._track_live(placement, request_id, prompt_token_ids, params, mailbox)
+            self._track_live(placement, request_id, prompt_token_ids, params, priority, mailbox)
             async for delta in self._drain(placement):
                 placement.finished = delta.finished
                 placement.observe(delta)
@@ -224,8 +230,11 @@ class Orchestrator:
             if placement is not None:
                 await self._cleanup(request_id, placement, len(prompt_token_ids))
 
-    def _track_live(self, placement: Placement, request_id: str, prompt_token_ids, params, mailbox: Mailbox) -> None:
+    def _track_live(
+        self, placement: Placement, request_id: str, prompt_token_ids, params, priority: int, mailbox: Mailbox
+    ) -> None:
         placement.request_id, placement.params, placement.mailbox = request_id, params, mailbox
+        placement.priority = priority
         placement.num_prompt_tokens = len(prompt_token_ids)
         placement.token_ids[:0] = prompt_token_ids  # before the outputs observed so far
         self.live[request_id] = placement
@@ -264,7 +273,7 @@ class Orchestrator:
         return self.directory.healthy(role)
 
     async def _start_disaggregated(
-        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice, started: float
+        self, request_id, prompt_token_ids, params, priority: int, request: RequestShape, choice: Choice, started: float
     ) -> tuple[Placement, Mailbox, TokenDelta]:
         prefill = choice.prefill
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
@@ -281,9 +290,9 @@ class Orchestrator:
         placement = Placement(prefill, None, choice=choice, started=started)
         prefill_call = None
         try:
-            prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params)
+            prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params, priority)
             decode, reservation = await self._reserve(
-                request_id, prompt_token_ids, params, prefill, kv_wait_s, placement
+                request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement
             )
             pending.pending_requests -= 1  # answered: in the outstanding requests of `decode` from now on
             pending = None
@@ -333,7 +342,14 @@ class Orchestrator:
         task.add_done_callback(self._tasks.discard)
 
     async def _reserve(
-        self, request_id, prompt_token_ids, params, prefill: Instance, kv_wait_s: float, placement: Placement
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        priority: int,
+        prefill: Instance,
+        kv_wait_s: float,
+        placement: Placement,
     ):
         """The handshake, retried with back-off while no decode instance has room: first on the
         policy's choice, then on whichever has room."""
@@ -353,6 +369,7 @@ class Orchestrator:
                 params,
                 prefill.kv_layout,
                 kv_wait_s,
+                priority,
                 timeout_s=self.config.admission_timeout_s,
             )
             placement.reserving = None
@@ -372,7 +389,7 @@ class Orchestrator:
 
     # ---- colocated, or prefilled on the decode instance (conditional disaggregation) ---------------
     async def _start_whole(
-        self, request_id, prompt_token_ids, params, request: RequestShape, choice: Choice, started: float
+        self, request_id, prompt_token_ids, params, priority: int, request: RequestShape, choice: Choice, started: float
     ) -> tuple[Placement, Mailbox]:
         """One instance prefills and decodes: a colocated one, or a decode instance the policy
         chose to prefill a short prompt itself (no KV transfer)."""
@@ -385,7 +402,7 @@ class Orchestrator:
         instance.prefix_hashes.update(request.block_hashes)  # warm there from now on
         try:
             await instance.decode_service.submit(
-                request_id, prompt_token_ids, params, timeout_s=self.config.admission_timeout_s
+                request_id, prompt_token_ids, params, priority, timeout_s=self.config.admission_timeout_s
             )
         except BaseException as exc:
             self._note_failure(exc)

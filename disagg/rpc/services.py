@@ -7,6 +7,9 @@ concurrent Future of the reply, completed by the engine thread); the router's st
 go-to-definition leads from the orchestrator to the declaration here, and "go to
 implementations" to the worker. On the wire a call names its method; the server dispatches only
 to the methods its service declares (`method_names`).
+
+A request's `priority` is the engine's (disagg.request.PRIORITY_VALUES: lower runs first): it
+orders the instance's queue, batch and preemption (disagg.engine.queue_order).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ TOKENS_TOPIC = "tokens"  # decode and colocated instances stream list[TokenDelta
 class PrefillService:
     """Rank 0 of a prefill instance."""
 
-    def prefill(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> PrefillResult:
+    def prefill(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
+    ) -> PrefillResult:
         """Compute the prompt and answer its first token (this sets the request's TTFT). The
         prefill starts at once; its KV stays in this instance's blocks until `set_kv_targets`
         says where it goes (or the KV timeout drops the request)."""
@@ -48,6 +53,7 @@ class DecodeService:
         params: SamplingParams,
         prefill: KVLayout,
         kv_wait_s: float,
+        priority: int = 0,
     ) -> Reservation | None:
         """The handshake: allocate the prompt's blocks on every rank and listen to the prefill
         ranks that hold each slice of its KV. None when there is no room now. The first KV must
@@ -55,7 +61,7 @@ class DecodeService:
         after that, each arrival extends the wait (disagg.kv_transfer.receiver)."""
         raise NotImplementedError
 
-    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Run the whole request here (colocated, or a local prefill on a decode instance)."""
         raise NotImplementedError
 
@@ -79,9 +85,10 @@ class DecodeService:
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
+        priority: int = 0,
     ) -> Reservation | None:
         """Target: blocks for a request moving here from `source`: its attempt (`params`, a prompt
-        of `num_prompt_tokens`) has `token_ids` with KV now; room for `capacity_tokens` positions.
+        of `num_prompt_tokens`, `priority`) has `token_ids` with KV now; room for `capacity_tokens` positions.
         Its tokens stream on this link once it decodes here (the first after those the source
         sent). None when there is no room."""
         raise NotImplementedError

@@ -19,11 +19,11 @@ class PrefillStub(PrefillService):
         self.link = link
 
     async def prefill(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0
     ) -> "asyncio.Future[PrefillResult]":
         """Sends the call now and returns at once: awaiting the returned future gives the first
         token, so the handshake with the decode side can run while the prompt computes."""
-        return await self.link.submit(PrefillService.prefill, request_id, prompt_token_ids, params)
+        return await self.link.submit(PrefillService.prefill, request_id, prompt_token_ids, params, priority)
 
     async def set_kv_targets(self, request_id: str, reservation: Reservation, *, timeout_s: float) -> bool:
         return await self.link.call(PrefillService.set_kv_targets, request_id, reservation, timeout_s=timeout_s)
@@ -43,17 +43,27 @@ class DecodeStub(DecodeService):
         params: SamplingParams,
         prefill: KVLayout,
         kv_wait_s: float,
+        priority: int = 0,
         *,
         timeout_s: float,
     ) -> Reservation | None:
         return await self.link.call(
-            DecodeService.reserve, request_id, prompt_token_ids, params, prefill, kv_wait_s, timeout_s=timeout_s
-        )
+            DecodeService.reserve, request_id, prompt_token_ids, params, prefill, kv_wait_s, priority,
+            timeout_s=timeout_s,
+        )  # fmt: skip
 
     async def submit(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, timeout_s: float
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        timeout_s: float,
     ) -> None:
-        return await self.link.call(DecodeService.submit, request_id, prompt_token_ids, params, timeout_s=timeout_s)
+        return await self.link.call(
+            DecodeService.submit, request_id, prompt_token_ids, params, priority, timeout_s=timeout_s
+        )
 
     async def abort(self, request_id: str, *, timeout_s: float) -> bool:
         return await self.link.call(DecodeService.abort, request_id, timeout_s=timeout_s)
@@ -70,12 +80,13 @@ class DecodeStub(DecodeService):
         source: KVLayout,
         capacity_tokens: int,
         kv_wait_s: float,
+        priority: int = 0,
         *,
         timeout_s: float,
     ) -> Reservation | None:
         return await self.link.call(
             DecodeService.reserve_migration, request_id, token_ids, params, num_prompt_tokens, source,
-            capacity_tokens, kv_wait_s, timeout_s=timeout_s,
+            capacity_tokens, kv_wait_s, priority, timeout_s=timeout_s,
         )  # fmt: skip
 
     async def migrate_out(self, request_id: str, reservation: Reservation, *, timeout_s: float) -> list[int]:

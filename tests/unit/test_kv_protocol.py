@@ -23,6 +23,7 @@ from disagg.kv_transfer.resharding import ParallelPlan, plan_kv_routes
 from disagg.kv_transfer.layout import KVTarget
 from disagg.kv_transfer.sender import KVSender
 from disagg.prefill_worker.worker import PrefillWorker
+from disagg.request import priority_value
 
 MODEL = "random:tiny"
 PROMPT_LENGTHS = [1, 7, 16, 33, 100, 250]  # 250 is chunked by the prefill budget below
@@ -552,3 +553,17 @@ def test_an_overdue_transfer_wakes_an_idle_engine(pair):
     time.sleep(0.3)
     assert decode.receiver.has_finished()
     assert [r.request_id for r in decode.receiver.poll()] == ["idle"]
+
+
+def test_both_workers_queue_a_disaggregated_request_by_its_priority(pair, colocated_tokens):
+    """The priority the router sends each side is the engine's on each side (both queue it: the
+    prefill instance for its prompt, the decode instance for its batch and preemption)."""
+    _, prefill, decode = pair
+    critical = priority_value("critical")
+    reservation = decode.reserve("r", prompts()[1], greedy(), prefill.kv_layout(), None, critical)
+    prefill.add_request("r", prompts()[1], greedy(), critical)
+    prefill.set_kv_targets("r", reservation)
+    decode.add_request("local", prompts()[2], greedy(), priority_value("sheddable"))  # prefilled on the decode side
+    assert prefill.engine.scheduler.requests["r"].priority == decode.engine.scheduler.requests["r"].priority == critical
+    assert decode.engine.scheduler.requests["local"].priority == priority_value("sheddable")
+    assert run(prefill, decode) == {"r": colocated_tokens[1], "local": colocated_tokens[2]}

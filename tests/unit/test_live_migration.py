@@ -13,6 +13,7 @@ from support import random_prompts
 from disagg import LLM, EngineConfig, SamplingParams
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
+from disagg.request import priority_value
 
 MAX_TOKENS = 24
 MOVE_AFTER = 6  # output tokens before the move starts
@@ -37,12 +38,13 @@ def _unmoved(model_dir: str, prompts, params) -> list[list[int]]:
 
 def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = False):
     """Every prompt decodes on A; the first moves to B after MOVE_AFTER tokens. Returns each
-    request's tokens as the client would see them, the move, and both workers."""
+    request's tokens as the client would see them, the move, and both workers. Every request is
+    critical (all of one priority: A's order is as without), and r0 must stay critical at B."""
     hub = InProcessHub()
     a, b = _worker(model_dir, hub, "a"), _worker(model_dir, hub, "b")
     streamed: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        a.add_request(f"r{i}", p, params)
+        a.add_request(f"r{i}", p, params, priority_value("critical"))
     move, checked, deadline = None, False, time.monotonic() + TIMEOUT_S
     started_at_b: set[str] = set()
     while time.monotonic() < deadline and not (a.is_idle() and b.is_idle()):
@@ -53,12 +55,13 @@ def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = Fals
             if out.request_id not in started_at_b:  # its first output: the source's last token, already sent
                 started_at_b.add(out.request_id)
                 new = new[1:]
+                assert b.engine.scheduler.requests[out.request_id].priority == priority_value("critical")
             streamed[out.request_id].extend(new)
         if move is None and len(streamed["r0"]) >= MOVE_AFTER:
             request = a.engine.scheduler.requests["r0"]
             known = request.token_ids[: request.num_computed_tokens]
-            reservation = b.reserve_migration(
-                "r0", known, params, len(prompts[0]), a.migration_layout(), len(known) + 32
+            reservation = b.reserve_migration(  # as the router asks, with the priority it placed the request by
+                "r0", known, params, len(prompts[0]), a.migration_layout(), len(known) + 32, None, request.priority
             )
             assert reservation is not None
             move = a.migrate_out("r0", reservation)

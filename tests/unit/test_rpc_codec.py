@@ -131,3 +131,62 @@ def test_the_server_dispatches_only_what_its_service_declares():
         asyncio.run(scenario())
     finally:
         server.close()
+
+
+def test_a_requests_priority_reaches_the_worker_in_every_call_that_queues_it():
+    """Through the stubs, the frames and the server's dispatch: the priority the router sends is
+    the one the worker's engine gets (a prefill, the decode handshake, a whole request, a live
+    move's target), and a call without one is standard."""
+    from disagg.request import PRIORITY_VALUES
+    from disagg.rpc.client import RpcClient
+    from disagg.rpc.services import DecodeService
+    from disagg.rpc.stubs import DecodeStub, PrefillStub
+
+    seen: list[tuple[str, object]] = []
+
+    class Prefill(PrefillService):
+        def prefill(self, request_id, prompt_token_ids, params, priority=0):
+            seen.append(("prefill", priority))
+            return PrefillResult(request_id, 7, "", None, False, None, len(prompt_token_ids), 0, 0.0, 0.0)
+
+    class Decode(DecodeService):
+        def reserve(self, request_id, prompt_token_ids, params, prefill, kv_wait_s, priority=0):
+            seen.append(("reserve", priority))
+
+        def submit(self, request_id, prompt_token_ids, params, priority=0):
+            seen.append(("submit", priority))
+
+        def reserve_migration(
+            self, request_id, token_ids, params, num_prompt_tokens, source, capacity, wait, priority=0
+        ):
+            seen.append(("reserve_migration", priority))
+
+    prefill_server = RpcServer(Prefill(), PrefillService, LINK_KEY, "127.0.0.1", name="prefill")
+    decode_server = RpcServer(Decode(), DecodeService, LINK_KEY, "127.0.0.1", name="decode")
+    critical, sheddable = PRIORITY_VALUES["critical"], PRIORITY_VALUES["sheddable"]
+    layout = KVLayout(1, 1, (KVRank("p/rank0", "127.0.0.1:1", 0, 0),))
+    params = SamplingParams(max_tokens=2)
+
+    async def scenario():
+        links = [RpcClient(prefill_server.address, LINK_KEY), RpcClient(decode_server.address, LINK_KEY)]
+        prefill, decode = PrefillStub(links[0]), DecodeStub(links[1])
+        assert (await (await prefill.prefill("r", [1, 2], params, critical))).token_id == 7
+        await decode.reserve("r", [1, 2], params, layout, 1.0, sheddable, timeout_s=5)
+        await decode.submit("r", [1, 2], params, critical, timeout_s=5)
+        await decode.reserve_migration("r", [1, 2, 3], params, 2, layout, 8, 1.0, sheddable, timeout_s=5)
+        await decode.submit("r", [1, 2], params, timeout_s=5)
+        for link in links:
+            await link.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        prefill_server.close()
+        decode_server.close()
+    assert seen == [
+        ("prefill", critical),
+        ("reserve", sheddable),
+        ("submit", critical),
+        ("reserve_migration", sheddable),
+        ("submit", PRIORITY_VALUES["standard"]),
+    ]
