@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,7 +34,7 @@ namespace {
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4BlockBytes = 20;
 constexpr int64_t kMaxRows = 8;      // activation rows computed together (each weight loaded once)
-constexpr int64_t kGrainRows = 16;   // output rows per thread task, at least
+constexpr int64_t kChunkRows = 64;   // output rows a thread takes at a time
 
 struct Q4Block {
   uint16_t d, m;  // float16 bits
@@ -238,12 +239,20 @@ const Q4Block* q4_blocks(const at::Tensor& blocks, int64_t* out, int64_t* in) {
   return reinterpret_cast<const Q4Block*>(blocks.data_ptr<uint8_t>());
 }
 
-// Calls `dots(first_output_row, last_output_row, r0, nr, activations)` over every output row
-// and every group of up to kMaxRows activation rows, the output rows split among the threads.
+// Calls `dots(first_output_row, end_output_row, r0, nr)` over every output row and every group
+// of up to kMaxRows activation rows. The output rows are handed out to the threads in small
+// chunks, not split in equal halves up front: on a host shared with other processes a thread
+// may lose its CPU for a while, and the others then take its share instead of waiting for it.
 template <typename Dots>
 void for_rows(int64_t outputs, const QuantizedRows& a, const Dots& dots) {
-  at::parallel_for(0, outputs, kGrainRows, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) dots(begin, end, r0, std::min(kMaxRows, a.rows - r0));
+  const int64_t chunk = kChunkRows;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (outputs + chunk - 1) / chunk));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t begin = next.fetch_add(chunk); begin < outputs; begin = next.fetch_add(chunk)) {
+      const int64_t end = std::min(outputs, begin + chunk);
+      for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) dots(begin, end, r0, std::min(kMaxRows, a.rows - r0));
+    }
   });
 }
 
