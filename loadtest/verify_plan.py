@@ -60,11 +60,13 @@ TARGET_ERROR = 0.10
 
 @dataclass(frozen=True)
 class Effort:
-    """How much is planned and measured: the planner's requests and rate tolerance, the rates
-    swept around a prediction and how long each lasts, and which modes are measured (None: all)."""
+    """How much is planned and measured: the planner's requests, rate tolerance and simulated
+    seconds per rate, the rates swept around a prediction and how long each lasts, and which modes
+    are measured (None: all)."""
 
     plan_requests: int = PLAN_REQUESTS
     rate_tolerance: float = 0.02
+    plan_duration_s: float = 90.0  # the search's own default
     rate_steps: tuple[float, ...] = RATE_STEPS
     sustained_s: float = SUSTAINED_S
     min_requests: int = MIN_REQUESTS
@@ -74,7 +76,13 @@ class Effort:
 
 FULL = Effort()
 SMOKE = Effort(
-    plan_requests=20, rate_tolerance=0.5, rate_steps=(1.0,), sustained_s=0.0, min_requests=2, modes=("pick",)
+    plan_duration_s=5.0,
+    plan_requests=20,
+    rate_tolerance=0.5,
+    rate_steps=(1.0,),
+    sustained_s=0.0,
+    min_requests=2,
+    modes=("pick",),
 )
 
 
@@ -150,7 +158,7 @@ def plan(
         kind = NodeKind(hardware_spec(profile.hardware), profile, 1, devices)
         search = Search(
             config, [kind], requests, slo, max_model_len=config.max_position_embeddings, seed=seed,
-            rate_tolerance=effort.rate_tolerance,
+            rate_tolerance=effort.rate_tolerance, min_duration_s=effort.plan_duration_s,
         )  # fmt: skip
         searched.append((search, search.run()))
     return host_plans(searched)
