@@ -75,10 +75,10 @@ class Effort:
 
 
 FULL = Effort()
-SMOKE = Effort(
-    plan_duration_s=5.0,
+SMOKE = Effort(  # every step runs, nothing is measured
     plan_requests=20,
     rate_tolerance=0.5,
+    plan_duration_s=5.0,
     rate_steps=(1.0,),
     sustained_s=0.0,
     min_requests=2,
