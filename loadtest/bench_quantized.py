@@ -28,13 +28,16 @@ class Sizes:
     prefill_prompts: int = 16
     prefill_len: int = 512
     agreement_prompts: int = 24
+    agreement_len: int = 60
     agreement_tokens: int = 32
 
 
 FULL = Sizes()
+# Every prompt 100 tokens, as the warm-up's: oneDNN builds kernels per row count, about a second each.
 SMOKE = Sizes(
-    batches=(1, 2), decode_tokens=4, prefill_prompts=2, prefill_len=32, agreement_prompts=2, agreement_tokens=4
-)
+    batches=(1,), decode_tokens=2, prefill_prompts=1, prefill_len=100, agreement_prompts=1, agreement_len=100,
+    agreement_tokens=2,
+)  # fmt: skip
 
 
 def prompts(llm, count: int, length: int) -> list[list[int]]:
@@ -68,7 +71,9 @@ def side(weights: str, smoke: bool = False) -> dict:
     figures["prefill_tok_s"] = sizes.prefill_prompts * sizes.prefill_len / (time.perf_counter() - started)
     check = SamplingParams(temperature=0.0, max_tokens=sizes.agreement_tokens, ignore_eos=True)
     outs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts(llm, sizes.agreement_prompts, 60)], check, use_tqdm=False
+        [{"prompt_token_ids": p} for p in prompts(llm, sizes.agreement_prompts, sizes.agreement_len)],
+        check,
+        use_tqdm=False,
     )
     figures["outputs"] = [list(o.outputs[0].token_ids) for o in outs]
     figures["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
