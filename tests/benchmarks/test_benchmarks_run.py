@@ -135,6 +135,11 @@ SMOKE = {
     "bench_live_migration": Smoke("bench_live_migration.py", ("--requests", "1", "--max-tokens", "64", "--move-after", "4"),
         (r"^requests: 1; moved with their KV: 1$", r"^migration pause p50 ms: -?[\d.]+", r"^decode step p50 ms: [\d.]+"),
         heavy=True),
+    "bench_memory": Smoke("bench_memory.py", ("--kv-tokens", "256", "--requests", "1", "--skip-llamacpp",
+        "--json", "{tmp}/memory.json"),  # llama-server's side: the llama.cpp run of bench_vs_llamacpp
+        (r"^decode worker RSS, weights auto / fp32: [\d.]+$",), heavy=True),
+    "bench_perplexity": Smoke("bench_perplexity.py", ("--windows", "1", "--json", "{tmp}/perplexity.json"),
+        (r"^auto, prefill path: PPL [\d.]+", r"^auto, decode path: PPL [\d.]+", r"^fp32: PPL [\d.]+"), heavy=True),
     "bench_planner-verify": Smoke("bench_planner.py", (
         "--verify", "--smoke", "--config", "{config}", "--out", "{tmp}", "--workloads", "decode-heavy",
         "--profile-1t", PROFILE_1T, "--profile-2t", PROFILE_2T),
@@ -152,6 +157,8 @@ SMOKE = {
         (r"^ttft mape: ", r"^tpot mape: "), heavy=True),
     "bench_service": Smoke("bench_service.py", ("--config", "{config}", "--requests", "2", "--max-tokens", "4", "--warmup", "1"),
         (r"^service adds [-+][\d.]+ ms to p50 TTFT", r"^TPOT p50 ratio [\d.]+"), heavy=True),
+    "bench_shard_step": Smoke("bench_shard_step.py", ("--steps", "2", "--rounds", "1", "--out", "{tmp}"),
+        (r"^this tree\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+-?[\d.]+\s+-?[\d.]+$",), heavy=True),
     "bench_simulator": Smoke("bench_simulator.py", (
         "--quick", "--modes", "disaggregated", "--rates", "1", "--num-requests", "2", "--num-unloaded", "2",
         "--config-dir", "{config_dir}", "--out-dir", "{tmp}"),
