@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 # apt as root, or through sudo for another user (a `ray up` node's SSH user).
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto
+.PHONY: setup lint test test-fast bench-smoke deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto
 
 setup: $(STAMP)
 
@@ -28,8 +28,13 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m disagg.engine.layers.cpu_kernels --build || echo "CPU kernels not built: attention, norm and rotary will use torch"
 	touch $(STAMP)
 
+# The benchmarks' smoke runs that take minutes in all (deployments, Ray, several model processes): bench-smoke.
 test: setup lint
-	$(PY) -m pytest -q -x --durations=15 --ignore=tests/deploy tests
+	$(PY) -m pytest -q -x --durations=15 --ignore=tests/deploy -m "not bench_heavy" tests
+
+# Those smoke runs of tests/benchmarks (make test runs the others, seconds each); CI runs both.
+bench-smoke: setup
+	$(PY) -m pytest -q --durations=0 -m bench_heavy tests/benchmarks
 
 # The import rule (pyproject.toml [tool.importlinter]) and the code style, before any test runs.
 lint: setup

@@ -28,6 +28,7 @@ from disagg.engine.engine import LLMEngine  # noqa: E402
 
 # Datasheet peaks (SXM parts): HBM bytes/s and dense bf16 FLOP/s.
 PEAKS = {"h100": (3.35e12, 989e12), "h200": (4.8e12, 989e12), "a100": (2.04e12, 312e12)}
+DECODE_WARM_UP_STEPS = 2
 
 
 def datasheet_peaks(device: torch.device) -> tuple[float | None, float | None]:
@@ -91,7 +92,7 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int,
     """Median time of a decode step once `batch` requests of `context` tokens are all decoding."""
     g = torch.Generator().manual_seed(seed)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=DECODE_WARM_UP_STEPS + steps + 8, ignore_eos=True)
     for i in range(batch):
         ids = torch.randint(3, vocab, (context,), generator=g).tolist()
         engine.add_request(f"d{batch}-{i}", prompt_token_ids=ids, sampling_params=params)
@@ -99,6 +100,8 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int,
         any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or engine.scheduler.waiting
     ):
         engine.step()  # the prefills (and their first decode steps)
+    for _ in range(DECODE_WARM_UP_STEPS):  # the batch's first full steps build its kernels
+        engine.step()
     times = []
     for _ in range(steps):
         sync(engine.device)
@@ -109,7 +112,7 @@ def decode_step_seconds(engine: LLMEngine, batch: int, context: int, steps: int,
         engine.abort_request(f"d{batch}-{i}")
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times[2:])
+    return statistics.median(times)
 
 
 def prefill_step_seconds(engine: LLMEngine, tokens: int, repeats: int, seed: int) -> float:
@@ -148,7 +151,8 @@ def run(args) -> dict:
     }
     for batch in batches:
         seconds = decode_step_seconds(engine, batch, args.context, args.steps, seed=batch)
-        moved = result["weight_bytes"] + batch * (args.context + args.steps // 2) * kv_bytes_per_token(engine)
+        mean_context = args.context + DECODE_WARM_UP_STEPS + args.steps // 2  # of the timed steps
+        moved = result["weight_bytes"] + batch * mean_context * kv_bytes_per_token(engine)
         row = {"batch": batch, "context": args.context, "step_ms": seconds * 1e3, "bytes_per_s": moved / seconds}
         row["bandwidth_utilisation"] = moved / seconds / peak_bw if peak_bw else None
         row["of_measured_copy"] = moved / seconds / copy_bw
@@ -196,7 +200,10 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--kv-cache-gib", type=float, default=20.0)
     p.add_argument("--out", help="write the results as JSON here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.repeats < 1:
+        p.error("--steps and --repeats must be >= 1")
+    return args
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ constant request rates against `POST /v1/chat/completions`, streamed, and stops 
 
     PYTHONPATH=. .venv/bin/python loadtest/bench_guidellm.py --guidellm .venv-guidellm/bin/guidellm \\
         [--rates 0.5 1 2 3] [--seconds 30] [--prompt-tokens 128] [--output-tokens 32]
+    PYTHONPATH=. .venv/bin/python loadtest/bench_guidellm.py --scenario-only   # the server side, no GuideLLM
 
 Under --out-dir (default loadtest/results/guidellm): GuideLLM's report (benchmarks.json,
 benchmarks.csv, benchmarks.html) and its console output (guidellm.log, the tables), the scenario
@@ -34,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
+    if not args.scenario_only and not Path(args.guidellm).is_file():
+        sys.exit(f"no GuideLLM at {args.guidellm}: `make bench-guidellm` installs it in .venv-guidellm")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = _save_tokenizer(out / "tokenizer")
@@ -44,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         url = f"http://127.0.0.1:{http_port}"
         scenario = _scenario(args, url, _served_model(url), str(tokenizer_dir), _server_slo(server.address), out)
         (out / "scenario.json").write_text(json.dumps(scenario, indent=2) + "\n")
+        print(
+            f"scenario: {out / 'scenario.json'} (model {scenario['spec']['backend']['model']}, SLO {_slo_text(scenario)})"
+        )
+        if args.scenario_only:
+            return 0
         code = _run_guidellm(args, out)
     print(
         f"GuideLLM's report: {out / 'benchmarks.json'}, {out / 'benchmarks.html'}; its tables: {out / 'guidellm.log'}"
@@ -61,7 +69,15 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole sweep may take")
     p.add_argument("--out-dir", default=str(HERE / "results" / "guidellm"))
+    p.add_argument(
+        "--scenario-only", action="store_true", help="serve and write the scenario, then stop without running GuideLLM"
+    )
     return p.parse_args(argv)
+
+
+def _slo_text(scenario: dict) -> str:
+    slo = scenario["spec"]["metrics"].get("slo", {})
+    return ", ".join(f"{key} {value:g}" for key, value in slo.items()) or "none"
 
 
 def _save_tokenizer(path: Path) -> Path:

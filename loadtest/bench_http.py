@@ -29,7 +29,7 @@ import grpc
 from disagg.bench.experiment import free_port
 from disagg.client import generate_request
 from disagg.v1 import serving_pb2_grpc
-from loadtest.served import Deployment
+from loadtest.served import Deployment, add_config_argument
 
 MODEL = "smollm2-135m-instruct"
 
@@ -112,10 +112,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
+    add_config_argument(p)
     args = p.parse_args(argv)
     http_port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), http_port=http_port, calibration_s=0, max_inflight_requests=64)
+        dep = Deployment(Path(tmp), args.config, http_port=http_port, calibration_s=0, max_inflight_requests=64)
         try:
             results = asyncio.run(measure(dep.address, f"http://127.0.0.1:{http_port}", args))
         finally:

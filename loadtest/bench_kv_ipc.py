@@ -1,7 +1,7 @@
 """KV by reference between two processes on one host, through the real protocol (issue 41).
 
 A prefill process (a child of this one) holds a shared KV cache (CUDA IPC on a GPU, shared
-memory on CPU) and streams a prompt's KV layer by layer with KVSender over TorchDistTransport;
+memory on CPU) and streams a prompt's KV layer by layer with KVSender over the configured transport;
 this process receives it with KVReceiver into scattered blocks of its own cache. Headers and
 block references travel over gloo; the KV itself is copied once, straight from the sender's
 cache into the receiver's (NCCL refuses two ranks on one GPU, and needs no copy here anyway).
@@ -31,7 +31,8 @@ from disagg.engine.kv_cache import KVCache  # noqa: E402
 from disagg.kv_transfer.layout import KVTarget  # noqa: E402
 from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
 from disagg.kv_transfer.sender import KVSender  # noqa: E402
-from disagg.kv_transfer.torch_dist import TorchDistTransport  # noqa: E402
+from disagg.config import DEFAULT_KV_TRANSPORT  # noqa: E402
+from disagg.kv_transfer.factory import make_transport  # noqa: E402
 
 TIMEOUT_S = 60.0
 
@@ -75,7 +76,7 @@ def wait_result(endpoint, timeout: float = TIMEOUT_S):
 def run_sender(args) -> None:
     cache = cache_of(args, shared=True)
     fill(cache, seed=1)
-    sender = KVSender(TorchDistTransport("p", bytes.fromhex(args.key)), timeout=TIMEOUT_S)
+    sender = KVSender(make_transport(DEFAULT_KV_TRANSPORT, "p", bytes.fromhex(args.key)), timeout=TIMEOUT_S)
     sender.register_kv_cache(cache)
     print(sender.address(), flush=True)
     sender.transport.connect("d", args.peer, TIMEOUT_S)
@@ -99,7 +100,7 @@ def run_sender(args) -> None:
 # ---- the decode side (this process) ------------------------------------------------------------
 def run(args) -> int:
     key = new_key()
-    receiver = KVReceiver(TorchDistTransport("d", key), timeout=TIMEOUT_S)
+    receiver = KVReceiver(make_transport(DEFAULT_KV_TRANSPORT, "d", key), timeout=TIMEOUT_S)
     cache = cache_of(args, shared=False)
     receiver.register_kv_cache(cache)
     child = subprocess.Popen(

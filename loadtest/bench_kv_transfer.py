@@ -11,6 +11,7 @@
       same prefill alone: time ratio, target <= 1.10 (the transfer hides behind compute).
 
     .venv/bin/python loadtest/bench_kv_transfer.py [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 5]
+    .venv/bin/python loadtest/bench_kv_transfer.py --tokens 32 --layers 2 --heads 2 --head-dim 16 --repeats 1  # a check
 
 On a GPU machine use --device cuda: the transport then uses NCCL.
 """
@@ -18,6 +19,7 @@ On a GPU machine use --device cuda: the transport then uses NCCL.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import statistics
@@ -40,17 +42,40 @@ from disagg.config import DEFAULT_KV_TRANSPORT  # noqa: E402
 from disagg.kv_transfer.factory import make_transport  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
-LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Llama-3-8B
-TOKENS = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """The KV measured: Llama-3-8B's by default, of a `tokens`-token prompt."""
+
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+    tokens: int = 1024
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tokens // self.block_size
+
+    def num_bytes(self, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.tokens * element
 
 
 @ray.remote(num_cpus=0)
 class KVEndpointActor:
-    """A KV cache of Llama-3-8B's geometry with a sender and a receiver on one transport."""
+    """A KV cache of the geometry with a sender and a receiver on one transport."""
 
-    def __init__(self, worker_id: str, key: bytes, num_blocks: int, dtype: torch.dtype, device: str, shared: bool):
+    def __init__(
+        self, worker_id: str, key: bytes, num_blocks: int, geometry: Geometry, dtype: torch.dtype, device: str,
+        shared: bool,
+    ):  # fmt: skip
         torch.set_num_threads(1)
-        self.cache = KVCache(LAYERS, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype, torch.device(device), shared=shared)
+        g = self.geometry = geometry
+        self.cache = KVCache(
+            g.layers, num_blocks, g.block_size, g.kv_heads, g.head_dim, dtype, torch.device(device), shared=shared
+        )
         self.cache.tensor.normal_()
         transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key)
         self.sender = KVSender(transport, timeout=120)
@@ -70,10 +95,10 @@ class KVEndpointActor:
         chunk = SimpleNamespace(
             request=SimpleNamespace(request_id=request_id, block_ids=block_ids),
             start=0,
-            num_new_tokens=len(block_ids) * BLOCK,
+            num_new_tokens=len(block_ids) * self.geometry.block_size,
         )
         self.sender.add(request_id, [target])
-        for layer in range(LAYERS):
+        for layer in range(self.geometry.layers):
             self.sender.save_kv_layer(layer, [chunk])
         self.sender.forward_done([chunk])
         self.sender.finish(request_id, first_token=1)
@@ -94,13 +119,15 @@ def _wait(endpoint, timeout_s: float = 300.0):
     raise TimeoutError("transfer did not finish")
 
 
-def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_reference: bool) -> tuple[float, int]:
-    num_blocks = TOKENS // BLOCK
+def protocol_bandwidth(
+    geometry: Geometry, dtype: torch.dtype, device: str, repeats: int, by_reference: bool
+) -> tuple[float, int]:
+    num_blocks = geometry.num_blocks
     total = 4 * num_blocks
     key = secrets.token_bytes(32)  # both ends are one deployment's
     src, dst = (
-        KVEndpointActor.remote("p-bench", key, total, dtype, device, by_reference),
-        KVEndpointActor.remote("d-bench", key, total, dtype, device, False),
+        KVEndpointActor.remote("p-bench", key, total, geometry, dtype, device, by_reference),
+        KVEndpointActor.remote("d-bench", key, total, geometry, dtype, device, False),
     )
     src_addr, dst_addr = ray.get([src.address.remote(), dst.address.remote()])
     seconds = []
@@ -108,7 +135,7 @@ def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_referen
         src_blocks = list(range(r % 4, total, 4))[:num_blocks]  # every 4th block: scattered
         dst_blocks = list(range(total - 1 - r % 4, -1, -4))[:num_blocks]
         transfer_id = ray.get(dst.expect.remote(f"r{r}", dst_blocks, {"p-bench": src_addr}))
-        target = KVTarget("d-bench", dst_addr, transfer_id, dst_blocks, (0, LAYERS), (0, KV_HEADS))
+        target = KVTarget("d-bench", dst_addr, transfer_id, dst_blocks, (0, geometry.layers), (0, geometry.kv_heads))
         received = dst.received.remote()
         seconds.append(ray.get(src.stream.remote(f"r{r}", src_blocks, target)))
         ray.get(received)
@@ -117,7 +144,7 @@ def protocol_bandwidth(dtype: torch.dtype, device: str, repeats: int, by_referen
         )
     for actor in (src, dst):
         ray.kill(actor)
-    num_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * TOKENS * torch.empty((), dtype=dtype).element_size()
+    num_bytes = geometry.num_bytes(dtype)
     return num_bytes / statistics.median(seconds[1:]) / 1e9, num_bytes
 
 
@@ -193,20 +220,29 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=5)
+    default = Geometry()
+    parser.add_argument("--tokens", type=int, default=default.tokens, help="of the KV moved, and of the prefill (c)")
+    parser.add_argument("--layers", type=int, default=default.layers)
+    parser.add_argument("--heads", type=int, default=default.kv_heads, help="KV heads")
+    parser.add_argument("--head-dim", type=int, default=default.head_dim)
+    parser.add_argument("--block-size", type=int, default=default.block_size)
     args = parser.parse_args()
+    if args.repeats < 1 or args.tokens < args.block_size:
+        parser.error("need --repeats >= 1 and --tokens >= --block-size")
+    geometry = Geometry(args.layers, args.heads, args.head_dim, args.block_size, args.tokens)
     dtype = getattr(torch, args.dtype)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     by_reference = args.device == "cpu"  # a cache on a GPU is never in shared host memory
     ref_gbps, num_bytes = (
-        protocol_bandwidth(dtype, args.device, args.repeats, by_reference=True) if by_reference else (None, 0)
+        protocol_bandwidth(geometry, dtype, args.device, args.repeats, by_reference=True) if by_reference else (None, 0)
     )
-    packed_gbps, num_bytes = protocol_bandwidth(dtype, args.device, args.repeats, by_reference=False)
+    packed_gbps, num_bytes = protocol_bandwidth(geometry, dtype, args.device, args.repeats, by_reference=False)
     raw_gbps = measure_raw_bandwidth(num_bytes, dtype, args.repeats)
     print(f"raw: {raw_gbps:.2f} GB/s", flush=True)
-    alone, streamed, ratio = streaming_overhead(args.repeats)
+    alone, streamed, ratio = streaming_overhead(args.repeats, args.tokens)
     ray.shutdown()
     print(
-        f"\nKV of {TOKENS} tokens, Llama-3-8B geometry ({LAYERS} layers x {KV_HEADS} KV heads x {HEAD_DIM}), {args.dtype}, {num_bytes / 2**20:.0f} MiB, {args.device}"
+        f"\nKV of {geometry.tokens} tokens, {geometry.layers} layers x {geometry.kv_heads} KV heads x {geometry.head_dim} (Llama-3-8B's by default), {args.dtype}, {num_bytes / 2**20:.1f} MiB, {args.device}"
     )
     print(f"(a) raw send/recv, one contiguous tensor: {raw_gbps:6.2f} GB/s")
     if ref_gbps is not None:
@@ -217,7 +253,7 @@ def main() -> None:
         f"(b) protocol, scattered blocks, packed messages over the transport: {packed_gbps:6.2f} GB/s   ratio to raw {packed_gbps / raw_gbps:.3f} (target >= 0.9)"
     )
     print(
-        f"(c) default-model prefill of 1024 tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10)"
+        f"(c) default-model prefill of {args.tokens} tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10)"
     )
 
 

@@ -94,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--move-after", type=int, default=24, help="tokens each request streams before the drain")
     args = p.parse_args(argv)
+    if not 2 <= args.move_after < args.max_tokens:
+        p.error("need 2 <= --move-after < --max-tokens (a decode step before the drain, and tokens left to move)")
     config = ServingConfig.from_dict(
         {
             "engine": {"num_kv_blocks": 600, "max_num_batched_tokens": 256},
@@ -158,6 +160,9 @@ def report(label, requests, expected, got, drained_at, moved, recomputed) -> boo
     print(f"recomputed migrations: {int(recomputed)}")
     print(f"lost: {lost}")
     print(f"wrong outputs: {wrong}")
+    if not stalls or not steps:
+        print("no request was still streaming when the drain began: raise --max-tokens above --move-after")
+        return True
     step = statistics.median(steps)
     print(f"stream gap at the move p50 ms: {statistics.median(stalls) * 1e3:.1f} (max {max(stalls) * 1e3:.1f})")
     print(f"migration pause p50 ms: {(statistics.median(stalls) - step) * 1e3:.1f} (the gap less one decode step)")

@@ -21,6 +21,7 @@ a prefill-heavy and a decode-heavy workload (loadtest/verify_plan.py says how):
 
     PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify [--out DIR] [--workloads prefill-heavy]
     PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify --reuse DIR    # re-plan, no servers
+    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify --smoke [--config C]   # the smallest run
 
 It profiles this host first (OUT/profiles/, kept and reused), since the plan must describe the
 machine it is checked on.
@@ -179,22 +180,37 @@ def main() -> int:
     parser.add_argument("--workloads", default="prefill-heavy,decode-heavy", help="--verify: which workloads")
     parser.add_argument("--profile-1t", help="--verify: a 1-thread profile of this host (default: measured first)")
     parser.add_argument("--profile-2t", help="--verify: a 2-thread profile of this host (default: measured first)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the smallest sizes (no search, 1,000 requests timed; --verify: a short plan, the pick alone): runs, no figures",
+    )
+    parser.add_argument("--config", help="--verify: a serving config each measured plan's config is laid over")
     args = parser.parse_args()
     if args.verify:
-        from verify_plan import profile_host, run
+        from verify_plan import FULL, SMOKE, profile_host, run
 
         out = Path(args.reuse or args.out)
         profile_1t, profile_2t = args.profile_1t, args.profile_2t
         if not (profile_1t and profile_2t):  # this host's, measured first (or kept from a run before)
             measured = profile_host(out / "profiles")
             profile_1t, profile_2t = profile_1t or measured[0], profile_2t or measured[1]
-        run(out, args.workloads.split(","), profile_1t, profile_2t, reuse=bool(args.reuse))
+        effort = SMOKE if args.smoke else FULL
+        run(
+            out,
+            args.workloads.split(","),
+            profile_1t,
+            profile_2t,
+            bool(args.reuse),
+            effort=effort,
+            base_config=args.config,
+        )
         return 0
     data = Path(args.data)
     replay(data)
     kept_aside(data)
-    plan_vs_distserve(data, args.skip_search)
-    simulator_speed(data, args.speed_requests)
+    plan_vs_distserve(data, args.skip_search or args.smoke)
+    simulator_speed(data, 1_000 if args.smoke else args.speed_requests)
     return 0
 
 

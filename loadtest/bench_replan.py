@@ -48,7 +48,7 @@ from disagg.planner.replan_sim import replan_report
 from disagg.planner.simulator import slo_attainment
 from disagg.planner.workload import SimRequest
 from disagg.v1 import serving_pb2_grpc
-from loadtest.served import Deployment
+from loadtest.served import Deployment, add_config_argument
 
 PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
 PHASES = {"prefill-heavy": ((700, 900), (4, 8)), "decode-heavy": ((20, 40), (150, 200))}
@@ -99,8 +99,10 @@ def config(prefill: int, decode: int, **extra) -> ServingConfig:
     )  # fmt: skip
 
 
-def phase_requests(phase: str, rate: float, seconds: float, start: float, rng: random.Random) -> list[SimRequest]:
-    (p_lo, p_hi), (o_lo, o_hi) = PHASES[phase]
+def phase_requests(
+    phase: str, rate: float, seconds: float, start: float, rng: random.Random, length_scale: float = 1.0
+) -> list[SimRequest]:
+    (p_lo, p_hi), (o_lo, o_hi) = (scaled(bounds, length_scale) for bounds in PHASES[phase])
     out, t = [], start
     while t < start + seconds:
         out.append(SimRequest(len(out), t, rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)))
@@ -108,27 +110,34 @@ def phase_requests(phase: str, rate: float, seconds: float, start: float, rng: r
     return out
 
 
-def capacity(phase: str, prefill: int, decode: int, profile) -> float:
+def scaled(bounds: tuple[int, int], scale: float) -> tuple[int, int]:
+    return max(1, round(bounds[0] * scale)), max(1, round(bounds[1] * scale))
+
+
+def capacity(phase: str, prefill: int, decode: int, profile, length_scale: float = 1.0) -> float:
     """The highest rate this split serves the phase at with 90% attainment, by the simulator."""
     planned = PlannedDeployment(with_split(config(2, 1), prefill, decode), {"prefill": profile, "decode": profile})
     low, high = 0.05, 20.0
     for _ in range(12):
         mid = math.sqrt(low * high)
-        requests = phase_requests(phase, mid, 60.0, 0.0, random.Random(0))
+        requests = phase_requests(phase, mid, 60.0, 0.0, random.Random(0), length_scale)
         attained = slo_attainment(planned.simulator().run(requests), SLO["ttft_ms"], SLO["tpot_ms"])
         low, high = (mid, high) if attained >= 90 else (low, mid)
     return low
 
 
-def trace(phase_s: float, load: float, profile, capacities: dict[str, float | None]) -> tuple[list[SimRequest], dict]:
+def trace(
+    phase_s: float, load: float, profile, capacities: dict[str, float | None], length_scale: float = 1.0
+) -> tuple[list[SimRequest], dict]:
     """`capacities`: each phase's best static capacity (req/s), measured; None: the simulator's."""
-    rates = {
-        phase: load * (capacities.get(phase) or max(capacity(phase, 2, 1, profile), capacity(phase, 1, 2, profile)))
-        for phase in PHASES
-    }
+
+    def best(phase: str) -> float:
+        return max(capacity(phase, 2, 1, profile, length_scale), capacity(phase, 1, 2, profile, length_scale))
+
+    rates = {phase: load * (capacities.get(phase) or best(phase)) for phase in PHASES}
     rng, requests = random.Random(1), []
     for k, phase in enumerate(ORDER):
-        requests += phase_requests(phase, rates[phase], phase_s, k * phase_s, rng)
+        requests += phase_requests(phase, rates[phase], phase_s, k * phase_s, rng, length_scale)
     return [SimRequest(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)], rates
 
 
@@ -175,10 +184,13 @@ def metric(url: str, prefix: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
-def run(name: str, requests: list[Sent], paced: bool = True, **overrides) -> dict:
+def run(name: str, requests: list[Sent], args, paced: bool = True, **overrides) -> dict:
     print(f"[{name}] starting", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), engine=ENGINE, slo=SLO, threads_per_worker=1, calibration_s=30, **overrides)
+        dep = Deployment(
+            Path(tmp), args.config, engine=ENGINE, slo=SLO, threads_per_worker=1, calibration_s=args.calibration_s,
+            **overrides,
+        )  # fmt: skip
         try:
             started = asyncio.run(replay(dep.address, requests, paced))
             with DisaggClient(dep.address) as client:
@@ -240,11 +252,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--load", type=float, default=0.8, help="of the best static split's capacity in each phase")
     p.add_argument("--prefill-capacity", type=float, help="req/s: the prefill-heavy phase's measured best capacity")
     p.add_argument("--decode-capacity", type=float, help="req/s: the decode-heavy phase's measured best capacity")
+    p.add_argument("--length-scale", type=float, default=1.0, help="scales every phase's prompt and output lengths")
+    p.add_argument("--calibration-s", type=float, default=30.0, help="each server's start-up calibration (0: none)")
     p.add_argument("--json", help="write every figure here too")
+    add_config_argument(p)
     args = p.parse_args(argv)
     profile = load_profile(PROFILE)
     measured = {"prefill-heavy": args.prefill_capacity, "decode-heavy": args.decode_capacity}
-    workload, rates = trace(args.phase_s, args.load, profile, measured)
+    workload, rates = trace(args.phase_s, args.load, profile, measured, args.length_scale)
     duration = len(ORDER) * args.phase_s
     print(f"trace: {len(workload)} requests; rates (req/s) {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
     simulated = replan_report(
@@ -253,14 +268,14 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
 
     runs = {
-        "2P:1D": run("static 2P:1D", fresh(workload), replan=False, prefill={"num_instances": 2, **POOL},
+        "2P:1D": run("static 2P:1D", fresh(workload), args, replan=False, prefill={"num_instances": 2, **POOL},
                      decode={"num_instances": 1, **POOL}),
-        "1P:2D": run("static 1P:2D", fresh(workload), replan=False, prefill={"num_instances": 1, **POOL},
+        "1P:2D": run("static 1P:2D", fresh(workload), args, replan=False, prefill={"num_instances": 1, **POOL},
                      decode={"num_instances": 2, **POOL}),
     }  # fmt: skip
-    replanned = run("replan from 2P:1D", fresh(workload), prefill={"num_instances": 2, **POOL},
+    replanned = run("replan from 2P:1D", fresh(workload), args, prefill={"num_instances": 2, **POOL},
                     decode={"num_instances": 1, **POOL}, replan=True, **REPLAN)  # fmt: skip
-    reference = run("colocated reference", fresh(workload), paced=False, mode="colocated",
+    reference = run("colocated reference", fresh(workload), args, paced=False, mode="colocated",
                     colocated={"num_instances": 3, **POOL})  # fmt: skip
 
     static = {name: goodput(r["requests"], duration) for name, r in runs.items()}

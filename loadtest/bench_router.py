@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from served import Deployment  # noqa: E402
+from served import Deployment, add_config_argument  # noqa: E402
 
 from disagg.bench.metrics import meets_slo  # noqa: E402
 from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
@@ -75,6 +75,11 @@ def run(address, requests, rate, duration_s=None, num=None, concurrency=None, sl
     return run_benchmark(address, requests, load, slo)
 
 
+def _few(args, num: int) -> int:
+    """`num` requests of a phase's unmeasured or unloaded run; 2 with --smoke."""
+    return min(num, 2) if args.smoke else num
+
+
 def mape(pairs: list[tuple[float, float]]) -> float:
     errors = [abs(p - m) / m for p, m in pairs if m > 0 and p > 0]
     return 100.0 * float(np.median(errors)) if errors else math.nan  # median absolute percentage error
@@ -82,10 +87,10 @@ def mape(pairs: list[tuple[float, float]]) -> float:
 
 def prediction_phase(requests, args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), replan=False, placement="goodput")
+        dep = Deployment(Path(tmp), args.config, replan=False, placement="goodput")
         try:
-            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
-            base = run(dep.address, requests, math.inf, num=12, concurrency=1)["summary"]
+            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
+            base = run(dep.address, requests, math.inf, num=_few(args, 12), concurrency=1)["summary"]
             sat = run(dep.address, requests, math.inf, num=args.capacity_requests, concurrency=16)["summary"]
             capacity = sat["request_throughput"]
             moderate = run(dep.address, requests, capacity / 2, duration_s=args.seconds)
@@ -120,9 +125,9 @@ def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_tt
     results = {}
     slo = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), replan=False, placement=policy, slo=slo)
+        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, slo=slo)
         try:
-            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration, as above
+            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration, as above
             for factor in (2, 3):
                 out = run(dep.address, requests, factor * capacity, duration_s=args.seconds, slo=slo)
                 records = out["requests"]
@@ -184,10 +189,11 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
              "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
     requests = prefix_workload(200, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), replan=False, placement=policy, **pools)
+        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, **pools)
         try:
-            run(dep.address, requests[:16], math.inf, num=16, concurrency=2)  # calibration
-            out = run(dep.address, requests[16:], rate, duration_s=args.seconds)
+            calibration = _few(args, 16)
+            run(dep.address, requests[:calibration], math.inf, num=calibration, concurrency=2)  # calibration
+            out = run(dep.address, requests[calibration:], rate, duration_s=args.seconds)
         finally:
             dep.stop()
     return _latency_summary(out)
@@ -196,9 +202,11 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
 def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
     requests = workload(200, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), replan=False, placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo)
+        dep = Deployment(
+            Path(tmp), args.config, replan=False, placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo
+        )
         try:
-            run(dep.address, requests, math.inf, num=24, concurrency=2)  # calibration
+            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
             out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
         finally:
             dep.stop()
@@ -229,12 +237,12 @@ def heterogeneity_phase(policy: str, rates: list[float], slo: dict | None, args)
     requests = heterogeneous_workload(400, seed=3)
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), replan=False, placement=policy, prefill=HETEROGENEOUS_PREFILL,
+        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, prefill=HETEROGENEOUS_PREFILL,
                          decode={"num_instances": 1, "num_cpus_per_worker": 0.5})  # fmt: skip
         try:
-            run(dep.address, requests, math.inf, num=32, concurrency=2)  # calibration
+            run(dep.address, requests, math.inf, num=_few(args, 32), concurrency=2)  # calibration
             if slo is None:
-                unloaded = run(dep.address, requests, math.inf, num=24, concurrency=1)["summary"]
+                unloaded = run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=1)["summary"]
                 slo = {"ttft_ms": HETEROGENEITY_TTFT_FACTOR * unloaded["ttft_ms"]["p90"],
                        "tpot_ms": SLO_TPOT_FACTOR * unloaded["tpot_ms"]["p50"]}  # fmt: skip
             for rate in rates:
@@ -302,6 +310,12 @@ def main() -> None:
     parser.add_argument(
         "--profile", default=PROFILE, help="the 1-thread profile of this host the simulator replays with"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 requests in each calibration and unloaded run: a check that it runs, not figures",
+    )
+    add_config_argument(parser)
     args = parser.parse_args()
     phases = set(args.phases.split(","))
     out = Path(args.out)

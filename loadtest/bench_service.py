@@ -50,6 +50,7 @@ import torch
 from disagg.bench.metrics import median_ci, median_difference_ci
 from disagg.hosts.cpu_binding import bind_this_thread, plan_cpus
 from disagg.config import CPU_BINDINGS
+from served import add_config_argument, merged, read_config
 
 SERVER_SETTINGS = {
     "threads_per_worker": 1,
@@ -293,6 +294,7 @@ def main() -> None:
         help="the server's cpu_binding (auto, on, off), or several comma-separated (on,off) to compare them, taking turns run by run",
     )
     parser.add_argument("--out")
+    add_config_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     from disagg.config import EngineConfig
@@ -314,7 +316,11 @@ def main() -> None:
             with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
                 runs[binding].append(
                     measure(
-                        prompts, warmup, args.max_tokens, Path(workdir), {**SERVER_SETTINGS, "cpu_binding": binding}
+                        prompts,
+                        warmup,
+                        args.max_tokens,
+                        Path(workdir),
+                        merged(read_config(args.config), {**SERVER_SETTINGS, "cpu_binding": binding}),
                     )
                 )
     figures = {}

@@ -32,7 +32,7 @@ import grpc
 
 from disagg.client import generate_request
 from disagg.v1 import serving_pb2, serving_pb2_grpc
-from loadtest.served import Deployment
+from loadtest.served import Deployment, add_config_argument
 
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Rome", "Seoul", "Accra", "Hanoi", "Bern"]
 CITY = {
@@ -113,7 +113,7 @@ async def measure(address: str, args) -> dict[str, list[dict]]:
 def serve_and_measure(args, jump_forward: bool) -> dict[str, list[dict]]:
     with tempfile.TemporaryDirectory() as tmp:
         overrides = {"calibration_s": 0, "max_inflight_requests": 64, "replan": False}
-        dep = Deployment(Path(tmp), engine={"jump_forward": jump_forward}, **overrides)
+        dep = Deployment(Path(tmp), args.config, engine={"jump_forward": jump_forward}, **overrides)
         try:
             return asyncio.run(measure(dep.address, args))
         finally:
@@ -135,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=32, help="of a free request (a schema's: until it closes)")
     p.add_argument("--json", help="write the figures here too")
+    add_config_argument(p)
     args = p.parse_args(argv)
     runs = {jump: serve_and_measure(args, jump) for jump in (False, True)}
     figures = {f"jump_forward={jump}": {k: summary(v) for k, v in seen.items()} for jump, seen in runs.items()}

@@ -238,6 +238,7 @@ def parse_args(argv):
         "--disagg-set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
         help="a setting of disagg's config (YAML value), e.g. threads_per_worker=2; repeatable",
     )  # fmt: skip
+    p.add_argument("--out-dir", default=str(OUT), help="the servers' logs go under it, kept for a post-mortem")
     return p.parse_args(argv)
 
 
@@ -259,8 +260,8 @@ def main(argv: list[str] | None = None) -> None:
         llamacpp.binaries(args.llamacpp_version)  # the build (minutes, once) before any waiting or measuring
     plan, warm_up = make_prompts(args)
     # The servers' logs stay for a post-mortem (loadtest/out/ is git-ignored).
-    OUT.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=OUT))
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=args.out_dir))
     print(f"commit {git_commit()}, {gguf}, {llamacpp.cpu_tag(llamacpp.cpu_flags())}, logs in {workdir}", flush=True)
     runs = {"llama.cpp": lambda: run_llamacpp(args, gguf, plan, warm_up, workdir),
             "disagg": lambda: run_disagg(args, plan, warm_up, workdir)}  # fmt: skip

@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 
 from disagg.client import DisaggClient, generate_request
-from served import Deployment, leaked_blocks
+from served import Deployment, add_config_argument, leaked_blocks
 
 WAYS = ("cancel", "deadline", "abort")
 INTENDED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED", "abort": "abort"}
@@ -49,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pre-token-share", type=float, default=1 / 3, help="cancels/aborts before the first token")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtest/out/cancel_storm.json")
+    add_config_argument(p)
     return p.parse_args(argv)
 
 
@@ -162,7 +163,7 @@ def held_per_pool(client: DisaggClient) -> dict[str, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="disagg-cancel-") as tmp:
-        dep = Deployment(Path(tmp), max_inflight_requests=args.max_inflight or args.concurrency)
+        dep = Deployment(Path(tmp), args.config, max_inflight_requests=args.max_inflight or args.concurrency)
         try:
             with DisaggClient(dep.address) as client, DisaggClient(dep.address) as aborter:
                 result = run(args, client, aborter)

@@ -33,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from disagg.client import DisaggClient, generate_request
-from served import Deployment, leaked_blocks, listed
+from served import Deployment, add_config_argument, leaked_blocks, listed
 
 PROMPTS = [
     "Write a story about a dragon.",
@@ -58,6 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="loadtest/out/chaos.json")
+    add_config_argument(p)
     args = p.parse_args(argv)
     if args.warm_up is None:
         args.warm_up = 60.0 if args.kill_every <= 0 else 0.0
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
-        dep = Deployment(Path(tmp))
+        dep = Deployment(Path(tmp), args.config)
         try:
             return run(args, dep, rng)
         finally:

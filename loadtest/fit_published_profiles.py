@@ -2,7 +2,7 @@
 
 The fitted values go into disagg/placement/published_profiles.py (FITTED).
 
-    PYTHONPATH=. .venv/bin/python loadtest/fit_published_profiles.py [--data ../shared/data/distserve]
+    PYTHONPATH=. .venv/bin/python loadtest/fit_published_profiles.py [--data ../shared/data/distserve] [--smoke]
 
 For each engine (DistServe, vLLM 0.2), on its runs in the data directory, with everything else as
 `disagg.planner.traced_systems` says (settings from DistServe's launch script, memory rules and
@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -42,6 +44,20 @@ START_STEPS = {"frontend_ms": 2.0, "prefill_scale": 0.05, "decode_per_step_ms": 
 MIN_STEPS = {"frontend_ms": 0.5, "prefill_scale": 0.0125, "decode_per_step_ms": 0.25, "decode_per_request_ms": 0.01}
 
 
+@dataclasses.dataclass(frozen=True)
+class Effort:
+    """How hard the fit searches: runs per engine, the first guess's grid, the pattern search's rounds."""
+
+    max_runs: int | None = None
+    frontend_ms: tuple[float, ...] = tuple(FRONTEND_MS)
+    prefill_scales: tuple[float, ...] = tuple(PREFILL_SCALES)
+    max_rounds: int | None = None
+
+
+FULL = Effort()
+SMOKE = Effort(max_runs=1, frontend_ms=(0.0, 20.0), prefill_scales=(0.8, 1.0), max_rounds=1)  # runs, no figures
+
+
 def runs_of(data: Path, engine: str) -> list[tuple[Path, object, object]]:
     out = []
     for path in sorted(data.glob(f"{engine}-*.json")):
@@ -56,11 +72,11 @@ def simulate(trace, profile, served: ServedStep):
     return trace_deployment(trace.config, trace.model, as_served(profile, served)).simulator().run(trace.requests)
 
 
-def fit_prefill(runs, served):
+def fit_prefill(runs, served, effort: Effort = FULL):
     """(frontend_ms, prefill_scale) with the least median |simulated - measured| / measured TTFT
     over isolated requests."""
     best = None
-    for scale in PREFILL_SCALES:
+    for scale in effort.prefill_scales:
         scaled = dataclasses.replace(served, frontend_ms=0.0, prefill_scale=scale)
         pairs = []  # (simulated without frontend, measured) of isolated requests
         for _, trace, profile in runs:
@@ -70,19 +86,20 @@ def fit_prefill(runs, served):
                 if previous is None or request.arrival_s - previous > ISOLATED_GAP_S:
                     pairs.append((record.ttft_s * 1e3, measured["ttft_ms"]))
                 previous = request.arrival_s
-        for frontend in FRONTEND_MS:
+        for frontend in effort.frontend_ms:
             error = statistics.median(abs(s + frontend - m) / m for s, m in pairs)
             if best is None or error < best[0]:
                 best = (error, frontend, scale, len(pairs))
     return best
 
 
-def fit_jointly(runs, served):
+def fit_jointly(runs, served, effort: Effort = FULL):
     """Pattern search on the mean target error of every run's figures: each value up and down by
     its step, the best move taken, the steps halved when none helps; (error, served)."""
     steps = dict(START_STEPS)
     best = (mean_error(runs, served), served)
-    while any(steps[k] >= MIN_STEPS[k] for k in steps):
+    rounds = itertools.count(1)
+    while any(steps[k] >= MIN_STEPS[k] for k in steps) and next(rounds) <= (effort.max_rounds or math.inf):
         moves = [
             dataclasses.replace(best[1], **{k: round(getattr(best[1], k) + sign * step, 4)})
             for k, step in steps.items()
@@ -138,16 +155,18 @@ def report(runs, served) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
+    parser.add_argument("--smoke", action="store_true", help="one run per engine, a coarse search: runs, no figures")
     args = parser.parse_args()
+    effort = SMOKE if args.smoke else FULL
     for name, served in FITTED.items():
-        runs = runs_of(Path(args.data), name)
+        runs = runs_of(Path(args.data), name)[: effort.max_runs]
         if not runs:
             continue
-        error, frontend, scale, isolated = fit_prefill(runs, served)
+        error, frontend, scale, isolated = fit_prefill(runs, served, effort)
         served = dataclasses.replace(served, frontend_ms=frontend, prefill_scale=scale)  # the decode terms as fitted
         print(f"{name}: first guess frontend_ms={frontend} prefill_scale={scale} ({isolated} isolated requests, "
               f"median TTFT error {error:.1%})", flush=True)  # fmt: skip
-        error, served = fit_jointly(runs, served)
+        error, served = fit_jointly(runs, served, effort)
         fitted = {
             k: getattr(served, k)
             for k in ("frontend_ms", "prefill_scale", "decode_per_step_ms", "decode_per_request_ms")

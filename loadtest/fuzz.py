@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from disagg.client import DisaggClient, generate_request
 from disagg.v1 import serving_pb2 as pb
 from disagg.v1 import serving_pb2_grpc
-from served import Deployment, leaked_blocks
+from served import Deployment, add_config_argument, leaked_blocks
 
 PROMPTS = ["Write a story about a dragon.", "Why is the sky blue?"]
 BAD, OK = {"INVALID_ARGUMENT"}, {"OK"}
@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", default="", help="only the cases whose name matches this regex (a repro)")
     p.add_argument("--out", default="loadtest/out/fuzz.json")
+    add_config_argument(p)
     return p.parse_args(argv)
 
 
@@ -318,7 +319,7 @@ def probe_limits(client: DisaggClient) -> tuple[int, int]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="disagg-fuzz-") as tmp:
-        dep = Deployment(Path(tmp))
+        dep = Deployment(Path(tmp), args.config)
         try:
             run(args, dep)
         finally:

@@ -65,12 +65,16 @@ def build_dir(version: str = VERSION) -> Path:
     return CACHE / version / cpu_tag(cpu_flags())
 
 
+def built_binaries(version: str = VERSION) -> dict[str, Path]:
+    """Each target's path in this CPU's build, built or not."""
+    return {t: build_dir(version) / "build" / "bin" / t for t in TARGETS}
+
+
 def binaries(version: str = VERSION) -> dict[str, Path]:
     """Each target's path, building them first where any is missing."""
-    out = build_dir(version)
-    found = {t: out / "build" / "bin" / t for t in TARGETS}
+    found = built_binaries(version)
     if not all(p.exists() for p in found.values()):
-        _build(version, out)
+        _build(version, build_dir(version))
     return found
 
 

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from disagg.bench.experiment import ServeProcess, config_without_fixed_ports, free_port
+from disagg.bench.metrics import read_rows
 from disagg.bench.report import load_runs, write_report
 from disagg.client import DisaggClient
 
@@ -86,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
                 *args.locust_args,
             ]
         )
-    paths = write_report(load_runs([str(out / "rows.csv")]), str(out / "report"))
+    rows = out / "rows.csv"
+    if not rows.exists() or not read_rows(str(rows)):  # the users' workload is made inside --run-time
+        print(f"no request finished within --run-time {args.run_time} (Locust's exit code {code}): no report")
+        return code or 1
+    paths = write_report(load_runs([str(rows)]), str(out / "report"))
     print(f"\nLocust: {out / 'locust_stats.csv'}, {out / 'locust.html'}\nper-request rows: {out / 'rows.csv'}")
     print(f"SLO attainment, goodput, TTFT/TPOT percentiles: {out / 'locust_slo.csv'}")
     print("report: " + ", ".join(paths.values()))

@@ -26,14 +26,17 @@ WORKER_KINDS = ("PrefillActor", "DecodeActor", "InstanceActor")
 class Deployment:
     """`disagg serve` in its own session; its processes found by their session id."""
 
-    def __init__(self, workdir: Path, **config_overrides):
-        config = {"port": free_port(), "metrics_port": free_port(), "http_port": 0, **config_overrides}
-        (workdir / "chaos.yaml").write_text(yaml.safe_dump(config))
+    def __init__(self, workdir: Path, base_config: str | None = None, **config_overrides):
+        """`base_config`: a serving config file to start from (None: the default deployment);
+        `config_overrides`: the benchmark's own settings, laid over it."""
+        ports = {"port": free_port(), "metrics_port": free_port(), "http_port": 0}
+        config = merged(read_config(base_config), {**ports, **config_overrides})
+        (workdir / "serving-config.yaml").write_text(yaml.safe_dump(config))
         self.metrics_url = f"http://127.0.0.1:{config['metrics_port']}/metrics"
         self.ready, self.log = workdir / "ready", workdir / "serve.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "disagg.cli", "serve", "--config", str(workdir / "chaos.yaml"),
+                [sys.executable, "-m", "disagg.cli", "serve", "--config", str(workdir / "serving-config.yaml"),
                  "--ready-file", str(self.ready)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
@@ -89,6 +92,26 @@ class Deployment:
                 self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def add_config_argument(parser) -> None:
+    """`--config`: what a benchmark's deployment starts from, the same way in every script."""
+    parser.add_argument(
+        "--config",
+        help="a serving config to start from (default: the default deployment); the benchmark's own settings go over it",
+    )
+
+
+def read_config(path: str | None) -> dict:
+    return (yaml.safe_load(Path(path).read_text()) or {}) if path else {}
+
+
+def merged(base: dict, over: dict) -> dict:
+    """`over` laid on `base`, section by section (a nested mapping is merged, anything else replaced)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def listed(client: DisaggClient) -> int:

@@ -3,8 +3,8 @@
 0. profile this host first (`disagg profile` at 1 and 2 threads, then
    `measure_host_sharing.py` for the 1-thread one), into OUT/profiles/: this machine's CPU model
    is not fixed from one day to the next (AVX-512 or AVX2), so a plan checked against real servers
-   must come from profiles of the same host measured in the same run (`--profiles DIR` reuses
-   them, `--profile-1t/--profile-2t` name others).
+   must come from profiles of the same host measured in the same run (kept in OUT/profiles/ for
+   the next run; `--profile-1t/--profile-2t` name others).
 
 For each workload (one prefill-heavy, one decode-heavy) and its SLO:
 1. plan: the search (`disagg plan`'s) for what 2 cores can host, in both views the CPU profiles
@@ -24,6 +24,8 @@ For each workload (one prefill-heavy, one decode-heavy) and its SLO:
 Measured runs are saved under OUT/<workload>/<mode>/ (the experiment's own layout) beside
 OUT/<workload>/plan.json; a mode whose runs are there is not measured again (delete its directory
 to re-measure it); `--reuse OUT` plans again and reads them instead of running servers.
+`--smoke`: the same steps at the smallest sizes (a short plan, the pick alone at its predicted
+rate with a few requests): a check that it runs, not figures.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from disagg.planner.models import model_spec
 from disagg.planner.plan_config import serving_config_dict
 from disagg.planner.search import SLO, NodeKind, Search
 from disagg.planner.workload import SimRequest
+from served import merged, read_config
 
 MODEL = "smollm2-135m-instruct"
 HOST_CPUS = 2
@@ -53,6 +56,34 @@ MIN_REQUESTS = 30
 RATE_STEPS = (0.8, 1.0, 1.2)  # x the predicted rate: brackets a prediction within +-20%
 PLAN_REQUESTS = 300
 TARGET_ERROR = 0.10
+
+
+@dataclass(frozen=True)
+class Effort:
+    """How much is planned and measured: the planner's requests, rate tolerance and simulated
+    seconds per rate, the rates swept around a prediction and how long each lasts, and which modes
+    are measured (None: all)."""
+
+    plan_requests: int = PLAN_REQUESTS
+    rate_tolerance: float = 0.02
+    plan_duration_s: float = 90.0  # the search's own default
+    rate_steps: tuple[float, ...] = RATE_STEPS
+    sustained_s: float = SUSTAINED_S
+    min_requests: int = MIN_REQUESTS
+    num_unloaded: int = 2
+    modes: tuple[str, ...] | None = None
+
+
+FULL = Effort()
+SMOKE = Effort(  # every step runs, nothing is measured
+    plan_requests=20,
+    rate_tolerance=0.5,
+    plan_duration_s=5.0,
+    rate_steps=(1.0,),
+    sustained_s=0.0,
+    min_requests=2,
+    modes=("pick",),
+)
 
 
 @dataclass(frozen=True)
@@ -113,32 +144,36 @@ def _run(args: list[str]) -> None:
 
 
 # ---- 1. plan --------------------------------------------------------------------------------------
-def plan(workload: VerifyWorkload, profile_1t: str, profile_2t: str, seed: int = 0) -> list[HostPlan]:
+def plan(
+    workload: VerifyWorkload, profile_1t: str, profile_2t: str, seed: int = 0, effort: Effort = FULL
+) -> list[HostPlan]:
     """Every candidate of both views of the host, filled and simulated whole, best first."""
     config = model_spec(MODEL)
     slo_ms = parse_slo(workload.slo)
     slo = SLO(slo_ms["ttft_ms"], slo_ms["tpot_ms"])
-    requests = lengths(workload, config.max_position_embeddings, seed)
+    requests = lengths(workload, config.max_position_embeddings, seed, effort.plan_requests)
     searched = []
     for path, devices in ((profile_1t, HOST_CPUS), (profile_2t, 1)):
         profile = load_profile(path, model=MODEL)
         kind = NodeKind(hardware_spec(profile.hardware), profile, 1, devices)
         search = Search(
-            config, [kind], requests, slo, max_model_len=config.max_position_embeddings, seed=seed, rate_tolerance=0.02
-        )
+            config, [kind], requests, slo, max_model_len=config.max_position_embeddings, seed=seed,
+            rate_tolerance=effort.rate_tolerance, min_duration_s=effort.plan_duration_s,
+        )  # fmt: skip
         searched.append((search, search.run()))
     return host_plans(searched)
 
 
-def lengths(workload: VerifyWorkload, context: int, seed: int) -> list[SimRequest]:
+def lengths(workload: VerifyWorkload, context: int, seed: int, num: int = PLAN_REQUESTS) -> list[SimRequest]:
     from disagg.bench.workloads import sample_lengths
 
-    prompts, outputs = sample_lengths(workload.config(PLAN_REQUESTS, seed, context))
+    prompts, outputs = sample_lengths(workload.config(num, seed, context))
     return [SimRequest(i, 0.0, int(p), int(o)) for i, (p, o) in enumerate(zip(prompts, outputs))]
 
 
-def modes_to_measure(plans: list[HostPlan]) -> dict[str, HostPlan]:
-    """The pick, and the best of each mode it is compared with (a mode the pick is, once)."""
+def modes_to_measure(plans: list[HostPlan], only: tuple[str, ...] | None = None) -> dict[str, HostPlan]:
+    """The pick, and the best of each mode it is compared with (a mode the pick is, once);
+    `only`: those of these names."""
     wanted = {
         "pick": lambda p: True,
         "disaggregated": lambda p: p.candidate.mode == "disaggregated",
@@ -150,42 +185,46 @@ def modes_to_measure(plans: list[HostPlan]) -> dict[str, HostPlan]:
         best = next((p for p in plans if accepts(p)), None)
         if best is not None and all(best is not other for other in chosen.values()):
             chosen[name] = best
-    return chosen
+    return {name: p for name, p in chosen.items() if only is None or name in only}
 
 
 def _colocated(plan: HostPlan, policy: str) -> bool:
     return plan.candidate.mode == "colocated" and plan.candidate.pools["colocated"].scheduling_policy == policy
 
 
-def config_for(plan: HostPlan, workload: VerifyWorkload) -> dict:
-    """The serving config `disagg plan -o` writes for the candidate, on this host's Ray."""
+def config_for(plan: HostPlan, workload: VerifyWorkload, base_config: str | None = None) -> dict:
+    """The serving config `disagg plan -o` writes for the candidate, on this host's Ray, laid over
+    `base_config` (a serving config file; None: the defaults)."""
     kinds = plan.search.kinds
-    return serving_config_dict(plan.candidate, MODEL, parse_slo(workload.slo), kinds)
+    return merged(read_config(base_config), serving_config_dict(plan.candidate, MODEL, parse_slo(workload.slo), kinds))
 
 
-def sweep(predicted_rate: float) -> tuple[tuple[float, ...], int]:
+def sweep(predicted_rate: float, effort: Effort = FULL) -> tuple[tuple[float, ...], int]:
     """Rates around the prediction, and requests per rate for `SUSTAINED_S` of arrivals at it."""
-    rates = tuple(round(predicted_rate * step, 3) for step in RATE_STEPS)
-    return rates, max(MIN_REQUESTS, math.ceil(predicted_rate * SUSTAINED_S))
+    rates = tuple(round(predicted_rate * step, 3) for step in effort.rate_steps)
+    return rates, max(effort.min_requests, math.ceil(predicted_rate * effort.sustained_s))
 
 
 # ---- 2. measure --------------------------------------------------------------------------------------
-def measure(name: str, plan: HostPlan, workload: VerifyWorkload, out: Path, seed: int = 0) -> Path:
+def measure(
+    name: str, plan: HostPlan, workload: VerifyWorkload, out: Path, seed: int = 0, effort: Effort = FULL,
+    base_config: str | None = None,
+) -> Path:  # fmt: skip
     """Sweep one mode's config on a real server; the experiment's directory."""
     from disagg.bench.experiment import ExperimentConfig, run_experiment, workload_size
     from disagg.bench.workloads import describe, load_tokenizer, make_workload
 
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / "plan-config.yaml"
-    config_path.write_text(yaml.safe_dump(config_for(plan, workload), sort_keys=False))
-    rates, num_requests = sweep(plan.rate)
+    config_path.write_text(yaml.safe_dump(config_for(plan, workload, base_config), sort_keys=False))
+    rates, num_requests = sweep(plan.rate, effort)
     exp = ExperimentConfig(
         rates,
         num_requests,
         str(out),
         (name,),
         slo=parse_slo(workload.slo),
-        num_unloaded=2,
+        num_unloaded=effort.num_unloaded,
         seed=seed,
         config_files={name: str(config_path)},
     )
@@ -230,22 +269,25 @@ def verdict(chosen: dict[str, HostPlan], measured: dict[str, float | None]) -> d
     }
 
 
-def run(out: Path, workloads: list[str], profile_1t: str, profile_2t: str, reuse: bool, seed: int = 0) -> dict:
+def run(
+    out: Path, workloads: list[str], profile_1t: str, profile_2t: str, reuse: bool, seed: int = 0,
+    effort: Effort = FULL, base_config: str | None = None,
+) -> dict:  # fmt: skip
     results = {}
     for key in workloads:
         workload = WORKLOADS[key]
         print(f"\n== {key}: {workload.name}, SLO {workload.slo} ({workload.why})", flush=True)
-        plans = plan(workload, profile_1t, profile_2t, seed)
-        chosen = modes_to_measure(plans)
+        plans = plan(workload, profile_1t, profile_2t, seed, effort)
+        chosen = modes_to_measure(plans, effort.modes)
         print_plans(plans)
         slo = parse_slo(workload.slo)
         measured = {}
         for name, host_plan in chosen.items():
             mode_dir = out / key / name
             if not reuse and not any(mode_dir.glob("runs/*.json")):  # a mode measured before is kept
-                rates, n = sweep(host_plan.rate)
+                rates, n = sweep(host_plan.rate, effort)
                 print(f"  measuring {name} ({host_plan.label}) at {rates} req/s, {n} requests each", flush=True)
-                measure(name, host_plan, workload, mode_dir, seed)
+                measure(name, host_plan, workload, mode_dir, seed, effort, base_config)
             points = measured_points(mode_dir, name, slo)
             measured[name] = measured_rate(points)
             print(f"  {name}: measured {points}", flush=True)
