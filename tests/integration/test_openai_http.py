@@ -145,8 +145,12 @@ def test_greedy_chat_over_http_equals_grpc(server, client, tls):
             generate_request(chat=QUESTION, temperature=0.0, max_tokens=20), timeout=60
         )
     choice = answer.choices[0]
-    assert choice.message.role == "assistant" and choice.message.content == text
-    assert "Paris" in text
+    assert choice.message.role == "assistant" and choice.message.content == text and text
+    # (The chat answer's first token is a near-tie: "The" in float32, "L" on the GGUF's 4-bit
+    # weights, as llama.cpp's own server answers too; so the check of sense is a continuation
+    # the model is sure of.)
+    sure = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=2)
+    assert sure.choices[0].text.startswith(" Paris"), sure.choices[0].text
     assert answer.object == "chat.completion" and answer.model == MODEL and answer.id.startswith("chatcmpl-")
     assert choice.finish_reason == final.finish_reason
     assert answer.usage.prompt_tokens == final.usage.prompt_tokens
@@ -201,7 +205,7 @@ def test_a_prompt_of_token_ids_is_the_same_prompt(client, server):
 def test_a_stop_string_ends_the_text_before_it(client):
     whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20)
     text = whole.choices[0].message.content
-    stop = "Paris"
+    stop = next(w for w in text.split()[1:] if w.isascii() and w.isalpha())  # a word after the first
     stopped = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=20, stop=[stop])
     assert stopped.choices[0].message.content == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
@@ -316,8 +320,8 @@ def test_every_output_of_a_json_schema_request_parses_and_validates(client):
 
 
 def test_the_first_token_sampled_by_the_prefill_worker_follows_the_grammar(server, tls):
-    """Unconstrained, this question's answer starts "The capital": a first token sampled without
-    the mask would break the grammar on the decode worker."""
+    """Unconstrained, this question's answer starts with a word ("The" or "L'Étoile"): a first
+    token sampled without the mask would break the grammar on the decode worker."""
     structured = serving_pb2.StructuredOutput(regex="[0-9]{4}")
     with DisaggClient(server.address, api_key=API_KEY, tls_ca=tls[0]) as grpc_client:
         _, text, final = grpc_client.generate(
