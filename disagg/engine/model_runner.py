@@ -17,6 +17,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from disagg.engine.layers.cpu_kernels import DecodeKernel
+from disagg.engine.layers.quantized import step_rows
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from disagg.request import Request
@@ -94,11 +95,16 @@ class ModelRunner:
         if self.followers is not None or not (self.model.is_first_stage and self.model.is_last_stage):
             raise ValueError("scoring needs a single-worker engine")
         input_ids, positions, meta = self._prepare([chunk])
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
-        return self.model.compute_logits(hidden)
+        with step_rows(meta.num_decode_tokens):
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            return self.model.compute_logits(hidden)
 
     def _forward_logits(self, chunks) -> torch.Tensor | None:
         input_ids, positions, meta = self._prepare(chunks)
+        with step_rows(meta.num_decode_tokens):  # which rows are decodes: quantized GEMMs path by row
+            return self._forward_prepared(chunks, input_ids, positions, meta)
+
+    def _forward_prepared(self, chunks, input_ids, positions, meta) -> torch.Tensor | None:
         connector = self.kv_connector
         after_layer = None if connector is None else (lambda index: connector.save_kv_layer(index, chunks))
         hidden, residual = None, None

@@ -154,3 +154,23 @@ def test_the_default_model_kept_quantized_answers_and_is_smaller():
         return sum(p.numel() * p.element_size() for p in llm.engine.model.parameters())
 
     assert weight_bytes(quantized) < weight_bytes(dense) / 20  # dense copies freed (what is left: norms)
+
+
+def test_within_a_step_a_decode_row_takes_the_same_path_whatever_else_the_step_holds(kernels):
+    """A seeded sample must not depend on the batch: a decode's row gives the same numbers alone
+    and beside a prefill chunk, though the two paths (quantized kernel, bfloat16 copy) differ."""
+    from disagg.engine.layers.quantized import step_rows
+
+    torch.manual_seed(4)
+    weight = quantize(_gguf_roundtrip(torch.randn(OUT, IN) * 0.05, "Q4_1"), "int4", ["Q4_1"], kernels)
+    if weight._wide is None:
+        pytest.skip("no bfloat16 copy here (oneDNN off): one path only")
+    decodes, prefill = torch.randn(2, IN), torch.randn(7, IN)
+    with step_rows(2):
+        alone = weight.linear(decodes)
+        beside = weight.linear(torch.cat([decodes, prefill]))
+    assert torch.equal(beside[:2], alone)
+    assert torch.equal(beside[:2], weight._narrow(decodes))  # the quantized kernel
+    assert torch.equal(beside[2:], weight._wide_product(prefill))  # prefill rows: the copy
+    with step_rows(0):  # a prefill of few rows takes the copy too, as it would beside others
+        assert torch.equal(weight.linear(prefill[:3]), weight._wide_product(prefill[:3]))

@@ -26,6 +26,9 @@ Formats:
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 from disagg.engine.layers.cpu_gemm import onednn_enabled
@@ -51,14 +54,34 @@ class _QuantizedGemm:
     def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
-        if self._wide is not None and rows.shape[0] > QUANTIZED_MAX_ROWS:
-            wide = rows.to(_COMPUTE_DTYPE).contiguous()
-            out = torch.ops.mkldnn._linear_pointwise(wide, self._wide, None, "none", [], "").to(x.dtype)
-        else:
+        narrow = self._narrow_rows(rows.shape[0])
+        if narrow == rows.shape[0]:
             out = self._narrow(rows)
+        elif narrow == 0:
+            out = self._wide_product(rows)
+        else:
+            out = torch.cat([self._narrow(rows[:narrow]), self._wide_product(rows[narrow:])])
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
+
+    def _narrow_rows(self, num_rows: int) -> int:
+        """How many of the leading rows take the quantized kernel, the rest the bfloat16 copy.
+
+        The two compute slightly different numbers (int8 or bfloat16 activations), so a row must
+        take the same path whatever else its step holds, or a seeded sample would depend on the
+        batch: within an engine step (`step_rows`) a decode's row takes the kernel while the step
+        has at most QUANTIZED_MAX_ROWS of them, and prefill rows the copy. Outside a step: by count."""
+        if self._wide is None:
+            return num_rows
+        decodes = getattr(_step, "decode_rows", None)
+        if decodes is None:
+            return num_rows if num_rows <= QUANTIZED_MAX_ROWS else 0
+        return min(decodes, num_rows) if decodes <= QUANTIZED_MAX_ROWS else 0
+
+    def _wide_product(self, rows: torch.Tensor) -> torch.Tensor:
+        wide = rows.to(_COMPUTE_DTYPE).contiguous()
+        return torch.ops.mkldnn._linear_pointwise(wide, self._wide, None, "none", [], "").to(rows.dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of a fused [gate; up] weight's product with x."""
@@ -109,8 +132,16 @@ class Int8Weight(_QuantizedGemm):
         float32: a tied embedding's), shared rather than copied."""
         weight = cls.__new__(cls)
         weight.kernels, weight.shape, weight.q, weight.scales = kernels, tuple(q.shape), q, scales
-        weight._pack_wide(weight.dequantized())
         return weight
+
+    def without_wide_copy(self) -> "Int8Weight":
+        """Every product on the quantized kernel (ours only). For the vocabulary projection: its
+        rows are the step's sampled ones, so a request's logits then never depend on how many
+        others were sampled with it (oneDNN picks its kernel by the number of rows), and its
+        bfloat16 copy (54 MiB for SmolLM2) is not kept."""
+        if self.kernels is not None:
+            self._wide = None
+        return self
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
@@ -125,6 +156,21 @@ class Int8Weight(_QuantizedGemm):
 
     def _own_bytes(self) -> int:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+_step = threading.local()  # the engine step running on this thread (its decode rows come first)
+
+
+@contextlib.contextmanager
+def step_rows(decode_rows: int):
+    """Within this, the GEMMs run one engine step whose first `decode_rows` rows are decodes
+    (the model runner's layout; its sampled rows keep that order too)."""
+    previous = getattr(_step, "decode_rows", None)
+    _step.decode_rows = decode_rows
+    try:
+        yield
+    finally:
+        _step.decode_rows = previous
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -184,7 +230,7 @@ class Int4Weight(_QuantizedGemm):
         return out.to(rows.dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is None or x.dim() != 2 or (self._wide is not None and x.shape[0] > QUANTIZED_MAX_ROWS):
+        if self.kernels is None or x.dim() != 2 or self._narrow_rows(x.shape[0]) != x.shape[0]:
             return super().silu_mul(x)
         return _in_dtype(self.kernels.q4_gemv_silu_mul(_float(x), self.blocks), x.dtype)
 

@@ -207,6 +207,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens = QuantizedEmbedding(dense)
             if kernels is not None:  # ours reads the embedding's own int8 blocks: one copy of the vocabulary
                 self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
+        self.logits_weight.without_wide_copy()
 
     def _device(self) -> torch.device:
         return next(p.device for p in self.parameters())
