@@ -371,7 +371,7 @@ class KVSender(KVEndpoint):
             self._by_key.pop((tr.target.peer_id, tr.target.transfer_id), None)
             if tr.state is not TransferState.DONE:
                 tr.state = TransferState.FAILED
-        started = min(tr.started for tr in transfers)
+        started = min((tr.started for tr in transfers), default=time.monotonic())  # none: the targets never came
         num_bytes = sum(tr.num_bytes for tr in transfers)
         self._report(
             TransferResult(
