@@ -70,10 +70,12 @@ class GoodputPolicy(LeastOutstandingWork):
         if not colocated:
             scored += self._local_options(prefills, roomy, request, tpots)
         best = max(o.headroom for o in scored)
-        close = [o for o in scored if _tied(o.headroom, best)]
+        # (A prediction that is not a number, from an instance that just broke, ties with nothing:
+        # then every option stays in the running rather than none.)
+        close = [o for o in scored if _tied(o.headroom, best)] or scored
         if all(o.calibrated for o in close):  # a guess orders nothing: then by load alone
             fastest = min(o.latency for o in close)
-            close = [o for o in close if o.latency <= fastest * (1 + LATENCY_TIE)]
+            close = [o for o in close if o.latency <= fastest * (1 + LATENCY_TIE)] or close
         # equal: the usual path first, then least work (the prompt tokens this one adds counted)
         chosen = min(close, key=lambda o: (o.local, _load(o, request)))
         guessed = not chosen.calibrated  # a guess refuses nothing
