@@ -95,13 +95,13 @@ class ModelRunner:
         if self.followers is not None or not (self.model.is_first_stage and self.model.is_last_stage):
             raise ValueError("scoring needs a single-worker engine")
         input_ids, positions, meta = self._prepare([chunk])
-        with step_rows(meta.num_decode_tokens):
+        with step_rows(_generated_decodes([chunk])):
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
             return self.model.compute_logits(hidden)
 
     def _forward_logits(self, chunks) -> torch.Tensor | None:
         input_ids, positions, meta = self._prepare(chunks)
-        with step_rows(meta.num_decode_tokens):  # which rows are decodes: quantized GEMMs path by row
+        with step_rows(_generated_decodes(chunks)):  # quantized GEMMs take their path by row
             return self._forward_prepared(chunks, input_ids, positions, meta)
 
     def _forward_prepared(self, chunks, input_ids, positions, meta) -> torch.Tensor | None:
@@ -174,4 +174,18 @@ def is_decode(c: ScheduledChunk) -> bool:
 
 
 def _decodes_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
-    return [c for c in chunks if is_decode(c)] + [c for c in chunks if not is_decode(c)]
+    """Decodes of generated tokens, then those of a prompt's last token (its prefix cached),
+    then prefill chunks: the first two are the attention's decode batch, and the first alone
+    the rows quantized GEMMs take their kernel for (a prompt's rows are computed in float32,
+    cached prefix or not: layers/quantized.py)."""
+    decodes = [c for c in chunks if is_decode(c)]
+    return (
+        [c for c in decodes if c.generates]
+        + [c for c in decodes if not c.generates]
+        + [c for c in chunks if not is_decode(c)]
+    )
+
+
+def _generated_decodes(chunks: list[ScheduledChunk]) -> int:
+    """How many leading chunks (in `_decodes_first`'s order) decode a generated token."""
+    return next((i for i, c in enumerate(chunks) if not (c.generates and is_decode(c))), len(chunks))

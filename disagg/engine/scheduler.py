@@ -40,9 +40,12 @@ class ScheduledChunk:
     num_new_tokens: int
     # Fixed when scheduled: the chunk reaches the end of the known tokens, so a token is sampled.
     samples: bool = field(init=False)
+    # Its tokens are generated ones, none of the prompt's: a decode of what the last step sampled.
+    generates: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.samples = self.start + self.num_new_tokens == self.request.num_tokens
+        self.generates = self.start >= self.request.num_prompt_tokens
 
     @property
     def token_ids(self) -> list[int]:

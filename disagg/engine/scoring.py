@@ -6,8 +6,8 @@ only the tokens of each window's second half scored, so that each has at least h
 of context), so the two numbers are comparable on the same GGUF and text.
 
 A window runs either as one prefill step (the prefill kernels) or in steps of `step_tokens`
-positions: steps of 1 run the decode path (its attention kernel, and the weight-only GEMM
-kernels of a quantized model, which only small steps use), so both paths can be checked.
+positions: steps of 1 run the decode path, as a generated token's decode (its attention
+kernel, and a quantized model's int8-activation kernels), so both paths can be checked.
 Scoring runs on the caller's thread: call it on an engine that is not serving.
 """
 
@@ -45,6 +45,7 @@ def next_token_logprobs(engine, token_ids: list[int], step_tokens: int | None = 
 
 def _window_logits(engine, request: Request, start: int, step: int) -> torch.Tensor:
     chunk = ScheduledChunk(request, start, min(step, request.num_tokens - start))
+    chunk.generates = step == 1  # scored as a generated token's decode is computed (its kernels)
     return engine.runner.logits_at_every_position(chunk).cpu()
 
 

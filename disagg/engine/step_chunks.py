@@ -23,6 +23,7 @@ class PortableChunk:
     num_new_tokens: int
     token_ids: list[int]
     samples: bool
+    generates: bool = False
 
 
 def portable(chunks) -> list[PortableChunk]:
@@ -34,6 +35,7 @@ def portable(chunks) -> list[PortableChunk]:
             c.num_new_tokens,
             list(c.token_ids),
             c.samples,
+            c.generates,
         )
         for c in chunks
     ]

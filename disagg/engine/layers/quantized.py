@@ -12,6 +12,13 @@ the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two ke
   bfloat16 one on this project's AVX-512 host (RESULTS.md, "Quantized weights"), so activations
   enter them as bfloat16.
 
+Steps of many rows (a prompt's chunk, a large decode batch) take a float32 packed copy of the
+same dequantized weights instead, so a prompt is computed as the reference computes it
+(transformers on the dequantized GGUF): its first token is the reference's own, even where two
+tokens nearly tie (SmolLM2's "What is the capital of France?": 0.08 nats between "The" and "L'",
+which bfloat16 products or int8 activations flip). The vocabulary projection has no such copy:
+its prompt rows take the int8 weights with float32 activations (q8_gemv_exact).
+
 Formats:
 - int4: groups of 32 weights along the input, each with its scale and offset (w = scale * q +
   low, q in 0..15). GGUF's Q4_0 and Q4_1 blocks are exactly this (32 weights, a scale, and for
@@ -36,8 +43,9 @@ from disagg.engine.layers.cpu_gemm import onednn_enabled
 QUANTIZED_FORMATS = ("int8", "int4")
 INT4_GROUP = 32  # GGUF's block size; torch's int4 kernel takes 32, 64, 128 or 256
 _INT4_INNER_K_TILES = 2  # the packing's tile count: what the CPU kernel is built for
-_COMPUTE_DTYPE = torch.bfloat16
-# Rows multiplied at once above which a bfloat16 oneDNN GEMM over the dequantized weights beats
+_TORCH_KERNEL_DTYPE = torch.bfloat16  # what torch's weight-only kernels compute in
+_WIDE_DTYPE = torch.float32  # the copy for steps of many rows: the reference's own products
+# Rows multiplied at once above which a oneDNN GEMM over the dequantized weights beats
 # torch's weight-only kernels: those read 4- or 8-bit weights, which is what a decode step of a
 # few requests is bound by, but compute poorly on many rows (at 8 rows of SmolLM2's MLP: 114 us
 # against 59; at 1 row: 36 against 53; RESULTS.md, "Quantized weights").
@@ -45,11 +53,14 @@ QUANTIZED_MAX_ROWS = 4
 
 
 class _QuantizedGemm:
-    """A weight kept quantized for steps of few rows, with a bfloat16 packed copy of the same
+    """A weight kept quantized for steps of few rows, with a float32 packed copy of the same
     (dequantized) values for steps of many (prefill chunks, large decode batches)."""
 
     shape: tuple[int, int]
     _wide: torch.Tensor | None = None
+    # A step's decode rows take the quantized kernel while there are at most this many (None:
+    # however many); beyond, the copy is faster.
+    max_narrow_decodes: int | None = QUANTIZED_MAX_ROWS
 
     def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
@@ -66,21 +77,30 @@ class _QuantizedGemm:
         return out if bias is None else out + bias
 
     def _narrow_rows(self, num_rows: int) -> int:
-        """How many of the leading rows take the quantized kernel, the rest the bfloat16 copy.
+        """How many of the leading rows take the quantized kernel, the rest the float32 path.
 
-        The two compute slightly different numbers (int8 or bfloat16 activations), so a row must
-        take the same path whatever else its step holds, or a seeded sample would depend on the
-        batch: within an engine step (`step_rows`) a decode's row takes the kernel while the step
-        has at most QUANTIZED_MAX_ROWS of them, and prefill rows the copy. Outside a step: by count."""
-        if self._wide is None:
+        Within an engine step (`step_rows`) prompt rows always take the float32 path (the first
+        token is the reference's), and a decode's row the kernel while the step has at most
+        `max_narrow_decodes` of them. Outside a step: by count."""
+        if not self._has_wide_path():
             return num_rows
         decodes = getattr(_step, "decode_rows", None)
         if decodes is None:
             return num_rows if num_rows <= QUANTIZED_MAX_ROWS else 0
-        return min(decodes, num_rows) if decodes <= QUANTIZED_MAX_ROWS else 0
+        if self.max_narrow_decodes is not None and decodes > self.max_narrow_decodes:
+            return 0
+        return min(decodes, num_rows)
+
+    def _has_wide_path(self) -> bool:
+        return self._wide is not None
 
     def _wide_product(self, rows: torch.Tensor) -> torch.Tensor:
-        wide = rows.to(_COMPUTE_DTYPE).contiguous()
+        wide = rows.to(_WIDE_DTYPE).contiguous()
+        if wide.shape[0] == 1:
+            # oneDNN takes a lone row down another path (a GEMV, past ~1k inputs) whose sums
+            # differ in the last bits from the same row's among others: a prompt whose cached
+            # prefix leaves one row to compute would then differ from the same prompt uncached.
+            return self._wide_product(wide.expand(2, -1).contiguous())[:1].to(rows.dtype)
         return torch.ops.mkldnn._linear_pointwise(wide, self._wide, None, "none", [], "").to(rows.dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,11 +119,11 @@ class _QuantizedGemm:
     def _pack_wide(self, values: torch.Tensor) -> None:
         """`values`: the dequantized weights, [out, in]."""
         if onednn_enabled():
-            self._wide = torch.ops.mkldnn._reorder_linear_weight(values.to(_COMPUTE_DTYPE), 32)
+            self._wide = torch.ops.mkldnn._reorder_linear_weight(values.to(_WIDE_DTYPE).contiguous(), 32)
 
     @property
     def nbytes(self) -> int:
-        """Bytes held, the packed bfloat16 copy included."""
+        """Bytes held, the packed float32 copy included."""
         wide = self._wide.numel() * self._wide.element_size() if self._wide is not None else 0
         return self._own_bytes() + wide
 
@@ -123,7 +143,7 @@ class Int8Weight(_QuantizedGemm):
             w = weight.detach().float()
             scales = (w.abs().amax(dim=1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
             self.q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-            self.scales = scales.to(_COMPUTE_DTYPE)
+            self.scales = scales.to(_TORCH_KERNEL_DTYPE)
         self._pack_wide(self.dequantized())
 
     @classmethod
@@ -135,18 +155,27 @@ class Int8Weight(_QuantizedGemm):
         return weight
 
     def without_wide_copy(self) -> "Int8Weight":
-        """Every product on the quantized kernel (ours only). For the vocabulary projection: its
-        rows are the step's sampled ones, so a request's logits then never depend on how many
-        others were sampled with it (oneDNN picks its kernel by the number of rows), and its
-        bfloat16 copy (54 MiB for SmolLM2) is not kept."""
+        """No float copy (ours only): for the vocabulary projection, whose rows are the step's
+        sampled ones. Every decode row takes the int8 kernel however many there are, and every
+        prompt row the exact one (q8_gemv_exact), so a request's logits never depend on how
+        many others were sampled with it (oneDNN picks its kernel by the number of rows), and
+        no float copy of the vocabulary (113 MiB for SmolLM2) is kept."""
         if self.kernels is not None:
-            self._wide = None
+            self._wide, self.max_narrow_decodes = None, None
         return self
+
+    def _has_wide_path(self) -> bool:
+        return self._wide is not None or self.kernels is not None
+
+    def _wide_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._wide is None:
+            return _in_dtype(self.kernels.q8_gemv_exact(_float(rows), self.q, self.scales), rows.dtype)
+        return super()._wide_product(rows)
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None:
             return _in_dtype(self.kernels.q8_gemv(_float(rows), self.q, self.scales), rows.dtype)
-        return torch._weight_int8pack_mm(rows.to(_COMPUTE_DTYPE), self.q, self.scales).to(rows.dtype)
+        return torch._weight_int8pack_mm(rows.to(_TORCH_KERNEL_DTYPE), self.q, self.scales).to(rows.dtype)
 
     def dequantized(self) -> torch.Tensor:
         if self.kernels is not None:
@@ -214,7 +243,7 @@ class Int4Weight(_QuantizedGemm):
             )
             # The kernel's layout: [groups, out, 2] of (scale, zero) with w = scale * (q - 8) + zero.
             zeros = low + 8 * scales
-            self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(_COMPUTE_DTYPE)
+            self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(_TORCH_KERNEL_DTYPE)
             scales, zeros = (t.float() for t in self.scales_and_zeros.transpose(0, 1).unbind(-1))
             low = zeros - 8 * scales
         # The kernel's own values (its rounded scales): both paths compute one weight.
@@ -225,14 +254,20 @@ class Int4Weight(_QuantizedGemm):
         if self.kernels is not None:
             return _in_dtype(self.kernels.q4_gemv(_float(rows), self.blocks), rows.dtype)
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.to(_COMPUTE_DTYPE), self.packed, self.group, self.scales_and_zeros
+            rows.to(_TORCH_KERNEL_DTYPE), self.packed, self.group, self.scales_and_zeros
         )
         return out.to(rows.dtype)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is None or x.dim() != 2 or self._narrow_rows(x.shape[0]) != x.shape[0]:
+        narrow = self._narrow_rows(x.shape[0]) if self.kernels is not None and x.dim() == 2 else 0
+        if narrow == 0:
             return super().silu_mul(x)
-        return _in_dtype(self.kernels.q4_gemv_silu_mul(_float(x), self.blocks), x.dtype)
+        # A decode's row takes the fused kernel (its SiLU too) beside prefill rows as well as alone.
+        fused = _in_dtype(self.kernels.q4_gemv_silu_mul(_float(x[:narrow]), self.blocks), x.dtype)
+        if narrow == x.shape[0]:
+            return fused
+        gate, up = self._wide_product(x[narrow:]).chunk(2, dim=-1)
+        return torch.cat([fused, torch.nn.functional.silu(gate) * up])
 
     def dequantized(self) -> torch.Tensor:
         if self.kernels is not None:

@@ -12,6 +12,8 @@
 // - q8 blocks: int8 [out, in] with a float32 scale per 32 weights (GGUF's Q8_0 values), as the
 //   tied token embedding keeps them (disagg.engine.models.llama.QuantizedEmbedding).
 // The activations' int8 rounding is the one llama.cpp's own CPU path makes (its Q8_0/Q8_1 rows).
+// q8_gemv_exact takes the rows as they are (float32 products with the int8 weights): for the
+// logits a prompt's first token is sampled from, which are then the reference's own.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -132,7 +134,9 @@ void q4_tile(const Q4Block* const* rows, const QuantizedRows& a, int64_t r0, flo
       const float d = half_to_float(blk.d), m = half_to_float(blk.m);
       for (int r = 0; r < NR; ++r) {
         acc[c * NR + r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xs[r]), _mm256_cvtepi32_ps(dot_u8_s8(w, x[r])), acc[c * NR + r]);
-        offsets[c * NR + r] += m * xsum[r];
+        // Fused explicitly: left to the compiler, whether it fuses depends on how it vectorizes
+        // each (NR, NC) tile, and a row's last bits would then depend on its batch.
+        offsets[c * NR + r] = std::fma(m, xsum[r], offsets[c * NR + r]);
       }
     }
   }
@@ -148,8 +152,8 @@ void q4_tile(const Q4Block* const* rows, const QuantizedRows& a, int64_t r0, flo
         const int8_t* x = a.q.data() + (r0 + r) * in + b * kBlock;
         int32_t dot = 0;
         for (int j = 0; j < 16; ++j) dot += (blk.qs[j] & 0x0F) * x[j] + (blk.qs[j] >> 4) * x[j + 16];
-        acc[c * NR + r] += d * a.scale[ar] * static_cast<float>(dot);
-        offsets[c * NR + r] += m * a.scaled_sum[ar];
+        acc[c * NR + r] = std::fma(d * a.scale[ar], static_cast<float>(dot), acc[c * NR + r]);
+        offsets[c * NR + r] = std::fma(m, a.scaled_sum[ar], offsets[c * NR + r]);
       }
     }
   }
@@ -224,6 +228,41 @@ void q8_row_dots(const int8_t* q, const float* scale, const QuantizedRows& a, in
 #endif
 }
 
+// out[r] = row . x[r] in float32, x not rounded: `q` one output row's int8 weights, `scale` its
+// per-block scales, x the rows r0 .. r0 + nr of `in` floats each.
+void q8_row_dots_exact(const int8_t* q, const float* scale, const float* x, int64_t in, int64_t nr, float* out) {
+  const int64_t blocks = in / kBlock;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc[kMaxRows];
+  for (int64_t r = 0; r < nr; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 w[kBlock / 8];  // the block's 32 weights as floats, converted once for every row
+    for (int64_t j = 0; j < kBlock / 8; ++j) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + b * kBlock + j * 8));
+      w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+    }
+    const __m256 s = _mm256_set1_ps(scale[b]);
+    for (int64_t r = 0; r < nr; ++r) {
+      const float* xb = x + r * in + b * kBlock;
+      __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      for (int64_t j = 1; j < kBlock / 8; ++j) dot = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xb + j * 8), dot);
+      acc[r] = _mm256_fmadd_ps(s, dot, acc[r]);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) out[r] = hsum(acc[r]);
+#else
+  for (int64_t r = 0; r < nr; ++r) {
+    float acc = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+      float dot = 0.0f;
+      for (int64_t j = 0; j < kBlock; ++j) dot += static_cast<float>(q[b * kBlock + j]) * x[r * in + b * kBlock + j];
+      acc += scale[b] * dot;
+    }
+    out[r] = acc;
+  }
+#endif
+}
+
 at::Tensor float_rows(const at::Tensor& x, int64_t in) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2, "x must be [rows, in] CPU float32");
   TORCH_CHECK(x.size(1) == in, "x has ", x.size(1), " features, the weight takes ", in);
@@ -244,14 +283,14 @@ const Q4Block* q4_blocks(const at::Tensor& blocks, int64_t* out, int64_t* in) {
 // chunks, not split in equal halves up front: on a host shared with other processes a thread
 // may lose its CPU for a while, and the others then take its share instead of waiting for it.
 template <typename Dots>
-void for_rows(int64_t outputs, const QuantizedRows& a, const Dots& dots) {
+void for_rows(int64_t outputs, int64_t rows, const Dots& dots) {
   const int64_t chunk = kChunkRows;
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (outputs + chunk - 1) / chunk));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     for (int64_t begin = next.fetch_add(chunk); begin < outputs; begin = next.fetch_add(chunk)) {
       const int64_t end = std::min(outputs, begin + chunk);
-      for (int64_t r0 = 0; r0 < a.rows; r0 += kMaxRows) dots(begin, end, r0, std::min(kMaxRows, a.rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) dots(begin, end, r0, std::min(kMaxRows, rows - r0));
     }
   });
 }
@@ -266,7 +305,7 @@ at::Tensor q4_gemv(const at::Tensor& x, const at::Tensor& blocks) {
   const QuantizedRows a = quantize_rows(xc.data_ptr<float>(), xc.size(0), in);
   at::Tensor out = at::empty({xc.size(0), out_features}, x.options());
   float* o = out.data_ptr<float>();
-  for_rows(out_features, a, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
+  for_rows(out_features, a.rows, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
     q4_rows(w, a.blocks, begin, end, a, r0, nr, [&](int64_t n, int r, float v) { o[(r0 + r) * out_features + n] = v; });
   });
   return out;
@@ -282,7 +321,7 @@ at::Tensor q4_gemv_silu_mul(const at::Tensor& x, const at::Tensor& blocks) {
   const QuantizedRows a = quantize_rows(xc.data_ptr<float>(), xc.size(0), in);
   at::Tensor out = at::empty({xc.size(0), inter}, x.options());
   float* o = out.data_ptr<float>();
-  for_rows(inter, a, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
+  for_rows(inter, a.rows, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
     // The gate rows first, into the output; then the up rows, each multiplied into its place.
     q4_rows(w, a.blocks, begin, end, a, r0, nr, [&](int64_t n, int r, float g) {
       o[(r0 + r) * inter + n] = g / (1.0f + std::exp(-g));
@@ -294,23 +333,49 @@ at::Tensor q4_gemv_silu_mul(const at::Tensor& x, const at::Tensor& blocks) {
   return out;
 }
 
+namespace {
+void check_q8(const at::Tensor& q, const at::Tensor& scales) {
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be [out, in] contiguous int8");
+  TORCH_CHECK(q.size(1) % kBlock == 0, "in must be a multiple of 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == q.size(0) * (q.size(1) / kBlock),
+              "scales must be [out, in / 32] contiguous float32");
+}
+}  // namespace
+
 // x [rows, in] float32, q [out, in] int8, scales [out, in / 32] float32 -> [rows, out] float32.
 at::Tensor q8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
-  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kChar && q.dim() == 2 && q.is_contiguous(), "q must be [out, in] contiguous int8");
+  check_q8(q, scales);
   const int64_t out_features = q.size(0), in = q.size(1);
-  TORCH_CHECK(in % kBlock == 0, "in must be a multiple of 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == out_features * (in / kBlock),
-              "scales must be [out, in / 32] contiguous float32");
   const at::Tensor xc = float_rows(x, in);
   const QuantizedRows a = quantize_rows(xc.data_ptr<float>(), xc.size(0), in);
   at::Tensor out = at::empty({xc.size(0), out_features}, x.options());
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  for_rows(out_features, a, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
+  for_rows(out_features, a.rows, [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
     float dots[kMaxRows];
     for (int64_t n = begin; n < end; ++n) {
       q8_row_dots(qp + n * in, sp + n * a.blocks, a, r0, nr, dots);
+      for (int64_t r = 0; r < nr; ++r) o[(r0 + r) * out_features + n] = dots[r];
+    }
+  });
+  return out;
+}
+
+// As q8_gemv with x's rows not rounded to int8 (float32 products throughout).
+at::Tensor q8_gemv_exact(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales) {
+  check_q8(q, scales);
+  const int64_t out_features = q.size(0), in = q.size(1);
+  const at::Tensor xc = float_rows(x, in);
+  at::Tensor out = at::empty({xc.size(0), out_features}, x.options());
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* xp = xc.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for_rows(out_features, xc.size(0), [&](int64_t begin, int64_t end, int64_t r0, int64_t nr) {
+    float dots[kMaxRows];
+    for (int64_t n = begin; n < end; ++n) {
+      q8_row_dots_exact(qp + n * in, sp + n * (in / kBlock), xp + r0 * in, in, nr, dots);
       for (int64_t r = 0; r < nr; ++r) o[(r0 + r) * out_features + n] = dots[r];
     }
   });
@@ -321,10 +386,12 @@ TORCH_LIBRARY_FRAGMENT(disagg_cpu, m) {
   m.def("q4_gemv(Tensor x, Tensor blocks) -> Tensor");
   m.def("q4_gemv_silu_mul(Tensor x, Tensor blocks) -> Tensor");
   m.def("q8_gemv(Tensor x, Tensor q, Tensor scales) -> Tensor");
+  m.def("q8_gemv_exact(Tensor x, Tensor q, Tensor scales) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(disagg_cpu, CPU, m) {
   m.impl("q4_gemv", &q4_gemv);
   m.impl("q4_gemv_silu_mul", &q4_gemv_silu_mul);
   m.impl("q8_gemv", &q8_gemv);
+  m.impl("q8_gemv_exact", &q8_gemv_exact);
 }
