@@ -140,7 +140,9 @@ def test_the_default_model_kept_quantized_answers_as_the_reference_and_is_smalle
     # token the reference's own), so the 4-bit model answers as the float32 one.
     chat = quantized.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=1)
-    outs = [llm.generate([{"prompt_token_ids": chat}], params, use_tqdm=False)[0].outputs[0] for llm in (quantized, dense)]
+    outs = [
+        llm.generate([{"prompt_token_ids": chat}], params, use_tqdm=False)[0].outputs[0] for llm in (quantized, dense)
+    ]
     assert outs[0].text.startswith("The capital of France is Paris"), outs[0].text
     firsts = [o.logprobs[0] for o in outs]
     assert firsts[0].keys() == firsts[1].keys(), firsts

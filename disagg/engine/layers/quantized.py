@@ -243,7 +243,9 @@ class Int4Weight(_QuantizedGemm):
             )
             # The kernel's layout: [groups, out, 2] of (scale, zero) with w = scale * (q - 8) + zero.
             zeros = low + 8 * scales
-            self.scales_and_zeros = torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(_TORCH_KERNEL_DTYPE)
+            self.scales_and_zeros = (
+                torch.stack([scales, zeros], -1).transpose(0, 1).contiguous().to(_TORCH_KERNEL_DTYPE)
+            )
             scales, zeros = (t.float() for t in self.scales_and_zeros.transpose(0, 1).unbind(-1))
             low = zeros - 8 * scales
         # The kernel's own values (its rounded scales): both paths compute one weight.
