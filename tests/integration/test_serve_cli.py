@@ -144,6 +144,8 @@ def test_a_plan_written_by_disagg_plan_starts_under_disagg_serve(tmp_path):
     assert planned.returncode == 0, planned.stdout + planned.stderr
     config = yaml.safe_load(plan.read_text())
     assert config["threads_per_worker"] == 1, "a 1-thread profile plans 1-thread workers"
+    with plan.open("a") as f:  # (placement's calibration at start: test_calibration.py's)
+        f.write("calibration_s: 0\n")
     proc, address, _ = _serve(tmp_path, "--config", str(plan), "--port", str(free_port()), "--http-port", "0")
     try:
         status = subprocess.run([str(BIN), "status", "--server", address], capture_output=True, text=True, timeout=60)

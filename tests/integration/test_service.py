@@ -66,6 +66,7 @@ def server(ray_session):
             "heartbeat_ttl_s": 1.0,
             "recovery_timeout_s": 3.0,  # how long requests wait for a pool that emptied to refill
             "replan": False,  # a switch would move instances these tests count on (test_replanning.py)
+            "calibration_s": 0,  # placement's measured models are test_calibration.py's
         }
     )
     with Server(config) as srv:

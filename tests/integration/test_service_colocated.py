@@ -46,6 +46,7 @@ def server(ray_session, tls):
             "api_key": API_KEY,
             "tls_cert_file": cert,
             "tls_key_file": key,
+            "calibration_s": 0,  # placement's measured models are test_calibration.py's
         }
     )
     with Server(config) as srv:
