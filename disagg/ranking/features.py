@@ -49,4 +49,6 @@ def prompt_features(token_ids: Sequence[int], num_buckets: int = DEFAULT_NUM_BUC
 
 def feature_matrix(prompts: Sequence[Sequence[int]], num_buckets: int = DEFAULT_NUM_BUCKETS) -> np.ndarray:
     """One row of `prompt_features` per prompt."""
-    return np.stack([prompt_features(p, num_buckets) for p in prompts]) if prompts else np.zeros((0, num_features(num_buckets)), np.float32)
+    if not prompts:
+        return np.zeros((0, num_features(num_buckets)), np.float32)
+    return np.stack([prompt_features(p, num_buckets) for p in prompts])

@@ -101,8 +101,9 @@ TEMPLATES: dict[str, Callable[[random.Random, str], str]] = {
     "poem": lambda r, s: f"Write a poem about {_pick(r, TOPICS, s)}.",
     "explain": lambda r, s: f"Explain in detail how {_pick(r, TOPICS, s)} works, step by step.",
     "story": lambda r, s: f"Write a long story about {_pick(r, CHARACTERS, s)} who {_pick(r, GOALS, s)}.",
-    "essay": lambda r, s: f"Write an essay about {_pick(r, TOPICS, s)} with an introduction, three parts "
-    f"and a conclusion.",
+    "essay": lambda r, s: (
+        f"Write an essay about {_pick(r, TOPICS, s)} with an introduction, three parts and a conclusion."
+    ),
 }
 
 

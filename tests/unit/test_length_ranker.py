@@ -126,7 +126,9 @@ def test_a_missing_or_foreign_file_is_a_value_error(tmp_path, content):
 
 
 def test_the_split_uses_the_datas_heldout_words_else_a_random_fifth():
-    records = [{"prompt_token_ids": [1], "output_len": i, "split": "heldout" if i % 5 == 4 else "train"} for i in range(50)]
+    records = [
+        {"prompt_token_ids": [1], "output_len": i, "split": "heldout" if i % 5 == 4 else "train"} for i in range(50)
+    ]
     train, heldout, how = split_records(records)
     assert (len(train), len(heldout), how) == (40, 10, "held-out word banks")
     assert all(r["split"] == "heldout" for r in heldout)
