@@ -79,6 +79,9 @@ class EngineConfig:
     # A waiting request rises one priority per `priority_aging_s` waited, so none waits without
     # bound (disagg/engine/queue_order.py).
     scheduling_order: str = "fcfs"
+    # Under ltr, the ranker file that predicts each request's output length when it is added
+    # (disagg.ranking); None: the one bundled for the default model. Not read under fcfs.
+    length_ranker: str | None = None
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     max_num_seqs: int = 128  # running requests at most
     max_waiting_requests: int = 4096  # bounded admission queue
@@ -137,6 +140,16 @@ class EngineConfig:
             self.scheduling_order in SCHEDULING_ORDERS,
             "scheduling_order",
             f"must be one of {', '.join(SCHEDULING_ORDERS)}, got {self.scheduling_order!r}",
+        )
+        _require(
+            self.length_ranker is None or (isinstance(self.length_ranker, str) and self.length_ranker.strip() != ""),
+            "length_ranker",
+            f"must be the path of a ranker file (disagg.ranking), got {self.length_ranker!r}",
+        )
+        _require(
+            self.length_ranker is None or self.scheduling_order == "ltr",
+            "length_ranker",
+            "is used only with scheduling_order ltr (fcfs predicts no lengths)",
         )
         _require(
             isinstance(self.priority_aging_s, (int, float))

@@ -25,6 +25,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import select_decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
+from disagg.engine.length_prediction import load_length_ranker, predict_output_len
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models.llama import Backends, LlamaForCausalLM
@@ -82,6 +83,9 @@ class LLMEngine:
             raise ValueError(
                 f"parallel: an instance of {p.world_size} workers needs its process groups (disagg.engine.distributed.join_instance)"
             )
+        # Under ltr, what predicts each request's output length; read before the weights, so
+        # that a bad file fails at once. None under fcfs.
+        self.length_ranker = load_length_ranker(config)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -243,7 +247,7 @@ class LLMEngine:
         bm = self.block_manager
         check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
-        return Request(
+        request = Request(
             str(request_id),
             token_ids,
             params,
@@ -251,6 +255,9 @@ class LLMEngine:
             arrival_time=arrival_time or time.perf_counter(),
             priority=priority,
         )
+        if self.length_ranker is not None:
+            request.predicted_output_len = predict_output_len(self.length_ranker, request)
+        return request
 
     def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
         if prompt_token_ids is None:
