@@ -303,6 +303,7 @@ POOL_LABEL_SLIVER = 0.001
 MODES = ("disaggregated", "colocated")
 PLACEMENTS = ("goodput", "least_work")
 SLO_ADMISSIONS = ("reject", "best_effort")
+OUTPUT_LENGTHS = ("max_tokens", "ranker")  # ServingConfig.output_length (disagg.router.output_lengths)
 CPU_BINDINGS = ("auto", "on", "off")
 
 
@@ -326,6 +327,9 @@ class ServingConfig:
     slo: SLOConfig = field(default_factory=SLOConfig)  # every request's targets unless it sets its own
     placement: str = "goodput"  # goodput: by predicted TTFT/TPOT against the SLO; least_work (disagg.placement)
     slo_admission: str = "reject"  # a request no instance is predicted to serve in time: reject | best_effort
+    # What the router expects a request to write, for its TPOT prediction: max_tokens, or the
+    # output-length ranker's prediction (disagg.router.output_lengths).
+    output_length: str = "max_tokens"
     profile: str | None = None  # a profile file (`disagg profile`) seeding each instance's latency model
     # Without a profile, goodput placement measures each instance's model at start, for at most
     # this long (disagg.router.calibration); 0: off, instances calibrate on traffic.
@@ -366,6 +370,7 @@ class ServingConfig:
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
         _require(self.calibration_s >= 0, "calibration_s", "must be >= 0 (0: off)")
         _require(self.slo_admission in SLO_ADMISSIONS, "slo_admission", f"must be one of {', '.join(SLO_ADMISSIONS)}")
+        _require(self.output_length in OUTPUT_LENGTHS, "output_length", f"must be one of {', '.join(OUTPUT_LENGTHS)}")
         _require_kv_transport(self.kv_transport)
         _require(
             self.cpu_binding in CPU_BINDINGS,

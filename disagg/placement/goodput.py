@@ -64,7 +64,7 @@ class GoodputPolicy(LeastOutstandingWork):
         prefill_side, decode_side = {id(p): p for p, _ in pairs}, {id(d): d for _, d in pairs}
         cached = {k: p.cached_tokens(request.block_hashes) for k, p in prefill_side.items()}
         ttfts = {k: ttft(p, request.prompt_tokens, cached[k]) for k, p in prefill_side.items()}
-        tpots = {k: tpot(d, request.prompt_tokens, request.max_tokens) for k, d in decode_side.items()}
+        tpots = {k: tpot(d, request.prompt_tokens, request.output_tokens) for k, d in decode_side.items()}
         scored = [_Option(p, d, ttfts[id(p)], tpots[id(d)], request.slo, cached[id(p)], _calibrated(p, d))
                   for p, d in pairs]  # fmt: skip
         if not colocated:
@@ -148,7 +148,7 @@ def _stall_allowed(stall_ms: float, step_ms: float, request: RequestShape) -> bo
     over their remaining tokens (taken as half this request's, as the TPOT prediction takes
     contexts), it must keep their TPOT within the target, or with no target, within the model's
     error."""
-    added = stall_ms / max(1, request.max_tokens // 2)
+    added = stall_ms / max(1, request.output_tokens // 2)
     if request.slo.tpot_ms > 0:
         return step_ms + added <= request.slo.tpot_ms
     return added <= LATENCY_TIE * step_ms

@@ -54,10 +54,17 @@ class RequestShape:
     priority: str = "standard"
     blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
     block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (prefix-cache lookups)
+    # Tokens it is expected to write (disagg.router.output_lengths); None: max_tokens.
+    expected_output_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
             raise ValueError(f"priority: must be one of {PRIORITIES}, got {self.priority!r}")
+
+    @property
+    def output_tokens(self) -> int:
+        """What its TPOT prediction takes it to write."""
+        return self.max_tokens if self.expected_output_tokens is None else self.expected_output_tokens
 
 
 @dataclass(frozen=True)

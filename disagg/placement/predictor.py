@@ -128,16 +128,17 @@ def _unknown_prompts(tokens: int, like: int) -> list[QueuedPrompt]:
     return [QueuedPrompt(size + (i < extra)) for i in range(count)]
 
 
-def tpot(decode: DecodeSide, prompt_tokens: int, max_tokens: int) -> Predicted:
-    """Time per output token of a request joining `decode`'s batch now."""
+def tpot(decode: DecodeSide, prompt_tokens: int, output_tokens: int) -> Predicted:
+    """Time per output token of a request joining `decode`'s batch now, which it is expected
+    to leave after `output_tokens` (its max_tokens, or a predicted length)."""
     batch = decode.decode_batch + 1
-    context = decode.decode_context_tokens + prompt_tokens + batch * max_tokens // 2
+    context = decode.decode_context_tokens + prompt_tokens + batch * output_tokens // 2
     model, step = decode.step_model, decode.step_model.decode_ms(batch, context)
     return Predicted(step, decode.tpot_residual_ms(step), model.decode_small.a)
 
 
-def tpot_ms(decode: DecodeSide, prompt_tokens: int, max_tokens: int) -> float:
-    return tpot(decode, prompt_tokens, max_tokens).ms
+def tpot_ms(decode: DecodeSide, prompt_tokens: int, output_tokens: int) -> float:
+    return tpot(decode, prompt_tokens, output_tokens).ms
 
 
 class Residual:

@@ -36,6 +36,7 @@ class Progress:
     params: SamplingParams
     streamed: list[int] = field(default_factory=list)  # output tokens the client has been sent
     migrations: int = 0
+    expected_output_tokens: int | None = None  # of the whole request (disagg.router.output_lengths)
 
     def attempt_id(self, request_id: str) -> str:
         """The id the workers know this attempt by: a new one after each migration, so that what
@@ -50,6 +51,13 @@ class Progress:
             return self.params
         done = len(self.streamed)
         return dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done, resumed_tokens=done)
+
+    def attempt_expected_output(self) -> int | None:
+        """What the next attempt is expected to write: the rest of the expectation, at least 1
+        and no more than it may write."""
+        if self.expected_output_tokens is None:
+            return None
+        return max(1, min(self.expected_output_tokens - len(self.streamed), self.attempt_params().max_tokens))
 
     def record(self, delta: TokenDelta) -> TokenDelta:
         """Count a delta of the current attempt as streamed; its counts as of the whole request

@@ -39,6 +39,7 @@ from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.migration import Progress, is_migratable
+from disagg.router.output_lengths import OutputLengths
 from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
@@ -123,6 +124,7 @@ class Orchestrator:
         self.policy = policy
         self.streams = streams
         self.block_size = block_size
+        self.output_lengths = OutputLengths.from_config(config)
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
         # Each request as it arrives: (time.monotonic(), prompt tokens, output tokens asked for);
@@ -148,6 +150,8 @@ class Orchestrator:
         `received_at`: when the frontend got it (time.monotonic()), where its TTFT starts for the
         client, so the residuals learn what the predictions miss of that (now, if not given)."""
         progress = Progress(list(prompt_token_ids), params)
+        if self.output_lengths.ranker is not None:
+            progress.expected_output_tokens = self.output_lengths.expected(prompt_token_ids, params.max_tokens)
         slo = slo or self.default_slo
         # In the engines a request keeps its own priority on every attempt (only admission treats
         # a later attempt as critical): a sheddable one does not pass others because it moved.
@@ -160,7 +164,7 @@ class Orchestrator:
             try:
                 attempt = self._attempt(
                     progress.attempt_id(request_id), progress.attempt_prompt(), progress.attempt_params(),
-                    engine_priority, demand, started,
+                    engine_priority, demand, started, progress.attempt_expected_output(),
                 )  # fmt: skip
                 async for delta in attempt:
                     yield progress.record(delta)
@@ -195,12 +199,14 @@ class Orchestrator:
         priority: int,
         demand: tuple[Slo, str],
         started: float,
+        expected_output: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
-        """One try on one placement; `priority`: the engines'; `started`: when its TTFT is measured from."""
+        """One try on one placement; `priority`: the engines'; `started`: when its TTFT is measured
+        from; `expected_output`: the tokens it is expected to write (None: max_tokens)."""
         placement, mailbox = None, None
         hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
         request = RequestShape(
-            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes
+            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes, expected_output
         )
         try:
             if self.disaggregated:
