@@ -1,10 +1,11 @@
 """A discrete-event simulation of the serving system, running the real system's own policies.
 
 Each simulated instance holds the engine's `Scheduler` and `BlockManager` (token budget, chunked
-prefill or prefill-first, KV block capacity, preemption: the same classes, not copies), and the
-router's placement policy (`disagg.placement.policies`) places every request, as in the server.
-Only the model's forward pass is replaced, by the profile's `StepModel`: a step lasts what the
-latency model says for what the scheduler put in it.
+prefill or prefill-first, KV block capacity, preemption, fcfs or ltr order with priority aging
+measured on the simulated clock: the same classes, not copies), and the router's placement
+policy (`disagg.placement.policies`) places every request, as in the server. Only the model's
+forward pass is replaced, by the profile's `StepModel`: a step lasts what the latency model says
+for what the scheduler put in it.
 
 What is modelled, as the real system does it:
 - an instance takes new work only between steps (the engine loop applies commands between
@@ -41,7 +42,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disagg.config import Role, ServingConfig
+from disagg.config import DEFAULT_PRIORITY_AGING_S, Role, ServingConfig
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
@@ -110,6 +111,10 @@ class SimPool:
     max_num_seqs: int = 128
     max_model_len: int = 8192
     scheduling_policy: str = "chunked"
+    # The order its queue is served in and the starvation bound (disagg.engine.queue_order):
+    # under "ltr", by each request's `SimRequest.predicted_output_len`.
+    scheduling_order: str = "fcfs"
+    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
     max_waiting_requests: int = 1 << 30
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -142,6 +147,8 @@ def pools_from_config(
                 max_num_seqs=engine.max_num_seqs,
                 max_model_len=engine.max_model_len or max_model_len,
                 scheduling_policy=engine.scheduling_policy,
+                scheduling_order=engine.scheduling_order,
+                priority_aging_s=engine.priority_aging_s,
                 max_waiting_requests=engine.max_waiting_requests,
                 tensor_parallel_size=tp,
                 pipeline_parallel_size=pp,
@@ -201,7 +208,13 @@ class SimInstance:
             max_waiting_requests=pool.max_waiting_requests,
             max_model_len=pool.max_model_len,
             policy=pool.scheduling_policy,
+            order=pool.scheduling_order,
+            priority_aging_s=pool.priority_aging_s,
+            clock=self._virtual_time,  # waits age on the simulated clock, not the replay's wall time
         )
+
+    def _virtual_time(self) -> float:
+        return self.sim.now
 
     @property
     def is_idle(self) -> bool:
@@ -595,7 +608,14 @@ class Simulator:
     def _engine_request(self, flight: _Flight) -> Request:
         r = flight.sim_request
         params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        return Request(str(r.index), [TOKEN] * r.prompt_len, params, arrival_time=r.arrival_s)
+        return Request(
+            str(r.index),
+            [TOKEN] * r.prompt_len,
+            params,
+            arrival_time=r.arrival_s,
+            priority=r.priority,
+            predicted_output_len=r.predicted_output_len,
+        )
 
     # ---- tokens ------------------------------------------------------------------------------------
     def on_token(self, instance: SimInstance, request: Request, now: float) -> None:

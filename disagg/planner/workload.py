@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -23,6 +23,11 @@ class SimRequest:
     arrival_s: float
     prompt_len: int
     output_len: int
+    # What the engine orders by: vLLM's priority (critical -1, standard 0, sheddable 1) and, for
+    # a pool under scheduling_order ltr, a ranker's guess at output_len (None: no guess;
+    # disagg.planner.predicted_lengths fills it).
+    priority: int = 0
+    predicted_output_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1 or self.arrival_s < 0:
@@ -74,4 +79,4 @@ def poisson_arrivals(num_requests: int, rate: float, burstiness: float = 1.0, se
 def with_rate(requests: list[SimRequest], rate: float, burstiness: float = 1.0, seed: int = 0) -> list[SimRequest]:
     """The same lengths arriving at another rate (the planner's search replays one workload at many)."""
     times = poisson_arrivals(len(requests), rate, burstiness, seed)
-    return [SimRequest(r.index, t, r.prompt_len, r.output_len) for r, t in zip(requests, times)]
+    return [replace(r, arrival_s=t) for r, t in zip(requests, times)]
