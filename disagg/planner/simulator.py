@@ -510,8 +510,11 @@ class Simulator:
             (self.instances["prefill"], self.instances["decode"]) if self.disaggregated else
             (self.instances["colocated"], self.instances["colocated"])
         )  # fmt: skip
+        # The router's TPOT prediction takes the predicted length where the request has one (as
+        # with `output_length: ranker`), else its own length (what a trace's max_tokens says).
         shape = RequestShape(sim_request.prompt_len, sim_request.output_len, self.slo,
-                             blocks_needed=self._blocks(sim_request, "decode" if self.disaggregated else "colocated"))  # fmt: skip
+                             blocks_needed=self._blocks(sim_request, "decode" if self.disaggregated else "colocated"),
+                             expected_output_tokens=sim_request.predicted_output_len)  # fmt: skip
         choice = self.policy.choose_pair(prefills, decodes, shape)
         if not choice.admitted:
             _refuse(record, f"refused: {choice.refusal(self.slo)}")

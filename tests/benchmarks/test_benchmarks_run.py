@@ -151,6 +151,10 @@ SMOKE = {
         "--length-scale", "0.05", "--calibration-s", "0", "--json", "{tmp}/replan.json"),
         (r"^replan goodput ratio: ", r"^wrong outputs: \d+$", r"^simulated replan goodput ratio: "),
         timeout_s=480, heavy=True),
+    "bench_scheduling": Smoke("bench_scheduling.py", ("--smoke", "--config", "{config}", "--json", "{tmp}/sched.json"),
+        (r"^kendall tau: ", r"^mean latency ratio: ", r"^p99 latency ratio: ", r"^ttft p50 ratio: ",
+         r"^tpot mape, router max_tokens: ", r"^tpot mape, router ranker: ", r"^attainment critical: "),
+        timeout_s=480, heavy=True),
     "bench_router": Smoke("bench_router.py", (
         "--smoke", "--config", "{config}", "--phases", "prediction", "--seconds", "2", "--capacity-requests", "2",
         "--out", "{tmp}/router.json"),
