@@ -38,6 +38,7 @@ from disagg.engine.block_manager import BlockManager
 from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
+from disagg.router.decode_admission import DecodeAdmission
 from disagg.router.migration import Progress, is_migratable
 from disagg.router.output_lengths import OutputLengths
 from disagg.router.prompt_queue import SentPrompt
@@ -125,6 +126,8 @@ class Orchestrator:
         self.streams = streams
         self.block_size = block_size
         self.output_lengths = OutputLengths.from_config(config)
+        decode_engine = config.pool_engine_config(config.decode)
+        self.decode_admission = DecodeAdmission(decode_engine.scheduling_order, decode_engine.priority_aging_s)
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
         # Each request as it arrives: (time.monotonic(), prompt tokens, output tokens asked for);
@@ -150,8 +153,7 @@ class Orchestrator:
         `received_at`: when the frontend got it (time.monotonic()), where its TTFT starts for the
         client, so the residuals learn what the predictions miss of that (now, if not given)."""
         progress = Progress(list(prompt_token_ids), params)
-        if self.output_lengths.ranker is not None:
-            progress.expected_output_tokens = self.output_lengths.expected(prompt_token_ids, params.max_tokens)
+        progress.expected_output_tokens = self.output_lengths.predicted(prompt_token_ids, params.max_tokens)
         slo = slo or self.default_slo
         # In the engines a request keeps its own priority on every attempt (only admission treats
         # a later attempt as critical): a sheddable one does not pass others because it moved.
@@ -202,11 +204,12 @@ class Orchestrator:
         expected_output: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
         """One try on one placement; `priority`: the engines'; `started`: when its TTFT is measured
-        from; `expected_output`: the tokens it is expected to write (None: max_tokens)."""
+        from; `expected_output`: the tokens it is predicted to write (None: no prediction)."""
         placement, mailbox = None, None
         hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
+        tpot_output = expected_output if self.output_lengths.for_tpot else None
         request = RequestShape(
-            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes, expected_output
+            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes, tpot_output
         )
         try:
             if self.disaggregated:
@@ -216,7 +219,7 @@ class Orchestrator:
                 choice = self._place(pool, pool, request)
             if self.disaggregated and not choice.local:
                 placement, mailbox, first = await self._start_disaggregated(
-                    request_id, prompt_token_ids, params, priority, request, choice, started
+                    request_id, prompt_token_ids, params, priority, request, choice, started, expected_output
                 )
                 placement.observe(first)
                 yield placement.label(first)
@@ -279,7 +282,15 @@ class Orchestrator:
         return self.directory.healthy(role)
 
     async def _start_disaggregated(
-        self, request_id, prompt_token_ids, params, priority: int, request: RequestShape, choice: Choice, started: float
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        priority: int,
+        request: RequestShape,
+        choice: Choice,
+        started: float,
+        expected_output: int | None,
     ) -> tuple[Placement, Mailbox, TokenDelta]:
         prefill = choice.prefill
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
@@ -298,7 +309,7 @@ class Orchestrator:
         try:
             prefill_call = await prefill.prefill_service.prefill(request_id, prompt_token_ids, params, priority)
             decode, reservation = await self._reserve(
-                request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement
+                request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement, expected_output
             )
             pending.pending_requests -= 1  # answered: in the outstanding requests of `decode` from now on
             pending = None
@@ -356,42 +367,62 @@ class Orchestrator:
         prefill: Instance,
         kv_wait_s: float,
         placement: Placement,
+        expected_output: int | None,
     ):
-        """The handshake, retried with back-off while no decode instance has room: first on the
-        policy's choice, then on whichever has room."""
+        """The handshake: first on the policy's choice, then on whichever has room. While none
+        has, the request waits in the decode side's admission line (disagg.router.decode_admission):
+        once first in it, it retries with back-off; a newcomer queues behind those already waiting."""
+        admission = self.decode_admission
+        waiter = admission.join(priority, expected_output) if admission.waiting else None
         blocks_needed = self._blocks(prompt_token_ids)
         deadline = time.monotonic() + self.config.admission_timeout_s
         backoff = RESERVE_RETRY_S
         chosen = placement.choice.decode if placement.choice is not None else None
-        while True:
-            decode = chosen or self.policy.choose_decode(await self._available("decode"), blocks_needed)
-            chosen = None
-            if decode is None:
-                raise UnavailableError("no healthy decode instance")
-            placement.reserving = decode
-            reservation = await decode.decode_service.reserve(
-                request_id,
-                prompt_token_ids,
-                params,
-                prefill.kv_layout,
-                kv_wait_s,
-                priority,
-                timeout_s=self.config.admission_timeout_s,
-            )
-            placement.reserving = None
-            if reservation is not None:
-                decode.outstanding_requests += 1
-                decode.outstanding_context_tokens += len(prompt_token_ids)
-                decode.reserved_blocks += len(reservation.block_ids)
-                if placement.choice is not None and placement.choice.decode is not decode:  # placed elsewhere after all
-                    placement.choice = None
-                return decode, reservation
-            if time.monotonic() + backoff > deadline:
-                raise OverloadedError(
-                    f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s"
+        try:
+            while True:
+                if waiter is not None and not await admission.wait_turn(waiter, deadline):
+                    break
+                decode = chosen or self.policy.choose_decode(await self._available("decode"), blocks_needed)
+                chosen = None
+                if decode is None:
+                    raise UnavailableError("no healthy decode instance")
+                reservation = await self._reserve_on(
+                    decode, request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement
                 )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+                if reservation is not None:
+                    return decode, reservation
+                if time.monotonic() + backoff > deadline:
+                    break
+                waiter = waiter or admission.join(priority, expected_output)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
+        finally:
+            if waiter is not None:
+                admission.leave(waiter)
+        raise OverloadedError(
+            f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s"
+        )
+
+    async def _reserve_on(self, decode, request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement):
+        """One reservation on `decode`: its blocks and transfer ids, or None when it has no room."""
+        placement.reserving = decode
+        reservation = await decode.decode_service.reserve(
+            request_id,
+            prompt_token_ids,
+            params,
+            prefill.kv_layout,
+            kv_wait_s,
+            priority,
+            timeout_s=self.config.admission_timeout_s,
+        )
+        placement.reserving = None
+        if reservation is not None:
+            decode.outstanding_requests += 1
+            decode.outstanding_context_tokens += len(prompt_token_ids)
+            decode.reserved_blocks += len(reservation.block_ids)
+            if placement.choice is not None and placement.choice.decode is not decode:  # placed elsewhere after all
+                placement.choice = None
+        return reservation
 
     # ---- colocated, or prefilled on the decode instance (conditional disaggregation) ---------------
     async def _start_whole(

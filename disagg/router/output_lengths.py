@@ -19,17 +19,34 @@ from disagg.ranking.ranker import DEFAULT_RANKER_FILE, LengthRanker
 
 
 class OutputLengths:
-    def __init__(self, ranker: LengthRanker | None = None):
-        self.ranker = ranker  # None: max_tokens is what is expected
+    def __init__(self, ranker: LengthRanker | None = None, for_tpot: bool = False):
+        self.ranker = ranker  # None: no request gets a predicted length
+        self.for_tpot = for_tpot  # the TPOT prediction takes the predicted length (else max_tokens)
 
     @classmethod
     def from_config(cls, config: ServingConfig) -> "OutputLengths":
-        if config.output_length != "ranker":
+        """The ranker where the router's TPOT predictions take its lengths, or where the decode
+        side admits by them (`scheduling_order: ltr`: disagg.router.decode_admission)."""
+        for_tpot = config.output_length == "ranker"
+        if not (for_tpot or decode_order(config) == "ltr"):
             return cls()
-        return cls(LengthRanker.load(config.engine.length_ranker or DEFAULT_RANKER_FILE))
+        return cls(LengthRanker.load(config.engine.length_ranker or DEFAULT_RANKER_FILE), for_tpot)
+
+    def predicted(self, prompt_token_ids: Sequence[int], max_tokens: int) -> int | None:
+        """The ranker's length for the request, at least 1 and at most its max_tokens; None
+        without a ranker."""
+        if self.ranker is None:
+            return None
+        return max(1, min(self.ranker.predict_len(prompt_token_ids), max_tokens))
 
     def expected(self, prompt_token_ids: Sequence[int], max_tokens: int) -> int:
-        """Output tokens expected of a request, at most its max_tokens."""
-        if self.ranker is None:
-            return max_tokens
-        return max(1, min(self.ranker.predict_len(prompt_token_ids), max_tokens))
+        """Output tokens the TPOT prediction takes the request to write."""
+        predicted = self.predicted(prompt_token_ids, max_tokens) if self.for_tpot else None
+        return max_tokens if predicted is None else predicted
+
+
+def decode_order(config: ServingConfig) -> str:
+    """The scheduling order of the pool whose admission the router orders: the decode pool's
+    (disaggregated), the colocated pool's otherwise (whose engines order their own queues)."""
+    pool = config.decode if config.mode == "disaggregated" else config.colocated
+    return config.pool_engine_config(pool).scheduling_order

@@ -68,3 +68,11 @@ def test_after_a_migration_the_rest_of_the_expectation_is_expected():
     progress.streamed.extend(range(20))  # past the prediction: at least one more token
     assert progress.attempt_expected_output() == 1
     assert Progress([1], SamplingParams(max_tokens=5)).attempt_expected_output() is None
+
+
+def test_an_ltr_decode_pool_gets_predictions_for_its_admission_order_not_for_tpot():
+    ltr = ServingConfig.from_dict({"decode": {"engine": {"scheduling_order": "ltr"}}})
+    lengths = OutputLengths.from_config(ltr)
+    assert lengths.ranker is not None and not lengths.for_tpot
+    assert lengths.predicted([5, 6, 7], 500) is not None
+    assert lengths.expected([5, 6, 7], 500) == 500  # the TPOT prediction still takes max_tokens
