@@ -340,7 +340,9 @@ class ServingConfig:
     max_inflight_requests: int | None = (
         None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     )
-    admission_timeout_s: float = 30.0  # how long a request may wait for room on a decode instance
+    # How long a request may wait for room on a decode instance (at most kv_timeout_s: the prefill
+    # instance holds its computed prompt that long).
+    admission_timeout_s: float = 30.0
     request_timeout_s: float = 600.0
     max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
     recovery_timeout_s: float = 60.0  # how long a migrating request waits for a healthy instance (a relaunch)

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -110,7 +111,7 @@ async def send(stub, index: int, prompt: list[int], priority: str, slo, started:
                 outcome.predicted_tpot_s = msg.timings.predicted_tpot_s
                 outcome.decode_s = msg.timings.decode_s
     except grpc.aio.AioRpcError as exc:
-        outcome.error = exc.code().name
+        outcome.error = f"{exc.code().name}: {(exc.details() or '')[:80]}"
     outcome.e2e_s = time.perf_counter() - sent
     return outcome
 
@@ -139,6 +140,9 @@ def serve_and_drive(name: str, base: str | None, overrides: dict, prompts, times
             deployment.stop()
     run.name = name
     done = [o for o in run.outcomes if o.ok]
+    errors = Counter(o.error for o in run.outcomes if not o.ok)
+    if errors:
+        print(f"  {name}: errors {dict(errors)}", flush=True)
     print(
         f"  {name}: {len(done)}/{len(run.outcomes)} answered in {run.duration_s:.0f} s, "
         f"mean e2e {statistics.fmean(o.e2e_s for o in done):.2f} s, p99 {percentile([o.e2e_s for o in done], 99):.2f} s, "
@@ -206,8 +210,11 @@ def main() -> None:
     times = arrivals(len(prompts), args.rate, seed=1)
     standard = ["standard"] * len(prompts)
     common = {
-        "calibration_s": 0 if args.smoke else 30,
+        "calibration_s": 0,  # the router's models fit online, from this traffic
         "slo_admission": "best_effort",  # the order is what is measured here, not admission
+        "max_inflight_requests": 4 * len(prompts),  # a queue builds rather than refusals
+        "admission_timeout_s": 600,
+        "kv_timeout_s": 600,  # how long a prefilled prompt may wait for room on the decode side
         "replan": False,
         "decode": {"engine": {"max_num_seqs": args.max_num_seqs}},
     }

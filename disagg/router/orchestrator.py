@@ -375,7 +375,9 @@ class Orchestrator:
         admission = self.decode_admission
         waiter = admission.join(priority, expected_output) if admission.waiting else None
         blocks_needed = self._blocks(prompt_token_ids)
-        deadline = time.monotonic() + self.config.admission_timeout_s
+        # The prefill instance holds the computed prompt for its targets for the KV timeout: a
+        # longer wait for room would end in "dropped the request" and a prefill all over again.
+        deadline = time.monotonic() + min(self.config.admission_timeout_s, self.config.kv_timeout_s)
         backoff = RESERVE_RETRY_S
         chosen = placement.choice.decode if placement.choice is not None else None
         try:
@@ -399,9 +401,8 @@ class Orchestrator:
         finally:
             if waiter is not None:
                 admission.leave(waiter)
-        raise OverloadedError(
-            f"no decode instance had room for {blocks_needed} KV blocks within {self.config.admission_timeout_s:.0f}s"
-        )
+        waited = min(self.config.admission_timeout_s, self.config.kv_timeout_s)
+        raise OverloadedError(f"no decode instance had room for {blocks_needed} KV blocks within {waited:.0f}s")
 
     async def _reserve_on(self, decode, request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement):
         """One reservation on `decode`: its blocks and transfer ids, or None when it has no room."""
