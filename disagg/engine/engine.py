@@ -25,6 +25,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import select_decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
+from disagg.engine.layers.quantized import wide_dtype_for
 from disagg.engine.length_prediction import load_length_ranker, predict_output_len
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
@@ -181,7 +182,10 @@ class LLMEngine:
         quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
         model.load_weights(source.iter_weights(), pack=not quantized)
         if quantized:
-            model.quantize_weights(weights, source.gguf_types())
+            # The copy for many-row steps: float32 where prompts are computed, bfloat16 on a
+            # decode instance (its batches of more than 4; a role switch keeps the copy it has).
+            prefills = self.config.role is not Role.DECODE
+            model.quantize_weights(weights, source.gguf_types(), wide_dtype_for(prefills))
             model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
             _return_freed_memory()  # the dense float32 copies just freed
         return model.eval()

@@ -243,3 +243,25 @@ def test_a_decode_row_beside_prefill_rows_takes_the_fused_mlp_kernel():
     assert torch.equal(beside[:1], alone)
     gate, up = gate_up._wide_product(prefill).chunk(2, dim=-1)
     assert torch.equal(beside[1:], torch.nn.functional.silu(gate) * up)
+
+
+def test_a_decode_instance_keeps_a_bfloat16_copy_and_a_prompt_computing_one_float32():
+    from disagg.engine.layers.quantized import wide_dtype_for
+
+    assert wide_dtype_for(prefills=True) == torch.float32 and wide_dtype_for(prefills=False) == torch.bfloat16
+    torch.manual_seed(8)
+    weight = _gguf_roundtrip(torch.randn(OUT, IN) * 0.05, "Q4_1")
+    ops = cpu_ops(torch.device("cpu"), "auto")  # ours: their dequantized values are exact
+    if ops is None:
+        pytest.skip("the C++ CPU kernels did not build here")
+    decode_side = quantize(weight, "int4", ["Q4_1"], ops, wide_dtype=torch.bfloat16)
+    if decode_side._wide is None:
+        pytest.skip("no many-row copy here (oneDNN off)")
+    prompt_side = quantize(weight, "int4", ["Q4_1"], ops)
+    assert decode_side.nbytes < prompt_side.nbytes  # half the copy's bytes
+    rows = torch.randn(9, IN)
+    exact = rows @ prompt_side.dequantized().T
+    torch.testing.assert_close(prompt_side._wide_product(rows), exact, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(decode_side._wide_product(rows), exact, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        quantize(weight, "int4", ["Q4_1"], ops, wide_dtype=torch.float16)

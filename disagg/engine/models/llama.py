@@ -183,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
         return gemms
 
     # ---- quantized weights (layers/quantized.py) ---------------------------------------------
-    def quantize_weights(self, setting: str, gguf_types: dict[str, str]) -> None:
+    def quantize_weights(
+        self, setting: str, gguf_types: dict[str, str], wide_dtype: torch.dtype = torch.float32
+    ) -> None:
         """Keep each GEMM's weight quantized where `setting` (EngineConfig.weights) says so,
         freeing its dense copy. The vocabulary projection goes to int8 whenever anything is
         quantized, and a tied embedding to int8 blocks (QuantizedEmbedding)."""
@@ -194,13 +196,13 @@ class LlamaForCausalLM(nn.Module):
                 types = [gguf_types.get(n) for n in self._checkpoint_names(name)]
                 fmt = weight_format(setting, types)
                 if fmt is not None:
-                    module.packed = quantize(module.weight.data, fmt, types, kernels)
+                    module.packed = quantize(module.weight.data, fmt, types, kernels, wide_dtype)
                     module.weight = _freed(module.weight)
                     quantized = True
         if not (quantized and self.is_last_stage):
             return
         dense = self._vocab_weight().data
-        self.logits_weight = quantize(dense, "int8", kernels=kernels)
+        self.logits_weight = quantize(dense, "int8", kernels=kernels, wide_dtype=wide_dtype)
         if self.lm_head is not None:
             self.lm_head.weight = _freed(self.lm_head.weight)
         elif self.config.hidden_size % QuantizedEmbedding.BLOCK == 0:  # else the embedding stays dense
