@@ -141,6 +141,7 @@ def run_ours(job: dict) -> dict:
         num_threads=job["threads"],
         device=job.get("device", "cpu"),
         weights=job.get("weights", "auto"),
+        prompt_precision=job.get("prompt_precision", "fp32"),
     )
     if job.get("kv_cache_gib"):
         engine_args["kv_cache_memory_bytes"] = int(job["kv_cache_gib"] * (1 << 30))
@@ -366,6 +367,10 @@ def parse_args(argv=None):
         "--weights", default="auto", choices=["auto", "fp32", "bf16", "int8", "int4"],
         help="our engine.weights (auto: a GGUF's quantized blocks kept quantized on CPU); HF runs dense",
     )  # fmt: skip
+    p.add_argument(
+        "--prompt-precision", default="fp32", choices=["fp32", "bf16"],
+        help="our engine.prompt_precision under quantized weights (bf16: faster prompts, llama.cpp-like numbers)",
+    )  # fmt: skip
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=32, help="HF static batch size = our max_num_seqs")
     p.add_argument("--min-prompt", type=int, default=32)
@@ -413,6 +418,7 @@ def main(argv=None) -> None:
         "model": args.model or "smollm2-135m-instruct (default)",
         "dtype": args.dtype,
         "weights": args.weights,
+        "prompt_precision": args.prompt_precision,
         "device": args.device,
         "threads": args.threads,
         "num_requests": len(requests),
@@ -431,6 +437,7 @@ def main(argv=None) -> None:
         "model": args.model,
         "dtype": args.dtype,
         "weights": args.weights,
+        "prompt_precision": args.prompt_precision,
         "device": args.device,
         "threads": args.threads,
         "max_batch": args.max_batch,

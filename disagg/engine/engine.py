@@ -182,10 +182,11 @@ class LLMEngine:
         quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
         model.load_weights(source.iter_weights(), pack=not quantized)
         if quantized:
-            # The copy for many-row steps: float32 where prompts are computed, bfloat16 on a
-            # decode instance (its batches of more than 4; a role switch keeps the copy it has).
+            # The copy for many-row steps: prompt_precision where prompts are computed, bfloat16
+            # on a decode instance (its batches of more than 4; a role switch keeps the copy it has).
             prefills = self.config.role is not Role.DECODE
-            model.quantize_weights(weights, source.gguf_types(), wide_dtype_for(prefills))
+            wide_dtype = wide_dtype_for(prefills, self.config.prompt_precision)
+            model.quantize_weights(weights, source.gguf_types(), wide_dtype)
             model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
             _return_freed_memory()  # the dense float32 copies just freed
         return model.eval()

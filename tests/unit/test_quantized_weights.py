@@ -249,6 +249,9 @@ def test_a_decode_instance_keeps_a_bfloat16_copy_and_a_prompt_computing_one_floa
     from disagg.engine.layers.quantized import wide_dtype_for
 
     assert wide_dtype_for(prefills=True) == torch.float32 and wide_dtype_for(prefills=False) == torch.bfloat16
+    assert wide_dtype_for(prefills=True, prompt_precision="bf16") == torch.bfloat16  # speed over fidelity
+    with pytest.raises(ValueError, match="prompt_precision"):
+        LLM(num_kv_blocks=8, prompt_precision="fp16")
     torch.manual_seed(8)
     weight = _gguf_roundtrip(torch.randn(OUT, IN) * 0.05, "Q4_1")
     ops = cpu_ops(torch.device("cpu"), "auto")  # ours: their dequantized values are exact

@@ -194,10 +194,10 @@ class Int8Weight(_QuantizedGemm):
 _step = threading.local()  # the engine step running on this thread (its decode rows come first)
 
 
-def wide_dtype_for(prefills: bool) -> torch.dtype:
-    """The many-row copy's dtype: float32 on an engine that computes prompts (its first tokens
-    the reference's), bfloat16 on a decode-only one."""
-    return torch.float32 if prefills else torch.bfloat16
+def wide_dtype_for(prefills: bool, prompt_precision: str = "fp32") -> torch.dtype:
+    """The many-row copy's dtype: `prompt_precision` (EngineConfig) on an engine that computes
+    prompts (fp32: its first tokens the reference's), bfloat16 on a decode-only one."""
+    return torch.float32 if prefills and prompt_precision == "fp32" else torch.bfloat16
 
 
 def _checked_wide_dtype(dtype: torch.dtype) -> torch.dtype:
