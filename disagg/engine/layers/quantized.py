@@ -12,8 +12,9 @@ the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two ke
   bfloat16 one on this project's AVX-512 host (RESULTS.md, "Quantized weights"), so activations
   enter them as bfloat16.
 
-Steps of many rows (a prompt's chunk, a large decode batch) take a float32 packed copy of the
-same dequantized weights instead, so a prompt is computed as the reference computes it
+Steps of many rows (a prompt's chunk, a large decode batch) take a packed float copy of the
+same dequantized weights instead: float32 by default (EngineConfig.prompt_precision; a decode
+instance, which computes no prompts, keeps bfloat16), so a prompt is computed as the reference computes it
 (transformers on the dequantized GGUF): its first token is the reference's own, even where two
 tokens nearly tie (SmolLM2's "What is the capital of France?": 0.08 nats between "The" and "L'",
 which bfloat16 products or int8 activations flip). The vocabulary projection has no such copy:
@@ -81,9 +82,9 @@ class _QuantizedGemm:
         return out if bias is None else out + bias
 
     def _narrow_rows(self, num_rows: int) -> int:
-        """How many of the leading rows take the quantized kernel, the rest the float32 path.
+        """How many of the leading rows take the quantized kernel, the rest the float copy.
 
-        Within an engine step (`step_rows`) prompt rows always take the float32 path (the first
+        Within an engine step (`step_rows`) prompt rows always take the copy (float32: the first
         token is the reference's), and a decode's row the kernel while the step has at most
         `max_narrow_decodes` of them. Outside a step: by count."""
         if not self._has_wide_path():
