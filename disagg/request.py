@@ -38,6 +38,7 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # blocks taken back; recomputed when rescheduled
     PAUSED = enum.auto()  # out of the batch, blocks kept: its KV is moving to another instance
+    SUSPENDED = enum.auto()  # out of the batch, blocks kept: a more urgent request took its slot
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -237,8 +238,12 @@ class Request:
     # ltr` orders by. None: no guess.
     predicted_output_len: int | None = None
     # When it entered this engine's scheduler, on the scheduler's clock: its wait since raises its
-    # priority (disagg.engine.queue_order). Kept across preemptions.
+    # priority (disagg.engine.queue_order). Kept across preemptions; moved when it is suspended
+    # (it waits from then, with the rise it had earned).
     queued_at: float | None = None
+    # The priority it holds its batch slot at: its own, raised by what it had waited when it got
+    # the slot (disagg.engine.queue_order.held_priority). None while it holds none.
+    held_priority: float | None = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

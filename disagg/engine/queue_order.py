@@ -17,6 +17,14 @@ however many of those keep coming: a sheddable one is served before critical one
 that came aging_s later. Under fcfs a request rises no higher than the most urgent class
 waiting: within a class fcfs is already by age, so rising further would only reorder a class
 against itself (and a queue of one class keeps exactly its order).
+
+Displacement: when the batch is full (`max_num_seqs`), a request that waits may take the slot of
+a running one it outranks: a better priority, or under ltr the same priority and a predicted
+remaining output at most 1 / DISPLACEMENT_RATIO of the other's. The displaced request is
+suspended with its KV kept and waits again, aging from then on, so it is back in the batch within
+the same bound (a suspended request takes a free slot, or displaces by priority alone). A running request is judged at the priority it got its slot with
+(`held_priority`: its own, raised by what it had waited), so one that waited long to get in is not
+pushed out again by the next newcomer of its class.
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ from disagg.config import SCHEDULING_ORDERS
 from disagg.request import Request
 
 NO_PREDICTION = math.inf  # what a request without a predicted length counts as: longest
+# Under ltr a newcomer displaces a running request of its class only when predicted to need at
+# most half the other's remaining output: the ranker's guesses are rough (Kendall's tau ~0.7),
+# and a swap on a small difference would cost the batch churn for no expected gain.
+DISPLACEMENT_RATIO = 2.0
 
 
 def check_order(order: str, aging_s: float) -> None:
@@ -51,6 +63,25 @@ def aged_priority(request: Request, now: float, aging_s: float, ceiling: float =
     return max(request.priority - math.floor(waited / aging_s), ceiling)
 
 
+def held_priority(request: Request) -> float:
+    """The priority a running request holds its slot at (its own when it has none recorded)."""
+    return request.priority if request.held_priority is None else request.held_priority
+
+
+def displaces(
+    challenger: Request, holder: Request, now: float, order: str, aging_s: float, by_length: bool = True
+) -> bool:
+    """Whether the waiting `challenger` may take running `holder`'s batch slot (see the module's
+    docstring). `by_length=False` (a suspended challenger) leaves only priorities to decide: a
+    request suspended for one that waited longer must not push it out again by length."""
+    mine, theirs = aged_priority(challenger, now, aging_s), held_priority(holder)
+    if mine != theirs:
+        return mine < theirs
+    if not by_length or order != "ltr" or challenger.predicted_output_len is None:
+        return False
+    return predicted_remaining(challenger) * DISPLACEMENT_RATIO <= predicted_remaining(holder)
+
+
 def waiting_order(waiting: Sequence[Request], now: float, order: str, aging_s: float) -> list[Request]:
     """The waiting requests, the next to admit first. `waiting` is in queue order (arrivals at
     the back, preempted requests at the front); a request of a class waits behind the requests
@@ -69,20 +100,20 @@ def waiting_order(waiting: Sequence[Request], now: float, order: str, aging_s: f
 def batch_order(running: Iterable[Request]) -> list[Request]:
     """Running requests in the order they get the step's budget and blocks: by priority, then in
     their running order. Preemption takes from the other end (`preemption_victim`)."""
-    return sorted(running, key=lambda r: r.priority)
+    return sorted(running, key=held_priority)
 
 
 def preemption_victim(candidates: Sequence[Request], order: str) -> Request | None:
-    """The request to preempt among `candidates` (in running order): the lowest priority, then
-    under ltr the longest predicted remaining output, then the latest to run (its recomputation
-    costs least and the oldest keep making progress)."""
+    """The request to preempt (or displace) among `candidates` (in running order): the lowest
+    held priority, then under ltr the longest predicted remaining output, then the latest to run
+    (its recomputation costs least and the oldest keep making progress)."""
     if not candidates:
         return None
 
     def preempted_first(indexed: tuple[int, Request]) -> tuple:  # the largest is preempted
         position, request = indexed
         if order == "ltr":
-            return request.priority, predicted_remaining(request), position
-        return request.priority, position
+            return held_priority(request), predicted_remaining(request), position
+        return held_priority(request), position
 
     return max(enumerate(candidates), key=preempted_first)[1]

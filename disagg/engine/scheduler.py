@@ -7,6 +7,13 @@ blocks freed, its tokens recomputed later), so the oldest requests always make p
 nothing deadlocks. Priorities, the order within one, and the bound on any request's wait are
 disagg.engine.queue_order's; with every request of one priority, all is first-come-first-served.
 
+When `max_num_seqs` requests run, a request that outranks one of them (queue_order.displaces:
+a better priority, or under ltr a much shorter predicted output) takes its slot: the running one
+is suspended, its KV kept, and waits beside the waiting queue for a slot in the same order. So a
+critical request, or under ltr a short answer, does not wait for a long generation to end. At
+most `max_num_seqs` requests are suspended at once; when blocks run out, suspended requests are
+preempted before running ones.
+
 With `policy="prefill_first"` (vLLM v0's default, the other baseline) a step runs either whole
 new prompts, unchunked, or, when none waits, the decodes: decodes stall while prompts run.
 
@@ -27,7 +34,15 @@ from dataclasses import dataclass, field
 
 from disagg.config import DEFAULT_PRIORITY_AGING_S, Role
 from disagg.engine.block_manager import BlockManager
-from disagg.engine.queue_order import batch_order, check_order, preemption_victim, waiting_order
+from disagg.engine.queue_order import (
+    aged_priority,
+    batch_order,
+    check_order,
+    displaces,
+    held_priority,
+    preemption_victim,
+    waiting_order,
+)
 from disagg.errors import OverloadedError
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.step_work import StepWork
@@ -117,6 +132,7 @@ class Scheduler:
         self.waiting_for_kv: dict[str, Request] = {}
         self.held_for_export: dict[str, Request] = {}  # PREFILL: finished, blocks still held
         self.paused: dict[str, Request] = {}  # out of the batch while their KV moves elsewhere
+        self.suspended: dict[str, Request] = {}  # out of the batch, KV kept: displaced (see above)
         self.requests: dict[str, Request] = {}  # every request not yet fully freed
 
     # ---- admission -----------------------------------------------------------------------
@@ -125,12 +141,20 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve_for_remote_prefill(self, request: Request) -> bool:
-        """DECODE role: allocate blocks for the whole prompt now; KV arrives later."""
-        if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
-            return False
+        """DECODE role: allocate blocks for the whole prompt now; KV arrives later. With every
+        slot taken, it takes the slot of a running request it outranks (suspending that one)."""
+        self._rebalance_slots()
+        victim = None
+        if self._slots_full():
+            victim = self._displaced_by(request, self.clock())
+            if victim is None:
+                return False
         if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
             return False
+        if victim is not None:
+            self._suspend(victim)
         self._admit(request)
+        self._take_slot(request)
         request.status = RequestStatus.WAITING_FOR_KV
         self.waiting_for_kv[request.request_id] = request
         return True
@@ -193,6 +217,68 @@ class Scheduler:
         request.sampling_params = params
         return self.finish_kv_import(request_id, last_token)
 
+    # ---- batch slots: who is in the batch when more want in than max_num_seqs ---------------
+    def _slots_full(self) -> bool:
+        return len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs
+
+    def _displaced_by(self, challenger: Request, now: float) -> Request | None:
+        """The running request whose slot `challenger` may take now, if any: the one preemption
+        would pick among those decoding, when the challenger outranks it and room to suspend it is left."""
+        if len(self.suspended) >= self.max_num_seqs:
+            return None
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        victim = preemption_victim(decoding, self.order)
+        by_length = challenger.request_id not in self.suspended
+        if victim is None or not displaces(challenger, victim, now, self.order, self.priority_aging_s, by_length):
+            return None
+        return victim
+
+    def _suspend(self, request: Request) -> None:
+        self.running.remove(request)
+        self.suspended[request.request_id] = request
+        request.status = RequestStatus.SUSPENDED
+        # It ran until now, so it waits from now, but keeps the rise it had earned: its wait is
+        # counted from as far back as its held priority says (queue_order.aged_priority).
+        earned = request.priority - held_priority(request)
+        request.queued_at = self.clock() - earned * self.priority_aging_s
+        request.held_priority = None
+
+    def _take_slot(self, request: Request) -> None:
+        request.held_priority = aged_priority(request, self.clock(), self.priority_aging_s)
+
+    def _rebalance_slots(self) -> None:
+        """Suspended and waiting requests, in queue order, take the free slots, then the slots
+        of running requests they displace; a suspended one resumes at once, a waiting one is
+        admitted by this step's _schedule_waiting (when its blocks fit)."""
+        if not self.suspended and not (self.waiting and self._slots_full()):
+            return
+        now = self.clock()
+        contenders = waiting_order([*self.suspended.values(), *self.waiting], now, self.order, self.priority_aging_s)
+        free = self.max_num_seqs - len(self.running) - len(self.waiting_for_kv)
+        for request in contenders:
+            if free <= 0:
+                victim = self._displaced_by(request, now)
+                if victim is None:
+                    break
+                if request.request_id not in self.suspended and not self._fits_first_chunk(request):
+                    break
+                self._suspend(victim)
+                free += 1
+            if request.request_id in self.suspended:
+                self._resume_suspended(request)
+            free -= 1
+
+    def _fits_first_chunk(self, request: Request) -> bool:
+        cached = self.block_manager.find_cached_prefix(request)
+        num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, self.max_num_batched_tokens)
+        return self.block_manager.can_allocate(request, num_new, cached)
+
+    def _resume_suspended(self, request: Request) -> None:
+        del self.suspended[request.request_id]
+        request.status = RequestStatus.RUNNING
+        self._take_slot(request)
+        self.running.append(request)
+
     def _admit(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id: {request.request_id!r} is already in use")
@@ -204,6 +290,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._rebalance_slots()
         if self.policy == "prefill_first" and self.waiting:
             out = SchedulerOutput()
             self._schedule_whole_prompts(out)
@@ -273,13 +360,17 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = time.perf_counter()
+        self._take_slot(request)
         self.running.append(request)
         out.chunks.append(ScheduledChunk(request, num_cached, num_new))
         return True
 
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
-            candidates = [r for r in self.running if r is not request and r.request_id not in scheduled]
+            # the suspended first: they hold blocks and compute nothing
+            candidates = list(self.suspended.values()) or [
+                r for r in self.running if r is not request and r.request_id not in scheduled
+            ]
             victim = preemption_victim(candidates, self.order)
             self._preempt(victim or request, out)
             if victim is None:
@@ -287,7 +378,9 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.running.remove(request)
+        if self.suspended.pop(request.request_id, None) is None:
+            self.running.remove(request)
+        request.held_priority = None
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -359,6 +452,8 @@ class Scheduler:
             del self.held_for_export[request.request_id]
         elif request.request_id in self.paused:
             del self.paused[request.request_id]
+        elif request.request_id in self.suspended:
+            del self.suspended[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -376,7 +471,7 @@ class Scheduler:
         """How many next steps are certain to be decodes of exactly the running batch: nothing
         waits, every running request is decoding and fits the budget, blocks suffice without a
         preemption, and no request stops before the last of them. 0 when the next step is not."""
-        if self.role is Role.PREFILL or self.waiting or not self.running:
+        if self.role is Role.PREFILL or self.waiting or self.suspended or not self.running:
             return 0
         if len(self.running) > self.max_num_batched_tokens:
             return 0
@@ -419,7 +514,7 @@ class Scheduler:
 
     # ---- queries -------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.waiting_for_kv)
+        return bool(self.waiting or self.running or self.waiting_for_kv or self.suspended)
 
     @property
     def num_running(self) -> int:

@@ -230,7 +230,7 @@ class SimInstance:
     @property
     def num_requests(self) -> int:
         s = self.scheduler
-        return len(s.running) + len(s.waiting) + len(s.waiting_for_kv) + self.num_reserved
+        return len(s.running) + len(s.waiting) + len(s.waiting_for_kv) + len(s.suspended) + self.num_reserved
 
     @property
     def free_blocks(self) -> int:

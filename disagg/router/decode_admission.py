@@ -6,7 +6,10 @@ room to whichever woke first: neither first come nor shortest first, whatever th
 `scheduling_order` says. So the requests that found no room wait in one line per router, in the
 order an engine keeps its own waiting queue (disagg.engine.queue_order: priority, raised by
 waiting, then arrival under fcfs or predicted output length under ltr), and only the first of
-them tries; when it leaves (placed, failed or given up), the next tries at once.
+them tries; when it leaves (placed, failed or given up), the next tries at once. It tries at the
+priority its wait has raised it to (`priority_now`), so that the engine, which may suspend a
+running request for a more urgent one (disagg.engine.scheduler), weighs the same priority this
+line ordered it by.
 
 This is the decode side's admission order in a disaggregated deployment (an engine's own waiting
 queue holds only the prompts of a prefill or colocated instance).
@@ -19,7 +22,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from disagg.engine.queue_order import waiting_order
+from disagg.engine.queue_order import aged_priority, waiting_order
 
 RECHECK_S = 0.5  # a waiting request's place may change with time alone (aging): look again this often
 
@@ -51,6 +54,10 @@ class DecodeAdmission:
         if waiter in self.waiting:
             self.waiting.remove(waiter)
             self._changed()
+
+    def priority_now(self, waiter: Waiter) -> int:
+        """Its priority raised by its wait in this line (queue_order.aged_priority)."""
+        return int(aged_priority(waiter, self.clock(), self.aging_s))
 
     def first(self) -> Waiter | None:
         if not self.waiting:

@@ -388,8 +388,9 @@ class Orchestrator:
                 chosen = None
                 if decode is None:
                     raise UnavailableError("no healthy decode instance")
+                urgency = priority if waiter is None else admission.priority_now(waiter)
                 reservation = await self._reserve_on(
-                    decode, request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement
+                    decode, request_id, prompt_token_ids, params, urgency, prefill, kv_wait_s, placement
                 )
                 if reservation is not None:
                     return decode, reservation

@@ -243,7 +243,7 @@ def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
     context = sum(r.num_tokens for r in list(scheduler.running))
     return LoadReport(
         num_running=len(scheduler.running),
-        num_waiting=len(scheduler.waiting),
+        num_waiting=len(scheduler.waiting) + len(scheduler.suspended),  # suspended: waiting for a slot again
         num_waiting_for_kv=num_waiting_for_kv,
         queued_prefill_tokens=queued,
         num_free_blocks=free,

@@ -68,3 +68,13 @@ def test_a_wait_past_its_deadline_gives_up():
         return await line.wait_turn(behind, time.monotonic() + 0.1)
 
     assert asyncio.run(scenario()) is False
+
+
+def test_a_request_tries_at_the_priority_its_wait_raised_it_to():
+    """What the router sends the decode engine, which may suspend a running request for it."""
+    clock = Clock()
+    line = DecodeAdmission("fcfs", aging_s=10.0, clock=clock)
+    sheddable = line.join(1, None)
+    assert line.priority_now(sheddable) == 1
+    clock.now = 25.0
+    assert line.priority_now(sheddable) == -1  # two classes up: as urgent as a critical request

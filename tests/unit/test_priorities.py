@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.queue_order import preemption_victim, waiting_order
 from disagg.engine.scheduler import SampledToken, Scheduler
@@ -189,6 +189,103 @@ def test_critical_decodes_get_the_budget_first():
     assert [r.request_id for r in s.running] == ["s", "n", "c"]
     s.max_num_batched_tokens = 2  # room for two of the three decodes
     assert [c.request.request_id for c in step(s).chunks] == ["c", "n"]
+
+
+# ---- displacement: a full batch makes room for a more urgent request ---------------------------------
+def decoding(s: Scheduler, *requests: Request) -> None:
+    """Reserve each on a DECODE scheduler and import its KV: each then decodes."""
+    for r in requests:
+        assert s.reserve_for_remote_prefill(r)
+        s.finish_kv_import(r.request_id, 7)
+
+
+def decode_scheduler(clock=None, **kw) -> Scheduler:
+    return scheduler(clock, role=Role.DECODE, max_num_seqs=2, **kw)
+
+
+def test_a_critical_reservation_suspends_the_sheddable_decode_and_it_resumes_when_a_slot_frees():
+    s = decode_scheduler()
+    decoding(s, request("sheddable", SHEDDABLE, max_tokens=50), request("standard", STANDARD, max_tokens=3))
+    blocks = list(s.requests["sheddable"].block_ids)
+    assert not s.reserve_for_remote_prefill(request("also-sheddable", SHEDDABLE))  # no one it outranks
+    decoding(s, request("critical", CRITICAL, max_tokens=50))
+    assert list(s.suspended) == ["sheddable"] and s.requests["sheddable"].block_ids == blocks  # KV kept
+    assert sorted(c.request.request_id for c in step(s).chunks) == ["critical", "standard"]
+    step(s)  # the standard one ends (3 tokens): its slot frees
+    assert sorted(c.request.request_id for c in step(s).chunks) == ["critical", "sheddable"]
+    assert not s.suspended
+
+
+def test_under_fcfs_a_request_of_the_same_class_never_displaces():
+    s = decode_scheduler()
+    decoding(s, request("a", max_tokens=50, predicted_output_len=50), request("b", max_tokens=50))
+    assert not s.reserve_for_remote_prefill(request("short", predicted_output_len=1))
+    assert not s.suspended
+
+
+def test_under_ltr_only_a_much_shorter_prediction_displaces_the_longest_predicted():
+    s = decode_scheduler(order="ltr")
+    decoding(s, request("long", max_tokens=300, predicted_output_len=200))
+    decoding(s, request("mid", max_tokens=300, predicted_output_len=120))
+    assert not s.reserve_for_remote_prefill(request("not-short-enough", predicted_output_len=101))
+    assert not s.reserve_for_remote_prefill(request("unknown"))  # no prediction: never displaces
+    decoding(s, request("short", max_tokens=300, predicted_output_len=90))
+    assert list(s.suspended) == ["long"]
+
+
+def test_a_suspended_request_is_back_within_its_bound_however_many_short_ones_arrive():
+    """Under ltr, short requests arrive every step and displace the long one; none of them ends.
+    A suspended request ages from its suspension, keeping the rise it had earned, so each of the
+    long one's suspensions ends within aging_s, and it runs most steps."""
+    aging_s, step_s = 1.0, 0.25
+    clock = FakeClock()
+    s = decode_scheduler(clock, order="ltr", priority_aging_s=aging_s, num_blocks=1000)
+    decoding(s, request("long", max_tokens=1000, predicted_output_len=900))
+    ran_long, suspended_since, longest = 0, None, 0.0
+    for index in range(int(10 * aging_s / step_s)):
+        newcomer = request(f"short{index}", max_tokens=1000, predicted_output_len=10)
+        if s.reserve_for_remote_prefill(newcomer):
+            s.finish_kv_import(newcomer.request_id, 7)
+        if "long" in {c.request.request_id for c in step(s).chunks}:
+            ran_long += 1
+            suspended_since = None
+        else:
+            suspended_since = clock.now if suspended_since is None else suspended_since
+            longest = max(longest, clock.now - suspended_since)
+        clock.now += step_s
+    assert s.requests["long"].num_preemptions == 0 and longest > 0  # it was suspended, never recomputed
+    assert longest <= aging_s, f"suspended for {longest} s at once"
+    assert ran_long >= 20  # of 40 steps
+
+
+def test_a_colocated_engine_suspends_for_a_critical_prompt_that_waits():
+    s = scheduler(max_num_seqs=1)
+    s.add_request(request("sheddable", SHEDDABLE, max_tokens=50))
+    step(s)
+    s.add_request(request("critical", CRITICAL, max_tokens=2))
+    assert [c.request.request_id for c in step(s).chunks] == ["critical"]
+    assert list(s.suspended) == ["sheddable"]
+    step(s)  # the critical one's last token
+    assert [c.request.request_id for c in step(s).chunks] == ["sheddable"]
+
+
+def test_under_block_pressure_the_suspended_request_is_preempted_before_a_running_one():
+    s = decode_scheduler(num_blocks=4)
+    decoding(s, request("sheddable", SHEDDABLE, max_tokens=50), request("standard", STANDARD, max_tokens=50))
+    decoding(s, request("critical", CRITICAL, max_tokens=50))  # one block each; the last one free
+    out = step(s)  # each decode needs a second block: the critical one takes the free one, then...
+    assert [r.request_id for r in out.preempted] == ["sheddable"]
+    assert [r.request_id for r in s.waiting] == ["sheddable"] and not s.suspended
+    assert sorted(c.request.request_id for c in out.chunks) == ["critical", "standard"]
+
+
+def test_at_most_max_num_seqs_requests_are_suspended():
+    s = decode_scheduler(num_blocks=64)
+    decoding(s, *(request(f"shed{i}", SHEDDABLE, max_tokens=50) for i in range(2)))
+    decoding(s, *(request(f"std{i}", STANDARD, max_tokens=50) for i in range(2)))
+    assert len(s.suspended) == 2
+    assert not s.reserve_for_remote_prefill(request("critical", CRITICAL))  # room to suspend is gone
+    assert len(s.running) == 2 and s.has_unfinished_requests()
 
 
 # ---- settings --------------------------------------------------------------------------------------
