@@ -2,7 +2,9 @@
 # `disagg serve --cluster` on the head of a `ray up` cluster (deploy/cluster.yaml's head start
 # commands run it): in the background, detached from the launcher's SSH session, logging to
 # ~/disagg-serve.log; it writes its gRPC address to ~/disagg-serve.ready once it serves.
-# With ~/disagg-plan.yaml (`disagg plan -o`), it serves that plan.
+# With ~/disagg-plan.yaml (`disagg plan -o`), it serves that plan. With ~/disagg-api-key (a file
+# holding the key, owner-only), clients must send that key: it reaches `disagg serve` in its
+# environment ($DISAGG_API_KEY), never on a command line.
 #
 #   deploy/head-serve.sh start   stop the one running (it drains), then start
 #   deploy/head-serve.sh stop    stop it
@@ -13,6 +15,7 @@ cd "$(dirname "$0")/.."
 LOG=~/disagg-serve.log
 READY=~/disagg-serve.ready
 PLAN=~/disagg-plan.yaml
+KEY_FILE=~/disagg-api-key
 PATTERN='[d]isagg serve --cluster'  # [d]: pgrep must not find the shell that runs this
 
 stop() {
@@ -29,6 +32,11 @@ start() {
     rm -f "$READY"
     local config=()
     [ -f "$PLAN" ] && config=(--config "$PLAN")
+    if [ -f "$KEY_FILE" ]; then
+        chmod 600 "$KEY_FILE"
+        DISAGG_API_KEY=$(cat "$KEY_FILE")
+        export DISAGG_API_KEY
+    fi
     # RAY_SCHEDULER_EVENTS=0: a driver takes the v1 autoscaler's events for v2's, fails to parse
     # them and logs a traceback for each (Ray 2.60).
     RAY_SCHEDULER_EVENTS=0 nohup setsid .venv/bin/disagg serve --cluster "${config[@]}" --ready-file "$READY" >"$LOG" 2>&1 </dev/null &

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import os
 import secrets
 from dataclasses import dataclass, field
@@ -200,6 +201,15 @@ def _parse_enum(enum_cls, value: str, field_name: str):
         raise InvalidRequestError(field_name, f"must be one of {choices}, got {value!r}") from None
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name: it may resolve anywhere
+        return False
+
+
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise InvalidRequestError(field_name, message)
@@ -376,6 +386,12 @@ class ServingConfig:
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata (HTTP: `Authorization: Bearer`)
     tls_cert_file: str | None = None  # TLS on the gRPC and the HTTP port alike
     tls_key_file: str | None = None
+    # With api_key set, gRPC health and reflection, HTTP /health and /metrics ask for it too;
+    # true leaves the two health checks open (a load balancer's probe sends no key).
+    health_without_key: bool = False
+    # Listening on an address other than loopback with neither api_key nor TLS is refused unless
+    # this says so (anyone who reaches the port could use the model).
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
@@ -424,11 +440,25 @@ class ServingConfig:
             "tls_cert_file",
             "give both tls_cert_file and tls_key_file, or neither",
         )
+        self._require_guarded_listeners()
         pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
         _require(
             all(p.num_instances >= 1 for p in pools),
             "num_instances",
             f"{self.mode} mode needs at least one instance per pool",
+        )
+
+    def _require_guarded_listeners(self) -> None:
+        """Our listeners for clients (gRPC, HTTP, /metrics) off loopback need a key or TLS."""
+        listeners = [("host", self.host)] + ([("http_host", self.http_host)] if self.http_port else [])
+        open_ones = [(name, host) for name, host in listeners if not _is_loopback(host)]
+        if not open_ones or self.api_key or self.tls_cert_file or self.insecure:
+            return
+        name, host = open_ones[0]
+        raise InvalidRequestError(
+            name,
+            f"listening on {host} with neither api_key nor TLS lets anyone who reaches the port use the "
+            "model; set api_key (and tls_cert_file/tls_key_file), or insecure: true to accept that",
         )
 
     def pools(self) -> list[tuple[str, PoolConfig]]:
@@ -496,18 +526,7 @@ class ServingConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "ServingConfig":
-        import yaml
-
-        try:
-            with open(path) as f:
-                data = yaml.safe_load(f)
-        except OSError as exc:
-            raise InvalidRequestError("config", f"cannot read {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise InvalidRequestError("config", f"{path} is not valid YAML: {exc}") from None
-        if data is not None and not isinstance(data, dict):
-            raise InvalidRequestError("config", f"{path} must hold a mapping")
-        return cls.from_dict(data or {})
+        return cls.from_dict(read_yaml_settings(path))
 
 
 def _no_unknown(cls, data: dict, where: str) -> None:
@@ -517,3 +536,19 @@ def _no_unknown(cls, data: dict, where: str) -> None:
     unknown = sorted(set(data) - known)
     if unknown:
         raise InvalidRequestError(where, f"unknown setting(s) {unknown}; known: {sorted(known)}")
+
+
+def read_yaml_settings(path: str) -> dict:
+    """A config file's settings, not yet checked (ServingConfig.from_dict checks them)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise InvalidRequestError("config", f"cannot read {path}: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise InvalidRequestError("config", f"{path} is not valid YAML: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise InvalidRequestError("config", f"{path} must hold a mapping")
+    return data or {}

@@ -6,8 +6,13 @@ never the process-global default registry), so two servers can run in one proces
 
 from __future__ import annotations
 
+import hmac
+import ssl
+import threading
 import time
 from collections import deque
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -36,10 +41,11 @@ class MetricsHTTPServer:
     host: str
     port: int
     _server: object
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        return f"{self.scheme}://{self.host}:{self.port}/metrics"
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -50,6 +56,29 @@ class MetricsHTTPServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's name
+        pass  # a scrape every few seconds is no news
+
+
+def _bearer_guard(app, api_key: str):
+    """`app` for callers that send the key as `Authorization: Bearer`; 401 for the others."""
+    expected = f"Bearer {api_key}".encode()
+
+    def guarded(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"missing or wrong API key\n"]
+        return app(environ, start_response)
+
+    return guarded
 
 
 class ServingMetrics:
@@ -244,7 +273,19 @@ class ServingMetrics:
         """The Prometheus text exposition of every metric here."""
         return prometheus_client.generate_latest(self.registry)
 
-    def start_http_server(self, port: int, host: str = "127.0.0.1") -> MetricsHTTPServer:
-        """Serve /metrics on a daemon thread; `port=0` picks a free port (see `.port`)."""
-        server, _thread = prometheus_client.start_http_server(port, addr=host, registry=self.registry)
-        return MetricsHTTPServer(host=host, port=server.server_port, _server=server)
+    def start_http_server(
+        self, port: int, host: str = "127.0.0.1", api_key: str | None = None, tls: tuple[str, str] | None = None
+    ) -> MetricsHTTPServer:
+        """Serve /metrics on a daemon thread; `port=0` picks a free port (see `.port`). With
+        `api_key`, a scrape must send `Authorization: Bearer <key>` (401 otherwise); with `tls`
+        (cert file, key file), it is HTTPS."""
+        app = prometheus_client.make_wsgi_app(self.registry)
+        if api_key:
+            app = _bearer_guard(app, api_key)
+        server = make_server(host, port, app, _ThreadingWSGIServer, handler_class=_QuietHandler)
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(certfile=tls[0], keyfile=tls[1])
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+        return MetricsHTTPServer(host=host, port=server.server_port, _server=server, scheme="https" if tls else "http")

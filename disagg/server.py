@@ -33,7 +33,8 @@ from disagg.hosts.addressing import LOOPBACK, check_redis_reachable, num_alive_n
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
-from disagg.config import ServingConfig
+from disagg.client import API_KEY_ENV
+from disagg.config import ServingConfig, read_yaml_settings
 from disagg.engine.loader import load_model_source
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
@@ -43,6 +44,7 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
+from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
 from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
@@ -200,9 +202,7 @@ class Server:
             await server.stop(grace=None)  # a failed start leaves no port of ours bound
             raise
         self.http_address = http.address if http is not None else None
-        metrics_server = (
-            metrics.start_http_server(config.metrics_port, config.host) if config.metrics_port is not None else None
-        )
+        metrics_server = _start_metrics(config, metrics)
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         self.live_moves = LiveMoves(orchestrator, directory)
@@ -450,7 +450,7 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=key_guard_interceptors(config))
     add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -464,6 +464,14 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     await server.start()
     await _set_health(health_servicer, health_pb2.HealthCheckResponse.SERVING)
     return server, port, health_servicer
+
+
+def _start_metrics(config: ServingConfig, metrics: ServingMetrics):
+    """/metrics, behind the API key and on TLS when the config has them; None when it is off."""
+    if config.metrics_port is None:
+        return None
+    tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
+    return metrics.start_http_server(config.metrics_port, config.host, api_key=config.api_key, tls=tls)
 
 
 async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:
@@ -496,19 +504,13 @@ async def _report_health(config: ServingConfig, directory: InstanceDirectory, he
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:
-    config = ServingConfig.from_yaml(config_path) if config_path else ServingConfig()
-    if overrides:
-        config = ServingConfig.from_dict({**_as_dict(config_path), **overrides})
+    """`disagg serve`. A config without `api_key` takes $DISAGG_API_KEY's (the clients' variable),
+    so that no key need be written in a config file or on a command line."""
+    settings = {**(read_yaml_settings(config_path) if config_path else {}), **overrides}
+    if not settings.get("api_key") and os.environ.get(API_KEY_ENV):
+        settings["api_key"] = os.environ[API_KEY_ENV]
+    config = ServingConfig.from_dict(settings)
     return serve(config.on_cluster() if cluster else config, ready_file)
-
-
-def _as_dict(config_path: str | None) -> dict:
-    if not config_path:
-        return {}
-    import yaml
-
-    with open(config_path) as f:
-        return yaml.safe_load(f) or {}
 
 
 if __name__ == "__main__":

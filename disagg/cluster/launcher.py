@@ -103,8 +103,10 @@ class PoolLauncher:
             **pool.resources,
             **self._pin(role),
         }
+        # Tensor-parallel ranks all-reduce every layer: without pipeline stages, one node only.
+        strategy = "STRICT_PACK" if pool.pipeline_parallel_size == 1 else "PACK"
         group = placement_group(
-            [bundle] * pool.workers_per_instance, strategy="PACK", name=f"{NAMESPACE}-{instance_id}"
+            [bundle] * pool.workers_per_instance, strategy=strategy, name=f"{NAMESPACE}-{instance_id}"
         )
         try:
             ray.get(group.ready(), timeout=60)
@@ -116,8 +118,8 @@ class PoolLauncher:
         options["name"], options["namespace"] = actor_name, NAMESPACE
         if pool.workers_per_instance == 1:
             # Ray relaunches a dead worker with the same config: it reloads, re-registers (at a new
-            # link address) and routers use it again. A TP x PP instance is not relaunched: its
-            # process groups would need every rank rebuilt; a lost rank takes it out of service.
+            # link address) and routers use it again. Not a TP x PP instance's ranks: its process
+            # groups need every rank rebuilt, so `supervise` relaunches the whole instance.
             options["max_restarts"] = self.config.max_worker_restarts
         relaunched = pool.workers_per_instance > 1 and self.config.max_worker_restarts != 0
         engine_cpus = self.cpu_plan.engine_cpus(role, index) if self.cpu_plan else None

@@ -1,7 +1,8 @@
 """The process groups that tie the workers of one TP x PP instance together.
 
-Every instance of more than one worker gets its own small world, rendezvoused through a TCPStore
-that rank 0 (the driver) serves. Inside it: one tensor-parallel group per pipeline stage (the
+Every instance of more than one worker gets its own small world, rendezvoused through a store
+that rank 0 (the driver) serves (disagg.worker.instance_world: only the instance's ranks can use
+it). Inside it: one tensor-parallel group per pipeline stage (the
 all-reduce of the row-parallel layers) and one pipeline group per TP column (hidden states pass
 from stage to stage). The groups are standalone ProcessGroup objects, not torch.distributed's
 global world, so several instances, and the pairwise KV-transfer groups, live side by side in
@@ -12,7 +13,6 @@ Rank numbering is the KV resharding map's: rank = pp_rank * tp_size + tp_rank; r
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -79,33 +79,12 @@ class InstanceGroups:
     place: RankPlace
     tp: TPGroup
     pipe: PipelineLink
-    store: "dist.Store"  # kept alive: rank 0 serves it
+    store: "dist.Store"  # kept alive while the groups live
 
 
-def serve_store(host: str = "127.0.0.1", timeout: timedelta = GROUP_TIMEOUT) -> tuple["dist.TCPStore", int]:
-    """A TCPStore server on a free port of `host` (TCPStore itself would listen on every
-    interface); returns it and its port. Rank 0's rendezvous, and each KV transport's own."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.create_server((host, 0), family=family, backlog=128)
-    port = sock.getsockname()[1]
-    try:
-        store = dist.TCPStore(
-            host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=sock.fileno()
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the descriptor now and closes it
-    return store, port
-
-
-def join_instance(
-    place: RankPlace, store_address: str, device: torch.device, store: "dist.Store | None" = None
-) -> InstanceGroups:
-    """Build this rank's groups; blocks until every rank of each group has joined."""
-    host, port = store_address.rsplit(":", 1)
-    if store is None:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=GROUP_TIMEOUT)
+def join_instance(place: RankPlace, store: "dist.Store", device: torch.device, host: str) -> InstanceGroups:
+    """Build this rank's groups through the instance's `store`, gloo listening on this rank's
+    `host`; blocks until every rank of each group has joined."""
     tp_pg = _group(dist.PrefixStore(f"tp{place.pp_rank}/", store), place.tp_rank, place.tp_size, device, host)
     pp_pg = _group(dist.PrefixStore(f"pp{place.tp_rank}/", store), place.pp_rank, place.pp_size, device, host)
     return InstanceGroups(place, TPGroup(place.tp_rank, place.tp_size, tp_pg), PipelineLink(place, pp_pg), store)

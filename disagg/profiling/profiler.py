@@ -23,9 +23,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from disagg.config import EngineConfig, ParallelConfig
-from disagg.engine.distributed import RankPlace, join_instance, serve_store
+from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_config import ModelConfig
@@ -75,12 +76,12 @@ def instance(config: EngineConfig, tp: int, pp: int) -> Iterator[LLMEngine]:
     if tp * pp == 1:
         yield LLMEngine(config)
         return
-    store, port = serve_store()
+    store = dist.HashStore()  # the ranks are threads of this process: nothing listens
     followers = ThreadRanks(tp * pp - 1)
 
     def build(rank: int) -> LLMEngine:
         place = RankPlace.of_rank(rank, tp, pp)
-        groups = join_instance(place, f"127.0.0.1:{port}", torch.device("cpu"), store=store if rank == 0 else None)
+        groups = join_instance(place, store, torch.device("cpu"), "127.0.0.1")
         parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank)
         return LLMEngine(config.replace(parallel=parallel), groups=groups, followers=followers if rank == 0 else None)
 

@@ -18,6 +18,7 @@ import grpc
 from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
+from disagg.router.key_guard import given_key
 from disagg.router.replanning import LoggedDecision, ReplanLoop
 from disagg.router.request_path import RequestFailed, RequestPath
 from disagg.router.stream_stats import Outcome
@@ -109,7 +110,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         )
 
     async def _check_key(self, context) -> None:
-        given = dict(context.invocation_metadata()).get("x-api-key", "")
+        given = given_key(context.invocation_metadata())
         if not self.path.authorized(given):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong x-api-key")
 

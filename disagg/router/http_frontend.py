@@ -106,7 +106,10 @@ class HttpFrontend:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while serving and every pool has an instance in placement (as gRPC's health)."""
+        """200 while serving and every pool has an instance in placement (as gRPC's health).
+        Behind the API key like the rest, unless `health_without_key` opens it for probes."""
+        if not self.config.health_without_key and not self._authorized(request):
+            return _unauthorized()
         serving = not self.path.draining and all(self.directory.healthy(role) for role, _ in self.config.pools())
         return web.json_response({"status": "ok" if serving else "unavailable"}, status=200 if serving else 503)
 

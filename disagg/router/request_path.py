@@ -11,7 +11,6 @@ its gRPC code name maps to (disagg.errors: one table for both APIs).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +20,7 @@ from disagg.errors import DisaggError, InvalidRequestError, OverloadedError, Una
 from disagg.metrics import ServingMetrics
 from disagg.placement.policies import Slo
 from disagg.request import SamplingParams
+from disagg.router.key_guard import key_matches
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
 from disagg.router.stream_stats import Outcome, StreamStats
@@ -76,9 +76,7 @@ class RequestPath:
     def authorized(self, given_key: str) -> bool:
         """Whether the key a client sent (gRPC's `x-api-key`, HTTP's bearer token) is the config's
         `api_key` (any key, when none is set)."""
-        api_key = self.orchestrator.config.api_key
-        # Constant time: how long a refusal takes says nothing about how much of the key matched.
-        return not api_key or hmac.compare_digest(given_key.encode(), api_key.encode())
+        return key_matches(self.orchestrator.config.api_key, given_key)
 
     def admit(self, num_requests: int = 1) -> None:
         """Room for `num_requests` more (an HTTP request's n choices count one each), or the

@@ -27,6 +27,7 @@ from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.factory import make_transport
 from disagg.shard_worker.follower_loop import FollowerLoop
+from disagg.worker.instance_world import WorldAddress, connect_world
 from disagg.worker.shard_service import (
     AddTargets,
     CatchUp,
@@ -53,8 +54,9 @@ class ShardActor(ShardService):
         self._lock = threading.Lock()  # a step and a lifecycle call never overlap
         self.loop: FollowerLoop | None = None
 
-    def join(self, store_address: str) -> JoinedRank:
-        groups = join_instance(self.place, store_address, resolve_device(self.config.engine.device))
+    def join(self, world: WorldAddress) -> JoinedRank:
+        store = connect_world(world, self.config.link_key)
+        groups = join_instance(self.place, store, resolve_device(self.config.engine.device), self.host)
         built = assemble(
             self.config.engine,
             self.config.role,

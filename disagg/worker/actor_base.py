@@ -20,7 +20,7 @@ import torch
 
 from disagg.hosts.addressing import resolve_host
 from disagg.hosts.cpu_binding import keep_off_engine_cpus
-from disagg.engine.distributed import RankPlace, join_instance, serve_store
+from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import resolve_device
 from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
@@ -28,6 +28,7 @@ from disagg.config import WorkerConfig
 from disagg.kv_transfer.layout import KVLayout
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.rpc.server import Link, RpcServer
+from disagg.worker.instance_world import InstanceWorld
 from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class WorkerActorBase:
         # What Ray started the process on; the engine's helper threads belong there too.
         self._framework_cpus = os.sched_getaffinity(0) if engine_cpus is not None else None
         self.shards: ShardGroup | None = None  # the other ranks of a TP x PP instance
+        self._world: InstanceWorld | None = None  # where they met (rank 0 serves it)
 
     # ---- to be provided by the actor ---------------------------------------------------------
     def _kv_endpoint(self):
@@ -153,13 +155,11 @@ class WorkerActorBase:
         self.shards = ShardGroup(
             followers, host=self.host, link_key=self.config.link_key, device=device, on_broken=self._leave_service
         )
-        store, port = serve_store(self.host)
-        address = f"{self.host}:{port}"  # join_instance splits at the last colon
-        joining = self.shards.start_join(address)
+        self._world = InstanceWorld(self.instance_id, self.config.link_key, self.host)
+        joining = self.shards.start_join(self._world.address)
         p = self.engine_config.parallel
-        groups = join_instance(
-            RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size), address, device, store=store
-        )
+        place = RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size)
+        groups = join_instance(place, self._world.store(), device, self.host)
         return groups, lambda: self.shards.finish_join(joining)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -187,6 +187,7 @@ class WorkerActorBase:
         self.loop.stop()
         if self.shards is not None:
             self.shards.shutdown()
+            self._world.close()
 
     def set_heartbeat_enabled(self, enabled: bool) -> None:
         """Stop or resume heartbeats (draining an instance; also how tests simulate a lapse)."""

@@ -25,6 +25,7 @@ from disagg.engine.distributed import RankPlace
 from disagg.engine.step_chunks import portable
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVRank, KVTarget
+from disagg.worker.instance_world import WorldAddress
 from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, JoinedRank, ShardCommand
 from disagg.worker.step_channel import OPEN_TIMEOUT_S, ChannelOffer, DriverChannel
 from disagg.worker.step_messages import StepAnswer, StepOrder, decode_answer, encode_order
@@ -65,8 +66,8 @@ class ShardGroup:
         self.on_broken = on_broken
 
     # ---- setup: every rank joins the instance's groups at once -----------------------------------
-    def start_join(self, store_address: str) -> list:
-        return [actor.join.remote(store_address) for actor in self.actors]
+    def start_join(self, world: WorldAddress) -> list:
+        return [actor.join.remote(world) for actor in self.actors]
 
     def finish_join(self, pending: list) -> None:
         """Wait for the ranks to have joined, then open the step channel to them."""

@@ -16,6 +16,7 @@ import torch
 
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVTarget
+from disagg.worker.instance_world import WorldAddress
 from disagg.worker.step_channel import ChannelInvite
 
 
@@ -64,8 +65,9 @@ class JoinedRank:
 
 class ShardService(abc.ABC):
     @abc.abstractmethod
-    def join(self, store_address: str) -> JoinedRank:
-        """Join the instance's groups and load this rank's shard."""
+    def join(self, world: WorldAddress) -> JoinedRank:
+        """Join the instance's groups (through rank 0's store, disagg.worker.instance_world) and
+        load this rank's shard."""
 
     @abc.abstractmethod
     def open_channel(self, invite: ChannelInvite) -> None:

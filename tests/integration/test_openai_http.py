@@ -134,7 +134,8 @@ def wait_all_blocks_free(server, timeout_s: float) -> None:
 
 def test_models_and_health(client, raw):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    health = raw.get("/health", key=None)  # no key needed
+    assert raw.get("/health", key=None).status == 401  # behind the key (health_without_key: false)
+    health = raw.get("/health")
     assert health.status == 200 and health.json() == {"status": "ok"}
 
 

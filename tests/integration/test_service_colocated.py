@@ -4,13 +4,18 @@ also runs with TLS and an API key, which every client here must use."""
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from disagg import LLM, SamplingParams
 from disagg.client import DisaggClient, generate_request
@@ -47,6 +52,7 @@ def server(ray_session, tls):
             "tls_cert_file": cert,
             "tls_key_file": key,
             "calibration_s": 0,  # placement's measured models are test_calibration.py's
+            "metrics_port": 0,
         }
     )
     with Server(config) as srv:
@@ -121,3 +127,35 @@ def test_the_cli_connects_with_tls_and_the_key_from_the_environment(server, tls)
     env.pop("DISAGG_API_KEY")
     refused = subprocess.run([*command, "hi"], env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+
+
+def test_health_reflection_and_metrics_ask_for_the_key(server, tls):
+    """With api_key set, grpcio's health and reflection servicers and /metrics refuse a caller
+    without it (health_without_key: false), and answer one with it."""
+
+    def check(client):
+        return health_pb2_grpc.HealthStub(client.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5, metadata=client.metadata
+        )
+
+    def list_services(client):
+        stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+        ask = iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        return [r for r in stub.ServerReflectionInfo(ask, timeout=5, metadata=client.metadata)]
+
+    with connect(server, tls, api_key=None) as stranger:
+        for call in (check, list_services):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(stranger)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with connect(server, tls) as member:
+        assert check(member).status == health_pb2.HealthCheckResponse.SERVING
+        assert list_services(member)
+
+    trust = ssl.create_default_context(cafile=tls[0])
+    assert server.metrics_url.startswith("https://")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(server.metrics_url, timeout=5, context=trust)
+    assert refused.value.code == 401
+    scrape = urllib.request.Request(server.metrics_url, headers={"Authorization": f"Bearer {API_KEY}"})
+    assert b"disagg" in urllib.request.urlopen(scrape, timeout=5, context=trust).read()

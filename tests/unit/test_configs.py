@@ -110,3 +110,39 @@ def test_an_instance_may_differ_from_its_pool_in_threads_and_engine_settings():
     assert [config.pool_engine_config(pool, i).max_num_seqs for i in range(3)] == [EngineConfig().max_num_seqs, 4,
                                                                                    EngineConfig().max_num_seqs]  # fmt: skip
     assert all(config.pool_engine_config(pool, i).max_num_batched_tokens == 256 for i in range(3))
+
+
+@pytest.mark.parametrize(
+    "listen",
+    [{"host": "0.0.0.0"}, {"host": "10.1.2.3"}, {"http_host": "::"}, {"host": "gateway.internal"}],
+)
+def test_listening_openly_needs_a_key_or_tls_or_insecure(listen):
+    with pytest.raises(ValueError, match=next(iter(listen))):
+        ServingConfig.from_dict(listen)
+    for guard in ({"api_key": "k" * 16}, {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, {"insecure": True}):
+        ServingConfig.from_dict({**listen, **guard})
+
+
+def test_loopback_and_a_closed_http_port_need_nothing():
+    for listen in (
+        {"host": "127.0.0.1"},
+        {"host": "::1"},
+        {"host": "localhost"},
+        {"http_host": "0.0.0.0", "http_port": 0},
+    ):
+        ServingConfig.from_dict(listen)
+
+
+def test_serve_takes_the_key_from_the_environment(tmp_path, monkeypatch):
+    """`disagg serve` with a config that listens openly and holds no key: $DISAGG_API_KEY's."""
+    from disagg import server
+
+    path = tmp_path / "open.yaml"
+    path.write_text("host: 0.0.0.0\n")
+    served = []
+    monkeypatch.setattr(server, "serve", lambda config, ready_file: served.append(config) or 0)
+    with pytest.raises(ValueError, match="host"):
+        server.main_serve(str(path), {})
+    monkeypatch.setenv("DISAGG_API_KEY", "a-key-from-the-environment")
+    assert server.main_serve(str(path), {}) == 0
+    assert served[0].api_key == "a-key-from-the-environment" and served[0].host == "0.0.0.0"

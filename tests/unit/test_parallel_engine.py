@@ -5,14 +5,18 @@ cache slices are all exercised; only Ray is left out (tests/integration covers t
 from __future__ import annotations
 
 from concurrent import futures
+from datetime import timedelta
 
 import pytest
+import torch
 
+from disagg.auth import AuthenticationError, new_key
 from disagg.config import EngineConfig, ParallelConfig
-from disagg.engine.distributed import RankPlace, join_instance, serve_store
+from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine
 from disagg.engine.step_chunks import portable
 from disagg.request import SamplingParams
+from disagg.worker.instance_world import InstanceWorld, connect_world
 
 PROMPTS = [[5, 9, 14, 3, 7], list(range(3, 60)), [11], [8, 2, 30, 41] * 9]
 
@@ -40,16 +44,17 @@ class _Pending:
 
 
 def sharded_engines(config: EngineConfig, tp: int, pp: int) -> list[LLMEngine]:
-    store, port = serve_store()
-    address = f"127.0.0.1:{port}"
+    """Rank 0 serves the instance's world (as a worker does); the other ranks, threads here,
+    connect to it with the key."""
+    key = new_key()
+    world = InstanceWorld("test-instance", key, "127.0.0.1")
     followers = ThreadRanks(tp * pp - 1)
 
     def build(rank: int) -> LLMEngine:
         place = RankPlace.of_rank(rank, tp, pp)
         parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank)
-        groups = join_instance(
-            place, address, device=__import__("torch").device("cpu"), store=store if rank == 0 else None
-        )
+        store = world.store() if rank == 0 else connect_world(world.address, key)
+        groups = join_instance(place, store, torch.device("cpu"), "127.0.0.1")
         return LLMEngine(config.replace(parallel=parallel), groups=groups, followers=followers if rank == 0 else None)
 
     with futures.ThreadPoolExecutor(tp * pp) as pool:
@@ -98,3 +103,21 @@ def test_engine_refuses_missing_groups(tiny_untied_dir):
     )
     with pytest.raises(ValueError, match="process groups"):
         LLMEngine(config)
+
+
+def test_a_stranger_cannot_join_an_instances_world():
+    """Rank 0's store answers only a caller that proves the deployment key: one with another key
+    is refused before it reads or writes anything, and a plain TCPStore client gets nowhere."""
+    key = new_key()
+    world = InstanceWorld("guarded", key, "127.0.0.1")
+    try:
+        world.store().set("tp0/secret", b"address")
+        with pytest.raises(AuthenticationError):
+            connect_world(world.address, new_key())
+        with pytest.raises(Exception):  # speaks TCPStore's protocol: no handshake, no answer
+            torch.distributed.TCPStore(
+                "127.0.0.1", world.address.port, is_master=False, timeout=timedelta(seconds=3)
+            ).get("tp0/secret")
+        assert connect_world(world.address, key).get("tp0/secret") == b"address"
+    finally:
+        world.close()
