@@ -11,6 +11,11 @@ frames read: the caller checks the listener's proof before it sends anything).
     caller -> listener   nonce_c (32 bytes)
     listener -> caller   nonce_l (32) + proof("listener")
     caller -> listener   proof("caller")
+
+After it, a connection that carries frames may seal them (`Seals`): each direction has its own
+key, derived from the deployment key and both nonces, and every frame a tag over its number in
+that direction and its bytes. A frame changed, dropped, replayed or reordered on the way fails
+its check; the connection is then closed.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import hashlib
 import hmac
 import secrets
 import socket
+from dataclasses import dataclass
 
 KEY_BYTES = 32
 NONCE_BYTES = 32
 PROOF_BYTES = hashlib.sha256().digest_size
+TAG_BYTES = 16  # a truncated HMAC-SHA256: 128 bits against forgery
 
 
 class AuthenticationError(ConnectionError):
@@ -49,16 +56,50 @@ def verify(expected: bytes, got: bytes, who: str) -> None:
         raise AuthenticationError(f"{who} does not hold this deployment's key")
 
 
-def listener_handshake(sock: socket.socket, key: bytes, purpose: str, timeout_s: float) -> None:
+class FrameSeal:
+    """One direction of a connection: tags its frames in order (the sender), or checks them in
+    the same order (the receiver). Not thread-safe: the caller orders its frames."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._count = 0
+
+    def tag(self, frame: bytes) -> bytes:
+        mac = hmac.new(self._key, self._count.to_bytes(8, "big"), hashlib.sha256)
+        mac.update(frame)
+        self._count += 1
+        return mac.digest()[:TAG_BYTES]
+
+    def check(self, frame: bytes, tag: bytes) -> None:
+        if not hmac.compare_digest(self.tag(frame), tag):
+            raise AuthenticationError("a frame failed its integrity check (changed, replayed or out of order)")
+
+
+@dataclass
+class Seals:
+    """A connection's two directions, as one side sees them."""
+
+    outgoing: FrameSeal
+    incoming: FrameSeal
+
+    @classmethod
+    def of(cls, key: bytes, caller_nonce: bytes, listener_nonce: bytes, purpose: str, side: str) -> "Seals":
+        to_listener = FrameSeal(proof(key, "frames to listener", caller_nonce, listener_nonce, purpose))
+        to_caller = FrameSeal(proof(key, "frames to caller", caller_nonce, listener_nonce, purpose))
+        return cls(to_listener, to_caller) if side == "caller" else cls(to_caller, to_listener)
+
+
+def listener_handshake(sock: socket.socket, key: bytes, purpose: str, timeout_s: float) -> Seals:
     """The listening side, on a blocking socket: returns once the caller proved the key."""
     sock.settimeout(timeout_s)
     caller_nonce = _recv(sock, NONCE_BYTES)
     listener_nonce = new_nonce()
     sock.sendall(listener_nonce + proof(key, "listener", caller_nonce, listener_nonce, purpose))
     verify(proof(key, "caller", caller_nonce, listener_nonce, purpose), _recv(sock, PROOF_BYTES), "the caller")
+    return Seals.of(key, caller_nonce, listener_nonce, purpose, "listener")
 
 
-def caller_handshake(sock: socket.socket, key: bytes, purpose: str, timeout_s: float) -> None:
+def caller_handshake(sock: socket.socket, key: bytes, purpose: str, timeout_s: float) -> Seals:
     """The calling side, on a blocking socket: returns once both sides proved the key."""
     sock.settimeout(timeout_s)
     caller_nonce = new_nonce()
@@ -67,6 +108,7 @@ def caller_handshake(sock: socket.socket, key: bytes, purpose: str, timeout_s: f
     listener_nonce, listener_proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
     verify(proof(key, "listener", caller_nonce, listener_nonce, purpose), listener_proof, "the listener")
     sock.sendall(proof(key, "caller", caller_nonce, listener_nonce, purpose))
+    return Seals.of(key, caller_nonce, listener_nonce, purpose, "caller")
 
 
 def _recv(sock: socket.socket, n: int) -> bytes:

@@ -99,7 +99,8 @@ LINK_KEY = bytes(range(32))
 
 
 def authenticated_socket(address: str, key: bytes = LINK_KEY):
-    """A raw connection to a request link that has passed the handshake, for sending it bytes by hand."""
+    """A raw connection to a request link that has passed the handshake, for sending it bytes by
+    hand, and the link's seals (to tag frames as a router would: disagg.rpc.framing.sealed)."""
     import socket
 
     from disagg.auth import caller_handshake
@@ -107,8 +108,8 @@ def authenticated_socket(address: str, key: bytes = LINK_KEY):
 
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=5)
-    caller_handshake(sock, key, LINK_PURPOSE, timeout_s=5)
-    return sock
+    seals = caller_handshake(sock, key, LINK_PURPOSE, timeout_s=5)
+    return sock, seals
 
 
 def self_signed_certificate(directory) -> tuple[str, str]:

@@ -14,9 +14,9 @@ import itertools
 import logging
 from collections.abc import Callable
 
-from disagg.auth import NONCE_BYTES, PROOF_BYTES, AuthenticationError, new_nonce, proof, verify
+from disagg.auth import NONCE_BYTES, PROOF_BYTES, AuthenticationError, Seals, new_nonce, proof, verify
 from disagg.errors import RemoteError, WorkerLinkError
-from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, encode, read_frame
+from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, encode, read_frame, sealed
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
@@ -29,6 +29,7 @@ class RpcClient:
         self.name = name or address
         self._key = key
         self._writer: asyncio.StreamWriter | None = None
+        self._seals: Seals | None = None  # the link's, from its handshake
         self._reader_task: asyncio.Task | None = None
         self._dialing = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
@@ -46,7 +47,7 @@ class RpcClient:
         self._pending[call_id] = reply
         reply.add_done_callback(lambda _: self._pending.pop(call_id, None))
         try:
-            writer.write(encode((call_id, method.__name__, list(args))))
+            writer.write(sealed(encode((call_id, method.__name__, list(args))), self._seals.outgoing))
             await writer.drain()  # returns at once unless the worker stopped reading
         except (ConnectionError, OSError) as exc:
             reply.cancel()
@@ -74,16 +75,18 @@ class RpcClient:
             if self._writer is None:
                 host, port = self.address.rsplit(":", 1)
                 try:
-                    reader, writer = await asyncio.wait_for(self._dial(host, int(port)), CONNECT_TIMEOUT_S)
+                    reader, writer, seals = await asyncio.wait_for(self._dial(host, int(port)), CONNECT_TIMEOUT_S)
                 except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
                     raise WorkerLinkError(f"cannot reach {self.name} at {self.address}: {exc}", self.name) from exc
                 except AuthenticationError as exc:  # a fake registration, or another deployment's worker
                     raise WorkerLinkError(f"refusing {self.name} at {self.address}: {exc}", self.name) from exc
-                self._writer = writer
-                self._reader_task = asyncio.create_task(self._read_loop(reader, writer), name=f"rpc-read-{self.name}")
+                self._writer, self._seals = writer, seals
+                self._reader_task = asyncio.create_task(
+                    self._read_loop(reader, writer, seals.incoming), name=f"rpc-read-{self.name}"
+                )
         return self._writer
 
-    async def _dial(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _dial(self, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Seals]:
         """Connect and run the mutual handshake (disagg.auth): nothing is sent to a worker that
         has not proved the key."""
         reader, writer = await asyncio.open_connection(host, port)
@@ -97,13 +100,13 @@ class RpcClient:
         except BaseException:
             writer.close()
             raise
-        return reader, writer
+        return reader, writer, Seals.of(self._key, caller_nonce, worker_nonce, LINK_PURPOSE, "caller")
 
-    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, seal) -> None:
         reason = "closed"
         try:
             while True:
-                kind, key, value = await read_frame(reader)
+                kind, key, value = await read_frame(reader, seal)
                 if kind == EVENT:
                     self.on_event(key, value)
                     continue

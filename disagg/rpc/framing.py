@@ -1,7 +1,9 @@
 """Frames on a request link: a 4-byte big-endian length, then a 3-element array in the link's
 fixed-schema encoding (disagg.rpc.codec; the message classes are disagg.rpc.messages'). A peer
 and the worker must first prove to each other that they hold the deployment key
-(disagg.auth, purpose LINK_PURPOSE): no frame is read from, or sent to, anyone else.
+(disagg.auth, purpose LINK_PURPOSE): no frame is read from, or sent to, anyone else. Each frame
+then ends with its tag (disagg.auth.Seals: TAG_BYTES over its number and its bytes), so that one
+changed, replayed or reordered on the way closes the link.
 
     router -> worker   (call_id, method, args)
     worker -> router   (REPLY, call_id, value) | (ERROR, call_id, exception) | (EVENT, topic, payload)
@@ -12,6 +14,7 @@ from __future__ import annotations
 import socket
 import struct
 
+from disagg.auth import TAG_BYTES, FrameSeal
 from disagg.rpc.codec import Codec, FrameError
 from disagg.rpc.messages import MESSAGE_TYPES
 
@@ -23,10 +26,15 @@ CODEC = Codec(MESSAGE_TYPES)
 
 
 def encode(message: tuple) -> bytes:
+    """The frame without its tag (`sealed` adds it, in the order frames are sent)."""
     body = CODEC.encode(message)
     if len(body) > MAX_FRAME_BYTES:
         raise ValueError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
     return _HEADER.pack(len(body)) + body
+
+
+def sealed(frame: bytes, seal: FrameSeal) -> bytes:
+    return frame + seal.tag(frame)
 
 
 def body_length(header: bytes) -> int:
@@ -61,11 +69,16 @@ def recv_exactly(sock: socket.socket, n: int, is_open=lambda: True) -> bytes:
     return bytes(buf)
 
 
-def recv_frame(sock: socket.socket, is_open=lambda: True) -> tuple:
-    return decode(recv_exactly(sock, body_length(recv_exactly(sock, _HEADER.size, is_open)), is_open))
+def recv_frame(sock: socket.socket, seal: FrameSeal, is_open=lambda: True) -> tuple:
+    header = recv_exactly(sock, _HEADER.size, is_open)
+    body = recv_exactly(sock, body_length(header), is_open)
+    seal.check(header + body, recv_exactly(sock, TAG_BYTES, is_open))
+    return decode(body)
 
 
-async def read_frame(reader) -> tuple:
+async def read_frame(reader, seal: FrameSeal) -> tuple:
     """The same from an asyncio StreamReader."""
     header = await reader.readexactly(_HEADER.size)
-    return decode(await reader.readexactly(body_length(header)))
+    body = await reader.readexactly(body_length(header))
+    seal.check(header + body, await reader.readexactly(TAG_BYTES))
+    return decode(body)

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from disagg.auth import listener_handshake
+from disagg.auth import AuthenticationError, FrameSeal, listener_handshake
 from disagg.errors import RequestFailedError, grpc_code_name
 from disagg.logs import ThrottledLog
-from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, FrameError, encode, recv_frame
+from disagg.rpc.framing import ERROR, EVENT, LINK_PURPOSE, REPLY, FrameError, encode, recv_frame, sealed
 from disagg.rpc.services import method_names
 
 logger = logging.getLogger(__name__)
@@ -34,9 +34,10 @@ HELLO_TIMEOUT_S = 5.0
 class Link:
     """One router's connection; `send` may be called from any thread."""
 
-    def __init__(self, sock: socket.socket, peer: str):
+    def __init__(self, sock: socket.socket, peer: str, seal: FrameSeal):
         self.peer = peer
         self._sock = sock
+        self._seal = seal  # tags frames in the order they are sent: used under _lock
         self._lock = threading.Lock()
         self.closed = False
         self.on_close: list[Callable[["Link"], None]] = []
@@ -53,7 +54,7 @@ class Link:
             if self.closed:
                 return False
             try:
-                self._sock.sendall(frame)
+                self._sock.sendall(sealed(frame, self._seal))
                 return True
             except OSError as exc:
                 logger.warning("request link to %s broke while sending: %s", self.peer, exc)
@@ -153,22 +154,24 @@ class RpcServer:
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            listener_handshake(sock, self._key, LINK_PURPOSE, HELLO_TIMEOUT_S)
+            seals = listener_handshake(sock, self._key, LINK_PURPOSE, HELLO_TIMEOUT_S)
         except (ConnectionError, OSError) as exc:
             _refusals.warning("request link from %s refused: %s", peer, exc)
             sock.close()
             return
         sock.settimeout(self.send_timeout_s)
-        link = Link(sock, peer)
+        link = Link(sock, peer, seals.outgoing)
         with self._lock:
             self._links.add(link)
         link.on_close.append(self._forget)
         try:
             while True:
-                call_id, method, args = recv_frame(sock, is_open=lambda: not link.closed)
+                call_id, method, args = recv_frame(sock, seals.incoming, is_open=lambda: not link.closed)
                 if not (isinstance(call_id, int) and isinstance(method, str) and isinstance(args, list)):
                     raise FrameError("a call is (call id, method name, arguments)")
                 self._dispatch(link, call_id, method, args)
+        except AuthenticationError as exc:  # a frame changed on the way: nothing more is trusted
+            logger.warning("request link from %s: %s; closing it", peer, exc)
         except (ConnectionError, OSError):
             pass  # the router went away (or we closed): its requests are aborted by on_close
         except Exception as exc:  # noqa: BLE001 - garbage (FrameError) from a peer that knew the token

@@ -14,7 +14,7 @@ import pytest
 from disagg.kv_transfer.layout import KVLayout, KVRank
 from disagg.request import SamplingParams, StructuredOutput
 from disagg.rpc.codec import Codec, FrameError
-from disagg.rpc.framing import CODEC, decode, encode
+from disagg.rpc.framing import CODEC, decode, encode, sealed
 from disagg.rpc.messages import PrefillResult, Reservation, TokenDelta
 from disagg.rpc.server import RpcServer
 from disagg.rpc.services import PrefillService
@@ -91,8 +91,9 @@ def test_a_pickle_sent_on_a_link_is_never_unpickled(tmp_path):
     server = RpcServer(Prefill(), PrefillService, LINK_KEY, "127.0.0.1", name="pickle")
     body = pickle.dumps((1, "prefill", (Exploit(),)))
     try:
-        with authenticated_socket(server.address) as raw:
-            raw.sendall(struct.pack(">I", len(body)) + body)
+        raw, seals = authenticated_socket(server.address)
+        with raw:  # a frame sealed as a router would: only the codec stands in the way
+            raw.sendall(sealed(struct.pack(">I", len(body)) + body, seals.outgoing))
             raw.settimeout(5)
             assert raw.recv(1) == b""  # the worker hung up on a frame it could not read
     finally:

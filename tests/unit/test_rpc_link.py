@@ -14,7 +14,7 @@ import pytest
 
 from disagg.errors import RemoteError, RequestFailedError, WorkerLinkError
 from disagg.rpc.client import RpcClient
-from disagg.rpc.framing import MAX_FRAME_BYTES
+from disagg.rpc.framing import MAX_FRAME_BYTES, REPLY, encode, recv_frame, sealed
 from disagg.rpc.server import HELLO_TIMEOUT_S, RpcServer
 from tests.support import LINK_KEY, authenticated_socket
 
@@ -162,7 +162,8 @@ def test_a_wrong_key_is_refused_and_others_are_unaffected(server):
 
 
 def test_garbage_after_the_handshake_closes_that_link_only(server):
-    with authenticated_socket(server.address) as raw:
+    raw, _ = authenticated_socket(server.address)
+    with raw:
         raw.sendall(struct.pack(">I", MAX_FRAME_BYTES + 1))
         raw.settimeout(5)
         assert raw.recv(1) == b""  # the worker hung up on a frame it will not read
@@ -174,6 +175,34 @@ def test_garbage_after_the_handshake_closes_that_link_only(server):
         await client.close()
 
     asyncio.run(scenario())
+
+
+def call_frame(call_id: int, a: int, b: int) -> bytes:
+    return encode((call_id, "add", [a, b]))
+
+
+@pytest.mark.parametrize("tamper", ["flip a bit", "replay", "forged tag"])
+def test_a_frame_changed_or_replayed_on_the_way_closes_that_link(server, tamper):
+    """After the handshake every frame carries a tag over its number and bytes: a sealed call
+    is answered; one altered, sent twice or tagged without the seals ends the link (the worker answers nothing
+    more on it, and serves other links)."""
+    before = len(server.closed_links)
+    raw, seals = authenticated_socket(server.address)
+    with raw:
+        raw.settimeout(5)
+        first = sealed(call_frame(1, 2, 3), seals.outgoing)
+        raw.sendall(first)
+        assert recv_frame(raw, seals.incoming) == (REPLY, 1, 5)  # a sealed call, and its sealed reply
+        if tamper == "flip a bit":
+            frame = bytearray(sealed(call_frame(2, 2, 3), seals.outgoing))
+            frame[-20] ^= 1
+            raw.sendall(bytes(frame))
+        elif tamper == "replay":
+            raw.sendall(first)
+        else:  # a frame made without the link's seals
+            raw.sendall(call_frame(2, 2, 3) + bytes(16))
+        assert raw.recv(1) == b""
+    assert asyncio.run(settled(lambda: len(server.closed_links) == before + 1))
 
 
 def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
