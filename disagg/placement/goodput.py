@@ -65,7 +65,8 @@ class GoodputPolicy(LeastOutstandingWork):
         cached = {k: p.cached_tokens(request.block_hashes) for k, p in prefill_side.items()}
         ttfts = {k: ttft(p, request.prompt_tokens, cached[k]) for k, p in prefill_side.items()}
         tpots = {k: tpot(d, request.prompt_tokens, request.output_tokens) for k, d in decode_side.items()}
-        scored = [_Option(p, d, ttfts[id(p)], tpots[id(d)], request.slo, cached[id(p)], _calibrated(p, d))
+        wait_ms = 0.0 if colocated else request.decode_wait_ms
+        scored = [_Option(p, d, ttfts[id(p)], tpots[id(d)], request.slo, cached[id(p)], _calibrated(p, d), wait_ms=wait_ms)
                   for p, d in pairs]  # fmt: skip
         if not colocated:
             scored += self._local_options(prefills, roomy, request, tpots)
@@ -107,7 +108,7 @@ class GoodputPolicy(LeastOutstandingWork):
             if d.decode_batch and not _stall_allowed(steps.stall_ms(model), step_ms, request):
                 continue
             local = ttft(d, request.prompt_tokens, cached, model)
-            options.append(_Option(d, d, local, tpots[id(d)], request.slo, cached, calibrated=True, local=True))
+            options.append(_Option(d, d, local, tpots[id(d)], request.slo, cached, True, True, request.decode_wait_ms))
         return options
 
 
@@ -123,10 +124,11 @@ class _Option:
     cached_tokens: int
     calibrated: bool  # both predictions from fitted models (else a guess)
     local: bool = False
+    wait_ms: float = 0.0  # for room on the decode side, before the KV moves
 
     @property
     def ttft_ms(self) -> float:
-        return self.ttft.ms
+        return self.ttft.ms + self.wait_ms
 
     @property
     def tpot_ms(self) -> float:

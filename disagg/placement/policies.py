@@ -56,6 +56,9 @@ class RequestShape:
     block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (prefix-cache lookups)
     # Tokens it is expected to write (disagg.router.output_lengths); None: max_tokens.
     expected_output_tokens: int | None = None
+    # Its predicted wait for room on the decode side (disagg.router.decode_room), added to every
+    # disaggregated option's TTFT (a decode instance that prefills it itself has no more room).
+    decode_wait_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

@@ -59,6 +59,23 @@ class DecodeAdmission:
         """Its priority raised by its wait in this line (queue_order.aged_priority)."""
         return int(aged_priority(waiter, self.clock(), self.aging_s))
 
+    def ahead_of(self, priority: int, predicted_output_len: int | None) -> int | None:
+        """How many of those waiting would go before a request joining now (None: nobody waits,
+        so it need not join)."""
+        if not self.waiting:
+            return None
+        now = self.clock()
+
+        def before(waiter: Waiter) -> bool:
+            theirs = aged_priority(waiter, now, self.aging_s)
+            if theirs != priority:
+                return theirs < priority
+            if self.order != "ltr" or waiter.predicted_output_len is None:
+                return True  # older, of its class
+            return predicted_output_len is None or waiter.predicted_output_len <= predicted_output_len
+
+        return sum(before(w) for w in self.waiting)
+
     def first(self) -> Waiter | None:
         if not self.waiting:
             return None

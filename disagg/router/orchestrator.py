@@ -39,6 +39,7 @@ from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.decode_admission import DecodeAdmission
+from disagg.router.decode_room import DecodeRoom
 from disagg.router.migration import Progress, is_migratable
 from disagg.router.output_lengths import OutputLengths
 from disagg.router.prompt_queue import SentPrompt
@@ -74,6 +75,7 @@ class Placement:
     mailbox: Mailbox | None = None
     handover: "Handover | None" = None  # set by a move: the stream goes on at another instance
     moving_to: Instance | None = None  # a move's target, reserved: an end of the request aborts it there too
+    waited_for_room: bool = False  # in the decode side's line: its TTFT says little of the prefill's
 
     def label(self, delta: TokenDelta) -> TokenDelta:
         prefilled_by = self.prefill or (self.decode if self.choice is not None and self.choice.local else None)
@@ -128,6 +130,7 @@ class Orchestrator:
         self.output_lengths = OutputLengths.from_config(config)
         decode_engine = config.pool_engine_config(config.decode)
         self.decode_admission = DecodeAdmission(decode_engine.scheduling_order, decode_engine.priority_aging_s)
+        self.decode_room = DecodeRoom(self.decode_admission)
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
         # Each request as it arrives: (time.monotonic(), prompt tokens, output tokens asked for);
@@ -208,9 +211,11 @@ class Orchestrator:
         placement, mailbox = None, None
         hashes = tuple(BlockManager.prompt_hashes(prompt_token_ids, self.block_size))
         tpot_output = expected_output if self.output_lengths.for_tpot else None
+        wait_ms = self.decode_room.wait_ms(priority, expected_output) if self.disaggregated else 0.0
         request = RequestShape(
-            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes, tpot_output
-        )
+            len(prompt_token_ids), params.max_tokens, *demand, self._blocks(prompt_token_ids), hashes, tpot_output,
+            wait_ms,
+        )  # fmt: skip
         try:
             if self.disaggregated:
                 choice = self._place(await self._available("prefill"), await self._available("decode"), request)
@@ -268,7 +273,8 @@ class Orchestrator:
             return
         prefill, decode = choice.prefill, choice.decode
         ttft_ms = (first - placement.started) * 1e3
-        prefill.ttft_residual.observe(ttft_ms, choice.ttft_model_ms)
+        if not placement.waited_for_room:  # else the line's wait, predicted apart (decode_room)
+            prefill.ttft_residual.observe(ttft_ms, choice.ttft_model_ms)
         if placement.num_tokens > 1:
             tpot_ms = (time.monotonic() - first) * 1e3 / (placement.num_tokens - 1)
             decode.tpot_residual.observe(tpot_ms, choice.tpot_model_ms)
@@ -393,6 +399,7 @@ class Orchestrator:
                     decode, request_id, prompt_token_ids, params, urgency, prefill, kv_wait_s, placement
                 )
                 if reservation is not None:
+                    placement.waited_for_room = waiter is not None
                     return decode, reservation
                 if time.monotonic() + backoff > deadline:
                     break
@@ -492,6 +499,7 @@ class Orchestrator:
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
             decode.request_ended()
+            self.decode_room.freed()
             decode.outstanding_context_tokens = max(0, decode.outstanding_context_tokens - num_prompt_tokens)
         if placement.finished:
             return
