@@ -100,7 +100,7 @@ class GoodputPolicy(LeastOutstandingWork):
         that can be chosen (`_pairs_worth_scoring`), then the local options."""
         sides = _Sides.predict(
             self.narrowing.narrow(prefills, prefill_load, self._rng, request.block_hashes),
-            self.narrowing.narrow(decodes, decode_load, self._rng),
+            self.narrowing.narrow(decodes, decode_load, self._rng, request.block_hashes, holders=False),
             request,
         )
         local = self._local_options(prefills, sides.decodes, request, sides.tpots)

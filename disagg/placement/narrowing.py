@@ -17,6 +17,7 @@ decision grows with P + D in cheap reads and stays bounded in predictions.
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,13 +48,22 @@ class Narrowing:
     def narrows(self, pool_size: int) -> bool:
         return 0 < self.candidates < pool_size
 
-    def narrow(self, instances: Sequence[T], load: Callable, rng: random.Random, block_hashes=()) -> list[T]:
-        """The instances of a pool to predict, in the pool's order; `load` orders them (least
-        first: `prefill_load`, `decode_load`, `colocated_load`); with `block_hashes`, the
-        prompt's, its prefix holders are among them."""
+    def narrow(
+        self, instances: Sequence[T], load: Callable, rng: random.Random, block_hashes=(), holders: bool = True
+    ) -> list[T]:
+        """The instances of a pool to predict, in the pool's order. `load` orders them (least
+        first: `prefill_load`, `decode_load`, `colocated_load`); `block_hashes`, the prompt's:
+        with `holders`, its prefix holders are among them. A prompt's first block also decides
+        the rest (equal loads go in the pool's order from a point of its own, and the draws are
+        its own), so that, as in the full search, a prefix cold everywhere lands where the next
+        request with it looks; `rng` draws for a prompt without blocks."""
         if not self.narrows(len(instances)):
             return list(instances)
-        return self._pick(instances, load, self._holders(instances, block_hashes, load), rng)
+        if block_hashes:
+            rng = random.Random(self.seed * 1_000_003 ^ block_hashes[0])
+        start = rng.randrange(len(instances))
+        held = self._holders(instances, block_hashes, load) if holders else []
+        return self._pick(instances, load, held, rng, start)
 
     def _holders(self, instances: Sequence, block_hashes: Sequence[int], load: Callable) -> list[int]:
         """Indices of the instances with the longest cached prefix of the prompt, least loaded first."""
@@ -66,11 +76,15 @@ class Narrowing:
             holding = heapq.nsmallest(self.holders, holding, key=lambda i: (-cached[i], load(instances[i])))
         return holding
 
-    def _pick(self, instances: Sequence[T], load: Callable, holders: list[int], rng: random.Random) -> list[T]:
-        """The holders, then the least loaded up to `candidates - sampled`, then `sampled` drawn."""
+    def _pick(
+        self, instances: Sequence[T], load: Callable, holders: list[int], rng: random.Random, start: int
+    ) -> list[T]:
+        """The holders, then the least loaded up to `candidates - sampled` (equal ones in the
+        pool's order from `start` on), then `sampled` drawn."""
         chosen = set(holders)
         least = self.candidates - self.sampled - len(chosen)
-        ranked = heapq.nsmallest(least + len(chosen), range(len(instances)), key=lambda i: load(instances[i]))
+        order = itertools.chain(range(start, len(instances)), range(start))
+        ranked = heapq.nsmallest(least + len(chosen), order, key=lambda i: load(instances[i]))  # stable
         chosen.update([i for i in ranked if i not in chosen][:least])
         drawn = rng.sample(range(len(instances)), min(len(instances), self.sampled + len(chosen)))
         chosen.update([i for i in drawn if i not in chosen][: self.sampled])

@@ -249,3 +249,22 @@ def test_a_bad_placement_candidates_is_refused_naming_it(value):
 def test_the_config_sets_the_candidates():
     assert placement_policy(ServingConfig.from_dict({"placement_candidates": 0})).narrowing.candidates == 0
     assert placement_policy(ServingConfig()).narrowing == Narrowing()
+
+
+def test_in_an_idle_pool_cold_prefixes_spread_and_each_keeps_its_place():
+    """As the full search's rendezvous hashing: the next request with a prefix (before any report
+    says who holds it) goes where the first one went, and different prefixes go to different places."""
+    prefills, decodes = random_pools(random.Random(0), 100, 100, mixed=False)
+    for inst in prefills + decodes:
+        inst.queued_prefill_tokens = inst.decode_batch = inst.decode_context_tokens = 0
+    policy = GoodputPolicy()
+
+    def place(first: int):
+        choice = policy.choose_pair(
+            prefills, decodes, RequestShape(256, 50, Slo(1000.0, 50.0), block_hashes=(first, 7))
+        )
+        return choice.prefill, choice.decode
+
+    places = [place(first) for first in range(60)]
+    assert len({p for p, _ in places}) > 30
+    assert [place(first) for first in range(60)] == places
