@@ -351,7 +351,7 @@ class ServingConfig:
     local_prefill_max_tokens: int = 0
     # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
     # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
-    placement_candidates: int = 16
+    placement_candidates: int = 12
     max_inflight_requests: int | None = (
         None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     )

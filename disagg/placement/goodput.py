@@ -35,6 +35,7 @@ import math
 import random
 import zlib
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TypeVar
 
 from disagg.placement.narrowing import Narrowing, colocated_load, decode_load, prefill_load
@@ -61,7 +62,7 @@ class GoodputPolicy(LeastOutstandingWork):
         `local_prefill_max_tokens`: a prompt with at most this many uncached tokens may be
         prefilled on its decode instance (conditional disaggregation; 0: never).
         `narrowing`: which instances of a large pool are predicted (disagg.placement.narrowing;
-        by default at most 16 a pool; `Narrowing(candidates=0)`: all)."""
+        by default at most 12 a pool; `Narrowing(candidates=0)`: all)."""
         self.best_effort = best_effort
         self.local_prefill_max_tokens = local_prefill_max_tokens
         self.narrowing = narrowing if narrowing is not None else Narrowing()
@@ -238,12 +239,12 @@ class _Option:
     def tpot_ms(self) -> float:
         return self.tpot.ms
 
-    @property
+    @cached_property  # read a few times by `_pick`
     def headroom(self) -> float:
         room = self.slo.headroom(self.ttft_ms, self.tpot_ms)
         return -math.inf if math.isnan(room) else room  # a prediction that is no number promises nothing
 
-    @property
+    @cached_property
     def latency(self) -> float:
         total = self.ttft_ms + self.tpot_ms
         return math.inf if math.isnan(total) else total

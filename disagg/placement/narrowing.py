@@ -24,13 +24,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
-DEFAULT_CANDIDATES = 16
+DEFAULT_CANDIDATES = 12
 
 
 @dataclass(frozen=True)
 class Narrowing:
     candidates: int = DEFAULT_CANDIDATES  # instances predicted per pool at most; 0: all (the full search)
-    holders: int = 4  # of them, at most this many holding the prompt's prefix (longest first)
+    holders: int = 2  # of them, at most this many holding the prompt's prefix (longest first)
     sampled: int = 2  # of them, this many drawn at random
     seed: int = 0  # of the draws: a simulation replays the same choices
 

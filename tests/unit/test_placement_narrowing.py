@@ -23,6 +23,7 @@ from disagg.placement.prefill_queue import Decodes
 MODEL = StepModel(Coefficients(5.0, 0.1, 1e-4), Coefficients(3.0, 0.001, 0.2), Coefficients(3.0, 0.001, 0.2))
 SLOW = StepModel(Coefficients(8.0, 0.15, 2e-4), Coefficients(4.0, 0.0015, 0.3), Coefficients(4.0, 0.0015, 0.3))
 FULL = Narrowing(candidates=0)
+CANDIDATES = Narrowing().candidates
 
 
 @dataclass(eq=False)
@@ -196,9 +197,9 @@ def test_a_decision_at_512x512_makes_a_bounded_number_of_predictions_and_options
             inst.predictions = 0
         assert policy.choose_pair(prefills, decodes, random_request(rng)) is not None
         # each candidate predicted once (a decode one twice with a local option: TTFT and TPOT)
-        assert sum(inst.predictions for inst in prefills) <= 16
-        assert sum(inst.predictions for inst in decodes) <= 2 * 16
-        assert len(built) <= 16 * 16 + 16  # the pairs of the candidates at most, then local options
+        assert sum(inst.predictions for inst in prefills) <= CANDIDATES
+        assert sum(inst.predictions for inst in decodes) <= 2 * CANDIDATES
+        assert len(built) <= CANDIDATES * CANDIDATES + CANDIDATES  # the candidates' pairs at most, then local options
 
 
 _real_option = goodput._Option
@@ -215,7 +216,7 @@ def test_a_colocated_pool_is_narrowed_too():
     pool[250].queued_prefill_tokens, pool[250].decode_batch = 0, 0
     choice = GoodputPolicy().choose_pair(pool, pool, RequestShape(100, 50, Slo(1000.0, 50.0)))
     assert choice.prefill is choice.decode is pool[250]
-    assert sum(inst.predictions for inst in pool) <= 2 * 16
+    assert sum(inst.predictions for inst in pool) <= 2 * CANDIDATES
 
 
 def test_the_draws_are_seeded():
