@@ -33,6 +33,7 @@ DEFAULT_KV_TRANSPORT = "torch_dist"
 # predicted output first, issue 39).
 SCHEDULING_ORDERS = ("fcfs", "ltr")
 DEFAULT_PRIORITY_AGING_S = 10.0
+MIN_PLACEMENT_CANDIDATES = 8  # ServingConfig.placement_candidates: room for prefix holders, the least loaded and draws
 
 
 class Role(str, enum.Enum):
@@ -358,6 +359,9 @@ class ServingConfig:
     # Conditional disaggregation (goodput placement): a prompt with at most this many uncached
     # tokens may be prefilled by its decode instance when predicted faster; 0: always disaggregate.
     local_prefill_max_tokens: int = 0
+    # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
+    # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
+    placement_candidates: int = 12
     max_inflight_requests: int | None = (
         None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     )
@@ -397,6 +401,11 @@ class ServingConfig:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
+        _require(
+            self.placement_candidates == 0 or self.placement_candidates >= MIN_PLACEMENT_CANDIDATES,
+            "placement_candidates",
+            f"must be 0 (every instance) or >= {MIN_PLACEMENT_CANDIDATES}",
+        )
         _require(self.calibration_s >= 0, "calibration_s", "must be >= 0 (0: off)")
         _require(self.slo_admission in SLO_ADMISSIONS, "slo_admission", f"must be one of {', '.join(SLO_ADMISSIONS)}")
         _require(self.output_length in OUTPUT_LENGTHS, "output_length", f"must be one of {', '.join(OUTPUT_LENGTHS)}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from disagg.config import ServingConfig
 from disagg.placement.goodput import GoodputPolicy
+from disagg.placement.narrowing import Narrowing
 from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy
 
 
@@ -19,6 +20,7 @@ def _goodput(config: ServingConfig) -> PlacementPolicy:
     return GoodputPolicy(
         best_effort=config.slo_admission == "best_effort",
         local_prefill_max_tokens=config.local_prefill_max_tokens,
+        narrowing=Narrowing(candidates=config.placement_candidates),
     )
 
 

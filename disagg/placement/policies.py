@@ -39,7 +39,15 @@ class Slo:
     tpot_ms: float = 0.0
 
     def headroom(self, ttft: float, tpot: float) -> float:
-        return min(_room(self.ttft_ms, ttft), _room(self.tpot_ms, tpot))
+        return min(self.ttft_room(ttft), self.tpot_room(tpot))
+
+    def ttft_room(self, ttft: float) -> float:
+        """(target - predicted) / target; inf without a target. A pair's headroom is the smaller
+        of its prefill instance's TTFT room and its decode instance's TPOT room."""
+        return _room(self.ttft_ms, ttft)
+
+    def tpot_room(self, tpot: float) -> float:
+        return _room(self.tpot_ms, tpot)
 
 
 def _room(target: float, predicted: float) -> float:

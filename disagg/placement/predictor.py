@@ -88,10 +88,11 @@ class Predicted:
     model_ms: float  # what the residual learns against: it is what the model alone misses
     residual_ms: float
     floor_ms: float
+    wait_ms: float = 0.0  # a TTFT's wait for room on the decode side (disagg.router.decode_room)
 
     @property
     def ms(self) -> float:
-        return max(self.model_ms + self.residual_ms, self.floor_ms)
+        return max(self.model_ms + self.residual_ms, self.floor_ms) + self.wait_ms
 
 
 def ttft(prefill: PrefillSide, prompt_tokens: int, cached_tokens: int = 0, model: StepModel | None = None) -> Predicted:

@@ -97,6 +97,8 @@ SMOKE = {
         (r"^protocol/raw bandwidth: [\d.]+$", r"^mismatched transfers: 0$")),
     "bench_onednn_cache": Smoke("bench_onednn_cache.py", ("--prompts", "2", "--max-len", "16", "--capacities", "8"),
         (r"^\s+8\s+-?\d+\s+[\d.]+\s+[\d.]+",)),
+    "bench_placement": Smoke("bench_placement.py", ("--smoke",),
+        (r"^decision p99 ms @8x8: [\d.]+$", r"^decision p99 ms @64x64: [\d.]+$", r"^goodput ratio @8x8: [\d.]+$")),
     "bench_planner": Smoke("bench_planner.py", ("--smoke", "--data", str(DISTSERVE)),
         (r"^1\. DistServe's measured runs replayed", r"simulated requests per minute"), skip=no_distserve_data),
     "bench_vs_llamacpp-llamacpp": Smoke("bench_vs_llamacpp.py", (
