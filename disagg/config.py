@@ -116,6 +116,9 @@ class EngineConfig:
     # Structured output: tokens a request's grammar forces are appended without sampling them
     # (SGLang's jump-forward); off: each is decoded in a step of its own.
     jump_forward: bool = True
+    # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
+    # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.
+    enforce_eager: bool = field(default_factory=lambda: os.environ.get("DISAGG_ENFORCE_EAGER", "0") == "1")
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):

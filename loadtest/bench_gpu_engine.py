@@ -67,6 +67,7 @@ def build_engine(args, max_seqs: int, budget: int) -> LLMEngine:
         max_num_batched_tokens=budget,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         enable_prefix_caching=False,
+        enforce_eager=args.enforce_eager,
     )
     return LLMEngine(config)
 
@@ -143,6 +144,7 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.model,
         "dtype": args.dtype,
+        "cuda_graphs": engine.runner.decode_graphs is not None,
         "weight_bytes": weight_bytes(engine),
         "peak_bandwidth": peak_bw,
         "measured_copy_bandwidth": copy_bw,
@@ -174,7 +176,10 @@ def run(args) -> dict:
 
 
 def report(r: dict) -> None:
-    print(f"device: {r['device']}; model {r['model']} {r['dtype']}; weights {r['weight_bytes'] / 2**30:.2f} GiB")
+    graphs = "decode from CUDA graphs" if r["cuda_graphs"] else "eager"
+    print(
+        f"device: {r['device']}; model {r['model']} {r['dtype']}; weights {r['weight_bytes'] / 2**30:.2f} GiB; {graphs}"
+    )
     peak = f"{r['peak_bandwidth'] / 1e12:.2f} TB/s datasheet, " if r["peak_bandwidth"] else ""
     print(f"memory bandwidth: {peak}{r['measured_copy_bandwidth'] / 1e12:.2f} TB/s measured copy (read + write)")
     for row in r["decode"]:
@@ -198,6 +203,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="decode steps timed per batch size")
     p.add_argument("--prompt-tokens", type=int, default=2048, help="the prefill measured")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs: every step eager")
     p.add_argument("--kv-cache-gib", type=float, default=20.0)
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)

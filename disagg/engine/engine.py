@@ -18,6 +18,7 @@ import torch
 
 from disagg.config import EngineConfig, Role
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.guided_decoding import GrammarError, GuidedDecoding
@@ -112,16 +113,18 @@ class LLMEngine:
         self.kv_connector = kv_connector
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache)
+        decode_kernel = select_decode_kernel(self.device, config.attention_backend)
         self.runner = ModelRunner(
             self.model,
             self.kv_cache,
             Sampler(config.seed),
             self.device,
-            decode_kernel=select_decode_kernel(self.device, config.attention_backend),
+            decode_kernel=decode_kernel,
             kv_connector=kv_connector,
             followers=followers,
             pipe=groups.pipe if groups is not None else None,
             returns_logits=groups is None or groups.place.tp_rank == 0,
+            decode_graphs=self._decode_graphs(decode_kernel, kv_connector),
         )
         self.guided = GuidedDecoding(self._grammar_compiler, config.jump_forward)
         self._compiler: GrammarCompiler | None = None
@@ -190,6 +193,27 @@ class LLMEngine:
             model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
             _return_freed_memory()  # the dense float32 copies just freed
         return model.eval()
+
+    def _decode_graphs(self, kernel, kv_connector: KVConnector | None) -> DecodeGraphs | None:
+        """Decode steps as CUDA graphs where they can be captured (cuda_graphs.py says where);
+        None: every step eager."""
+        streams_kv = kv_connector is not None and kv_connector.saves_layers
+        if self.config.enforce_eager or self.device.type != "cuda" or kernel is None:
+            return None
+        if self.config.role == Role.PREFILL:  # it samples first tokens only: no decode steps
+            return None
+        if self.groups is not None or streams_kv:
+            return None
+        graphs = DecodeGraphs(
+            self.model,
+            self.kv_cache,
+            kernel,
+            self.device,
+            max_batch=self.config.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.config.block_size),
+        )
+        graphs.capture()
+        return graphs
 
     def _build_kv_cache(self) -> KVCache:
         cfg, c, p = self.model_config, self.config, self.config.parallel

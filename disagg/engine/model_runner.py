@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.engine.distributed import PipelineLink
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
@@ -37,11 +38,13 @@ class ModelRunner:
         pipe: PipelineLink | None = None,
         returns_logits: bool = True,
         followers: Followers | None = None,
+        decode_graphs: DecodeGraphs | None = None,
     ):
         """`decode_kernel`: the decode attention kernel (None: the torch path). `kv_connector`: told
         of each layer's KV as it is computed. A rank of a multi-worker instance also has `pipe`
         (the stage-to-stage link), `returns_logits` (whether it hands the logits to rank 0)
-        and, on rank 0, `followers` (the other ranks)."""
+        and, on rank 0, `followers` (the other ranks). `decode_graphs`: decode-only steps replayed
+        from CUDA graphs (None: every step eager)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -52,6 +55,7 @@ class ModelRunner:
         self.pipe = pipe
         self.returns_logits = returns_logits
         self.followers = followers
+        self.decode_graphs = decode_graphs
         self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
@@ -100,9 +104,27 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
 
     def _forward_logits(self, chunks) -> torch.Tensor | None:
+        if self._replays(chunks):
+            return self._replay(chunks)
         input_ids, positions, meta = self._prepare(chunks)
         with step_rows(_generated_decodes(chunks)):  # quantized GEMMs take their path by row
             return self._forward_prepared(chunks, input_ids, positions, meta)
+
+    def _replays(self, chunks) -> bool:
+        """Whether a captured graph runs this step: decodes of generated tokens alone, as many
+        as a graph holds (prefill chunks and the step after a prompt's last chunk run eagerly)."""
+        graphs = self.decode_graphs
+        if graphs is None or not chunks or _generated_decodes(chunks) != len(chunks):
+            return False
+        return graphs.fits(len(chunks), max(len(c.request.block_ids) for c in chunks))
+
+    def _replay(self, chunks) -> torch.Tensor:
+        return self.decode_graphs.run(
+            [c.token_ids[0] for c in chunks],
+            [c.start for c in chunks],
+            [self._slot(c.request.block_ids, c.start) for c in chunks],
+            [c.request.block_ids for c in chunks],
+        )
 
     def _forward_prepared(self, chunks, input_ids, positions, meta) -> torch.Tensor | None:
         connector = self.kv_connector
