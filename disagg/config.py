@@ -368,6 +368,10 @@ class ServingConfig:
     max_inflight_requests: int | None = (
         None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
     )
+    # Frontends serving the same instances: this process's, and frontends - 1 more as Ray actors
+    # (disagg.server.FrontendReplica), frontend i on port + i and http_port + i (an ephemeral
+    # port where those are 0). Each admits its share of the in-flight bound.
+    frontends: int = 1
     # How long a request may wait for room on a decode instance (at most kv_timeout_s: the prefill
     # instance holds its computed prompt that long).
     admission_timeout_s: float = 30.0
@@ -432,6 +436,11 @@ class ServingConfig:
             "must be >= 1",
         )
         _require(self.max_migrations >= 0, "max_migrations", "must be >= 0")
+        _require(
+            isinstance(self.frontends, int) and not isinstance(self.frontends, bool) and self.frontends >= 1,
+            "frontends",
+            "must be an integer >= 1",
+        )
         _require(self.max_worker_restarts >= -1, "max_worker_restarts", "must be >= -1 (-1: always)")
         for name in (
             "admission_timeout_s",
@@ -495,6 +504,25 @@ class ServingConfig:
             for role, pool in self.pools()
         }
         return dataclasses.replace(self, ray_address=self.ray_address or "auto", **pinned)
+
+    def frontend_inflight_limit(self) -> int:
+        """One frontend's share of inflight_limit(), so that N frontends together admit the bound."""
+        return max(1, -(-self.inflight_limit() // self.frontends))
+
+    def frontend(self, index: int) -> "ServingConfig":
+        """The settings of frontend `index` (0: this process's): its ports, and no start-up
+        requests of its own (the warm-up and calibration ran through frontend 0)."""
+        if index == 0:
+            return self
+        metrics = self.metrics_port + index if self.metrics_port else self.metrics_port
+        return dataclasses.replace(
+            self,
+            port=self.port + index if self.port else 0,
+            http_port=self.http_port + index if self.http_port else 0,
+            metrics_port=metrics,
+            warm_up=False,
+            calibration_s=0.0,
+        )
 
     def inflight_limit(self) -> int:
         """`max_inflight_requests`, or (None) as many requests as the decode (or colocated) pool

@@ -7,6 +7,12 @@ this node's, so that every node reaches them (disagg.hosts.addressing).
 
 Shutdown is graceful: new requests get UNAVAILABLE (HTTP 503), those in flight get a grace period to
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
+
+With `frontends: N` the other N - 1 frontends are Ray actors (FrontendReplica), each the same
+frontend over the same instances, from the same registry: their placements see each other's load
+through the workers' reports. Ray restarts a killed one; the workers abort its requests when its
+links close, freeing their blocks. Frontend 0, in this process, also runs the control loops
+(re-planning, rebalancing, drains), which must run once.
 """
 
 from __future__ import annotations
@@ -69,8 +75,13 @@ class Server:
     run on one event loop of their own on a background thread.
     """
 
-    def __init__(self, config: ServingConfig):
-        self.config = config
+    def __init__(self, config: ServingConfig, *, index: int = 0, link_key: bytes | None = None):
+        """`index`: which frontend this is (0: the deployment's own; others: FrontendReplica, with
+        the deployment's `link_key`)."""
+        self.config = config.frontend(index)
+        self.index = index
+        self.directory: InstanceDirectory | None = None
+        self.replicas: list = []  # FrontendReplica actors, frontend i at i - 1
         self.address: str | None = None  # gRPC's HOST:PORT
         self.http_address: str | None = None  # the OpenAI-compatible API's HOST:PORT; None: off (http_port 0)
         self.request_path: RequestPath | None = None  # what both frontends run each request through
@@ -80,7 +91,8 @@ class Server:
         self.launcher: PoolLauncher | None = None
         self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
-        self._link_key = new_key()  # this deployment's (disagg.auth): workers get it in their actor arguments
+        # This deployment's (disagg.auth): workers and frontend replicas get it in their actor arguments.
+        self._link_key = link_key if link_key is not None else new_key()
         self._stack = contextlib.ExitStack()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -120,12 +132,48 @@ class Server:
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
         self.launcher.supervise()
+        self._start_frontend(redis_url, model, timeout_s)
+        self._start_replicas(redis_url, timeout_s)
+
+    def start_replica(self, redis_url: str, timeout_s: float = 600.0) -> "Server":
+        """Frontend `index` of a deployment already running (Ray, Redis and the workers are its)."""
+        model = load_model_source(
+            self.config.engine.model, cache_dir=self.config.engine.cache_dir, tokenizer=self.config.engine.tokenizer
+        )
+        self._start_frontend(redis_url, model, timeout_s)
+        return self
+
+    def _start_frontend(self, redis_url: str, model, timeout_s: float) -> None:
         self._thread = threading.Thread(
-            target=self._run_frontend, args=(redis_url, model), name="frontend", daemon=True
+            target=self._run_frontend, args=(redis_url, model), name=f"frontend-{self.index}", daemon=True
         )
         self._thread.start()
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
+
+    def _start_replicas(self, redis_url: str, timeout_s: float) -> None:
+        """Frontends 1..N-1, restarted by Ray whenever they die (same ports where they are fixed)."""
+        for index in range(1, self.config.frontends):
+            replica = FrontendReplica.options(
+                name=f"frontend-{index}", namespace=NAMESPACE, max_restarts=-1, num_cpus=0
+            ).remote(self.config, redis_url, self._link_key, index)
+            self.replicas.append(replica)
+        self._stack.callback(self._stop_replicas)
+        ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
+
+    def frontend_addresses(self, timeout_s: float = 30.0) -> list[str]:
+        """Every frontend's gRPC HOST:PORT, this one first (a restarted replica on an ephemeral
+        port has a new one)."""
+        others = ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
+        return [self.address] + [grpc_address for grpc_address, _ in others]
+
+    def _stop_replicas(self) -> None:
+        stops = [r.stop.remote() for r in self.replicas]
+        with contextlib.suppress(Exception):
+            ray.get(stops, timeout=DRAIN_GRACE_S + 15)
+        for replica in self.replicas:
+            with contextlib.suppress(Exception):
+                ray.kill(replica, no_restart=True)
 
     def _bind_framework_cpus(self) -> CpuPlan | None:
         """Before Ray and Redis start from this thread, so that they, and the workers Ray starts,
@@ -175,6 +223,7 @@ class Server:
             prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
             block_size=config.engine.block_size,
         )
+        self.directory = directory
         await _wait_for_instances(config, directory)
         tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
         limits = await _model_limits(config, model, directory)
@@ -206,24 +255,16 @@ class Server:
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         self.live_moves = LiveMoves(orchestrator, directory)
-        gauges = asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges")
-        leavers = asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")
-        replanning = self._replanning(directory, model, metrics, orchestrator)
-        replan_task = asyncio.create_task(replanning.run(), name="replanning") if replanning else None
-        rebalancing = (
-            asyncio.create_task(_rebalance(self.live_moves, config.slo.tpot_ms, metrics), name="rebalancing")
-            if config.switchable()
-            else None
-        )
-        health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
+        tasks = [
+            asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges"),
+            asyncio.create_task(_report_health(config, directory, health_servicer), name="health"),
+        ]
+        if self.index == 0:  # the control loops: once per deployment
+            tasks += self._control_loops(directory, model, metrics, orchestrator)
         self._started.set()
         await self._stop.wait()
-        gauges.cancel()
-        leavers.cancel()
-        health_task.cancel()
-        for task in (replan_task, rebalancing):
-            if task is not None:
-                task.cancel()
+        for task in tasks:
+            task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
         await self.request_path.drain(DRAIN_GRACE_S)
         await server.stop(grace=1.0)
@@ -235,6 +276,17 @@ class Server:
         if metrics_server:
             metrics_server.stop()
         registry.close()
+
+    def _control_loops(self, directory, model, metrics, orchestrator) -> list[asyncio.Task]:
+        """Drains of leaving instances, and where instances may switch, re-planning and rebalancing."""
+        tasks = [asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")]
+        replanning = self._replanning(directory, model, metrics, orchestrator)
+        if replanning is not None:
+            tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
+        if self.config.switchable():
+            rebalance = _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)
+            tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
+        return tasks
 
     def _replanning(self, directory, model, metrics, orchestrator) -> ReplanLoop | None:
         """The closed loop, where instances may switch (ServingConfig.switchable) and there is a
@@ -315,9 +367,12 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     if server.http_address:
         scheme = "https" if config.tls_cert_file else "http"
         print(f"disagg: OpenAI-compatible API on {scheme}://{server.http_address}/v1", flush=True)
-    if ready_file:
+    if server.replicas:
+        print(f"disagg: frontends on {', '.join(server.frontend_addresses())}", flush=True)
+    if ready_file:  # frontend 0's gRPC address; with replicas, a second line: every frontend's
+        others = f"{','.join(server.frontend_addresses())}\n" if server.replicas else ""
         with open(ready_file, "w") as f:
-            f.write(f"{server.address}\n")
+            f.write(f"{server.address}\n{others}")
     cluster = ClusterWatch.of_ray() if config.ray_address else None
     cluster_gone = False
     while not stop.wait(1.0):
@@ -329,6 +384,26 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     server.stop(cluster_gone)
     print("disagg: stopped", flush=True)
     return 0
+
+
+@ray.remote
+class FrontendReplica:
+    """Frontend `index` of a deployment (ServingConfig.frontends): the same gRPC and HTTP service
+    as frontend 0's, on its own ports, in a process Ray restarts when it dies."""
+
+    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url)
+
+    def addresses(self) -> tuple[str, str | None]:
+        """(gRPC HOST:PORT, HTTP HOST:PORT or None)."""
+        return self.server.address, self.server.http_address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 class ClusterWatch:

@@ -46,7 +46,9 @@ class Deployment:
                 self.stop()
                 sys.exit(f"disagg serve did not start:\n{self.log.read_text()[-3000:]}")
             time.sleep(0.5)
-        self.address = self.ready.read_text().strip()
+        lines = self.ready.read_text().split()
+        self.address = lines[0]
+        self.frontend_addresses = lines[1].split(",") if len(lines) > 1 else [self.address]
 
     def processes(self) -> dict[int, str]:
         """pid -> a short name, every live process of the deployment: its session, and its

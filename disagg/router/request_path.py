@@ -66,7 +66,7 @@ class RequestPath:
         self.limits = limits
         self.metrics = metrics
         self.records = records
-        self.max_inflight = orchestrator.config.inflight_limit()
+        self.max_inflight = orchestrator.config.frontend_inflight_limit()
         self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
         self._aborted: set[str] = set()  # ended by Abort: their streams end with finish_reason "abort"
         self.draining = False
