@@ -62,6 +62,7 @@ def _add_serve(sub) -> None:
     p.add_argument("--port", type=int, help="override the config's gRPC port")
     p.add_argument("--http-port", type=int, help="override the config's HTTP port (0: no HTTP API)")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
+    p.add_argument("--frontends", type=int, help="override the config's number of frontends (port + i each)")
     p.add_argument("--ready-file", help="write HOST:PORT here once serving (for scripts)")
     p.add_argument(
         "--cluster",
@@ -76,7 +77,13 @@ def _serve(args) -> int:
     from disagg.server import main_serve
 
     logging.getLogger("disagg").setLevel(logging.INFO)
-    given = {"model": args.model, "port": args.port, "http_port": args.http_port, "mode": args.mode}
+    given = {
+        "model": args.model,
+        "port": args.port,
+        "http_port": args.http_port,
+        "mode": args.mode,
+        "frontends": args.frontends,
+    }
     overrides = {k: v for k, v in given.items() if v is not None}
     return main_serve(args.config, overrides, args.ready_file, args.cluster)
 

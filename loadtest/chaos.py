@@ -13,6 +13,13 @@ recovery time per kill (kill -> the process back, every instance listed and a re
 The last lines are `lost: N`, `wrong outputs: N`, `leaked blocks: N`, `recovery p50 s: X`,
 `rss drift %: X` (the largest growth of a process's RSS from the warm-up's end to the end).
 With `--kill-every 0` nothing is killed: a soak (`--minutes 30 --kill-every 0`).
+
+With `--frontends N` the deployment runs N frontends and client i sends through frontend i mod N;
+a request that fails is sent once more through the next frontend, and counts as lost only if that
+fails too. `--kill-frontend-every S` SIGKILLs a random frontend replica (frontends 1..N-1: frontend
+0 is `disagg serve` itself, which holds Ray and Redis) every S seconds, beside the worker kills.
+
+    PYTHONPATH=. .venv/bin/python loadtest/chaos.py --minutes 5 --kill-every 30 --frontends 2 --kill-frontend-every 60
 """
 
 from __future__ import annotations
@@ -54,6 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--warm-up", type=float, help="seconds of load before the RSS baseline (default: 60 for a soak, else 0)"
     )
+    p.add_argument("--frontends", type=int, default=1, help="frontends of the deployment (ServingConfig.frontends)")
+    p.add_argument("--kill-frontend-every", type=float, default=0.0, help="seconds between frontend kills; 0: none")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -62,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.warm_up is None:
         args.warm_up = 60.0 if args.kill_every <= 0 else 0.0
+    if args.kill_frontend_every > 0 and args.frontends < 2:
+        p.error("--kill-frontend-every needs --frontends 2 or more (frontend 0 is the serving process)")
     return args
 
 
@@ -73,13 +84,14 @@ def request(i: int, max_tokens: int):
 
 
 class Load:
-    """Closed-loop clients; every outcome counted, every output checked."""
+    """Closed-loop clients; every outcome counted, every output checked. With several frontends,
+    client w sends through frontend w mod N, and a failed request once more through the next."""
 
-    def __init__(self, client: DisaggClient, reference: list[list[int]], args):
-        self.client, self.reference, self.args = client, reference, args
+    def __init__(self, clients: list[DisaggClient], reference: list[list[int]], args):
+        self.clients, self.reference, self.args = clients, reference, args
         self.stop = threading.Event()
         self.lock = threading.Lock()
-        self.sent, self.completed, self.wrong = 0, 0, 0
+        self.sent, self.completed, self.wrong, self.retried = 0, 0, 0, 0
         self.failed: Counter[str] = Counter()
         self.messages: dict[str, int] = {}  # error details -> count
 
@@ -89,7 +101,7 @@ class Load:
             with self.lock:
                 self.sent += 1
             try:
-                tokens, _, _ = self.client.generate(request(i, self.args.max_tokens), timeout=300)
+                tokens = self._generate(i, worker)
             except grpc.RpcError as exc:
                 with self.lock:
                     self.failed[exc.code().name] += 1
@@ -100,6 +112,19 @@ class Load:
                     self.completed += 1
                     self.wrong += tokens != self.reference[i % len(PROMPTS)]
             i += self.args.concurrency
+
+    def _generate(self, i: int, worker: int) -> list[int]:
+        frontend = worker % len(self.clients)
+        try:
+            return self.clients[frontend].generate(request(i, self.args.max_tokens), timeout=300)[0]
+        except grpc.RpcError:
+            if len(self.clients) == 1:
+                raise
+        with self.lock:
+            self.retried += 1
+        return self.clients[(frontend + 1) % len(self.clients)].generate(request(i, self.args.max_tokens), timeout=300)[
+            0
+        ]
 
 
 def kill_on_schedule(args, dep: Deployment, client: DisaggClient, rng, expected: int, started: float, end: float):
@@ -113,6 +138,36 @@ def kill_on_schedule(args, dep: Deployment, client: DisaggClient, rng, expected:
         last = kills[-1]
         print(f"killed {last['worker'][:40]} (pid {last['pid']}): recovered in {last['recovery_s']} s", flush=True)
     return kills
+
+
+def kill_frontends_on_schedule(args, dep: Deployment, rng, end: float) -> list[dict]:
+    """A random frontend replica every `--kill-frontend-every` seconds; recovery: until every
+    frontend serves a request again (Ray restarts the replica on its port)."""
+    kills = []
+    while time.monotonic() + args.kill_frontend_every <= end:
+        time.sleep(args.kill_frontend_every)
+        victims = dep.frontend_replicas()
+        if not victims:
+            continue
+        pid, name = rng.choice(sorted(victims.items()))
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while time.monotonic() - killed_at < 300 and not all_frontends_serve(dep):
+            time.sleep(0.2)
+        kills.append({"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)})
+        print(f"killed frontend {name[:40]} (pid {pid}): recovered in {kills[-1]['recovery_s']} s", flush=True)
+    return kills
+
+
+def all_frontends_serve(dep: Deployment) -> bool:
+    try:
+        for address in dep.frontend_addresses:
+            with DisaggClient(address) as client:
+                if not client.generate(request(0, 2), timeout=30)[0]:
+                    return False
+        return True
+    except grpc.RpcError:
+        return False
 
 
 def kill_and_time_recovery(
@@ -146,7 +201,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
-        dep = Deployment(Path(tmp), args.config)
+        dep = Deployment(Path(tmp), args.config, **({"frontends": args.frontends} if args.frontends > 1 else {}))
         try:
             return run(args, dep, rng)
         finally:
@@ -154,10 +209,12 @@ def main(argv=None) -> int:
 
 
 def run(args, dep: Deployment, rng: random.Random) -> int:
-    with DisaggClient(dep.address) as client:
+    clients = [DisaggClient(address) for address in dep.frontend_addresses]
+    client = clients[0]
+    try:
         expected = listed(client)
         reference = [client.generate(request(i, args.max_tokens), timeout=300)[0] for i in range(len(PROMPTS))]
-        load = Load(client, reference, args)
+        load = Load(clients, reference, args)
         threads = [threading.Thread(target=load.run, args=(w,), daemon=True) for w in range(args.concurrency)]
         for t in threads:
             t.start()
@@ -165,16 +222,34 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         end = started + args.minutes * 60
         time.sleep(min(args.warm_up, args.minutes * 60))
         rss_start = dep.rss_mb()
+        frontend_kills: list[dict] = []
+        killer = None
+        if args.kill_frontend_every > 0:
+            killer = threading.Thread(
+                target=lambda: frontend_kills.extend(
+                    kill_frontends_on_schedule(args, dep, random.Random(args.seed + 1), end)
+                ),
+                daemon=True,
+            )
+            killer.start()
         kills = kill_on_schedule(args, dep, client, rng, expected, started, end) if args.kill_every > 0 else []
         time.sleep(max(0.0, end - time.monotonic()))
+        if killer is not None:
+            killer.join(timeout=320)
         load.stop.set()
         for t in threads:
             t.join(timeout=320)
         leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.migrations()
-    recoveries = [k["recovery_s"] for k in kills]
+    finally:
+        for c in clients:
+            c.close()
+    recoveries = [k["recovery_s"] for k in kills + frontend_kills]
+    frontend_recoveries = [k["recovery_s"] for k in frontend_kills]
     result = {
         "args": vars(args), "sent": load.sent, "completed": load.completed, "failed": dict(load.failed),
         "migrated": migrated, "wrong_outputs": load.wrong, "errors": load.messages, "leaked_blocks": leaked, "kills": kills,
+        "frontend_kills": frontend_kills, "retried_on_another_frontend": load.retried,
+        "frontend_recovery_p50_s": statistics.median(frontend_recoveries) if frontend_recoveries else None,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
@@ -182,6 +257,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"sent {load.sent}, completed {load.completed}, failed {dict(load.failed) or 0}, migrated {migrated:.0f}")
+    if args.frontends > 1:
+        print(f"frontends {args.frontends}: {len(frontend_kills)} killed, {load.retried} requests retried on another")
     for name, mb in rss_start.items():
         print(f"RSS start {mb:7.0f} MB  {name}")
     for name, mb in rss_end.items():
@@ -191,6 +268,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     print(f"wrong outputs: {load.wrong}")
     print(f"leaked blocks: {leaked}")
     print(f"recovery p50 s: {result['recovery_p50_s']}")
+    if frontend_kills:
+        print(f"frontend recovery p50 s: {result['frontend_recovery_p50_s']}")
     print(f"rss drift %: {result['rss_drift_pct']:.1f}")
     return 0 if not load.failed and not load.wrong and not leaked else 1
 

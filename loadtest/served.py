@@ -70,6 +70,10 @@ class Deployment:
     def redis(self) -> dict[int, str]:
         return {pid: name for pid, name in self.processes().items() if "redis-server" in name}
 
+    def frontend_replicas(self) -> dict[int, str]:
+        """The frontends Ray runs (frontends 1..N-1; frontend 0 is `disagg serve` itself)."""
+        return {pid: name for pid, name in self.processes().items() if "FrontendReplica" in name}
+
     def workers(self) -> dict[int, str]:
         return {pid: name for pid, name in self.processes().items() if any(k in name for k in WORKER_KINDS)}
 

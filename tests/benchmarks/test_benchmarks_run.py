@@ -185,6 +185,11 @@ SMOKE = {
         "--out", "{tmp}/chaos.json"),
         (r"^killed .*: recovered in [\d.]+ s", r"^lost: \d+$", r"^wrong outputs: \d+$", r"^recovery p50 s: [\d.]+$"),
         heavy=True),
+    "chaos-frontends": Smoke("chaos.py", (
+        "--config", "{config}", "--minutes", "0.3", "--kill-every", "0", "--warm-up", "0", "--frontends", "2",
+        "--kill-frontend-every", "6", "--concurrency", "2", "--max-tokens", "4", "--out", "{tmp}/chaos.json"),
+        (r"^killed frontend .*: recovered in [\d.]+ s", r"^frontends 2: \d+ killed, \d+ requests retried",
+         r"^lost: \d+$", r"^leaked blocks: \d+$", r"^frontend recovery p50 s: [\d.]+$"), heavy=True),
     "fuzz": Smoke("fuzz.py", (
         "--config", "{config}", "--requests", "20", "--fuzz-clients", "2", "--innocent-clients", "1", "--max-tokens", "4",
         "--cases", "^(?!ids at limit)", "--out", "{tmp}/fuzz.json"),  # that one prefills 8k tokens

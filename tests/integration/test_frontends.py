@@ -114,6 +114,8 @@ def test_a_killed_frontend_frees_its_blocks_and_comes_back(server):
             t.join(30)
         assert len(errors) == 3  # its own streams are lost with it ...
         assert client.generate(chat_request("Why is the sky blue?", max_tokens=8))[0]  # ... frontend 0's are not
+        with DisaggClient(f"{second},{first}") as balanced:  # round-robin over those that answer
+            assert all(balanced.generate(chat_request("Name a fruit.", max_tokens=4))[0] for _ in range(3))
         deadline = time.monotonic() + 30
         while held_blocks(client) > 0 and time.monotonic() < deadline:
             time.sleep(0.3)
