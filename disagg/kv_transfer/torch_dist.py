@@ -11,8 +11,13 @@ never reuses the keys of a broken one. The addresses in the prefix do the same f
 restarted under its old id. `connect` on a live pair returns at once, with no store round trip: it
 is called before every message.
 
-Every message is a fixed-size header (dtype and shape), then the payload as raw bytes: in the
-same gloo message when it is small, else in a second one. The receiver checks the header against
+Every message is a fixed-size header (dtype and shape) and a tag, then the payload as raw bytes: in
+the same gloo message when it is small, else in a second one. Between workers on different hosts
+the tag is an HMAC of the header and payload, in order per direction, with keys of the pair made
+from the deployment key and nonces both sides put in the authenticated store (disagg.auth): a
+message changed, replayed or reordered on the wire fails the transfer and breaks the pair. On one
+host (where the KV moves by reference anyway) and over NCCL (whose payload is on the GPU) the tag
+is zeros: NCCL's connections carry no integrity check (README, security). The receiver checks the header against
 `out` before it posts a recv for a large payload: gloo aborts the whole process when a message is
 larger than the buffer posted for it (so the first recv posts a buffer that fits any first message).
 Headers, payloads and the two directions use different tags.
@@ -39,7 +44,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from disagg.auth import AuthenticationError
+from disagg.auth import TAG_BYTES, AuthenticationError, Seals, new_nonce
 from disagg.errors import KVTransferError
 from disagg.engine.shared_memory import host_key
 from disagg.kv_transfer.rendezvous import PairStore, Rendezvous, RendezvousClosed, connect_pair_store
@@ -68,10 +73,13 @@ _DTYPES = (
     torch.float8_e5m2,
 )
 _HEADER_BYTES = (3 + _MAX_DIMS) * 8
+_FIRST_BYTES = _HEADER_BYTES + TAG_BYTES  # the header and its tag: the start of every first message
+_NO_TAG = bytes(TAG_BYTES)
+SEAL_MODES = ("cross-host", "always")
 # A payload this small travels in the header's message (gloo only): one round of gloo's
 # ready/ready/data messages instead of two, for the price of a copy.
 _INLINE_MAX_BYTES = 64 * 1024
-_INBOX_BYTES = _HEADER_BYTES + _INLINE_MAX_BYTES
+_INBOX_BYTES = _FIRST_BYTES + _INLINE_MAX_BYTES
 _HEADER, _PAYLOAD = 0, 1  # tag = 2 * sender rank + kind
 _GENERATION_KEY = "gen"
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
@@ -81,10 +89,16 @@ _TRANSPORT_ERRORS = (RuntimeError, OSError)
 
 
 class TorchDistTransport(Transport):
-    def __init__(self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None):
-        """`key`: the deployment's (disagg.auth): a peer must hold it to meet this worker."""
+    def __init__(
+        self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None, seal: str = "cross-host"
+    ):
+        """`key`: the deployment's (disagg.auth): a peer must hold it to meet this worker.
+        `seal`: which pairs tag their gloo messages: those across hosts, or (tests) always."""
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
+        if seal not in SEAL_MODES:
+            raise ValueError(f"seal: expected one of {SEAL_MODES}, got {seal!r}")
+        self.seal = seal
         self.worker_id = worker_id
         self.backend = backend
         self._key = key
@@ -136,8 +150,9 @@ class TorchDistTransport(Transport):
         with pair.send_lock:
             try:
                 group, device = self._group_for(pair, tensor.device, pair.rank)
-                first = _as_bytes(header.to(device))
                 payload = _as_bytes(tensor.to(device).contiguous()) if tensor.numel() else None
+                tag = _tag_of(pair, group, header, payload)
+                first = torch.cat([_as_bytes(header), torch.frombuffer(bytearray(tag), dtype=torch.uint8)]).to(device)
                 if payload is not None and group is pair.gloo and payload.numel() <= _INLINE_MAX_BYTES:
                     first, payload = torch.cat([first, payload]), None  # one round of messages, not two
                 pair.wait(group.send([first], pair.peer_rank, _tag(pair.rank, _HEADER)), deadline)
@@ -155,15 +170,19 @@ class TorchDistTransport(Transport):
             try:
                 group, device = self._group_for(pair, out.device, pair.peer_rank)
                 inline = group is pair.gloo  # gloo may deliver fewer bytes than posted; NCCL may not
-                first = pair.inbox if inline else torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=device)
+                first = pair.inbox if inline else torch.empty(_FIRST_BYTES, dtype=torch.uint8, device=device)
                 pair.wait(group.recv([first], pair.peer_rank, _tag(pair.peer_rank, _HEADER)), deadline)
-                got = first[:_HEADER_BYTES].view(torch.int64).tolist()
+                head = first[:_FIRST_BYTES].cpu()
+                got = head[:_HEADER_BYTES].view(torch.int64).tolist()
+                payload = None
                 if got == expected and nbytes and inline and nbytes <= _INLINE_MAX_BYTES:
-                    out.copy_(first[_HEADER_BYTES : _HEADER_BYTES + nbytes].view(out.dtype).view(out.shape))
+                    payload = first[_FIRST_BYTES : _FIRST_BYTES + nbytes]
+                    out.copy_(payload.view(out.dtype).view(out.shape))
                 elif got == expected and nbytes:
                     direct = out.is_contiguous() and out.device == device
                     target = out if direct else torch.empty(out.shape, dtype=out.dtype, device=device)
                     pair.wait(group.recv([_as_bytes(target)], pair.peer_rank, _tag(pair.peer_rank, _PAYLOAD)), deadline)
+                    payload = _as_bytes(target)
                     if not direct:
                         out.copy_(target)
             except _TRANSPORT_ERRORS as exc:
@@ -171,6 +190,10 @@ class TorchDistTransport(Transport):
             if got != expected:
                 # The payload is not received: the pair goes, so nothing of it is left to misread.
                 raise self._fail(pair, f"message mismatch: expected {_describe(expected)}, got {_describe(got)}")
+            if _tag_of(pair, group, head[:_HEADER_BYTES], payload, incoming=True) != bytes(
+                head[_HEADER_BYTES:].numpy()
+            ):
+                raise self._fail(pair, f"{_describe(got)} failed its integrity check (changed, replayed or reordered)")
 
     def shares_memory_with(self, peer_id: str) -> bool:
         with self._lock:
@@ -243,9 +266,11 @@ class TorchDistTransport(Transport):
         options._devices = [self._gloo_device]
         options._threads = 1  # only point-to-point ops, which do not use the worker threads
         try:
+            pair_store.set(f"nonce/{rank}", new_nonce())  # the pair's seal keys are fresh for each generation
             pair_store.set(f"joined/{rank}", host_key())  # each side learns whether the other is on its host
             pair_store.wait([f"joined/{1 - rank}"], timedelta(seconds=remaining(deadline)))
             same_host = bool(host_key()) and pair_store.get(f"joined/{1 - rank}").decode() == host_key()
+            nonces = (pair_store.get("nonce/0"), pair_store.get("nonce/1"))
             gloo = dist.ProcessGroupGloo(pair_store, rank, 2, options)
         except _TRANSPORT_ERRORS as exc:
             _bump(store, generation_key, generation)  # never meet under a half-used prefix again
@@ -264,6 +289,9 @@ class TorchDistTransport(Transport):
             inbox,
             same_host,
         )
+        if self.seal == "always" or not same_host:
+            purpose = f"kv {self._pair_name(peer_id, peer_address)} {prefix}"
+            pair.seals = Seals.of(self._key, *nonces, purpose, "caller" if rank == 0 else "listener")
         pair.watch()
         return pair
 
@@ -335,6 +363,16 @@ def _bump(store: dist.Store, key: str, generation: int) -> None:
         store.compare_set(key, str(generation), str(generation + 1))
     except _TRANSPORT_ERRORS:
         pass  # the owner's store is gone with the owner: nobody will meet under that name again
+
+
+def _tag_of(pair: Pair, group, header: torch.Tensor, payload: torch.Tensor | None, incoming: bool = False) -> bytes:
+    """The next message's integrity tag in its direction: an HMAC of its header and payload on a
+    sealed pair's gloo group, zeros otherwise (one host, or NCCL: module docstring)."""
+    if pair.seals is None or group is not pair.gloo:
+        return _NO_TAG
+    seal = pair.seals.incoming if incoming else pair.seals.outgoing
+    parts = [_as_bytes(header).numpy()] + ([payload.numpy()] if payload is not None else [])
+    return seal.tag(*parts)
 
 
 def _tag(sender_rank: int, kind: int) -> int:

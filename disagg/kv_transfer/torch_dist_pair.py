@@ -24,6 +24,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disagg.auth import Seals
 from disagg.kv_transfer.rendezvous import PairStore
 
 # How long past its deadline a caller waits for gloo to report the timeout of its operation.
@@ -50,6 +51,8 @@ class Pair:
     gloo: dist.ProcessGroupGloo
     inbox: torch.Tensor  # the first message of each recv lands here (gloo); under recv_lock
     same_host: bool = False  # the peer can map our shared tensors (shared_memory.host_key)
+    # Tags on every gloo message, each direction in order (disagg.auth): pairs across hosts; None: none.
+    seals: Seals | None = None
     nccl: dict[int, dist.ProcessGroupNCCL] = field(default_factory=dict)  # sender rank -> group
     broken: futures.Future = field(default_factory=futures.Future)  # its result: why it broke
     send_lock: threading.Lock = field(default_factory=threading.Lock)

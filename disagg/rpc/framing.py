@@ -72,7 +72,7 @@ def recv_exactly(sock: socket.socket, n: int, is_open=lambda: True) -> bytes:
 def recv_frame(sock: socket.socket, seal: FrameSeal, is_open=lambda: True) -> tuple:
     header = recv_exactly(sock, _HEADER.size, is_open)
     body = recv_exactly(sock, body_length(header), is_open)
-    seal.check(header + body, recv_exactly(sock, TAG_BYTES, is_open))
+    seal.check(recv_exactly(sock, TAG_BYTES, is_open), header, body)
     return decode(body)
 
 
@@ -80,5 +80,5 @@ async def read_frame(reader, seal: FrameSeal) -> tuple:
     """The same from an asyncio StreamReader."""
     header = await reader.readexactly(_HEADER.size)
     body = await reader.readexactly(body_length(header))
-    seal.check(header + body, await reader.readexactly(TAG_BYTES))
+    seal.check(await reader.readexactly(TAG_BYTES), header, body)
     return decode(body)

@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from disagg.auth import FrameSeal
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from tests.support import LINK_KEY
@@ -217,3 +218,52 @@ def test_an_idle_pair_outlives_its_connect_timeout():
         a.recv("idle-b", out, 5.0)  # the same pair, not rebuilt
         sender.join()
         assert torch.equal(out, torch.ones(4))
+
+
+@pytest.fixture
+def sealed_pair(pool):
+    """A pair whose messages carry integrity tags although both peers share a host (seal="always":
+    what pairs across hosts do)."""
+    a = TorchDistTransport("a", LINK_KEY, seal="always")
+    b = TorchDistTransport("b", LINK_KEY, seal="always")
+    connect(pool, a, b)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("size", [10, 300_000], ids=["inline", "separate"])
+def test_a_sealed_pair_carries_tensors_exactly_in_both_directions(pool, sealed_pair, size):
+    a, b = sealed_pair
+    assert a._pairs["b"].seals is not None and b._pairs["a"].seals is not None
+    for sender, receiver in ((a, b), (b, a), (a, b)):
+        tensor, out = torch.randn(size), torch.empty(size)
+        transfer(pool, sender, receiver, tensor, out)
+        assert torch.equal(out, tensor)
+
+
+@pytest.mark.parametrize("size", [10, 300_000], ids=["inline", "separate"])
+@pytest.mark.parametrize("forgery", ["other key", "replayed or dropped"])
+def test_a_message_that_fails_its_tag_fails_the_transfer_and_the_pair_is_rebuilt(pool, sealed_pair, size, forgery):
+    a, b = sealed_pair
+    if forgery == "other key":  # a sender without the pair's keys
+        a._pairs["b"].seals.outgoing = FrameSeal(b"not the pair's key" * 2)
+    else:  # the receiver's count is ahead: it expects the message after this one
+        b._pairs["a"].seals.incoming.tag(b"a message it saw before")
+    sending = pool.submit(a.send, "b", torch.ones(size), 5)
+    message, _ = expect_error(b.recv, "a", torch.empty(size), 5)
+    assert "integrity check" in message
+    try:
+        sending.result(timeout=5)  # delivered before the check, or failed as the pair went
+    except KVTransferError:
+        pass
+    wait_until_broken(a, "b")  # the receiver dropped the pair: nothing more is read from it
+    connect(pool, a, b)
+    out = torch.empty(size)
+    transfer(pool, a, b, torch.full((size,), 2.0), out)
+    assert out.eq(2.0).all()
+
+
+def test_pairs_on_one_host_are_not_sealed(pair):
+    a, b = pair
+    assert a._pairs["b"].seals is None and b._pairs["a"].seals is None
