@@ -31,11 +31,19 @@ from pathlib import Path
 
 import grpc
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from disagg.auth import new_key
-from disagg.hosts.addressing import LOOPBACK, check_redis_reachable, num_alive_nodes, resolve_host, worker_host
+from disagg.hosts.addressing import (
+    LOOPBACK,
+    WILDCARD_HOSTS,
+    check_redis_reachable,
+    num_alive_nodes,
+    resolve_host,
+    worker_host,
+)
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
@@ -155,7 +163,11 @@ class Server:
         """Frontends 1..N-1, restarted by Ray whenever they die (same ports where they are fixed)."""
         for index in range(1, self.config.frontends):
             replica = FrontendReplica.options(
-                name=f"frontend-{index}", namespace=NAMESPACE, max_restarts=-1, num_cpus=0
+                name=f"frontend-{index}",
+                namespace=NAMESPACE,
+                max_restarts=-1,
+                num_cpus=0,
+                scheduling_strategy=_replica_placement(self.config.host),
             ).remote(self.config, redis_url, self._link_key, index)
             self.replicas.append(replica)
         self._stack.callback(self._stop_replicas)
@@ -386,6 +398,14 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     return 0
 
 
+def _replica_placement(host: str):
+    """Frontends on a wildcard address spread over the cluster's nodes; on a given address (or
+    loopback) they must run where that address is: this node."""
+    if host in WILDCARD_HOSTS:
+        return "SPREAD"
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+
+
 @ray.remote
 class FrontendReplica:
     """Frontend `index` of a deployment (ServingConfig.frontends): the same gRPC and HTTP service
@@ -396,14 +416,21 @@ class FrontendReplica:
         self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url)
 
     def addresses(self) -> tuple[str, str | None]:
-        """(gRPC HOST:PORT, HTTP HOST:PORT or None)."""
-        return self.server.address, self.server.http_address
+        """(gRPC HOST:PORT, HTTP HOST:PORT or None), with its node's IP for a wildcard host."""
+        return _reachable(self.server.address), _reachable(self.server.http_address)
 
     def pid(self) -> int:
         return os.getpid()
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def _reachable(address: str | None) -> str | None:
+    if address is None:
+        return None
+    host, port = address.rsplit(":", 1)
+    return f"{ray.util.get_node_ip_address()}:{port}" if host in WILDCARD_HOSTS else address
 
 
 class ClusterWatch:

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from disagg.errors import InvalidRequestError
 
 LOOPBACK = "127.0.0.1"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]", "")  # listen on every interface
 
 
 def worker_host(configured: str | None, num_nodes: int) -> str | None:
