@@ -4,7 +4,8 @@ Starts `disagg serve` (the default deployment, 1 prefill + 1 decode worker, its 
 redis-server, gRPC on 127.0.0.1), computes each prompt's fault-free greedy output, then runs
 `--concurrency` clients in a closed loop for `--minutes` while a random prefill or decode
 worker process is SIGKILLed every `--kill-every` seconds, and redis-server once, halfway.
-Every request's output is compared with the fault-free one. After the load stops: KV blocks
+Every request's output is compared with the fault-free one (the engines run `batch_invariant`, so
+that an output does not depend on how many requests decode beside it). After the load stops: KV blocks
 still allocated on every instance, RSS of each process after the warm-up and at the end,
 recovery time per kill (kill -> the process back, every instance listed and a request served).
 
@@ -94,6 +95,8 @@ class Load:
         self.sent, self.completed, self.wrong, self.retried = 0, 0, 0, 0
         self.failed: Counter[str] = Counter()
         self.messages: dict[str, int] = {}  # error details -> count
+        self.wrong_ones: list[dict] = []  # when, through which frontend, the first differing token
+        self.started = time.monotonic()
 
     def run(self, worker: int) -> None:
         i = worker
@@ -108,9 +111,15 @@ class Load:
                     self.messages.setdefault(exc.details()[:160], 0)
                     self.messages[exc.details()[:160]] += 1
             else:
+                expected = self.reference[i % len(PROMPTS)]
                 with self.lock:
                     self.completed += 1
-                    self.wrong += tokens != self.reference[i % len(PROMPTS)]
+                    self.wrong += tokens != expected
+                    if tokens != expected:
+                        first = next((k for k, (x, y) in enumerate(zip(tokens, expected)) if x != y), None)
+                        when = round(time.monotonic() - self.started, 1)
+                        self.wrong_ones.append({"at_s": when, "client": worker, "prompt": i % len(PROMPTS),
+                                                "first_wrong_token": first, "length": len(tokens)})  # fmt: skip
             i += self.args.concurrency
 
     def _generate(self, i: int, worker: int) -> list[int]:
@@ -154,7 +163,9 @@ def kill_frontends_on_schedule(args, dep: Deployment, rng, end: float) -> list[d
         os.kill(pid, signal.SIGKILL)
         while time.monotonic() - killed_at < 300 and not all_frontends_serve(dep):
             time.sleep(0.2)
-        kills.append({"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)})
+        kills.append(
+            {"pid": pid, "worker": name, "killed_at": killed_at, "recovery_s": round(time.monotonic() - killed_at, 2)}
+        )
         print(f"killed frontend {name[:40]} (pid {pid}): recovered in {kills[-1]['recovery_s']} s", flush=True)
     return kills
 
@@ -187,7 +198,7 @@ def kill_and_time_recovery(
         except grpc.RpcError:
             pass
         time.sleep(0.2)
-    return {"pid": pid, "worker": name, "recovery_s": round(time.monotonic() - killed_at, 2)}
+    return {"pid": pid, "worker": name, "killed_at": killed_at, "recovery_s": round(time.monotonic() - killed_at, 2)}
 
 
 def rss_drift_pct(start: dict[str, float], end: dict[str, float], min_mb: float = 50.0) -> float:
@@ -201,7 +212,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
-        dep = Deployment(Path(tmp), args.config, **({"frontends": args.frontends} if args.frontends > 1 else {}))
+        # Every output is compared with the fault-free one: it must not depend on how many
+        # requests decode beside it (the recovery probes add to the clients' load).
+        settings = {"engine": {"batch_invariant": True}, "frontends": args.frontends}
+        dep = Deployment(Path(tmp), args.config, **settings)
         try:
             return run(args, dep, rng)
         finally:
@@ -243,12 +257,14 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     finally:
         for c in clients:
             c.close()
+    for kill in kills + frontend_kills:  # seconds into the load, as the wrong outputs' times
+        kill["at_s"] = round(kill.pop("killed_at") - load.started, 1)
     recoveries = [k["recovery_s"] for k in kills + frontend_kills]
     frontend_recoveries = [k["recovery_s"] for k in frontend_kills]
     result = {
         "args": vars(args), "sent": load.sent, "completed": load.completed, "failed": dict(load.failed),
         "migrated": migrated, "wrong_outputs": load.wrong, "errors": load.messages, "leaked_blocks": leaked, "kills": kills,
-        "frontend_kills": frontend_kills, "retried_on_another_frontend": load.retried,
+        "frontend_kills": frontend_kills, "wrong": load.wrong_ones, "retried_on_another_frontend": load.retried,
         "frontend_recovery_p50_s": statistics.median(frontend_recoveries) if frontend_recoveries else None,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,

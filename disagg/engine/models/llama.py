@@ -211,6 +211,14 @@ class LlamaForCausalLM(nn.Module):
                 self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
         self.logits_weight.without_wide_copy()
 
+    def decode_rows_batch_invariant(self) -> None:
+        """Every decode row through the quantized kernels, however many decode together
+        (EngineConfig.batch_invariant)."""
+        for module in self.modules():
+            packed = getattr(module, "packed", None)
+            if hasattr(packed, "max_narrow_decodes"):
+                packed.max_narrow_decodes = None
+
     def _device(self) -> torch.device:
         return next(p.device for p in self.parameters())
 
