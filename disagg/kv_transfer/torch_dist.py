@@ -90,10 +90,12 @@ _TRANSPORT_ERRORS = (RuntimeError, OSError)
 
 class TorchDistTransport(Transport):
     def __init__(
-        self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None, seal: str = "cross-host"
+        self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None, seal: str | None = None
     ):
         """`key`: the deployment's (disagg.auth): a peer must hold it to meet this worker.
-        `seal`: which pairs tag their gloo messages: those across hosts, or (tests) always."""
+        `seal`: which pairs tag their gloo messages: those across hosts, or always (tests, and
+        measuring the cost on one host); None: $DISAGG_KV_SEAL, else cross-host."""
+        seal = seal or os.environ.get("DISAGG_KV_SEAL", "cross-host")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         if seal not in SEAL_MODES:
