@@ -116,9 +116,11 @@ class EngineConfig:
     # Structured output: tokens a request's grammar forces are appended without sampling them
     # (SGLang's jump-forward); off: each is decoded in a step of its own.
     jump_forward: bool = True
-    # Greedy outputs that do not depend on what else is in the batch: with quantized weights,
-    # every decode row takes the quantized kernel (row by row) however many decode together,
-    # where by default more than 4 take a float GEMM, faster and not bit-equal (layers/quantized.py).
+    # Outputs that do not depend on what else is in the batch: with quantized weights, every row
+    # (prompt rows too) takes the quantized kernel, row by row, where by default prompt rows and
+    # more than 4 decode rows take a float copy, faster and not bit-equal (layers/quantized.py).
+    # A request that moves by recompute then continues as it would have. Slower prompts, and a
+    # prompt's first token as llama.cpp computes it (int8 activations), not as transformers does.
     batch_invariant: bool = False
     # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
     # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.

@@ -191,7 +191,7 @@ class LLMEngine:
             wide_dtype = wide_dtype_for(prefills, self.config.prompt_precision)
             model.quantize_weights(weights, source.gguf_types(), wide_dtype)
             if self.config.batch_invariant:
-                model.decode_rows_batch_invariant()
+                model.every_row_quantized()
             model.pack_gemms()  # what stays dense (none, or a float checkpoint's under auto)
             _return_freed_memory()  # the dense float32 copies just freed
         return model.eval()

@@ -1,6 +1,7 @@
-"""EngineConfig.batch_invariant: with quantized weights, a decode row takes the quantized kernel
-however many rows decode together, so greedy outputs do not depend on the batch (by default more
-than 4 decode rows take the float copy, whose sums differ in the last bits)."""
+"""EngineConfig.batch_invariant: with quantized weights every row, prompt or decode, takes the
+quantized kernel row by row, so an output depends on nothing else in the batch, and a request
+recomputed with the tokens it generated (a migration) continues as it would have. By default
+prompt rows and more than 4 decode rows take a float copy, whose sums are not the kernel's."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.engine.layers.quantized import Int4Weight, step_rows
 
 OUT, IN = 96, 256
+GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
@@ -23,7 +25,7 @@ def ops():
     return ops
 
 
-def test_six_decode_rows_take_the_kernel_only_when_batch_invariant(ops):
+def test_every_row_takes_the_kernel_only_when_batch_invariant(ops):
     torch.manual_seed(8)
     weight = Int4Weight(torch.randn(OUT, IN) * 0.05, kernels=ops)
     weight._pack_wide(weight.dequantized())
@@ -31,26 +33,49 @@ def test_six_decode_rows_take_the_kernel_only_when_batch_invariant(ops):
         pytest.skip("no float copy here (oneDNN off): one path only")
     rows = torch.randn(6, IN)
     with step_rows(6):
-        default = weight.linear(rows)
-        weight.max_narrow_decodes = None
-        invariant = weight.linear(rows)
-    assert torch.equal(invariant, weight._narrow(rows))  # row by row, as one row alone
-    assert torch.equal(invariant[:1], weight._narrow(rows[:1]))
-    assert torch.equal(default, weight._wide_product(rows))  # the copy: what batch_invariant avoids
+        default_decodes = weight.linear(rows)
+    with step_rows(0):
+        default_prompt = weight.linear(rows)
+        weight.every_row_narrow = True
+        invariant_prompt = weight.linear(rows)
+    with step_rows(6):
+        invariant_decodes = weight.linear(rows)
+    narrow = weight._narrow(rows)
+    assert torch.equal(invariant_decodes, narrow) and torch.equal(invariant_prompt, narrow)
+    assert torch.equal(narrow[:1], weight._narrow(rows[:1]))  # row by row: the same alone
+    assert torch.equal(default_decodes, weight._wide_product(rows))  # what batch_invariant avoids
+    assert torch.equal(default_prompt, weight._wide_product(rows))
 
 
-def test_the_setting_reaches_every_quantized_layer(tiny_llama_dir):
-    def narrow_limits(llm) -> set:
-        return {m.packed.max_narrow_decodes for m in llm.engine.model.modules() if hasattr(m, "packed")}
+def test_the_setting_reaches_every_quantized_weight(tiny_llama_dir):
+    def flags(llm) -> set:
+        model = llm.engine.model
+        packed = [m.packed for m in model.modules() if hasattr(m, "packed")] + [model.logits_weight]
+        return {w.every_row_narrow for w in packed}
 
-    assert narrow_limits(LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=32)) == {4}
-    assert narrow_limits(LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=32, batch_invariant=True)) == {None}
+    assert flags(LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=32)) == {False}
+    assert flags(LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=32, batch_invariant=True)) == {True}
 
 
 def test_greedy_outputs_alone_and_among_seven_are_equal(tiny_llama_dir, ops):
     llm = LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=128, batch_invariant=True)
     prompts = [{"prompt_token_ids": p} for p in random_prompts([5, 9, 17, 30, 3, 12, 40, 22], 256, seed=9)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=12, **GREEDY)
     together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     assert together == alone
+
+
+def test_a_request_recomputed_with_its_tokens_continues_as_it_would_have(tiny_llama_dir, ops):
+    """What a migration by recompute does: the prompt plus the tokens generated so far become
+    the new prompt, and the rest must be what the first run went on to generate. (Without
+    batch_invariant, 9 of these 24 prompts on this model continue otherwise: the generated
+    tokens' rows, decoded with int8 activations, are recomputed as prompt rows in float32.)"""
+    llm = LLM(model=tiny_llama_dir, weights="int4", num_kv_blocks=256, batch_invariant=True)
+    for seed in range(6):
+        for prompt in random_prompts([7, 20, 33, 50], 256, seed=seed):
+            full = list(llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=24, **GREEDY),
+                                     use_tqdm=False)[0].outputs[0].token_ids)  # fmt: skip
+            resumed = llm.generate([{"prompt_token_ids": prompt + full[:8]}], SamplingParams(max_tokens=16, **GREEDY),
+                                   use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
+            assert list(resumed) == full[8:], f"prompt of {len(prompt)} tokens (seed {seed})"

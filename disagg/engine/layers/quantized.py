@@ -66,6 +66,10 @@ class _QuantizedGemm:
     # A step's decode rows take the quantized kernel while there are at most this many (None:
     # however many); beyond, the copy is faster.
     max_narrow_decodes: int | None = QUANTIZED_MAX_ROWS
+    # Every row, prompt rows too, on the quantized kernel (EngineConfig.batch_invariant): a row's
+    # numbers then depend on nothing else in the step, and a prompt recomputed with the tokens a
+    # decode generated (a migration) gets the numbers those tokens were decoded with.
+    every_row_narrow: bool = False
 
     def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
         """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
@@ -87,7 +91,7 @@ class _QuantizedGemm:
         Within an engine step (`step_rows`) prompt rows always take the copy (float32: the first
         token is the reference's), and a decode's row the kernel while the step has at most
         `max_narrow_decodes` of them. Outside a step: by count."""
-        if not self._has_wide_path():
+        if self.every_row_narrow or not self._has_wide_path():
             return num_rows
         decodes = getattr(_step, "decode_rows", None)
         if decodes is None:

@@ -211,13 +211,12 @@ class LlamaForCausalLM(nn.Module):
                 self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
         self.logits_weight.without_wide_copy()
 
-    def decode_rows_batch_invariant(self) -> None:
-        """Every decode row through the quantized kernels, however many decode together
-        (EngineConfig.batch_invariant)."""
-        for module in self.modules():
-            packed = getattr(module, "packed", None)
-            if hasattr(packed, "max_narrow_decodes"):
-                packed.max_narrow_decodes = None
+    def every_row_quantized(self) -> None:
+        """Every row, prompt or decode, through the quantized kernels (EngineConfig.batch_invariant)."""
+        weights = [getattr(module, "packed", None) for module in self.modules()] + [self.logits_weight]
+        for weight in weights:
+            if hasattr(weight, "every_row_narrow"):
+                weight.every_row_narrow = True
 
     def _device(self) -> torch.device:
         return next(p.device for p in self.parameters())
