@@ -76,6 +76,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 * GiB
     max_num_batched_tokens: int = 512  # the per-step token budget (Sarathi-Serve)
+    # Fair prefill (vLLM's setting of that name): a prompt's chunk is first capped at this many
+    # tokens a step, until every prompt waiting for a chunk has had its share; the rest of the
+    # budget then goes to the prompts with the fewest tokens left. So short prompts behind a long
+    # one get their first token in a step or two, not after it. None: a quarter of
+    # max_num_batched_tokens; 0: off (first come takes the whole budget). (disagg/engine/scheduler.py)
+    long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "chunked"  # or "prefill_first" (whole prompts first, decodes stall: vLLM v0)
     # Requests are served by priority (critical, standard, sheddable; vLLM's integers, lower
     # first) in the queue, the batch and preemption, then by `scheduling_order` (SCHEDULING_ORDERS).
@@ -149,6 +155,16 @@ class EngineConfig:
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(
+            self.long_prefill_token_threshold is None
+            or (
+                isinstance(self.long_prefill_token_threshold, int)
+                and not isinstance(self.long_prefill_token_threshold, bool)
+                and self.long_prefill_token_threshold >= 0
+            ),
+            "long_prefill_token_threshold",
+            f"must be a number of tokens >= 0 (0: no cap), got {self.long_prefill_token_threshold!r}",
+        )
+        _require(
             self.scheduling_policy in ("chunked", "prefill_first"),
             "scheduling_policy",
             "must be chunked or prefill_first",
@@ -196,6 +212,21 @@ class EngineConfig:
 
     def replace(self, **changes) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """A prompt chunk's first share of a step, as its scheduler takes it (the router predicts with it)."""
+        if self.scheduling_policy == "prefill_first":
+            return self.max_num_batched_tokens  # whole prompts: nothing is capped
+        return prefill_chunk_cap(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+
+
+def prefill_chunk_cap(budget: int, long_prefill_token_threshold: int | None) -> int:
+    """Fair prefill's cap on a prompt chunk's first share of a step of `budget` tokens: the
+    threshold, by default (None) a quarter of the budget; the budget itself when it is 0 (off)."""
+    if long_prefill_token_threshold is None:
+        return max(1, budget // 4)
+    return min(long_prefill_token_threshold, budget) if long_prefill_token_threshold > 0 else budget
 
 
 def _env_choice(name: str, default: str) -> str:

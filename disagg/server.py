@@ -233,6 +233,7 @@ class Server:
             recovery_timeout_s=config.recovery_timeout_s,
             profile=load_profile(config.profile) if config.profile else None,
             prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
+            prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
             block_size=config.engine.block_size,
         )
         self.directory = directory

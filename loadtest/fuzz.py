@@ -15,7 +15,10 @@ blocks leaked, the serve process alive.
 The json has each case's codes and its first unexpected answers; the serve log lands beside it.
 
 The last lines are `fuzz requests: N`, `unexpected codes: N`, `innocent failed: N`,
-`innocent max stall s: X`, `answers after: yes|no`. Exit code 0 whatever was found.
+`innocent max stall s: X`, `innocent ttft p99 s behind a max-length prompt / without: X / Y`
+(an innocent request is behind one when a max-length prompt, case "ids at limit", was in flight
+at any time between its sending and its first token; `--at-limit` sets how many are sent),
+`answers after: yes|no`. Exit code 0 whatever was found.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-minutes", type=float, default=20.0, help="the fuzz stops drawing after this")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cases", default="", help="only the cases whose name matches this regex (a repro)")
+    p.add_argument("--at-limit", type=int, default=2, help="max-length prompts (case 'ids at limit') at most")
     p.add_argument("--out", default="loadtest/out/fuzz.json")
     add_config_argument(p)
     return p.parse_args(argv)
@@ -96,6 +100,8 @@ class Ctx:
         self.raw_generate = channel.unary_stream("/disagg.v1.Serving/Generate", same, pb.GenerateResponse.FromString)
         self.raw_abort = channel.unary_unary("/disagg.v1.Serving/Abort", same, pb.AbortResponse.FromString)
         self.unknown_method = channel.unary_unary("/disagg.v1.Serving/Nope", same)
+        self.long_spans: list[tuple[float, float]] = []  # (sent, answered) of each max-length prompt, monotonic s
+        self.long_lock = threading.Lock()
 
     def gen(self, request, timeout=30.0):
         return drain(self.client.stream(request, timeout))
@@ -159,8 +165,15 @@ def abort_unknown(c: Ctx, request_id: str) -> str:
 
 
 def at_limit(c: Ctx, rng) -> None:
-    """max_len - 1 prompt tokens + 1: exactly the context. Random ids: no prefix cache hit."""
-    c.gen(req(prompt_token_ids=[rng.randrange(c.vocab) for _ in range(c.max_len - 1)], max_tokens=1), timeout=180)
+    """max_len - 1 prompt tokens + 1: exactly the context. Random ids: no prefix cache hit.
+    Its time in flight is kept: the innocent requests sent meanwhile are behind it."""
+    ids = [rng.randrange(c.vocab) for _ in range(c.max_len - 1)]
+    sent = time.monotonic()
+    try:
+        c.gen(req(prompt_token_ids=ids, max_tokens=1), timeout=180)
+    finally:
+        with c.long_lock:
+            c.long_spans.append((sent, time.monotonic()))
 
 
 class Case(NamedTuple):
@@ -237,12 +250,14 @@ CASES = [
 # fmt: on
 
 
-def schedule(n: int, rng: random.Random, pattern: str) -> list[Case]:
-    """n cases drawn by weight, none past its limit."""
+def schedule(n: int, rng: random.Random, pattern: str, at_limit_count: int = 2) -> list[Case]:
+    """n cases drawn by weight, none past its limit (the max-length prompts' is `at_limit_count`)."""
     drawn, counts, cases = [], Counter(), [c for c in CASES if re.search(pattern, c.name)]
-    while len(drawn) < n and any(c.limit is None or counts[c.name] < c.limit for c in cases):
+    limits = {c.name: (at_limit_count if c.fn is at_limit else c.limit) for c in cases}
+    cases = [c for c in cases if limits[c.name] != 0]
+    while len(drawn) < n and any(limits[c.name] is None or counts[c.name] < limits[c.name] for c in cases):
         case = rng.choices(cases, weights=[c.weight for c in cases])[0]
-        if case.limit is None or counts[case.name] < case.limit:
+        if limits[case.name] is None or counts[case.name] < limits[case.name]:
             counts[case.name] += 1
             drawn.append(case)
     return drawn
@@ -272,6 +287,7 @@ class Innocent:
         self.examples: list[str] = []  # the first few failures' details
         self.max_stall, self.max_ttft = 0.0, 0.0
         self.max_stall_after = 0  # how many messages the stream had had before its longest stall
+        self.ttfts: list[tuple[float, float]] = []  # (sent, first message), monotonic s, of each completed request
 
     def run(self, worker: int) -> None:
         channel = grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
@@ -294,6 +310,7 @@ class Innocent:
                 self.completed += 1
                 self.wrong += tokens != self.reference[i % 2]
                 self.max_ttft = max(self.max_ttft, stamps[1] - stamps[0])
+                self.ttfts.append((stamps[0], stamps[1]))
                 if gaps and max(gaps) > self.max_stall:
                     self.max_stall, self.max_stall_after = max(gaps), 1 + gaps.index(max(gaps))
                 self.stalled += any(g > STALL_S for g in gaps)
@@ -339,7 +356,7 @@ def run(args, dep: Deployment) -> None:
     seen: dict[str, Counter] = defaultdict(Counter)
     lock, started = threading.Lock(), time.monotonic()
     deadline = started + args.max_minutes * 60
-    plan = schedule(args.requests, random.Random(args.seed), args.cases)
+    plan = schedule(args.requests, random.Random(args.seed), args.cases, args.at_limit)
     examples: dict[str, list] = defaultdict(list)  # the first few unexpected answers of each case
 
     def fuzz(k: int) -> None:
@@ -372,10 +389,31 @@ def run(args, dep: Deployment) -> None:
     # A decode instance may keep a cancelled request's blocks until its KV wait times out (30 s):
     # held now, and leaked (still held a minute on).
     held, alive = leaked_blocks(c.client, 0), dep.proc.poll() is None and sorted(dep.workers()) == workers_before
-    report(args, seen, examples, innocent, answers, (held, leaked_blocks(c.client, 60)), alive, fuzz_s)
+    behind = ttfts_behind(innocent.ttfts, c.long_spans)
+    report(args, seen, examples, innocent, answers, (held, leaked_blocks(c.client, 60)), alive, fuzz_s, behind)
 
 
-def report(args, seen, examples, innocent: Innocent, answers, blocks: tuple, alive: bool, fuzz_s: float) -> None:
+def ttfts_behind(ttfts: list[tuple[float, float]], long_spans: list[tuple[float, float]]) -> dict[str, list[float]]:
+    """The innocent TTFTs (s), split: "behind" a max-length prompt in flight at any time between
+    the request's sending and its first token, or "without" one."""
+    split: dict[str, list[float]] = {"behind": [], "without": []}
+    for sent, first in ttfts:
+        overlaps = any(start < first and sent < end for start, end in long_spans)
+        split["behind" if overlaps else "without"].append(first - sent)
+    return split
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile (nearest rank); nan for none."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+
+def report(
+    args, seen, examples, innocent: Innocent, answers, blocks: tuple, alive: bool, fuzz_s: float, behind: dict
+) -> None:
     cases, unexpected = {}, 0
     for case in CASES:
         codes = seen.get(case.name, Counter())
@@ -394,6 +432,9 @@ def report(args, seen, examples, innocent: Innocent, answers, blocks: tuple, ali
         "innocent_wrong": innocent.wrong, "innocent_streams_stalled": innocent.stalled,
         "innocent_max_stall_s": round(innocent.max_stall, 3),
         "innocent_max_stall_after_messages": innocent.max_stall_after, "innocent_max_ttft_s": round(innocent.max_ttft, 3),
+        "innocent_ttft_s_behind_max_length": [round(t, 3) for t in behind["behind"]],
+        "innocent_ttft_p99_s_behind_max_length": round(p99(behind["behind"]), 3),
+        "innocent_ttft_p99_s_without": round(p99(behind["without"]), 3),
         "answers_after": answers, "blocks_held_after": blocks[0], "leaked_blocks": blocks[1], "serve_alive": alive,
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -411,6 +452,11 @@ def report(args, seen, examples, innocent: Innocent, answers, blocks: tuple, ali
     print(f"unexpected codes: {unexpected}")
     print(f"innocent failed: {sum(innocent.failed.values())}")
     print(f"innocent max stall s: {innocent.max_stall:.3f}")
+    print(f"innocent requests behind a max-length prompt / without: {len(behind['behind'])} / {len(behind['without'])}")
+    print(
+        f"innocent ttft p99 s behind a max-length prompt / without: {p99(behind['behind']):.3f} / "
+        f"{p99(behind['without']):.3f}"
+    )
     print(f"answers after: {'yes' if answers else 'no'}")
 
 

@@ -148,6 +148,7 @@ class LLMEngine:
             policy=config.scheduling_policy,
             order=config.scheduling_order,
             priority_aging_s=config.priority_aging_s,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
         )
 
     def _grammar_compiler(self) -> GrammarCompiler:

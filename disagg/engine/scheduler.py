@@ -7,6 +7,16 @@ blocks freed, its tokens recomputed later), so the oldest requests always make p
 nothing deadlocks. Priorities, the order within one, and the bound on any request's wait are
 disagg.engine.queue_order's; with every request of one priority, all is first-come-first-served.
 
+Fair prefill (issue 40): a prompt's chunk is first capped at `long_prefill_token_threshold`
+tokens (vLLM's setting of that name; by default a quarter of the budget, 0: no cap), so that one
+long prompt does not take every step's whole budget while short ones wait behind it for tens of
+seconds. Once every prompt waiting for a chunk has had its capped share (in the order above:
+started prompts by priority, then new ones in queue order), what is left of the budget goes to
+the prompts cut short, the best priority first, then the fewest tokens left: a short prompt
+behind a long one finishes its prefill in its first step, and the long one still gets its cap
+and the rest of every step. The router's TTFT forecast lays steps out the same way, on lengths
+alone (disagg.placement.prefill_queue).
+
 When `max_num_seqs` requests run, a request that outranks one of them (queue_order.displaces:
 a better priority, or under ltr a much shorter predicted output) takes its slot: the running one
 is suspended, its KV kept, and waits beside the waiting queue for a slot in the same order. So a
@@ -15,7 +25,8 @@ most `max_num_seqs` requests are suspended at once; when blocks run out, suspend
 preempted before running ones.
 
 With `policy="prefill_first"` (vLLM v0's default, the other baseline) a step runs either whole
-new prompts, unchunked, or, when none waits, the decodes: decodes stall while prompts run.
+new prompts, unchunked and uncapped, or, when none waits, the decodes: decodes stall while
+prompts run.
 
 Roles: a PREFILL scheduler ends a request after its first token but keeps its blocks until
 `release` (they are being exported); a DECODE scheduler admits requests whose blocks were
@@ -32,7 +43,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from disagg.config import DEFAULT_PRIORITY_AGING_S, Role
+from disagg.config import DEFAULT_PRIORITY_AGING_S, Role, prefill_chunk_cap
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.queue_order import (
     aged_priority,
@@ -110,13 +121,18 @@ class Scheduler:
         policy: str = "chunked",
         order: str = "fcfs",
         priority_aging_s: float = DEFAULT_PRIORITY_AGING_S,
+        long_prefill_token_threshold: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
-        """`order`, `priority_aging_s`: see disagg.engine.queue_order; `clock`: what waits are
-        measured on (a simulation passes its own)."""
+        """`order`, `priority_aging_s`: see disagg.engine.queue_order; `long_prefill_token_threshold`:
+        a prompt chunk's first share of a step (see above; None: a quarter of the budget, 0: no cap);
+        `clock`: what waits are measured on (a simulation passes its own)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        if long_prefill_token_threshold is not None and long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {long_prefill_token_threshold!r}")
         check_order(order, priority_aging_s)
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.policy = policy
         self.order = order
         self.priority_aging_s = priority_aging_s
@@ -270,7 +286,7 @@ class Scheduler:
 
     def _fits_first_chunk(self, request: Request) -> bool:
         cached = self.block_manager.find_cached_prefix(request)
-        num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, self.max_num_batched_tokens)
+        num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, self.chunk_cap)
         return self.block_manager.can_allocate(request, num_new, cached)
 
     def _resume_suspended(self, request: Request) -> None:
@@ -311,9 +327,19 @@ class Scheduler:
                 break
             budget -= num_new
 
+    @property
+    def chunk_cap(self) -> int:
+        """A prompt chunk's first share of a step: the budget itself where fair prefill is off
+        (and under prefill_first, the baseline kept as it was). Read each step, since the
+        profiler sets the budget step by step."""
+        if self.policy == "prefill_first":
+            return self.max_num_batched_tokens
+        return prefill_chunk_cap(self.max_num_batched_tokens, self.long_prefill_token_threshold)
+
     def _schedule_chunked(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        cap = self.chunk_cap
         scheduled: set[str] = set()
         running = batch_order(self.running)
         decodes = [r for r in running if r.num_tokens - r.num_computed_tokens == 1]
@@ -323,25 +349,47 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)  # a decode's 1 < cap
             if self._allocate_or_preempt(request, num_new, scheduled, out):
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
                 scheduled.add(request.request_id)
                 budget -= num_new
         if not out.preempted:  # after a preemption there is no room for newcomers
-            budget = self._schedule_waiting(budget, out)
+            budget = self._schedule_waiting(budget, out, cap)
+        self._share_leftover(budget, out)
         return out
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, cap: int) -> int:
         for request in self._waiting_in_order():
             if budget <= 0 or len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
             cached = self.block_manager.find_cached_prefix(request)
-            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget)
+            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget, cap)
             if not self._admit_waiting(request, num_new, out, cached):
                 break
             budget -= num_new
         return budget
+
+    def _share_leftover(self, budget: int, out: SchedulerOutput) -> None:
+        """Fair prefill's second round: the budget the caps left goes to the prompt chunks they
+        cut short, the best priority first, then the fewest tokens left (a short prompt finishes
+        now; a long one takes the rest). No preemption for it: a chunk whose blocks do not fit
+        keeps its capped share, which already makes progress."""
+        cut = [i for i, chunk in enumerate(out.chunks) if not chunk.samples]
+        cut.sort(key=lambda i: (held_priority(out.chunks[i].request), self._tokens_left(out.chunks[i])))
+        for i in cut:
+            if budget <= 0:
+                return
+            chunk = out.chunks[i]
+            num_new = chunk.num_new_tokens + min(self._tokens_left(chunk), budget)
+            if self.block_manager.allocate_slots(chunk.request, num_new):
+                budget -= num_new - chunk.num_new_tokens
+                out.chunks[i] = ScheduledChunk(chunk.request, chunk.start, num_new)
+
+    @staticmethod
+    def _tokens_left(chunk: ScheduledChunk) -> int:
+        """Of the request's known tokens, those still to compute after `chunk`."""
+        return chunk.request.num_tokens - chunk.start - chunk.num_new_tokens
 
     def _waiting_in_order(self) -> list[Request]:
         """The waiting requests, the next to admit first. Admission stops at the first that does

@@ -3,7 +3,8 @@
 TTFT on prefill instance P: the steps P runs from now until the prompt's first token
 (disagg.placement.prefill_queue): the prompts queued there (each with its own length and cached
 prefix, so their attention and step count are priced), any backlog P reported beyond them, then
-this prompt's uncached tokens, packed under P's token budget as its scheduler packs them; where P
+this prompt's uncached tokens, packed under P's token budget as its scheduler packs them (fair
+prefill's cap included: a short prompt shares the steps of a long one ahead of it); where P
 decodes too, each step is the mixed step it will be, with P's decode batch riding along. Less
 what P has already spent on its queue, but never less than this prompt's own steps after the rest
 of the step under way. What the step model does not see (the router's and the link's own time,
@@ -35,6 +36,7 @@ class PrefillSide(Protocol):
     instance_id: str
     step_model: StepModel
     prefill_budget: int  # max tokens a step computes
+    prefill_chunk_cap: int | None  # a prompt chunk's first share of a step (fair prefill); None: no cap
     prefill_calibrated: bool  # predicted from its own measurements (else a guess: refuse nothing on it)
 
     @property
@@ -117,7 +119,7 @@ def prefill_forecast(
     prompt = QueuedPrompt(prompt_tokens, cached)
     model = model or prefill.step_model
     return forecast(model, queue, prompt, prefill.prefill_budget, prefill.riding_decodes, prefill.queue_progress_ms,
-                    prefill.arriving_tokens_per_ms)  # fmt: skip
+                    prefill.arriving_tokens_per_ms, prefill.prefill_chunk_cap)  # fmt: skip
 
 
 def _unknown_prompts(tokens: int, like: int) -> list[QueuedPrompt]:

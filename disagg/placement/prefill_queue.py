@@ -2,7 +2,10 @@
 of it, then it, packed as its scheduler packs them (disagg.engine.scheduler), on lengths alone.
 
 Each step the instance's decodes go first, one token each; then the prompts' tokens in the order
-they came, until the step's token budget is spent. A prompt that came while a step ran waits for
+they came, until the step's token budget is spent: each prompt's chunk first capped at the
+instance's `chunk_cap` (fair prefill), then what the caps left to the prompts they cut short,
+the fewest tokens left first (with no cap, the first come takes the whole budget). A prompt
+that came while a step ran waits for
 the next one (an engine takes new work between steps). A prompt whose last chunk is computed
 samples its first token; on an instance that decodes too, it decodes from the next step on, and
 every decode's context grows by a token a step. Each step is the `StepWork` the engine would
@@ -59,11 +62,16 @@ class PrefillForecast:
     own_from: int  # the first step with a chunk of the new prompt: the steps before are the queue's
     end_ms: float  # from now until its last step ends
     under_way_ms: float  # the step it waits for: the queue's last, or the batch's decode step
+    under_way_end_ms: float = 0.0  # when that step ends as laid out (<= 0: it should have ended)
 
     @property
     def ms(self) -> float:
-        """Until its last step ends; never less than its own steps after the rest of the step
-        under way (half of it, on average: the instance is behind the steps laid out)."""
+        """Until its last step ends. Where the step it waits for should have ended already (the
+        instance is behind the steps laid out), never less than its own steps after the rest of
+        that step: half of it, on average. (Under fair prefill a prompt's steps often follow the
+        step under way at once: while the instance keeps to the layout, its end is the layout's.)"""
+        if self.under_way_end_ms > 0:
+            return self.end_ms
         return max(self.end_ms, sum(self.step_ms[self.own_from :]) + self.under_way_ms / 2)
 
     def stall_ms(self, model: StepModel) -> float:
@@ -81,22 +89,29 @@ def forecast(
     decodes: Decodes | None = None,
     progress_ms: float = 0.0,
     arrivals_per_ms: float = 0.0,
+    chunk_cap: int | None = None,
 ) -> PrefillForecast:
     """`queue` ahead of `prompt` (which comes now), in the order they came, in steps of at most
     `budget` tokens. `decodes`: the batch that shares the steps (None on a prefill instance,
     where a prompt leaves at its first token). `progress_ms`: how long ago the instance began
     on the queue. `arrivals_per_ms`: prompt tokens coming to the instance of late: those that
-    come after `prompt`, before its last step, share that step (under load, they fill it)."""
+    come after `prompt`, before its last step, share that step (under load, they fill it).
+    `chunk_cap`: a prompt chunk's first share of a step (disagg.config.prefill_chunk_cap; None:
+    no cap)."""
     ahead = [p for p in queue if p.num_new]
     prompt = QueuedPrompt(prompt.num_tokens, prompt.num_known, 0.0)
     budget = max(1, budget)
+    cap = budget if chunk_cap is None else max(1, min(chunk_cap, budget))
     decode_step = model.decode_ms(decodes.batch, decodes.context_sum) if decodes else 0.0
-    layout = _Layout(model, budget, decodes, decode_step)
+    layout = _Layout(model, budget, cap, decodes, decode_step)
     prompts = [*ahead, prompt, *_coming(prompt, budget, arrivals_per_ms)]
     layout.run(prompts, len(ahead), start=-progress_ms if ahead else 0.0)
     own_from = layout.own_from
-    under_way = layout.times[own_from - 1] if own_from else decode_step
-    return PrefillForecast(tuple(layout.steps), tuple(layout.times), own_from, layout.t, under_way)
+    # With a queue ahead, its first step is the prompt's own only when the instance began on it
+    # as the prompt came (fair prefill shares it): then no step is under way for it to wait for.
+    under_way = layout.times[own_from - 1] if own_from else (0.0 if ahead else decode_step)
+    under_way_end = layout.starts[own_from - 1] + under_way if own_from else 0.0
+    return PrefillForecast(tuple(layout.steps), tuple(layout.times), own_from, layout.t, under_way, under_way_end)
 
 
 def _coming(prompt: QueuedPrompt, budget: int, per_ms: float) -> list[QueuedPrompt]:
@@ -114,40 +129,63 @@ class _Layout:
     prompt's last chunk: `steps`, their `times`, the end `t`, and `own_from`, the first step with
     a chunk of that prompt."""
 
-    def __init__(self, model: StepModel, budget: int, decodes: Decodes | None, decode_step_ms: float):
-        self.model, self.budget, self.joins, self.decode_step_ms = model, budget, decodes is not None, decode_step_ms
+    def __init__(self, model: StepModel, budget: int, cap: int, decodes: Decodes | None, decode_step_ms: float):
+        self.model, self.budget, self.cap, self.joins = model, budget, cap, decodes is not None
+        self.decode_step_ms = decode_step_ms
         self.batch, self.context = (decodes.batch, decodes.context_sum) if decodes else (0, 0)
         self.steps: list[StepWork] = []
         self.times: list[float] = []
+        self.starts: list[float] = []  # ms from now each step begins
         self.t, self.own_from = 0.0, 0
 
     def run(self, prompts: list[QueuedPrompt], ours: int, start: float) -> None:
         """Until `prompts[ours]` is through (those after it only share its steps)."""
         known, came = [p.num_known for p in prompts], [-p.age_ms for p in prompts]
-        self.t, head, last = start, 0, len(prompts) - 1
-        while head <= ours:
+        self.t, head = start, 0
+        while known[ours] < prompts[ours].num_tokens:
+            while known[head] >= prompts[head].num_tokens:  # the oldest not through
+                head += 1
             if came[head] > self.t:  # idle until it comes; where decodes run, it waits for theirs too
                 self.t = came[head] + (self.decode_step_ms / 2 if self.batch else 0.0)
                 continue
-            room, spans = max(1, self.budget - self.batch), []
-            for i in range(head, last + 1):
-                if came[i] > self.t + (PICKUP_MS if not self.steps else 0.0) or room == 0:
-                    break
-                spans.append((known[i], min(prompts[i].num_tokens - known[i], room)))
-                known[i] += spans[-1][1]
-                room -= spans[-1][1]
-                if i == ours and spans[-1][0] == prompts[i].num_known:
-                    self.own_from = len(self.steps)
-            joined = []
-            while head <= last and known[head] >= prompts[head].num_tokens:
-                joined.append(prompts[head].num_tokens + 1)  # decodes, with its sampled token, from the next step
-                head += 1
+            chunks = self._chunks(prompts, known, came, head)
+            if known[ours] == prompts[ours].num_known and any(i == ours for i, _ in chunks):
+                self.own_from = len(self.steps)
+            spans, joined = [], []
+            for i, n in chunks:
+                spans.append((known[i], n))
+                known[i] += n
+                if known[i] >= prompts[i].num_tokens:
+                    joined.append(prompts[i].num_tokens + 1)  # decodes, with its sampled token, from the next step
             self._step(spans, joined)
+
+    def _chunks(self, prompts: list[QueuedPrompt], known: list[int], came: list[float], head: int) -> list[list[int]]:
+        """This step's chunks, [prompt index, tokens], as the scheduler splits the room the
+        decodes leave: each prompt that has come capped at `cap` in turn, then what is left to
+        those cut short, the fewest tokens left first (stable: in the order they came)."""
+        room, chunks = max(1, self.budget - self.batch), []
+        latest = self.t + (PICKUP_MS if not self.steps else 0.0)
+        for i in range(head, len(prompts)):
+            if came[i] > latest or room == 0:
+                break
+            n = min(prompts[i].num_tokens - known[i], self.cap, room)
+            if n:
+                chunks.append([i, n])
+                room -= n
+
+        def left(chunk: list[int]) -> int:
+            return prompts[chunk[0]].num_tokens - known[chunk[0]] - chunk[1]
+
+        for chunk in sorted(chunks, key=left):
+            extra = min(left(chunk), room)
+            chunk[1], room = chunk[1] + extra, room - extra
+        return chunks
 
     def _step(self, spans: list[tuple[int, int]], joined: list[int]) -> None:
         work = StepWork.of(spans)
         work = StepWork(work.chunks, work.num_decodes + self.batch, work.decode_context_sum + self.context)
         self.steps.append(work)
+        self.starts.append(self.t)
         self.times.append(self.model.step_ms(work))
         self.t += self.times[-1]
         self.context += self.batch  # every decode's context grew by its token

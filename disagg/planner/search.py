@@ -251,6 +251,7 @@ class Search:
             max_num_seqs=engine.get("max_num_seqs", 512),
             max_model_len=self.max_model_len,
             scheduling_policy=policy,
+            long_prefill_token_threshold=engine.get("long_prefill_token_threshold"),  # None: the engine's default
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             name=kind.hardware.name,

@@ -115,6 +115,9 @@ class SimPool:
     # under "ltr", by each request's `SimRequest.predicted_output_len`.
     scheduling_order: str = "fcfs"
     priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
+    # Fair prefill's cap on a prompt chunk's first share of a step, as the engine's setting (None:
+    # a quarter of the budget, 0: off): the simulated scheduler chunks as the real one does.
+    long_prefill_token_threshold: int | None = None
     max_waiting_requests: int = 1 << 30
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -149,6 +152,7 @@ def pools_from_config(
                 scheduling_policy=engine.scheduling_policy,
                 scheduling_order=engine.scheduling_order,
                 priority_aging_s=engine.priority_aging_s,
+                long_prefill_token_threshold=engine.long_prefill_token_threshold,
                 max_waiting_requests=engine.max_waiting_requests,
                 tensor_parallel_size=tp,
                 pipeline_parallel_size=pp,
@@ -210,6 +214,7 @@ class SimInstance:
             policy=pool.scheduling_policy,
             order=pool.scheduling_order,
             priority_aging_s=pool.priority_aging_s,
+            long_prefill_token_threshold=pool.long_prefill_token_threshold,
             clock=self._virtual_time,  # waits age on the simulated clock, not the replay's wall time
         )
 
@@ -249,6 +254,10 @@ class SimInstance:
     @property
     def prefill_budget(self) -> int:
         return self.pool.max_num_batched_tokens
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        return self.scheduler.chunk_cap
 
     @property
     def predicted_queue_tokens(self) -> int:

@@ -59,6 +59,7 @@ class Instance:
     ttft_residual: Residual = field(default_factory=Residual)
     tpot_residual: Residual = field(default_factory=Residual)
     prefill_budget: int = 512  # its engine's max_num_batched_tokens
+    prefill_chunk_cap: int | None = None  # its engine's fair prefill cap (EngineConfig.prefill_chunk_cap); None: none
     block_size: int = 16
     outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
     # The prompts sent here, until their first token: the queue a new prompt's TTFT waits for.
@@ -230,11 +231,14 @@ class InstanceDirectory:
         profile: Profile | None = None,
         prefill_budget: int = 512,
         block_size: int = 16,
+        prefill_chunk_cap: int | None = None,
     ):
         """`profile`: seeds each instance's latency model (its TP x PP entry) until the
-        instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step."""
+        instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step;
+        `prefill_chunk_cap`: their fair prefill cap (None: none)."""
         self.profile = profile
         self.prefill_budget = prefill_budget
+        self.prefill_chunk_cap = prefill_chunk_cap
         self.block_size = block_size
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
@@ -398,6 +402,7 @@ class InstanceDirectory:
             view,
             link,
             prefill_budget=self.prefill_budget,
+            prefill_chunk_cap=self.prefill_chunk_cap,
             block_size=self.block_size,
         )
         known = known or self._learnt.pop(info.instance_id, None)

@@ -83,6 +83,9 @@ SMOKE = {
         "--model", "random:tiny", "--num-requests", "2", "--max-batch", "2", "--min-prompt", "4", "--max-prompt", "8",
         "--min-output", "2", "--max-output", "4", "--threads", "1", "--out", "{tmp}/engine.json"),
         (r"^useful output tokens\s+\d+\s+\d+", r"^throughput ratio ours/HF\s+[\d.]+x")),
+    "bench_fair_prefill": Smoke("bench_fair_prefill.py", ("--smoke", "--json", "{tmp}/fair.json"),
+        (r"^fair: short ttft p50/max ms: \d+ / \d+; long ttft ms: \d+$", r"^bound ms: \d+$",
+         r"^within bound: (yes|no)$", r"^long ttft ratio fair/off: [\d.]+$")),
     "bench_gpu_engine-cpu": Smoke("bench_gpu_engine.py", (
         "--device", "cpu", "--model", "random:tiny", "--dtype", "float32", "--batches", "1,2", "--context", "8",
         "--steps", "1", "--prompt-tokens", "16", "--repeats", "1", "--kv-cache-gib", "0.01"),
@@ -193,7 +196,8 @@ SMOKE = {
     "fuzz": Smoke("fuzz.py", (
         "--config", "{config}", "--requests", "20", "--fuzz-clients", "2", "--innocent-clients", "1", "--max-tokens", "4",
         "--cases", "^(?!ids at limit)", "--out", "{tmp}/fuzz.json"),  # that one prefills 8k tokens
-        (r"^fuzz requests: 20$", r"^unexpected codes: \d+$", r"^answers after: yes$"), heavy=True),
+        (r"^fuzz requests: 20$", r"^unexpected codes: \d+$", r"^answers after: yes$",
+         r"^innocent ttft p99 s behind a max-length prompt / without: (nan|[\d.]+) / [\d.]+$"), heavy=True),
     "measure_host_sharing": Smoke("measure_host_sharing.py", ("--steps", "1", "--rounds", "1"),
         (r'"slowdown": \{',), heavy=True),
     "run_locust": Smoke("run_locust.py", (

@@ -33,6 +33,7 @@ class Inst:
     decode_context_tokens: int = 0
     free_blocks: int = 1000
     prefill_budget: int = 512
+    prefill_chunk_cap: int | None = None
     ttft_residual: float = 0.0
     tpot_residual: float = 0.0
     prefill_calibrated: bool = True

@@ -38,6 +38,7 @@ class Inst:
     decode_context_tokens: int = 0
     free_blocks: int = 1000
     prefill_budget: int = 512
+    prefill_chunk_cap: int | None = None
     prefill_calibrated: bool = True
     decode_calibrated: bool = True
     warm: frozenset = frozenset()  # block hashes it holds

@@ -63,7 +63,8 @@ def run_to_completion(s: Scheduler, max_steps: int = 10_000, **kw) -> list:
 
 
 def test_decodes_first_then_chunks_then_new_under_one_budget():
-    s = make_scheduler(budget=16)
+    # Fair prefill off: the first prompt takes what the decodes left (tests/unit/test_fair_prefill.py: on)
+    s = make_scheduler(budget=16, long_prefill_token_threshold=0)
     s.add_request(make_request("a", 3, 5))
     run_fake_step(s)  # a: whole prompt
     s.add_request(make_request("b", 40, 2))

@@ -29,8 +29,14 @@ _ids = itertools.count(1)
 class Engine:
     """The engine's scheduler with a fake runner: every step timed by MODEL, every sampled token 0."""
 
-    def __init__(self, role: Role):
-        self.scheduler = Scheduler(BlockManager(4096, 16), role=role, max_num_batched_tokens=BUDGET)
+    def __init__(self, role: Role, long_prefill_token_threshold: int | None = None):
+        self.scheduler = Scheduler(
+            BlockManager(4096, 16),
+            role=role,
+            max_num_batched_tokens=BUDGET,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+        )
+        self.cap = self.scheduler.chunk_cap  # fair prefill's (None: a quarter of the budget; 0: none)
         self.ms = 0.0
 
     def add(self, prompt_len: int, prefix: list[int] = ()) -> Request:
@@ -52,8 +58,12 @@ class Engine:
 
 
 # ---- the queue ---------------------------------------------------------------------------------
-def test_the_queue_costs_the_steps_the_scheduler_runs_for_prompts_of_their_own_lengths():
-    engine = Engine(Role.PREFILL)
+THRESHOLDS = pytest.mark.parametrize("threshold", [None, 0, 100], ids=["fair", "fcfs", "cap100"])
+
+
+@THRESHOLDS
+def test_the_queue_costs_the_steps_the_scheduler_runs_for_prompts_of_their_own_lengths(threshold):
+    engine = Engine(Role.PREFILL, threshold)
     warm = engine.add(320)
     engine.run_until_first_token(warm)
     engine.scheduler.release(warm.request_id)  # its blocks stay cached
@@ -63,9 +73,11 @@ def test_the_queue_costs_the_steps_the_scheduler_runs_for_prompts_of_their_own_l
     measured = engine.run_until_first_token(new)
     lengths = [QueuedPrompt(700), QueuedPrompt(40), QueuedPrompt(400, num_known=320)]
     assert queue[2].num_cached_tokens == 320
-    assert forecast(MODEL, lengths, QueuedPrompt(300), BUDGET).ms == pytest.approx(measured)
-    # The old guess (queued tokens as long as the new prompt) misses the long prompt's attention.
-    assert forecast(MODEL, [QueuedPrompt(300)] * 3, QueuedPrompt(300), BUDGET).ms < 0.95 * measured
+    assert forecast(MODEL, lengths, QueuedPrompt(300), BUDGET, chunk_cap=engine.cap).ms == pytest.approx(measured)
+    # The old guess (queued tokens as long as the new prompt) misses the long prompt's attention
+    # (first come first served) or how far the new prompt gets past it (fair prefill).
+    guess = forecast(MODEL, [QueuedPrompt(300)] * 3, QueuedPrompt(300), BUDGET, chunk_cap=engine.cap).ms
+    assert abs(guess - measured) > 0.05 * measured
 
 
 def test_what_the_instance_has_spent_on_its_queue_is_not_waited_for_again():
@@ -79,10 +91,11 @@ def test_what_the_instance_has_spent_on_its_queue_is_not_waited_for_again():
     assert late.ms == pytest.approx(own + MODEL.step_ms(late.steps[late.own_from - 1]) / 2)
 
 
-def test_prompts_that_come_after_it_share_its_last_step_at_the_recent_rate():
+@THRESHOLDS
+def test_prompts_that_come_after_it_share_its_last_step_at_the_recent_rate(threshold):
     """Engine time: a 700-token prompt starts at 0, the new one comes at 30 ms, then a
     200-token prompt every 50 ms (the first 25 ms after it); each joins at a step boundary."""
-    engine = Engine(Role.PREFILL)
+    engine = Engine(Role.PREFILL, threshold)
     engine.add(700)
     arrivals = [(30.0, 200)] + [(30.0 + 50 * (k - 0.5), 200) for k in range(1, 20)]
     t, new = 0.0, None
@@ -94,32 +107,43 @@ def test_prompts_that_come_after_it_share_its_last_step_at_the_recent_rate():
         t += MODEL.step_ms(out.work)
         sampled = {c.request.request_id: SampledToken(0) for c in out.chunks if c.samples}
         engine.scheduler.update_from_output(out, sampled)
-    predicted = forecast(MODEL, [QueuedPrompt(700)], QueuedPrompt(200), BUDGET, progress_ms=30.0, arrivals_per_ms=4.0)
+    predicted = forecast(
+        MODEL,
+        [QueuedPrompt(700)],
+        QueuedPrompt(200),
+        BUDGET,
+        progress_ms=30.0,
+        arrivals_per_ms=4.0,
+        chunk_cap=engine.cap,
+    )
     assert predicted.ms == pytest.approx(t - 30.0)
     assert predicted.steps[-1].prefill_tokens == BUDGET  # filled by those that came meanwhile
-    alone = forecast(MODEL, [QueuedPrompt(700)], QueuedPrompt(200), BUDGET, progress_ms=30.0)
-    assert alone.ms < predicted.ms
+    alone = forecast(MODEL, [QueuedPrompt(700)], QueuedPrompt(200), BUDGET, progress_ms=30.0, chunk_cap=engine.cap)
+    if threshold == 0:  # first come first served: they fill its last step, which takes longer
+        assert alone.ms < predicted.ms
 
 
 # ---- mixed steps -------------------------------------------------------------------------------
-def _decoding_engine(batch: int) -> tuple[Engine, Decodes]:
+def _decoding_engine(batch: int, threshold: int | None = None) -> tuple[Engine, Decodes]:
     """A colocated engine with `batch` requests decoding, and them as the predictor sees them."""
-    engine = Engine(Role.COLOCATED)
+    engine = Engine(Role.COLOCATED, threshold)
     running = [engine.add(100 + 30 * i) for i in range(batch)]
     for request in running:
         engine.run_until_first_token(request)
     return engine, Decodes(batch, sum(r.num_tokens for r in running))
 
 
-def test_on_an_instance_that_decodes_each_step_is_the_mixed_step_with_the_batch_riding_along():
-    engine, decodes = _decoding_engine(batch=12)
+@THRESHOLDS
+def test_on_an_instance_that_decodes_each_step_is_the_mixed_step_with_the_batch_riding_along(threshold):
+    engine, decodes = _decoding_engine(batch=12, threshold=threshold)
     engine.add(500)  # queued ahead: it joins the decodes once through
     new = engine.add(300)
     measured = engine.run_until_first_token(new)
-    predicted = forecast(MODEL, [QueuedPrompt(500)], QueuedPrompt(300), BUDGET, decodes)
+    predicted = forecast(MODEL, [QueuedPrompt(500)], QueuedPrompt(300), BUDGET, decodes, chunk_cap=engine.cap)
     assert predicted.ms == pytest.approx(measured)
     assert all(work.kind == "mixed" for work in predicted.steps)
-    assert forecast(MODEL, [QueuedPrompt(500)], QueuedPrompt(300), BUDGET).ms < measured  # no batch: too fast
+    no_batch = forecast(MODEL, [QueuedPrompt(500)], QueuedPrompt(300), BUDGET, chunk_cap=engine.cap)
+    assert no_batch.ms < measured  # too fast
 
 
 def test_with_nothing_queued_a_prompt_waits_for_half_of_the_decode_step_under_way():
@@ -134,7 +158,7 @@ def test_with_nothing_queued_a_prompt_waits_for_half_of_the_decode_step_under_wa
 class Side:
     """A prefill instance as the predictor reads it."""
 
-    instance_id, step_model, prefill_budget = "p0", MODEL, BUDGET
+    instance_id, step_model, prefill_budget, prefill_chunk_cap = "p0", MODEL, BUDGET, None
     prefill_calibrated, riding_decodes, arriving_tokens_per_ms = True, None, 0.0
 
     def __init__(self, queued=(), backlog=0, progress_ms=0.0):
