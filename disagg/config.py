@@ -78,7 +78,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the per-step token budget (Sarathi-Serve)
     # Fair prefill (vLLM's setting of that name): a prompt's chunk is first capped at this many
     # tokens a step, until every prompt waiting for a chunk has had its share; the rest of the
-    # budget then goes to the prompts with the fewest tokens left. So short prompts behind a long
+    # budget then goes to the prompts it finishes, and in a step that finishes none, to the
+    # others (disagg/engine/scheduler.py). So short prompts behind a long
     # one get their first token in a step or two, not after it. None: a quarter of
     # max_num_batched_tokens; 0: off (first come takes the whole budget). (disagg/engine/scheduler.py)
     long_prefill_token_threshold: int | None = None

@@ -12,9 +12,11 @@ tokens (vLLM's setting of that name; by default a quarter of the budget, 0: no c
 long prompt does not take every step's whole budget while short ones wait behind it for tens of
 seconds. Once every prompt waiting for a chunk has had its capped share (in the order above:
 started prompts by priority, then new ones in queue order), what is left of the budget goes to
-the prompts cut short, the best priority first, then the fewest tokens left: a short prompt
-behind a long one finishes its prefill in its first step, and the long one still gets its cap
-and the rest of every step. The router's TTFT forecast lays steps out the same way, on lengths
+the prompts cut short, the best priority first, then the fewest tokens left, first to those it
+finishes: a short prompt behind a long one finishes its prefill in its first step. A step that
+finishes a prompt gives the long ones only their cap, so that it stays short (its time is that
+prompt's TTFT: a long prompt's extra tokens, attending to thousands before them, would multiply
+it); a step that finishes none gives them the rest. The router's TTFT forecast lays steps out the same way, on lengths
 alone (disagg.placement.prefill_queue).
 
 When `max_num_seqs` requests run, a request that outranks one of them (queue_order.displaces:
@@ -372,19 +374,41 @@ class Scheduler:
 
     def _share_leftover(self, budget: int, out: SchedulerOutput) -> None:
         """Fair prefill's second round: the budget the caps left goes to the prompt chunks they
-        cut short, the best priority first, then the fewest tokens left (a short prompt finishes
-        now; a long one takes the rest). No preemption for it: a chunk whose blocks do not fit
-        keeps its capped share, which already makes progress."""
+        cut short, the best priority first, then the fewest tokens left, first to those it
+        finishes. A step that finishes a prompt gives the others no more than their cap: its
+        time is that prompt's TTFT, which a long prompt's extra tokens (attending to thousands
+        before them) would multiply. Otherwise the long ones take the rest. No preemption for
+        it: a chunk whose blocks do not fit keeps its capped share, which already makes progress."""
         cut = [i for i, chunk in enumerate(out.chunks) if not chunk.samples]
         cut.sort(key=lambda i: (held_priority(out.chunks[i].request), self._tokens_left(out.chunks[i])))
+        budget = self._extend(self._finishable(cut, budget, out), budget, out)
+        if not any(c.samples and not c.generates for c in out.chunks):  # no prompt ends in this step
+            self._extend([i for i in cut if not out.chunks[i].samples], budget, out)
+
+    def _finishable(self, cut: list[int], budget: int, out: SchedulerOutput) -> list[int]:
+        """Those of `cut` (in its order) that `budget` finishes, none of a worse priority than
+        one it cannot finish (that one keeps its turn before them)."""
+        chosen, unfinished_priority = [], None
         for i in cut:
-            if budget <= 0:
-                return
+            priority, left = held_priority(out.chunks[i].request), self._tokens_left(out.chunks[i])
+            if unfinished_priority is not None and priority > unfinished_priority:
+                break
+            if left <= budget:
+                chosen.append(i)
+                budget -= left
+            elif unfinished_priority is None:
+                unfinished_priority = priority
+        return chosen
+
+    def _extend(self, indices: list[int], budget: int, out: SchedulerOutput) -> int:
+        """Give the chunks at `indices`, in turn, as much of `budget` as their prompts still need."""
+        for i in indices:
             chunk = out.chunks[i]
-            num_new = chunk.num_new_tokens + min(self._tokens_left(chunk), budget)
-            if self.block_manager.allocate_slots(chunk.request, num_new):
-                budget -= num_new - chunk.num_new_tokens
-                out.chunks[i] = ScheduledChunk(chunk.request, chunk.start, num_new)
+            extra = min(self._tokens_left(chunk), budget)
+            if extra > 0 and self.block_manager.allocate_slots(chunk.request, chunk.num_new_tokens + extra):
+                budget -= extra
+                out.chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_new_tokens + extra)
+        return budget
 
     @staticmethod
     def _tokens_left(chunk: ScheduledChunk) -> int:

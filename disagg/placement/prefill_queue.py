@@ -3,8 +3,9 @@ of it, then it, packed as its scheduler packs them (disagg.engine.scheduler), on
 
 Each step the instance's decodes go first, one token each; then the prompts' tokens in the order
 they came, until the step's token budget is spent: each prompt's chunk first capped at the
-instance's `chunk_cap` (fair prefill), then what the caps left to the prompts they cut short,
-the fewest tokens left first (with no cap, the first come takes the whole budget). A prompt
+instance's `chunk_cap` (fair prefill), then what the caps left to the prompts it finishes, the
+fewest tokens left first, and only in a step that finishes none to the others (with no cap, the
+first come takes the whole budget). A prompt
 that came while a step ran waits for
 the next one (an engine takes new work between steps). A prompt whose last chunk is computed
 samples its first token; on an instance that decodes too, it decodes from the next step on, and
@@ -162,7 +163,8 @@ class _Layout:
     def _chunks(self, prompts: list[QueuedPrompt], known: list[int], came: list[float], head: int) -> list[list[int]]:
         """This step's chunks, [prompt index, tokens], as the scheduler splits the room the
         decodes leave: each prompt that has come capped at `cap` in turn, then what is left to
-        those cut short, the fewest tokens left first (stable: in the order they came)."""
+        those it finishes, the fewest tokens left first, and only in a step that finishes none to
+        the others (stable: in the order they came)."""
         room, chunks = max(1, self.budget - self.batch), []
         latest = self.t + (PICKUP_MS if not self.steps else 0.0)
         for i in range(head, len(prompts)):
@@ -176,9 +178,13 @@ class _Layout:
         def left(chunk: list[int]) -> int:
             return prompts[chunk[0]].num_tokens - known[chunk[0]] - chunk[1]
 
-        for chunk in sorted(chunks, key=left):
-            extra = min(left(chunk), room)
-            chunk[1], room = chunk[1] + extra, room - extra
+        cut = sorted((c for c in chunks if left(c) > 0), key=left)
+        for chunk in (c for c in cut if left(c) <= room):  # first to the prompts the rest finishes
+            chunk[1], room = chunk[1] + left(chunk), room - left(chunk)
+        if all(left(c) > 0 for c in chunks):  # a step that finishes a prompt gives the others their cap
+            for chunk in cut:
+                extra = min(left(chunk), room)
+                chunk[1], room = chunk[1] + extra, room - extra
         return chunks
 
     def _step(self, spans: list[tuple[int, int]], joined: list[int]) -> None:

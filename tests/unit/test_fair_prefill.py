@@ -59,9 +59,13 @@ def test_a_short_prompt_behind_a_started_long_one_finishes_its_prefill_in_its_fi
     short = prompt("short", 40)
     s.add_request(short)
     out = run_fake_step(s)
-    # Both capped at 16 first; the 32 left go to the fewest tokens left: the short one's 24.
-    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 24), ("short", 40)]
+    # Both capped at 16 first; the 32 left go first to the prompt they finish, the short one's 24;
+    # a step that finishes a prompt gives the long one only its cap (the short one's TTFT is
+    # that step's time). The next step, finishing nothing, gives the long one the whole budget.
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks] == [("long", 16), ("short", 40)]
     assert short.num_output_tokens == 1
+    out = run_fake_step(s)
+    assert [(c.request.request_id, c.num_new_tokens) for c in out.chunks if not c.generates] == [("long", 63)]
 
 
 def test_six_short_prompts_behind_a_long_one_get_their_first_token_within_a_bounded_number_of_steps():
@@ -123,7 +127,7 @@ def test_decodes_still_go_first():
     s.add_request(prompt("short", 40))
     out = run_fake_step(s)
     assert out.chunks[0].request is decoding and out.chunks[0].num_new_tokens == 1
-    assert out.num_batched_tokens == BUDGET
+    assert out.num_batched_tokens == 1 + BUDGET // 4 + 40  # the decode, the long one's cap, the short one
 
 
 def test_a_better_priority_still_comes_first():

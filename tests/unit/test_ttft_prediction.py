@@ -117,7 +117,11 @@ def test_prompts_that_come_after_it_share_its_last_step_at_the_recent_rate(thres
         chunk_cap=engine.cap,
     )
     assert predicted.ms == pytest.approx(t - 30.0)
-    assert predicted.steps[-1].prefill_tokens == BUDGET  # filled by those that came meanwhile
+    last = predicted.steps[-1].prefill_tokens
+    if engine.cap >= BUDGET:
+        assert last == BUDGET  # filled by those that came meanwhile
+    else:  # the step that finishes it gives the others only their caps
+        assert BUDGET // 2 < last < BUDGET
     alone = forecast(MODEL, [QueuedPrompt(700)], QueuedPrompt(200), BUDGET, progress_ms=30.0, chunk_cap=engine.cap)
     if threshold == 0:  # first come first served: they fill its last step, which takes longer
         assert alone.ms < predicted.ms
