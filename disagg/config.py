@@ -126,8 +126,10 @@ class EngineConfig:
     # Outputs that do not depend on what else is in the batch: with quantized weights, every row
     # (prompt rows too) takes the quantized kernel, row by row, where by default prompt rows and
     # more than 4 decode rows take a float copy, faster and not bit-equal (layers/quantized.py).
-    # A request that moves by recompute then continues as it would have. Slower prompts, and a
-    # prompt's first token as llama.cpp computes it (int8 activations), not as transformers does.
+    # Every row's attention, a prompt's too, goes through the decode kernel over the paged cache,
+    # so a prompt in chunks or whole, or recomputed with the tokens it generated (a migration),
+    # gives the same numbers. Slower prompts, and a prompt's first token as llama.cpp computes it
+    # (int8 activations), not as transformers does.
     batch_invariant: bool = False
     # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
     # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.

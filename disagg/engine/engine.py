@@ -125,6 +125,7 @@ class LLMEngine:
             pipe=groups.pipe if groups is not None else None,
             returns_logits=groups is None or groups.place.tp_rank == 0,
             decode_graphs=self._decode_graphs(decode_kernel, kv_connector),
+            rows_as_decodes=config.batch_invariant,
         )
         self.guided = GuidedDecoding(self._grammar_compiler, config.jump_forward)
         self._compiler: GrammarCompiler | None = None

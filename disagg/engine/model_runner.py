@@ -39,12 +39,14 @@ class ModelRunner:
         returns_logits: bool = True,
         followers: Followers | None = None,
         decode_graphs: DecodeGraphs | None = None,
+        rows_as_decodes: bool = False,
     ):
         """`decode_kernel`: the decode attention kernel (None: the torch path). `kv_connector`: told
         of each layer's KV as it is computed. A rank of a multi-worker instance also has `pipe`
         (the stage-to-stage link), `returns_logits` (whether it hands the logits to rank 0)
         and, on rank 0, `followers` (the other ranks). `decode_graphs`: decode-only steps replayed
-        from CUDA graphs (None: every step eager)."""
+        from CUDA graphs (None: every step eager). `rows_as_decodes`: every row's attention, a
+        prompt's too, through the decode kernel (EngineConfig.batch_invariant; needs the kernel)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler
@@ -56,6 +58,7 @@ class ModelRunner:
         self.returns_logits = returns_logits
         self.followers = followers
         self.decode_graphs = decode_graphs
+        self.rows_as_decodes = rows_as_decodes and decode_kernel is not None
         self.dtype = next(model.parameters()).dtype
 
     @torch.inference_mode()
@@ -149,6 +152,8 @@ class ModelRunner:
         return self.model.compute_logits(out.index_select(0, last_rows))
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        if self.rows_as_decodes:
+            return self._prepare_as_decodes(chunks)
         num_decodes = sum(1 for c in chunks if is_decode(c))
         token_ids: list[int] = []
         positions: list[int] = []
@@ -165,6 +170,25 @@ class ModelRunner:
             slots.extend(self._slot(c.request.block_ids, p) for p in range(c.start, c.start + c.num_new_tokens))
             query_start += c.num_new_tokens
         meta.slot_mapping = self._long(slots)
+        return self._long(token_ids), self._long(positions), meta
+
+    def _prepare_as_decodes(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Every row of the step as a decode of its own position (batch_invariant): its attention
+        then takes the same kernel, over the same blocks, whether it was computed as a prompt's
+        row, a decode, or recomputed after a migration, so its numbers never depend on which."""
+        token_ids, positions, slots, tables = [], [], [], []
+        for c in chunks:
+            token_ids.extend(c.token_ids)
+            for p in range(c.start, c.start + c.num_new_tokens):
+                positions.append(p)
+                slots.append(self._slot(c.request.block_ids, p))
+                tables.append(c.request.block_ids[: p // self.block_size + 1])
+        width = max(len(t) for t in tables)
+        padded = [b for t in tables for b in itertools.chain(t, itertools.repeat(0, width - len(t)))]
+        block_tables = torch.tensor(padded, dtype=torch.int32, device=self.device).view(len(tables), width)
+        context_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=self.device)
+        decode = DecodeBatch(block_tables, context_lens, self.block_size, self.decode_kernel)
+        meta = AttentionMetadata(slot_mapping=self._long(slots), num_decode_tokens=len(positions), decode=decode)
         return self._long(token_ids), self._long(positions), meta
 
     def _slot(self, block_ids: list[int], position: int) -> int:

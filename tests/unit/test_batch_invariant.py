@@ -79,3 +79,19 @@ def test_a_request_recomputed_with_its_tokens_continues_as_it_would_have(tiny_ll
             resumed = llm.generate([{"prompt_token_ids": prompt + full[:8]}], SamplingParams(max_tokens=16, **GREEDY),
                                    use_tqdm=False)[0].outputs[0].token_ids  # fmt: skip
             assert list(resumed) == full[8:], f"prompt of {len(prompt)} tokens (seed {seed})"
+
+
+def test_a_prompt_in_chunks_and_whole_gives_the_same_numbers(tiny_gqa_dir, ops):
+    """Every row's attention through the decode kernel, so a prompt split into chunks of 16
+    (each attending to the cached ones before it) computes what it computes in one piece: the
+    sampled tokens' logprobs to the last bit."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 77], 256, seed=12)]
+    params = SamplingParams(max_tokens=6, logprobs=0, **GREEDY)
+
+    def run(budget: int):
+        llm = LLM(model=tiny_gqa_dir, weights="int4", num_kv_blocks=128, batch_invariant=True,
+                  max_num_batched_tokens=budget, long_prefill_token_threshold=0, enable_prefix_caching=False)  # fmt: skip
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    assert run(16) == run(512)
