@@ -450,6 +450,12 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
+    # grpc.aio: each call is a task on the event loop, so no pool of threads can fill up with long
+    # streams and keep a new call from its refusal. No `maximum_concurrent_rpcs`: it would count
+    # Abort, ClusterStatus and health calls, and not the HTTP API's requests, and refuse no sooner
+    # than the request path's own bound (both decide once grpc.aio hands the call over, on the
+    # loop). What keeps refusals fast in a flood is that the admitted requests' work waits for
+    # the burst to pass (disagg.router.arrivals).
     server = grpc.aio.server(interceptors=key_guard_interceptors(config))
     add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
