@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -216,6 +217,7 @@ class Server:
             else None
         )
         health_task = asyncio.create_task(_report_health(config, directory, health_servicer), name="health")
+        _freeze_startup_heap()
         self._started.set()
         await self._stop.wait()
         gauges.cancel()
@@ -386,6 +388,15 @@ def _init_ray(config: ServingConfig) -> None:
             num_cpus=max(2, os.cpu_count() or 2),
             _system_config={"worker_niceness": 0},
         )
+
+
+def _freeze_startup_heap() -> None:
+    """What start-up built (torch, Ray, the model's modules, the router) lives as long as the server:
+    out of the collector's reach from now on. Else every full collection walks it all (120-150 ms
+    here) and holds the event loop meanwhile: every stream's tokens and every refusal wait. A
+    flood sets one off: its refused calls are garbage with their tracebacks (issue 40)."""
+    gc.collect()
+    gc.freeze()
 
 
 async def _rebalance(moves: LiveMoves, tpot_ms: float, metrics: ServingMetrics, interval_s: float = 1.0) -> None:

@@ -18,8 +18,10 @@ burst is over once `quiet_turns` turns of the loop have gone by with no arrival,
 process starved of CPU, and calls may wait unseen in gRPC's core all the while; a turn after
 which no call came says that none waits. Then those waiting start in the order they came, one a
 turn, so that a turn stays short and a call that arrives meanwhile is answered in a few turns;
-an arrival pauses the starts until it is quiet again. A request waiting `max_wait_s` starts
-even so, one a turn too, so that a flood that does not stop holds no one back for longer.
+an arrival pauses the starts until it is quiet again. In a flood that does not stop, those that
+have waited `max_wait_s` start even so, one every `forced_every_s`: a start holds the loop for a
+few ms, and starting them one a turn would hand the loop back to their work, and the flood's
+refusals to its pace.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ START_GAP_S = 0.01
 # gRPC takes 3 or 4 turns to hand the application a call its core holds.
 QUIET_TURNS = 6
 TURN_S = 0.0005
-MAX_WAIT_S = 0.5  # an admitted request's work starts by then, however long the burst
+MAX_WAIT_S = 1.0  # an admitted request's work waits no longer for quiet, however long the burst
+FORCED_EVERY_S = 0.005  # then one starts this often at most while the burst lasts
 
 
 class Arrivals:
@@ -45,12 +48,14 @@ class Arrivals:
         quiet_turns: int = QUIET_TURNS,
         turn_s: float = TURN_S,
         max_wait_s: float = MAX_WAIT_S,
+        forced_every_s: float = FORCED_EVERY_S,
         clock=time.monotonic,
     ):
         self.start_gap_s = start_gap_s
         self.quiet_turns = quiet_turns
         self.turn_s = turn_s
         self.max_wait_s = max_wait_s
+        self.forced_every_s = forced_every_s
         self.clock = clock
         self.count = 0  # arrivals so far
         self._last = float("-inf")  # when the latest one arrived
@@ -78,8 +83,8 @@ class Arrivals:
         entry = (asyncio.get_running_loop().create_future(), self.clock() + self.max_wait_s)
         self._waiting.append(entry)
         try:
-            # The keeper starts everyone by max_wait_s; the timeout only guards against its loss.
-            await asyncio.wait_for(entry[0], 4 * self.max_wait_s)
+            # The keeper starts everyone; the timeout only guards against its loss.
+            await asyncio.wait_for(entry[0], 10 * self.max_wait_s)
         except asyncio.TimeoutError:
             pass
         finally:
@@ -88,15 +93,20 @@ class Arrivals:
 
     async def _keep(self) -> None:
         """Turn by turn while a burst lasts or anyone waits: start one waiting request a turn once
-        it is quiet, or the oldest one whose wait is up."""
-        seen, quiet_for = self.count, 0
+        it is quiet; while it is not, the oldest one whose wait is up, now and then."""
+        seen, quiet_for, forced_at = self.count, 0, float("-inf")
         try:
             while self._waiting or quiet_for < self.quiet_turns:
                 await asyncio.sleep(0 if quiet_for >= self.quiet_turns else self.turn_s)
                 quiet_for = quiet_for + 1 if self.count == seen else 0
-                seen = self.count
-                if self._waiting and (quiet_for >= self.quiet_turns or self._waiting[0][1] <= self.clock()):
+                seen, now = self.count, self.clock()
+                if not self._waiting:
+                    continue
+                if quiet_for >= self.quiet_turns:
                     _release(self._waiting.popleft()[0])
+                elif self._waiting[0][1] <= now and now - forced_at >= self.forced_every_s:
+                    _release(self._waiting.popleft()[0])
+                    forced_at = now
         finally:
             self._keeper = None
             while self._waiting:  # stopped (the loop ends): nobody is left waiting

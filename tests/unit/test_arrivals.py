@@ -111,3 +111,27 @@ def test_a_flood_that_does_not_stop_holds_the_admitted_back_for_max_wait_at_most
 
     waited, still, after = run(scenario())
     assert 0.09 < waited < 0.5 and still and not after
+
+
+def test_in_a_flood_that_does_not_stop_those_whose_wait_is_up_start_now_and_then():
+    async def scenario():
+        door = arrivals(max_wait_s=0.05, forced_every_s=0.1)
+        stop, started_at = asyncio.Event(), []
+
+        async def flood():
+            while not stop.is_set():
+                door.arrived()
+                await asyncio.sleep(TURN_S / 2)
+
+        async def request():
+            await door.after_burst()
+            started_at.append(time.monotonic())
+
+        flooding = asyncio.create_task(flood())
+        await asyncio.sleep(0.02)
+        await asyncio.gather(*(request() for _ in range(3)))
+        stop.set()
+        await flooding
+        return [b - a for a, b in zip(started_at, started_at[1:])]
+
+    assert all(gap > 0.09 for gap in run(scenario()))
