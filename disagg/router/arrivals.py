@@ -8,7 +8,7 @@ handler has been scheduled, and aiohttp reads a connection's request in a task o
 in which hundreds of admitted requests start their work is long, so in a flood every request
 behind them waited for all of it before its handler ran, even though refusing it at the
 in-flight bound takes microseconds (issue 40: 768 clients against a bound of 256 were refused
-after 1.0 s at p50, the 64th against 16 after 36 ms). Here the cheap answers go first, and the
+after 1.0 s at p50, 64 against 16 in 36 ms). Here the cheap answers go first, and the
 admitted requests' work comes in small pieces between them.
 
 A burst starts with a request that arrives within `start_gap_s` of the one before; a request that
