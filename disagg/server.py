@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import secrets
@@ -274,6 +275,7 @@ class Server:
         ]
         if self.index == 0:  # the control loops: once per deployment
             tasks += self._control_loops(directory, model, metrics, orchestrator)
+        _freeze_startup_heap()
         self._started.set()
         await self._stop.wait()
         for task in tasks:
@@ -491,6 +493,15 @@ def _init_ray(config: ServingConfig) -> None:
         )
 
 
+def _freeze_startup_heap() -> None:
+    """What start-up built (torch, Ray, the model's modules, the router) lives as long as the server:
+    out of the collector's reach from now on. Else every full collection walks it all (120-150 ms
+    here) and holds the event loop meanwhile: every stream's tokens and every refusal wait. A
+    flood sets one off: its refused calls are garbage with their tracebacks (issue 40)."""
+    gc.collect()
+    gc.freeze()
+
+
 async def _rebalance(moves: LiveMoves, tpot_ms: float, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
     """Decode instances whose batch is predicted to miss the TPOT target hand requests to others
     with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's)."""
@@ -553,6 +564,12 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
+    # grpc.aio: each call is a task on the event loop, so no pool of threads can fill up with long
+    # streams and keep a new call from its refusal. No `maximum_concurrent_rpcs`: it would count
+    # Abort, ClusterStatus and health calls, and not the HTTP API's requests, and refuse no sooner
+    # than the request path's own bound (both decide once grpc.aio hands the call over, on the
+    # loop). What keeps refusals fast in a flood is that the admitted requests' work waits for
+    # the burst to pass (disagg.router.arrivals).
     server = grpc.aio.server(interceptors=key_guard_interceptors(config))
     add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()

@@ -40,6 +40,10 @@ from disagg.rpc.messages import TokenDelta
 logger = logging.getLogger(__name__)
 RETRY_AFTER_S = 1  # a refusal reflects the load of this moment; a second later the batches have moved on
 MiB = 1 << 20
+# Connections the kernel holds for us before we accept them (aiohttp's default: 128). A flood opens
+# hundreds at once; past the backlog the kernel drops their SYNs and each client tries again a
+# second later, so its 429 takes a second more (issue 40). The kernel caps it at somaxconn.
+LISTEN_BACKLOG = 4096
 
 Emit = Callable[[int, TokenDelta, "Outcome | None"], Awaitable[None]]
 
@@ -63,7 +67,9 @@ class HttpFrontend:
         # At stop, the drain has ended every request: what is left gets gRPC's grace, a second.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, config.http_host, config.http_port, ssl_context=ssl_context)
+        site = web.TCPSite(
+            self._runner, config.http_host, config.http_port, ssl_context=ssl_context, backlog=LISTEN_BACKLOG
+        )
         try:
             await site.start()
         except BaseException:

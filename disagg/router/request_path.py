@@ -20,6 +20,7 @@ from disagg.errors import DisaggError, InvalidRequestError, OverloadedError, Una
 from disagg.metrics import ServingMetrics
 from disagg.placement.policies import Slo
 from disagg.request import SamplingParams
+from disagg.router.arrivals import Arrivals
 from disagg.router.key_guard import key_matches
 from disagg.router.orchestrator import Orchestrator
 from disagg.router.records import RequestRecords
@@ -70,6 +71,7 @@ class RequestPath:
         self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
         self._aborted: set[str] = set()  # ended by Abort: their streams end with finish_reason "abort"
         self.draining = False
+        self.arrivals = Arrivals()  # a burst's refusals are answered before its admitted requests' work
         self._grammars: GrammarCompiler | None = None  # built at the first structured request
 
     # ---- before any work -------------------------------------------------------------------------
@@ -80,7 +82,9 @@ class RequestPath:
 
     def admit(self, num_requests: int = 1) -> None:
         """Room for `num_requests` more (an HTTP request's n choices count one each), or the
-        refusal: UnavailableError while draining, OverloadedError over the in-flight bound."""
+        refusal: UnavailableError while draining, OverloadedError over the in-flight bound. Call it
+        first thing: it is also what tells a burst of arrivals (disagg.router.arrivals)."""
+        self.arrivals.arrived()
         if self.draining:
             raise UnavailableError("server is shutting down")
         if len(self._active) + num_requests > self.max_inflight:
@@ -104,7 +108,9 @@ class RequestPath:
         self._active.pop(request_id, None)
 
     async def prepare(self, request: serving_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
-        """The prompt's token ids and the sampling params, or InvalidRequestError naming the field."""
+        """The prompt's token ids and the sampling params, or InvalidRequestError naming the field.
+        In a burst of arrivals, only once it is over: the first of a request's work."""
+        await self.arrivals.after_burst()
         try:
             check_slo(request.slo)
             check_priority(request.priority)

@@ -120,6 +120,11 @@ SMOKE = {
     "shifting_trace": Smoke("shifting_trace.py", ("-o", "{tmp}/trace.json", "--phase-s", "2"),
         (r"^wrote .*trace\.json: \d+ requests over",)),
     # ---- bench_heavy: a deployment, Ray, or the default model in several processes ----
+    "bench_flood": Smoke("bench_flood.py", (
+        "--config", "{config}", "--clients", "8", "--limit", "2", "--baseline-clients", "4", "--baseline-limit", "1",
+        "--max-tokens", "64", "--json", "{tmp}/flood.json"),
+        (r"^clients: 8$", r"^refused: 6$", r"^refusal p99 ms: [\d.]+$", r"^serves after the flood: yes$",
+         r"^target p99 <= 100 ms: (met|missed)$"), heavy=True),
     "bench_guidellm-scenario": Smoke("bench_guidellm.py", (
         "--scenario-only", "--config", "{config}", "--out-dir", "{tmp}", "--rates", "1", "--seconds", "2"),
         (r"^scenario: .*scenario\.json \(model \S+, SLO [^)]+\)$",), heavy=True),
