@@ -51,6 +51,13 @@ def filled_cluster_file(key: Path) -> str:
         "https://github.com/your-org/disagg.git": str(REPO),
         "--prefill 10.0.0.2 --decode 10.0.0.3": f"--prefill {PREFILL} --decode {DECODE}",
         "cluster_name: disagg": f"cluster_name: {NAME}",
+        # Two "machines" here share one /tmp: Ray names a node's sockets after the first free
+        # name, checked but not taken, so two workers started at once can pick the same one and
+        # the second raylet dies binding it. One worker start at a time.
+        "RAY_AUTH_MODE=token RAY_worker_niceness=0 ~/disagg/.venv/bin/ray start --address": (
+            f"flock /tmp/{NAME}-ray-start.lock env RAY_AUTH_MODE=token RAY_worker_niceness=0 "
+            "~/disagg/.venv/bin/ray start --address"
+        ),
     }
     for placeholder, value in fills.items():
         assert text.count(placeholder) == 1, f"deploy/cluster.yaml has no single '{placeholder}' to fill in"
@@ -95,7 +102,7 @@ class HomeSnapshot:
             self.token.unlink(missing_ok=True)
         shutil.rmtree(HOME / NAME, ignore_errors=True)
         for entry in set(os.listdir("/tmp")) - self.tmp_before:  # the launcher's SSH sockets and state
-            if entry.startswith(("ray_ssh_", f"cluster-{NAME}")):
+            if entry.startswith(("ray_ssh_", f"cluster-{NAME}", f"{NAME}-ray-start")):
                 path = Path("/tmp") / entry
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
