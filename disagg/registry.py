@@ -130,6 +130,9 @@ class Registry:
     def _requests_key(self) -> str:
         return f"{self.namespace}:requests"
 
+    def _arrivals_key(self) -> str:
+        return f"{self.namespace}:arrivals"
+
     @contextlib.contextmanager
     def _redis_errors(self, what: str) -> Iterator[None]:
         try:
@@ -241,6 +244,35 @@ class Registry:
         with self._redis_errors("recent_requests"):
             values = self._client.lrange(self._requests_key(), 0, limit - 1)
         return [json.loads(v) for v in values]
+
+    # -- arrivals (frontend replicas -> the re-planner on frontend 0) ------------------------------
+
+    def push_arrivals(self, arrivals: list[tuple[float, int, int]], keep: int, ttl_s: float) -> None:
+        """Append (wall-clock time, prompt tokens, output tokens asked for) of requests that
+        arrived; the newest `keep` are kept, none longer than `ttl_s` unread."""
+        if not arrivals:
+            return
+        key = self._arrivals_key()
+        with self._redis_errors("push_arrivals"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.rpush(key, *(f"{t:.6f},{p},{o}" for t, p, o in arrivals))
+            pipe.ltrim(key, -keep, -1)
+            pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+            pipe.execute()
+
+    def take_arrivals(self) -> list[tuple[float, int, int]]:
+        """Every arrival pushed and not yet taken, oldest first; taken ones are gone."""
+        key = self._arrivals_key()
+        with self._redis_errors("take_arrivals"):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.lrange(key, 0, -1)
+            pipe.delete(key)
+            values, _ = pipe.execute()
+        arrivals = []
+        for value in values:
+            t, p, o = value.split(",")
+            arrivals.append((float(t), int(p), int(o)))
+        return arrivals
 
     # -- connection -------------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
 from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
+from disagg.router.shared_arrivals import ArrivalFeed, take_shared_arrivals
 from disagg.router.replanning import ReplanLoop, live_profile
 from disagg.router.request_path import RequestPath
 from disagg.router.streams import DecodeStreams
@@ -273,8 +274,14 @@ class Server:
             asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges"),
             asyncio.create_task(_report_health(config, directory, health_servicer), name="health"),
         ]
-        if self.index == 0:  # the control loops: once per deployment
-            tasks += self._control_loops(directory, model, metrics, orchestrator)
+        # Every frontend moves its own requests off a leaving instance; the rest runs once.
+        tasks.append(asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains"))
+        arrival_feed = None
+        if self.index == 0:
+            tasks += self._control_loops(directory, model, metrics, orchestrator, registry)
+        elif _replans(config):  # frontend 0's re-planner plans for this frontend's traffic too
+            arrival_feed = ArrivalFeed(registry, config.replan_window_s)
+            orchestrator.on_arrival = arrival_feed.arrived
         _freeze_startup_heap()
         self._started.set()
         await self._stop.wait()
@@ -288,14 +295,16 @@ class Server:
         await streams.stop()
         await directory.stop()
         records.close()
+        if arrival_feed is not None:
+            arrival_feed.close()
         if metrics_server:
             metrics_server.stop()
         registry.close()
 
-    def _control_loops(self, directory, model, metrics, orchestrator) -> list[asyncio.Task]:
-        """Drains of leaving instances, and where instances may switch, re-planning and rebalancing."""
-        tasks = [asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains")]
-        replanning = self._replanning(directory, model, metrics, orchestrator)
+    def _control_loops(self, directory, model, metrics, orchestrator, registry) -> list[asyncio.Task]:
+        """Where instances may switch: re-planning and rebalancing (frontend 0's requests only)."""
+        tasks = []
+        replanning = self._replanning(directory, model, metrics, orchestrator, registry)
         if replanning is not None:
             tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
         if self.config.switchable():
@@ -303,11 +312,11 @@ class Server:
             tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
         return tasks
 
-    def _replanning(self, directory, model, metrics, orchestrator) -> ReplanLoop | None:
-        """The closed loop, where instances may switch (ServingConfig.switchable) and there is a
-        split to choose (three instances or more)."""
+    def _replanning(self, directory, model, metrics, orchestrator, registry) -> ReplanLoop | None:
+        """The closed loop, where instances may switch and there is a split to choose (_replans),
+        fed every frontend's arrivals."""
         config = self.config
-        if not config.switchable() or config.prefill.num_instances + config.decode.num_instances < 3:
+        if not _replans(config):
             return None
         base = load_profile(config.profile) if config.profile else None
         dtype_bytes = 4 if config.engine.dtype == "float32" else 2
@@ -318,7 +327,8 @@ class Server:
             return live_profile(base, directory, config.engine.model, kv_bytes, layers)
 
         on_switched = self.launcher.switched if self.launcher is not None else (lambda instance_id, role: None)
-        loop = ReplanLoop(config, directory, profile, metrics, on_switched)
+        shared = (lambda: take_shared_arrivals(registry)) if config.frontends > 1 else None
+        loop = ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared)
         orchestrator.on_arrival = loop.arrived
         self.replanning = self.servicer.replanning = loop
         return loop
@@ -368,6 +378,12 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _replans(config: ServingConfig) -> bool:
+    """Re-planning runs where instances may switch (ServingConfig.switchable) and there is a
+    split to choose (three instances or more)."""
+    return config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
 
 
 def serve(config: ServingConfig, ready_file: str | None = None) -> int:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from disagg.config import ServingConfig
+from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile
@@ -91,11 +92,15 @@ class ReplanLoop:
         profile: Callable[[], Profile | None],
         metrics: ServingMetrics,
         on_switched: Callable[[str, str], None] = lambda instance_id, role: None,
+        shared_arrivals: Callable[[], list[tuple[float, int, int]]] | None = None,
     ):
         """`profile()`: what the simulator prices with now (live_profile); `on_switched(id,
-        role)`: an instance serves in its new role (the launcher's records follow)."""
+        role)`: an instance serves in its new role (the launcher's records follow);
+        `shared_arrivals()`: the other frontends' arrivals since the last call, as `arrived`
+        takes them (disagg.router.shared_arrivals), taken before each round."""
         self.config, self.directory, self.profile, self.metrics = config, directory, profile, metrics
         self.on_switched = on_switched
+        self.shared_arrivals = shared_arrivals
         self.window = TrafficWindow(config.replan_window_s)
         self.total = config.prefill.num_instances + config.decode.num_instances
         self.replanner = Replanner(
@@ -125,6 +130,7 @@ class ReplanLoop:
 
     async def step(self) -> LoggedDecision | None:
         """One round: decide, and switch if the decision says so (returns what was logged)."""
+        await self._take_shared_arrivals()
         current = self.current_split()
         self._profile = self.profile()
         if current is None or self._profile is None:
@@ -141,6 +147,17 @@ class ReplanLoop:
         from_role = "prefill" if decision.switch_to.prefill < current.prefill else "decode"
         entry.switch = await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
         return entry
+
+    async def _take_shared_arrivals(self) -> None:
+        if self.shared_arrivals is None:
+            return
+        try:
+            arrivals = await asyncio.to_thread(self.shared_arrivals)
+        except RegistryUnavailable as exc:  # this round plans on frontend 0's arrivals alone
+            logger.warning("re-plan without the other frontends' arrivals: %s", exc)
+            return
+        for at, prompt_tokens, max_tokens in arrivals:
+            self.window.add(at, prompt_tokens, max_tokens)
 
     def _simulate(self, split: Split, requests: list) -> list:
         return split_simulator(self.config, {role: self._profile for role in ROLES})(split, requests)

@@ -20,6 +20,7 @@ from disagg.cluster.redis_server import LocalRedis, wait_for_redis
 from disagg.errors import RegistryUnavailable
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.router.records import RequestRecords
+from disagg.router.shared_arrivals import ArrivalFeed, take_shared_arrivals
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -180,6 +181,33 @@ def test_request_records_are_dropped_not_raised_without_redis():
     assert records.flush() == 0
     assert records.flush() == 0, "the failed batch is gone, not retried forever"
     records.close()
+
+
+def test_shared_arrivals_are_taken_once_oldest_first_and_bounded(registry):
+    registry.push_arrivals([(100.5, 10, 20), (101.25, 11, 21)], keep=3, ttl_s=60)
+    registry.push_arrivals([(102.0, 12, 22), (103.0, 13, 23)], keep=3, ttl_s=60)
+    assert registry.take_arrivals() == [(101.25, 11, 21), (102.0, 12, 22), (103.0, 13, 23)], "the newest 3 kept"
+    assert registry.take_arrivals() == [], "taken ones are gone"
+    registry.push_arrivals([(104.0, 1, 1)], keep=3, ttl_s=0.2)
+    time.sleep(0.4)
+    assert registry.take_arrivals() == [], "unread ones expire after the window"
+
+
+def test_a_replicas_arrival_feed_reaches_frontend_zero_at_its_own_clock(registry):
+    feed = ArrivalFeed(registry, window_s=60, interval_s=0.1)
+    sent_at = time.monotonic()
+    feed.arrived(sent_at, 30, 64)
+    feed.arrived(sent_at + 0.5, 31, 65)
+    assert registry.take_arrivals() == [], "nothing is written on the caller's thread"
+    deadline = time.monotonic() + 5
+    taken = []
+    while len(taken) < 2:
+        assert time.monotonic() < deadline, "the feed did not flush"
+        taken += take_shared_arrivals(registry)
+        time.sleep(0.05)
+    feed.close()
+    assert [(p, o) for _, p, o in taken] == [(30, 64), (31, 65)]
+    assert abs(taken[0][0] - sent_at) < 0.05 and abs(taken[1][0] - sent_at - 0.5) < 0.05
 
 
 def test_dead_port_raises_registry_unavailable_quickly():

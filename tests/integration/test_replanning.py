@@ -6,7 +6,8 @@ but its own rounds far apart, so that the tests drive each switch (the loop's de
 tests/unit/test_replanner.py's). A switch under load loses nothing and changes no output: the
 decoding requests of a leaving decode instance move with their KV; the instance then serves in
 its new pool. A switch refused (the instance still holds requests) leaves it serving in its
-old role.
+old role. With two frontends, the requests frontend 1 placed move off a switching instance
+too (each frontend drains its own), and frontend 0's re-planner counts their arrivals.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from disagg.server import Server
 QUESTIONS = ["Write a story about a dragon.", "Describe the ocean.", "Explain how rain forms.", "Tell me about Rome."]
 FRESH_QUESTIONS = ["Name three rivers.", "What is a prime number?", "How do bees make honey?", "Why is the sky blue?"]
 MAX_TOKENS = 40
+LONG_MAX_TOKENS = 160  # decoding well past a switch's few seconds
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +38,9 @@ def server(ray_session):
             "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
             "port": 0,
+            "http_port": 0,
             "metrics_port": 0,
+            "frontends": 2,  # frontend 1 (a Ray actor) sends the last test's requests
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
             "calibration_s": 0,
@@ -131,3 +135,38 @@ def test_a_switch_refused_while_the_instance_holds_requests_leaves_it_serving_in
     time.sleep(1)  # a heartbeat or three: it is still registered, as decode
     assert refusals[0][0] in pools(client)["decode"]
     assert streamed_tokens(client, requests) == expected
+
+
+def decode_running(server) -> int:
+    """Requests decoding now on the decode instances, as their workers say."""
+    decodes = [i for i in server.launcher.instances if i.role == "decode"]
+    return sum(ray.get(i.actor.status.remote(), timeout=30)["load"].num_running for i in decodes)
+
+
+def test_another_frontends_requests_move_off_a_switching_instance_and_are_planned_for(server):
+    loop = server.replanning
+    on_server_loop(server, loop._take_shared_arrivals())  # what earlier tests left
+    counted = len(loop.window._seen)
+    since = time.monotonic()
+    requests = [request(q, max_tokens=LONG_MAX_TOKENS) for q in QUESTIONS]
+    with DisaggClient(server.frontend_addresses()[1]) as replica:
+        expected = streamed_tokens(replica, requests)
+        switches, running_after = [], []
+
+        def switch():
+            switches.append(on_server_loop(server, loop.switch("decode", "prefill")))
+            running_after.append(decode_running(server))
+
+        assert streamed_tokens(replica, requests, during=switch) == expected
+    assert switches[0].outcome == "done", switches[0].reason
+    # The switched instance held none of them when it switched, yet all were still decoding: its
+    # share had moved to the other decode instance (not waited out: without frontend 1's drain
+    # the switch waits for them to end).
+    assert running_after == [len(requests)]
+    time.sleep(1.5)  # frontend 1's feed writes every second
+    on_server_loop(server, loop._take_shared_arrivals())
+    arrivals = list(loop.window._seen)[counted:]
+    assert len(arrivals) == 2 * len(requests), "frontend 0's window counts frontend 1's requests"
+    assert all(since - 1 <= at <= time.monotonic() for at, _, _ in arrivals)
+    back = on_server_loop(server, loop.switch("prefill", "decode"))
+    assert back.outcome == "done", back.reason

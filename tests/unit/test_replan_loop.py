@@ -6,10 +6,12 @@ watches. No Ray: the actors' methods are awaitables recording their calls."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 
 from disagg.config import ServingConfig
+from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.planner.replanner import Decision, Split
 from disagg.router import replanning
@@ -150,3 +152,39 @@ def test_a_decision_without_a_switch_is_logged_and_moves_nothing():
     deciding(loop, None)
     entry = asyncio.run(loop.step())
     assert entry.switch is None and log == [] and list(loop.log) == [entry]
+
+
+def test_each_round_plans_on_the_other_frontends_arrivals_too():
+    loop, _, _, _ = setup()
+    now = time.monotonic()
+    shared = [[(now - 2.0, 100, 50), (now - 1.0, 200, 60)], []]
+    loop.shared_arrivals = lambda: shared.pop(0)
+    loop.arrived(now - 1.5, 300, 70)  # frontend 0's own
+    seen = []
+
+    def decide(at, current, window):
+        seen.append([(r.prompt_len, r.output_len) for r in window.requests(at)])
+        return Decision(at, current, current, {}, None, "stand-in")
+
+    loop.replanner.decide = decide
+    asyncio.run(loop.step())
+    asyncio.run(loop.step())
+    assert seen == [[(100, 50), (300, 70), (200, 60)]] * 2, "in arrival order, each taken once"
+
+
+def test_a_round_without_the_shared_arrivals_plans_on_its_own():
+    loop, _, _, _ = setup()
+
+    def unavailable():
+        raise RegistryUnavailable("registry take_arrivals failed: Redis away")
+
+    loop.shared_arrivals = unavailable
+    loop.arrived(time.monotonic(), 300, 70)
+    seen = []
+
+    def decide(at, current, window):
+        seen.append(len(window.requests(at)))
+        return Decision(at, current, current, {}, None, "stand-in")
+
+    loop.replanner.decide = decide
+    assert asyncio.run(loop.step()).switch is None and seen == [1]

@@ -1,0 +1,44 @@
+"""Every frontend's arrivals, for the re-planner, which runs on frontend 0 only.
+
+With several frontends (ServingConfig.frontends) each sees only the requests sent to it, while
+the split must be planned for all of them: a re-planner that saw frontend 0's share alone would
+plan for 1/N of the traffic. Each replica hands its arrivals to Redis in batches, off its event
+loop (disagg.router.records); frontend 0's re-planner takes them before each round. Times cross
+processes (and nodes) as wall-clock time, each side converting from and to its own monotonic
+clock. Soft state: a batch lost while Redis is away only makes one round plan on less.
+"""
+
+from __future__ import annotations
+
+import time
+
+from disagg.registry import Registry
+from disagg.router.records import BatchedWrites
+
+MAX_UNREAD = 16_384  # arrivals kept in Redis until frontend 0 takes them (its window keeps 4,096)
+
+
+def _wall_minus_monotonic() -> float:
+    return time.time() - time.monotonic()
+
+
+class ArrivalFeed(BatchedWrites):
+    """On a replica: the orchestrator's `on_arrival`, shared."""
+
+    def __init__(self, registry: Registry, window_s: float, interval_s: float = 1.0):
+        super().__init__(
+            lambda batch: registry.push_arrivals(batch, MAX_UNREAD, ttl_s=window_s),
+            "shared-arrivals",
+            interval_s,
+            max_pending=MAX_UNREAD,
+        )
+
+    def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
+        """`at`: time.monotonic() of this process."""
+        self.add((at + _wall_minus_monotonic(), prompt_tokens, max_tokens))
+
+
+def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int]]:
+    """On frontend 0: the replicas' arrivals not yet taken, at this process's time.monotonic()."""
+    offset = _wall_minus_monotonic()
+    return [(wall - offset, prompt_tokens, max_tokens) for wall, prompt_tokens, max_tokens in registry.take_arrivals()]
