@@ -38,6 +38,29 @@ class Chunk:
         return self.num_tokens * (2 * self.start + self.num_tokens)
 
 
+def chunk_work(start: int, num_tokens: int, context_tokens: float | None) -> float:
+    """A prompt chunk's compute, in tokens' worth: each token's linear layers count 1, its
+    attention to c keys c / `context_tokens` (ModelConfig.attention_context_tokens; None:
+    attention not counted). Deep in a long prompt a token costs several shallow ones."""
+    if not context_tokens:
+        return float(num_tokens)
+    return num_tokens + Chunk(start, num_tokens).attention / (2 * context_tokens)
+
+
+def tokens_within_work(start: int, work: float, context_tokens: float | None) -> int:
+    """The most tokens after `start` whose chunk_work is at most `work` (at least 0)."""
+    if work <= 0:
+        return 0
+    if not context_tokens:
+        return int(work)
+    # n + n (2s + n) / 2K <= W, the positive root of n^2 / 2K + n (1 + s / K) - W
+    b = 1 + start / context_tokens
+    n = int(context_tokens * (math.sqrt(b * b + 2 * work / context_tokens) - b)) + 1
+    while n > 0 and chunk_work(start, n, context_tokens) > work:
+        n -= 1
+    return n
+
+
 @dataclass(frozen=True)
 class StepWork:
     """Prompt chunks and decodes of one step. A decode's context is the tokens it knows: the

@@ -30,6 +30,21 @@ class ModelConfig:
         """K and V of one token across all layers, in elements (multiply by dtype size)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
+    @property
+    def layer_linear_params(self) -> int:
+        """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
+        h, hd = self.hidden_size, self.head_dim
+        attention = 2 * h * self.num_attention_heads * hd + 2 * h * self.num_key_value_heads * hd
+        mlp_matrices = 2 if self.architecture == "opt" else 3  # OPT: fc1, fc2; Llama: gate, up, down
+        return attention + mlp_matrices * h * self.intermediate_size
+
+    @property
+    def attention_context_tokens(self) -> float:
+        """The context at which a prompt token's attention costs as many FLOPs as its linear
+        layers (2 per weight, against 4 per head dimension for each key it attends to): about
+        3,000 for SmolLM2-135M (narrow and deep), 27,000 for Llama-3-8B."""
+        return self.layer_linear_params / (2 * self.num_attention_heads * self.head_dim)
+
     @classmethod
     def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
         """From a Hugging Face config.json dict (Llama, Mistral, Qwen2)."""

@@ -16,8 +16,14 @@ the prompts cut short, the best priority first, then the fewest tokens left, fir
 finishes: a short prompt behind a long one finishes its prefill in its first step. A step that
 finishes a prompt gives the long ones only their cap, so that it stays short (its time is that
 prompt's TTFT: a long prompt's extra tokens, attending to thousands before them, would multiply
-it); a step that finishes none gives them the rest. The router's TTFT forecast lays steps out the same way, on lengths
-alone (disagg.placement.prefill_queue).
+it); a step that finishes none gives them the rest. Given the model's
+`attention_context_tokens` (K), the caps and the rest are of work, not only tokens: a chunk of
+a prompt counts each token 1 plus c / K for the c tokens it attends to (step_work.chunk_work),
+the first share is the work of the cap's tokens at a prompt's start, and a step's prompt work
+stays within the whole budget's there. A step deep in a long prompt then carries fewer tokens and
+takes about as long as its first steps, so one that comes meanwhile waits no longer for it. The
+router's TTFT forecast lays steps out the same way, on lengths alone
+(disagg.placement.prefill_queue).
 
 When `max_num_seqs` requests run, a request that outranks one of them (queue_order.displaces:
 a better priority, or under ltr a much shorter predicted output) takes its slot: the running one
@@ -58,7 +64,7 @@ from disagg.engine.queue_order import (
 )
 from disagg.errors import OverloadedError
 from disagg.request import Request, RequestStatus, SamplingParams
-from disagg.step_work import StepWork
+from disagg.step_work import StepWork, chunk_work, tokens_within_work
 
 
 @dataclass
@@ -124,10 +130,13 @@ class Scheduler:
         order: str = "fcfs",
         priority_aging_s: float = DEFAULT_PRIORITY_AGING_S,
         long_prefill_token_threshold: int | None = None,
+        attention_context_tokens: float | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         """`order`, `priority_aging_s`: see disagg.engine.queue_order; `long_prefill_token_threshold`:
         a prompt chunk's first share of a step (see above; None: a quarter of the budget, 0: no cap);
+        `attention_context_tokens`: the model's ModelConfig.attention_context_tokens, with which
+        fair prefill caps chunks by their work, not only their tokens (None: by tokens);
         `clock`: what waits are measured on (a simulation passes its own)."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy: must be one of {SCHEDULING_POLICIES}, got {policy!r}")
@@ -135,6 +144,7 @@ class Scheduler:
             raise ValueError(f"long_prefill_token_threshold: must be >= 0, got {long_prefill_token_threshold!r}")
         check_order(order, priority_aging_s)
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.attention_context_tokens = attention_context_tokens
         self.policy = policy
         self.order = order
         self.priority_aging_s = priority_aging_s
@@ -338,6 +348,17 @@ class Scheduler:
             return self.max_num_batched_tokens
         return prefill_chunk_cap(self.max_num_batched_tokens, self.long_prefill_token_threshold)
 
+    @property
+    def _work_context(self) -> float | None:
+        """attention_context_tokens where fair prefill is on: chunks are then capped by work."""
+        return self.attention_context_tokens if self.chunk_cap < self.max_num_batched_tokens else None
+
+    def _first_share(self, start: int, cap: int) -> int:
+        """A prompt chunk's first share after `start` known tokens: the work of `cap` tokens at
+        a prompt's start (as many tokens there; fewer deeper in, where each attends to more)."""
+        context = self._work_context
+        return max(1, tokens_within_work(start, chunk_work(0, cap, context), context))
+
     def _schedule_chunked(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
@@ -351,7 +372,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget, cap)  # a decode's 1 < cap
+            left = request.num_tokens - request.num_computed_tokens
+            num_new = min(left, budget, self._first_share(request.num_computed_tokens, cap))  # a decode's 1 fits
             if self._allocate_or_preempt(request, num_new, scheduled, out):
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
                 scheduled.add(request.request_id)
@@ -366,7 +388,8 @@ class Scheduler:
             if budget <= 0 or len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
                 break
             cached = self.block_manager.find_cached_prefix(request)
-            num_new = min(request.num_tokens - len(cached) * self.block_manager.block_size, budget, cap)
+            known = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - known, budget, self._first_share(known, cap))
             if not self._admit_waiting(request, num_new, out, cached):
                 break
             budget -= num_new
@@ -377,36 +400,67 @@ class Scheduler:
         cut short, the best priority first, then the fewest tokens left, first to those it
         finishes. A step that finishes a prompt gives the others no more than their cap: its
         time is that prompt's TTFT, which a long prompt's extra tokens (attending to thousands
-        before them) would multiply. Otherwise the long ones take the rest. No preemption for
-        it: a chunk whose blocks do not fit keeps its capped share, which already makes progress."""
+        before them) would multiply. Otherwise the long ones take the rest, as long as the step's
+        work stays within a whole budget's at a prompt's start: a step deep in a long prompt
+        carries fewer tokens, so that one that comes meanwhile waits no longer for it. No
+        preemption for it: a chunk whose blocks do not fit keeps its capped share, which already
+        makes progress."""
         cut = [i for i, chunk in enumerate(out.chunks) if not chunk.samples]
         cut.sort(key=lambda i: (held_priority(out.chunks[i].request), self._tokens_left(out.chunks[i])))
-        budget = self._extend(self._finishable(cut, budget, out), budget, out)
+        finishable = self._finishable(cut, budget, out, self._work_left(out))
+        budget = self._extend(finishable, budget, out)
         if not any(c.samples and not c.generates for c in out.chunks):  # no prompt ends in this step
-            self._extend([i for i in cut if not out.chunks[i].samples], budget, out)
+            self._extend([i for i in cut if not out.chunks[i].samples], budget, out, self._work_left(out))
 
-    def _finishable(self, cut: list[int], budget: int, out: SchedulerOutput) -> list[int]:
-        """Those of `cut` (in its order) that `budget` finishes, none of a worse priority than
-        one it cannot finish (that one keeps its turn before them)."""
+    def _work_left(self, out: SchedulerOutput) -> float | None:
+        """What the step may still compute within a whole budget's work at a prompt's start
+        (None: work is not counted)."""
+        context = self._work_context
+        if context is None:
+            return None
+        spent = sum(
+            1 if c.generates else chunk_work(c.start, c.num_new_tokens, context) for c in out.chunks
+        )  # a decode counts as the budget counts it: one token
+        return chunk_work(0, self.max_num_batched_tokens, context) - spent
+
+    def _finishable(self, cut: list[int], budget: int, out: SchedulerOutput, work_left: float | None) -> list[int]:
+        """Those of `cut` (in its order) that `budget` (and `work_left`, where work is counted)
+        finishes, none of a worse priority than one it cannot finish (that one keeps its turn
+        before them)."""
         chosen, unfinished_priority = [], None
         for i in cut:
-            priority, left = held_priority(out.chunks[i].request), self._tokens_left(out.chunks[i])
+            chunk = out.chunks[i]
+            priority, left = held_priority(chunk.request), self._tokens_left(chunk)
             if unfinished_priority is not None and priority > unfinished_priority:
                 break
-            if left <= budget:
+            work = self._extra_work(chunk, left)
+            if left <= budget and (work_left is None or work <= work_left):
                 chosen.append(i)
                 budget -= left
+                work_left = None if work_left is None else work_left - work
             elif unfinished_priority is None:
                 unfinished_priority = priority
         return chosen
 
-    def _extend(self, indices: list[int], budget: int, out: SchedulerOutput) -> int:
-        """Give the chunks at `indices`, in turn, as much of `budget` as their prompts still need."""
+    def _extra_work(self, chunk: ScheduledChunk, extra: int) -> float:
+        """What `extra` more tokens add to the chunk's work."""
+        context, n = self._work_context, chunk.num_new_tokens
+        return chunk_work(chunk.start, n + extra, context) - chunk_work(chunk.start, n, context)
+
+    def _extend(self, indices: list[int], budget: int, out: SchedulerOutput, work_left: float | None = None) -> int:
+        """Give the chunks at `indices`, in turn, as much of `budget` as their prompts still need
+        (and of `work_left`, the step's work, where it is counted)."""
+        context = self._work_context
         for i in indices:
             chunk = out.chunks[i]
             extra = min(self._tokens_left(chunk), budget)
+            if work_left is not None:
+                own = chunk_work(chunk.start, chunk.num_new_tokens, context)
+                extra = min(extra, tokens_within_work(chunk.start, own + work_left, context) - chunk.num_new_tokens)
             if extra > 0 and self.block_manager.allocate_slots(chunk.request, chunk.num_new_tokens + extra):
                 budget -= extra
+                if work_left is not None:
+                    work_left -= self._extra_work(chunk, extra)
                 out.chunks[i] = ScheduledChunk(chunk.request, chunk.start, chunk.num_new_tokens + extra)
         return budget
 

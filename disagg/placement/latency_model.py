@@ -77,6 +77,14 @@ class StepModel:
         if self.decode_threshold < 1:
             raise ValueError("decode_threshold must be >= 1")
 
+    @property
+    def attention_context_tokens(self) -> float | None:
+        """The context at which a prompt token's attention costs what its other work does, as
+        fitted (ModelConfig.attention_context_tokens counts FLOPs); None where the fit has no
+        attention term."""
+        b, c = self.prefill.b, self.prefill.c
+        return b / (2 * c) if b > 0 and c > 0 else None
+
     # ---- the three kinds of step -------------------------------------------------------------
     def prefill_ms(self, lengths: Sequence[int]) -> float:
         """A batch of whole prompts."""

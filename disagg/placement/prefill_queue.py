@@ -5,7 +5,9 @@ Each step the instance's decodes go first, one token each; then the prompts' tok
 they came, until the step's token budget is spent: each prompt's chunk first capped at the
 instance's `chunk_cap` (fair prefill), then what the caps left to the prompts it finishes, the
 fewest tokens left first, and only in a step that finishes none to the others (with no cap, the
-first come takes the whole budget). A prompt
+first come takes the whole budget). Under fair prefill the caps are of work, as the scheduler's
+(a chunk deep in a long prompt carries fewer tokens), with the step model's own ratio of a
+token's attention to its other work. A prompt
 that came while a step ran waits for
 the next one (an engine takes new work between steps). A prompt whose last chunk is computed
 samples its first token; on an instance that decodes too, it decodes from the next step on, and
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from disagg.placement.latency_model import StepModel
-from disagg.step_work import StepWork
+from disagg.step_work import StepWork, chunk_work, tokens_within_work
 
 # A prompt that comes this soon after the queue's first step began is taken into it: an idle
 # engine wakes, and its link hands it what came meanwhile, in about this long.
@@ -132,6 +134,7 @@ class _Layout:
 
     def __init__(self, model: StepModel, budget: int, cap: int, decodes: Decodes | None, decode_step_ms: float):
         self.model, self.budget, self.cap, self.joins = model, budget, cap, decodes is not None
+        self.context_tokens = model.attention_context_tokens if cap < budget else None  # fair prefill: by work
         self.decode_step_ms = decode_step_ms
         self.batch, self.context = (decodes.batch, decodes.context_sum) if decodes else (0, 0)
         self.steps: list[StepWork] = []
@@ -167,10 +170,12 @@ class _Layout:
         the others (stable: in the order they came)."""
         room, chunks = max(1, self.budget - self.batch), []
         latest = self.t + (PICKUP_MS if not self.steps else 0.0)
+        k = self.context_tokens
+        cap_work = chunk_work(0, self.cap, k)
         for i in range(head, len(prompts)):
             if came[i] > latest or room == 0:
                 break
-            n = min(prompts[i].num_tokens - known[i], self.cap, room)
+            n = min(prompts[i].num_tokens - known[i], max(1, tokens_within_work(known[i], cap_work, k)), room)
             if n:
                 chunks.append([i, n])
                 room -= n
@@ -178,13 +183,22 @@ class _Layout:
         def left(chunk: list[int]) -> int:
             return prompts[chunk[0]].num_tokens - known[chunk[0]] - chunk[1]
 
+        def work_left() -> float:
+            return chunk_work(0, self.budget, k) - self.batch - sum(chunk_work(known[i], n, k) for i, n in chunks)
+
+        def extra_work(chunk: list[int], extra: int) -> float:
+            return chunk_work(known[chunk[0]], chunk[1] + extra, k) - chunk_work(known[chunk[0]], chunk[1], k)
+
         cut = sorted((c for c in chunks if left(c) > 0), key=left)
-        for chunk in (c for c in cut if left(c) <= room):  # first to the prompts the rest finishes
-            chunk[1], room = chunk[1] + left(chunk), room - left(chunk)
+        for chunk in cut:  # first to the prompts the rest finishes (in work too, where it counts)
+            if left(chunk) <= room and (k is None or extra_work(chunk, left(chunk)) <= work_left()):
+                chunk[1], room = chunk[1] + left(chunk), room - left(chunk)
         if all(left(c) > 0 for c in chunks):  # a step that finishes a prompt gives the others their cap
             for chunk in cut:
-                extra = min(left(chunk), room)
-                chunk[1], room = chunk[1] + extra, room - extra
+                own = chunk_work(known[chunk[0]], chunk[1], k)
+                extra = min(left(chunk), room, tokens_within_work(known[chunk[0]], own + work_left(), k) - chunk[1])
+                if extra > 0:
+                    chunk[1], room = chunk[1] + extra, room - extra
         return chunks
 
     def _step(self, spans: list[tuple[int, int]], joined: list[int]) -> None:

@@ -67,10 +67,7 @@ def _is_opt(config: ModelConfig) -> bool:
 
 def layer_linear_params(config: ModelConfig) -> int:
     """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
-    h, hd = config.hidden_size, config.head_dim
-    attention = 2 * h * config.num_attention_heads * hd + 2 * h * config.num_key_value_heads * hd
-    mlp_matrices = 2 if _is_opt(config) else 3  # OPT: fc1, fc2; Llama: gate, up, down
-    return attention + mlp_matrices * h * config.intermediate_size
+    return config.layer_linear_params
 
 
 def _layer_small_params(config: ModelConfig) -> int:

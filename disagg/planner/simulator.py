@@ -215,6 +215,7 @@ class SimInstance:
             order=pool.scheduling_order,
             priority_aging_s=pool.priority_aging_s,
             long_prefill_token_threshold=pool.long_prefill_token_threshold,
+            attention_context_tokens=pool.step_model.attention_context_tokens,
             clock=self._virtual_time,  # waits age on the simulated clock, not the replay's wall time
         )
 

@@ -14,6 +14,7 @@ from disagg.engine.block_manager import BlockManager
 from disagg.engine.scheduler import Scheduler
 from disagg.errors import InvalidRequestError
 from disagg.request import PRIORITY_VALUES, Request, SamplingParams
+from disagg.step_work import chunk_work, tokens_within_work
 from tests.unit.test_scheduler import BLOCK, run_fake_step
 
 BUDGET = 64  # a quarter of it, 16, is the default cap
@@ -166,3 +167,62 @@ def test_the_config_default_is_a_quarter_of_the_budget_and_0_is_allowed():
     assert EngineConfig(long_prefill_token_threshold=0).long_prefill_token_threshold == 0
     with pytest.raises(InvalidRequestError):
         EngineConfig(long_prefill_token_threshold=True)
+
+
+# ---- caps by work: a chunk deep in a long prompt carries fewer tokens -------------------------
+CONTEXT = 256  # attention_context_tokens: a token at context 256 costs two at a prompt's start
+
+
+def prompt_steps(s: Scheduler, request: Request) -> list[tuple[int, int]]:
+    """(start, tokens) of each of `request`'s chunks until its first token."""
+    spans = []
+    while not request.num_output_tokens:
+        out = run_fake_step(s)
+        spans += [(c.start, c.num_new_tokens) for c in out.chunks if c.request is request]
+    return spans
+
+
+def test_a_long_prompts_steps_keep_within_a_whole_budgets_work_at_its_start():
+    s = scheduler(attention_context_tokens=CONTEXT)
+    long = prompt("long", 2000)
+    s.add_request(long)
+    spans = prompt_steps(s, long)
+    whole = chunk_work(0, BUDGET, CONTEXT)
+    assert spans[0] == (0, BUDGET), "at its start a step is as long as before (its cap, then the rest)"
+    assert all(chunk_work(start, n, CONTEXT) <= whole for start, n in spans)
+    assert all(chunk_work(start, n + 1, CONTEXT) > whole for start, n in spans[:-1]), "and no shorter"
+    assert spans[-1][1] < 16, "deep in it, fewer tokens than even the token cap"
+    assert sum(n for _, n in spans) == 2000
+    # By tokens alone it takes the whole budget every step.
+    by_tokens = scheduler()
+    plain = prompt("plain", 2000)
+    by_tokens.add_request(plain)
+    assert {n for _, n in prompt_steps(by_tokens, plain)[1:-1]} == {BUDGET}
+
+
+def test_a_short_prompt_behind_a_deep_long_one_shares_a_step_of_a_capped_work():
+    s = scheduler(attention_context_tokens=CONTEXT)
+    long = started_long(s, length=2000, steps=30)
+    depth = long.num_computed_tokens
+    short = prompt("short", 20)
+    s.add_request(short)
+    out = run_fake_step(s)
+    long_n = next(c.num_new_tokens for c in out.chunks if c.request is long)
+    assert short.num_output_tokens == 1
+    # The long one's first share is the work of the 16-token cap at a prompt's start.
+    assert long_n == tokens_within_work(depth, chunk_work(0, 16, CONTEXT), CONTEXT) < 16
+
+
+def test_work_caps_are_fair_prefills_only():
+    s = scheduler(attention_context_tokens=CONTEXT, long_prefill_token_threshold=0)
+    long = prompt("long", 2000)
+    s.add_request(long)
+    assert {n for _, n in prompt_steps(s, long)[:-1]} == {BUDGET}
+
+
+@pytest.mark.parametrize("context", [None, 1.0, 256.0, 3072.0])
+def test_tokens_within_work_is_the_most_that_fit(context):
+    for start in (0, 1, 100, 5000):
+        for work in (0.5, 1.0, 16.0, 300.0):
+            n = tokens_within_work(start, work, context)
+            assert chunk_work(start, n, context) <= work < chunk_work(start, n + 1, context)

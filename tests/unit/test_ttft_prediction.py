@@ -35,6 +35,8 @@ class Engine:
             role=role,
             max_num_batched_tokens=BUDGET,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            # Fair prefill caps chunks by work: a token at context 500 costs two (MODEL's 0.1 / 2e-4).
+            attention_context_tokens=MODEL.attention_context_tokens,
         )
         self.cap = self.scheduler.chunk_cap  # fair prefill's (None: a quarter of the budget; 0: none)
         self.ms = 0.0
