@@ -181,8 +181,9 @@ def _pairs_worth_scoring(sides: _Sides, local: list[_Option], request: RequestSh
     TTFT room and its decode's TPOT room, and its latency their sum, so the pairs tied for the best
     headroom are every tied prefill with every tied decode, and the fastest of them pairs the
     fastest of each. Kept: a pair with the best headroom, one with a guessed prediction if any
-    ties (then `_pick` orders by load alone), the fastest, and the least loaded of those within
-    the latency tie. With a prediction that is no number, all pairs."""
+    ties (then `_pick` orders by load alone), the fastest, and of the least loaded within the
+    latency tie, the one `_pick` takes (`_least_spread`). With a prediction that is no number, all
+    pairs."""
     ttft_ms, tpot_ms = [t.ms for t in sides.ttfts], [t.ms for t in sides.tpots]
     if not all(map(math.isfinite, ttft_ms + tpot_ms)):
         return list(itertools.product(range(len(ttft_ms)), range(len(tpot_ms))))
@@ -211,8 +212,30 @@ def _pairs_worth_scoring(sides: _Sides, local: list[_Option], request: RequestSh
     if within_p:
         lead = min(ttft_ms[i] for i in within_p)
         within_d = _least([j for j in tied_d if lead + tpot_ms[j] <= bound], batch)
-        keep.update((i, j) for i in within_p for j in within_d if ttft_ms[i] + tpot_ms[j] <= bound)
+        block = ((i, j) for i in within_p for j in within_d if ttft_ms[i] + tpot_ms[j] <= bound)
+        keep.update(_least_spread(block, sides, request))
     return sorted(keep)
+
+
+def _least_spread(pairs, sides: _Sides, request: RequestShape) -> list[tuple[int, int]]:
+    """Of `pairs` (in order), all of equal work and batch and within the latency tie, the one
+    `_pick` would take: the first with the least rendezvous hash (`_load`'s `spread`). Scoring
+    them all instead costs an option a pair: in a large idle pool, every pair of it."""
+    first = request.block_hashes[0] if request.block_hashes else 0
+    heads = {}  # crc32 of "first:prefill_id:", each prefill's once (crc32 runs on: crc32(b, crc32(a)) == crc32(a + b))
+    tails = {}
+    best, least = None, None
+    for i, j in pairs:
+        head = heads.get(i)
+        if head is None:
+            head = heads[i] = zlib.crc32(f"{first}:{sides.prefills[i].instance_id}:".encode())
+        tail = tails.get(j)
+        if tail is None:
+            tail = tails[j] = f"{sides.decodes[j].instance_id}".encode()
+        spread = zlib.crc32(tail, head)
+        if least is None or spread < least:
+            best, least = (i, j), spread
+    return [] if best is None else [best]
 
 
 def _least(indices: list[int], load: dict[int, int]) -> list[int]:

@@ -132,6 +132,38 @@ def test_scoring_only_the_pairs_that_can_win_chooses_as_scoring_every_pair(local
         assert choice.headroom == reference.headroom and choice.ttft_ms == reference.ttft_ms
 
 
+@pytest.mark.parametrize("local_prefill_max_tokens", [0, 256])
+def test_in_pools_of_many_alike_instances_the_full_search_chooses_as_scoring_every_pair(local_prefill_max_tokens):
+    """Many pairs tied in headroom, latency and load (idle instances alike, as in a simulated
+    pool): of those, the rendezvous hash's pair, found without scoring each."""
+    rng = random.Random(41)
+    for _ in range(150):
+        prefills, decodes = random_pools(rng, rng.randrange(1, 30), rng.randrange(1, 30), mixed=rng.random() < 0.3)
+        for inst in prefills + decodes:
+            if rng.random() < 0.7:  # idle, and alike
+                inst.queued_prefill_tokens = inst.decode_batch = inst.decode_context_tokens = 0
+                inst.step_model, inst.residual_ms, inst.free_blocks = MODEL, 0.0, 1000
+        request = random_request(rng)
+        policy = GoodputPolicy(local_prefill_max_tokens=local_prefill_max_tokens, narrowing=FULL)
+        choice = policy.choose_pair(prefills, decodes, request)
+        reference = every_pair(policy, prefills, decodes, request)
+        assert same_choice(choice, reference), (request, choice, reference)
+        assert choice.headroom == reference.headroom and choice.ttft_ms == reference.ttft_ms
+
+
+def test_the_full_search_of_an_idle_pool_scores_few_pairs(monkeypatch):
+    built = []
+    monkeypatch.setattr(goodput, "_Option", lambda *a, **k: built.append(1) or _real_option(*a, **k))
+    prefills, decodes = random_pools(random.Random(6), 200, 200, mixed=False)
+    for inst in prefills + decodes:
+        inst.queued_prefill_tokens = inst.decode_batch = inst.decode_context_tokens = 0
+    request = RequestShape(300, 50, Slo(1000.0, 50.0), blocks_needed=4, block_hashes=(7,))
+    choice = GoodputPolicy(narrowing=FULL).choose_pair(prefills, decodes, request)
+    assert len(built) <= 4
+    reference = every_pair(GoodputPolicy(narrowing=FULL), prefills, decodes, request)
+    assert same_choice(choice, reference)
+
+
 def test_up_to_the_candidates_nothing_is_narrowed_and_the_choice_is_the_full_searchs():
     rng = random.Random(8)
     for _ in range(100):
