@@ -83,6 +83,11 @@ class EngineConfig:
     # one get their first token in a step or two, not after it. None: a quarter of
     # max_num_batched_tokens; 0: off (first come takes the whole budget). (disagg/engine/scheduler.py)
     long_prefill_token_threshold: int | None = None
+    # Fair prefill's caps count a chunk's attention work, not only its tokens: a step deep in a
+    # long prompt carries fewer tokens and stays as short as its first, so a prompt that comes
+    # meanwhile waits no longer for it; the long prompt itself takes longer (more, smaller steps:
+    # about a quarter longer for 8,000 tokens on 2 CPU cores, loadtest/RESULTS.md). False: tokens only.
+    long_prefill_by_work: bool = True
     scheduling_policy: str = "chunked"  # or "prefill_first" (whole prompts first, decodes stall: vLLM v0)
     # Requests are served by priority (critical, standard, sheddable; vLLM's integers, lower
     # first) in the queue, the batch and preemption, then by `scheduling_order` (SCHEDULING_ORDERS).
@@ -167,6 +172,7 @@ class EngineConfig:
             "long_prefill_token_threshold",
             f"must be a number of tokens >= 0 (0: no cap), got {self.long_prefill_token_threshold!r}",
         )
+        _require(isinstance(self.long_prefill_by_work, bool), "long_prefill_by_work", "must be true or false")
         _require(
             self.scheduling_policy in ("chunked", "prefill_first"),
             "scheduling_policy",

@@ -236,6 +236,7 @@ class Server:
             profile=load_profile(config.profile) if config.profile else None,
             prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
             prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
+            prefill_by_work=config.pool_engine_config(config.prefill).long_prefill_by_work,
             block_size=config.engine.block_size,
         )
         self.directory = directory

@@ -88,6 +88,7 @@ class SyntheticInstance:
     warm: frozenset = field(default_factory=frozenset)
     prefill_budget: int = 512
     prefill_chunk_cap: int | None = 128  # the engine's default: a quarter of the budget
+    prefill_by_work: bool = True  # the engine's default
     backlog_tokens: int = 0
     arriving_tokens_per_ms: float = 0.0
     prefill_calibrated: bool = True

@@ -150,7 +150,9 @@ class LLMEngine:
             order=config.scheduling_order,
             priority_aging_s=config.priority_aging_s,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            attention_context_tokens=self.model_config.attention_context_tokens,
+            attention_context_tokens=self.model_config.attention_context_tokens
+            if config.long_prefill_by_work
+            else None,
         )
 
     def _grammar_compiler(self) -> GrammarCompiler:

@@ -37,6 +37,7 @@ class PrefillSide(Protocol):
     step_model: StepModel
     prefill_budget: int  # max tokens a step computes
     prefill_chunk_cap: int | None  # a prompt chunk's first share of a step (fair prefill); None: no cap
+    prefill_by_work: bool  # whether that cap, and a step's rest, count work (EngineConfig.long_prefill_by_work)
     prefill_calibrated: bool  # predicted from its own measurements (else a guess: refuse nothing on it)
 
     @property
@@ -119,7 +120,7 @@ def prefill_forecast(
     prompt = QueuedPrompt(prompt_tokens, cached)
     model = model or prefill.step_model
     return forecast(model, queue, prompt, prefill.prefill_budget, prefill.riding_decodes, prefill.queue_progress_ms,
-                    prefill.arriving_tokens_per_ms, prefill.prefill_chunk_cap)  # fmt: skip
+                    prefill.arriving_tokens_per_ms, prefill.prefill_chunk_cap, prefill.prefill_by_work)  # fmt: skip
 
 
 def _unknown_prompts(tokens: int, like: int) -> list[QueuedPrompt]:

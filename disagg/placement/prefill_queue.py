@@ -93,6 +93,7 @@ def forecast(
     progress_ms: float = 0.0,
     arrivals_per_ms: float = 0.0,
     chunk_cap: int | None = None,
+    by_work: bool = True,
 ) -> PrefillForecast:
     """`queue` ahead of `prompt` (which comes now), in the order they came, in steps of at most
     `budget` tokens. `decodes`: the batch that shares the steps (None on a prefill instance,
@@ -100,13 +101,13 @@ def forecast(
     on the queue. `arrivals_per_ms`: prompt tokens coming to the instance of late: those that
     come after `prompt`, before its last step, share that step (under load, they fill it).
     `chunk_cap`: a prompt chunk's first share of a step (disagg.config.prefill_chunk_cap; None:
-    no cap)."""
+    no cap); `by_work`: whether the cap and a step's rest count work (EngineConfig.long_prefill_by_work)."""
     ahead = [p for p in queue if p.num_new]
     prompt = QueuedPrompt(prompt.num_tokens, prompt.num_known, 0.0)
     budget = max(1, budget)
     cap = budget if chunk_cap is None else max(1, min(chunk_cap, budget))
     decode_step = model.decode_ms(decodes.batch, decodes.context_sum) if decodes else 0.0
-    layout = _Layout(model, budget, cap, decodes, decode_step)
+    layout = _Layout(model, budget, cap, decodes, decode_step, by_work)
     prompts = [*ahead, prompt, *_coming(prompt, budget, arrivals_per_ms)]
     layout.run(prompts, len(ahead), start=-progress_ms if ahead else 0.0)
     own_from = layout.own_from
@@ -132,9 +133,11 @@ class _Layout:
     prompt's last chunk: `steps`, their `times`, the end `t`, and `own_from`, the first step with
     a chunk of that prompt."""
 
-    def __init__(self, model: StepModel, budget: int, cap: int, decodes: Decodes | None, decode_step_ms: float):
+    def __init__(
+        self, model: StepModel, budget: int, cap: int, decodes: Decodes | None, decode_step_ms: float, by_work: bool
+    ):
         self.model, self.budget, self.cap, self.joins = model, budget, cap, decodes is not None
-        self.context_tokens = model.attention_context_tokens if cap < budget else None  # fair prefill: by work
+        self.context_tokens = model.attention_context_tokens if by_work and cap < budget else None
         self.decode_step_ms = decode_step_ms
         self.batch, self.context = (decodes.batch, decodes.context_sum) if decodes else (0, 0)
         self.steps: list[StepWork] = []

@@ -68,6 +68,7 @@ def _from_config(config: ServingConfig) -> list[ReferencePool]:
             "max_num_batched_tokens": engine.max_num_batched_tokens,
             "max_num_seqs": engine.max_num_seqs,
             "long_prefill_token_threshold": engine.long_prefill_token_threshold,
+            "long_prefill_by_work": engine.long_prefill_by_work,
         }
         shape = (pool.tensor_parallel_size, pool.pipeline_parallel_size, pool.num_instances)
         pools.append(ReferencePool(role, *shape, hardware=_labelled_hardware(pool.resources), engine=settings))

@@ -252,6 +252,7 @@ class Search:
             max_model_len=self.max_model_len,
             scheduling_policy=policy,
             long_prefill_token_threshold=engine.get("long_prefill_token_threshold"),  # None: the engine's default
+            long_prefill_by_work=engine.get("long_prefill_by_work", True),
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             name=kind.hardware.name,

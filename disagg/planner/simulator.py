@@ -118,6 +118,7 @@ class SimPool:
     # Fair prefill's cap on a prompt chunk's first share of a step, as the engine's setting (None:
     # a quarter of the budget, 0: off): the simulated scheduler chunks as the real one does.
     long_prefill_token_threshold: int | None = None
+    long_prefill_by_work: bool = True  # its caps count work (the step model's ratio), as the engine's
     max_waiting_requests: int = 1 << 30
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -153,6 +154,7 @@ def pools_from_config(
                 scheduling_order=engine.scheduling_order,
                 priority_aging_s=engine.priority_aging_s,
                 long_prefill_token_threshold=engine.long_prefill_token_threshold,
+                long_prefill_by_work=engine.long_prefill_by_work,
                 max_waiting_requests=engine.max_waiting_requests,
                 tensor_parallel_size=tp,
                 pipeline_parallel_size=pp,
@@ -215,7 +217,7 @@ class SimInstance:
             order=pool.scheduling_order,
             priority_aging_s=pool.priority_aging_s,
             long_prefill_token_threshold=pool.long_prefill_token_threshold,
-            attention_context_tokens=pool.step_model.attention_context_tokens,
+            attention_context_tokens=pool.step_model.attention_context_tokens if pool.long_prefill_by_work else None,
             clock=self._virtual_time,  # waits age on the simulated clock, not the replay's wall time
         )
 
@@ -259,6 +261,10 @@ class SimInstance:
     @property
     def prefill_chunk_cap(self) -> int:
         return self.scheduler.chunk_cap
+
+    @property
+    def prefill_by_work(self) -> bool:
+        return self.pool.long_prefill_by_work
 
     @property
     def predicted_queue_tokens(self) -> int:

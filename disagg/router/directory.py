@@ -60,6 +60,7 @@ class Instance:
     tpot_residual: Residual = field(default_factory=Residual)
     prefill_budget: int = 512  # its engine's max_num_batched_tokens
     prefill_chunk_cap: int | None = None  # its engine's fair prefill cap (EngineConfig.prefill_chunk_cap); None: none
+    prefill_by_work: bool = True  # its engine's caps count work (EngineConfig.long_prefill_by_work)
     block_size: int = 16
     outstanding_context_tokens: int = 0  # prompt tokens of the requests the router placed here and has not seen end
     # The prompts sent here, until their first token: the queue a new prompt's TTFT waits for.
@@ -232,13 +233,16 @@ class InstanceDirectory:
         prefill_budget: int = 512,
         block_size: int = 16,
         prefill_chunk_cap: int | None = None,
+        prefill_by_work: bool = True,
     ):
         """`profile`: seeds each instance's latency model (its TP x PP entry) until the
         instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step;
-        `prefill_chunk_cap`: their fair prefill cap (None: none)."""
+        `prefill_chunk_cap`: their fair prefill cap (None: none); `prefill_by_work`: whether
+        those caps count work (EngineConfig.long_prefill_by_work)."""
         self.profile = profile
         self.prefill_budget = prefill_budget
         self.prefill_chunk_cap = prefill_chunk_cap
+        self.prefill_by_work = prefill_by_work
         self.block_size = block_size
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
@@ -403,6 +407,7 @@ class InstanceDirectory:
             link,
             prefill_budget=self.prefill_budget,
             prefill_chunk_cap=self.prefill_chunk_cap,
+            prefill_by_work=self.prefill_by_work,
             block_size=self.block_size,
         )
         known = known or self._learnt.pop(info.instance_id, None)

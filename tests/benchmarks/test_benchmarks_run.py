@@ -85,7 +85,9 @@ SMOKE = {
         (r"^useful output tokens\s+\d+\s+\d+", r"^throughput ratio ours/HF\s+[\d.]+x")),
     "bench_fair_prefill": Smoke("bench_fair_prefill.py", ("--smoke", "--json", "{tmp}/fair.json"),
         (r"^fair: short ttft p50/max ms: \d+ / \d+; long ttft ms: \d+$", r"^bound ms: \d+$",
-         r"^within bound: (yes|no)$", r"^long ttft ratio fair/off: [\d.]+$")),
+         r"^fair-tokens: short ttft p50/max ms: \d+ / \d+; long ttft ms: \d+$",
+         r"^within bound: (yes|no) \(by tokens only: (yes|no)\)$",
+         r"^long ttft ratio fair/off: [\d.]+ \(by tokens only: [\d.]+\)$")),
     "bench_gpu_engine-cpu": Smoke("bench_gpu_engine.py", (
         "--device", "cpu", "--model", "random:tiny", "--dtype", "float32", "--batches", "1,2", "--context", "8",
         "--steps", "1", "--prompt-tokens", "16", "--repeats", "1", "--kv-cache-gib", "0.01"),

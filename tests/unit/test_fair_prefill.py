@@ -226,3 +226,10 @@ def test_tokens_within_work_is_the_most_that_fit(context):
         for work in (0.5, 1.0, 16.0, 300.0):
             n = tokens_within_work(start, work, context)
             assert chunk_work(start, n, context) <= work < chunk_work(start, n + 1, context)
+
+
+def test_long_prefill_by_work_is_a_boolean():
+    assert EngineConfig().long_prefill_by_work is True
+    assert EngineConfig(long_prefill_by_work=False).long_prefill_by_work is False
+    with pytest.raises(InvalidRequestError, match="long_prefill_by_work"):
+        EngineConfig(long_prefill_by_work="yes")

@@ -34,6 +34,7 @@ class Inst:
     free_blocks: int = 1000
     prefill_budget: int = 512
     prefill_chunk_cap: int | None = None
+    prefill_by_work: bool = True
     ttft_residual: float = 0.0
     tpot_residual: float = 0.0
     prefill_calibrated: bool = True

@@ -39,6 +39,7 @@ class Inst:
     free_blocks: int = 1000
     prefill_budget: int = 512
     prefill_chunk_cap: int | None = None
+    prefill_by_work: bool = True
     prefill_calibrated: bool = True
     decode_calibrated: bool = True
     warm: frozenset = frozenset()  # block hashes it holds

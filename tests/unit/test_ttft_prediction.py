@@ -29,14 +29,14 @@ _ids = itertools.count(1)
 class Engine:
     """The engine's scheduler with a fake runner: every step timed by MODEL, every sampled token 0."""
 
-    def __init__(self, role: Role, long_prefill_token_threshold: int | None = None):
+    def __init__(self, role: Role, long_prefill_token_threshold: int | None = None, by_work: bool = True):
         self.scheduler = Scheduler(
             BlockManager(4096, 16),
             role=role,
             max_num_batched_tokens=BUDGET,
             long_prefill_token_threshold=long_prefill_token_threshold,
             # Fair prefill caps chunks by work: a token at context 500 costs two (MODEL's 0.1 / 2e-4).
-            attention_context_tokens=MODEL.attention_context_tokens,
+            attention_context_tokens=MODEL.attention_context_tokens if by_work else None,
         )
         self.cap = self.scheduler.chunk_cap  # fair prefill's (None: a quarter of the budget; 0: none)
         self.ms = 0.0
@@ -61,6 +61,19 @@ class Engine:
 
 # ---- the queue ---------------------------------------------------------------------------------
 THRESHOLDS = pytest.mark.parametrize("threshold", [None, 0, 100], ids=["fair", "fcfs", "cap100"])
+
+
+def test_caps_by_tokens_only_are_forecast_as_the_scheduler_runs_them():
+    engine, by_work = Engine(Role.PREFILL, by_work=False), Engine(Role.PREFILL)
+    lengths = [QueuedPrompt(900), QueuedPrompt(60)]
+    measured = []
+    for e in (engine, by_work):
+        e.add(900), e.add(60)
+        measured.append(e.run_until_first_token(e.add(300)))
+    assert forecast(MODEL, lengths, QueuedPrompt(300), BUDGET, chunk_cap=engine.cap, by_work=False).ms == pytest.approx(
+        measured[0]
+    )
+    assert measured[0] != pytest.approx(measured[1]), "work caps change the steps here"
 
 
 @THRESHOLDS
@@ -164,7 +177,7 @@ def test_with_nothing_queued_a_prompt_waits_for_half_of_the_decode_step_under_wa
 class Side:
     """A prefill instance as the predictor reads it."""
 
-    instance_id, step_model, prefill_budget, prefill_chunk_cap = "p0", MODEL, BUDGET, None
+    instance_id, step_model, prefill_budget, prefill_chunk_cap, prefill_by_work = "p0", MODEL, BUDGET, None, True
     prefill_calibrated, riding_decodes, arriving_tokens_per_ms = True, None, 0.0
 
     def __init__(self, queued=(), backlog=0, progress_ms=0.0):
