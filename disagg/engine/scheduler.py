@@ -373,7 +373,11 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             left = request.num_tokens - request.num_computed_tokens
-            num_new = min(left, budget, self._first_share(request.num_computed_tokens, cap))  # a decode's 1 fits
+            num_new = (
+                min(left, budget)
+                if left == 1
+                else min(left, budget, self._first_share(request.num_computed_tokens, cap))
+            )
             if self._allocate_or_preempt(request, num_new, scheduled, out):
                 out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_new))
                 scheduled.add(request.request_id)

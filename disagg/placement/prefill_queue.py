@@ -186,22 +186,26 @@ class _Layout:
         def left(chunk: list[int]) -> int:
             return prompts[chunk[0]].num_tokens - known[chunk[0]] - chunk[1]
 
-        def work_left() -> float:
-            return chunk_work(0, self.budget, k) - self.batch - sum(chunk_work(known[i], n, k) for i, n in chunks)
-
-        def extra_work(chunk: list[int], extra: int) -> float:
-            return chunk_work(known[chunk[0]], chunk[1] + extra, k) - chunk_work(known[chunk[0]], chunk[1], k)
-
+        # What the step may still compute within a whole budget's work (counted only by work).
+        work = chunk_work(0, self.budget, k) - self.batch - sum(chunk_work(known[i], n, k) for i, n in chunks)
         cut = sorted((c for c in chunks if left(c) > 0), key=left)
         for chunk in cut:  # first to the prompts the rest finishes (in work too, where it counts)
-            if left(chunk) <= room and (k is None or extra_work(chunk, left(chunk)) <= work_left()):
-                chunk[1], room = chunk[1] + left(chunk), room - left(chunk)
+            start, n, extra = known[chunk[0]], chunk[1], left(chunk)
+            added = chunk_work(start, n + extra, k) - chunk_work(start, n, k)
+            if extra <= room and (k is None or added <= work):
+                chunk[1], room, work = n + extra, room - extra, work - added
         if all(left(c) > 0 for c in chunks):  # a step that finishes a prompt gives the others their cap
             for chunk in cut:
-                own = chunk_work(known[chunk[0]], chunk[1], k)
-                extra = min(left(chunk), room, tokens_within_work(known[chunk[0]], own + work_left(), k) - chunk[1])
+                start, n = known[chunk[0]], chunk[1]
+                extra = min(left(chunk), room)
+                if k is not None:
+                    extra = min(extra, tokens_within_work(start, chunk_work(start, n, k) + work, k) - n)
                 if extra > 0:
-                    chunk[1], room = chunk[1] + extra, room - extra
+                    chunk[1], room, work = (
+                        n + extra,
+                        room - extra,
+                        work - (chunk_work(start, n + extra, k) - chunk_work(start, n, k)),
+                    )
         return chunks
 
     def _step(self, spans: list[tuple[int, int]], joined: list[int]) -> None:

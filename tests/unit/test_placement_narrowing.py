@@ -120,17 +120,20 @@ def same_choice(choice, option) -> bool:
 
 
 # ---- exact: the pairs scored choose as all pairs do ------------------------------------------------
+def chooses_as_every_pair(prefills, decodes, request, local_prefill_max_tokens: int) -> None:
+    policy = GoodputPolicy(local_prefill_max_tokens=local_prefill_max_tokens, narrowing=FULL)
+    choice = policy.choose_pair(prefills, decodes, request)
+    reference = every_pair(policy, prefills, decodes, request)
+    assert same_choice(choice, reference), (request, choice, reference)
+    assert choice.headroom == reference.headroom and choice.ttft_ms == reference.ttft_ms
+
+
 @pytest.mark.parametrize("local_prefill_max_tokens", [0, 256])
 def test_scoring_only_the_pairs_that_can_win_chooses_as_scoring_every_pair(local_prefill_max_tokens):
     rng = random.Random(40)
     for _ in range(300):
         prefills, decodes = random_pools(rng, rng.randrange(1, 7), rng.randrange(1, 7))
-        request = random_request(rng)
-        policy = GoodputPolicy(local_prefill_max_tokens=local_prefill_max_tokens, narrowing=FULL)
-        choice = policy.choose_pair(prefills, decodes, request)
-        reference = every_pair(policy, prefills, decodes, request)
-        assert same_choice(choice, reference), (request, choice, reference)
-        assert choice.headroom == reference.headroom and choice.ttft_ms == reference.ttft_ms
+        chooses_as_every_pair(prefills, decodes, random_request(rng), local_prefill_max_tokens)
 
 
 @pytest.mark.parametrize("local_prefill_max_tokens", [0, 256])
@@ -144,12 +147,7 @@ def test_in_pools_of_many_alike_instances_the_full_search_chooses_as_scoring_eve
             if rng.random() < 0.7:  # idle, and alike
                 inst.queued_prefill_tokens = inst.decode_batch = inst.decode_context_tokens = 0
                 inst.step_model, inst.residual_ms, inst.free_blocks = MODEL, 0.0, 1000
-        request = random_request(rng)
-        policy = GoodputPolicy(local_prefill_max_tokens=local_prefill_max_tokens, narrowing=FULL)
-        choice = policy.choose_pair(prefills, decodes, request)
-        reference = every_pair(policy, prefills, decodes, request)
-        assert same_choice(choice, reference), (request, choice, reference)
-        assert choice.headroom == reference.headroom and choice.ttft_ms == reference.ttft_ms
+        chooses_as_every_pair(prefills, decodes, random_request(rng), local_prefill_max_tokens)
 
 
 def test_the_full_search_of_an_idle_pool_scores_few_pairs(monkeypatch):
