@@ -62,6 +62,10 @@ class PeerChannel:
         self._receiving = threading.Condition()
         self._receiver: threading.Thread | None = None
         self._closed = False
+        # Protocol messages (a header and its payload count as one) each way: what a transfer
+        # costs in rendezvous and thread hand-offs, whatever its bytes (bench_kv_transfer.py).
+        self.messages_sent = 0
+        self.messages_received = 0
         self._sender = threading.Thread(target=self._send_loop, name=f"kv-send-{peer_id}", daemon=True)
         self._sender.start()
 
@@ -101,6 +105,7 @@ class PeerChannel:
         self.transport.send(self.peer_id, header.to_tensor(), _remaining(deadline))
         if payload is not None:
             self.transport.send(self.peer_id, payload, _remaining(deadline))
+        self.messages_sent += 1
 
     # ---- receiving ---------------------------------------------------------------------------
     def wake_receiver(self) -> None:
@@ -144,6 +149,7 @@ class PeerChannel:
         payload = self.owner.payload_buffer(self.peer_id, header)
         if payload is not None:
             self.transport.recv(self.peer_id, payload, _remaining(deadline))
+        self.messages_received += 1
         self.owner.on_message(self.peer_id, header, payload)
 
     def _connect(self, deadline: float) -> None:

@@ -61,6 +61,13 @@ class KVEndpoint(KVConnector):
                 )
             return channel
 
+    @property
+    def num_messages_total(self) -> int:
+        """Protocol messages this endpoint sent and received, over every peer so far."""
+        with self._channels_lock:
+            channels = list(self._channels.values())
+        return sum(c.messages_sent + c.messages_received for c in channels)
+
     def coalesce(self, messages: list) -> list:
         return messages  # see KVSender.coalesce
 
