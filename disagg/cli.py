@@ -107,6 +107,8 @@ def _status(args) -> int:
                 f"  {pool.role:9} {i.instance_id:24} running={i.num_running} waiting={i.num_waiting} kv={i.kv_cache_usage:.0%} tp={i.tensor_parallel_size} pp={i.pipeline_parallel_size} heartbeat {i.heartbeat_age_s:.1f}s ago"
             )
             print(f"  {'':9} {_model_line(i.latency_model)}")
+            if i.kv_paths:
+                print(f"  {'':9} kv paths: {', '.join(f'{peer} {path}' for peer, path in sorted(i.kv_paths.items()))}")
     _print_replanning(status)
     return 0
 

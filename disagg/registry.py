@@ -67,6 +67,8 @@ class LoadReport:
     # Leaving (SIGTERM, scale-in): no new requests, and routers move its requests elsewhere with
     # their KV (disagg.router.live_moves) before it goes.
     draining: bool = False
+    # Its KV pairs so far: peer worker id -> how KV goes to it (kv_transfer.paths: `disagg status`).
+    kv_paths: dict = field(default_factory=dict)
 
 
 @dataclass

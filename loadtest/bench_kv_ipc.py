@@ -76,7 +76,9 @@ def wait_result(endpoint, timeout: float = TIMEOUT_S):
 def run_sender(args) -> None:
     cache = cache_of(args, shared=True)
     fill(cache, seed=1)
-    sender = KVSender(make_transport(DEFAULT_KV_TRANSPORT, "p", bytes.fromhex(args.key)), timeout=TIMEOUT_S)
+    sender = KVSender(
+        make_transport(DEFAULT_KV_TRANSPORT, "p", bytes.fromhex(args.key), device=args.device), timeout=TIMEOUT_S
+    )
     sender.register_kv_cache(cache)
     print(sender.address(), flush=True)
     sender.transport.connect("d", args.peer, TIMEOUT_S)
@@ -86,7 +88,11 @@ def run_sender(args) -> None:
         target = KVTarget("d", args.peer, int(transfer_id), dest_blocks(args), (0, args.layers), (0, args.heads))
         sender.add(request_id, [target])
         chunk = SimpleNamespace(
-            request=SimpleNamespace(request_id=request_id, block_ids=src), start=0, num_new_tokens=args.tokens
+            request=SimpleNamespace(request_id=request_id, block_ids=src),
+            start=0,
+            num_new_tokens=args.tokens,
+            samples=True,
+            generates=False,
         )
         for layer in range(args.layers):
             sender.save_kv_layer(layer, [chunk])
@@ -100,7 +106,7 @@ def run_sender(args) -> None:
 # ---- the decode side (this process) ------------------------------------------------------------
 def run(args) -> int:
     key = new_key()
-    receiver = KVReceiver(make_transport(DEFAULT_KV_TRANSPORT, "d", key), timeout=TIMEOUT_S)
+    receiver = KVReceiver(make_transport(DEFAULT_KV_TRANSPORT, "d", key, device=args.device), timeout=TIMEOUT_S)
     cache = cache_of(args, shared=False)
     receiver.register_kv_cache(cache)
     child = subprocess.Popen(
@@ -122,7 +128,8 @@ def run(args) -> int:
     try:
         sender_address = child.stdout.readline().strip()
         receiver.transport.connect("p", sender_address, TIMEOUT_S)
-        by_reference = receiver.transport.shares_memory_with("p")
+        path = receiver.transport.path_to("p")  # (both caches on one device: the same path both ways)
+        by_reference = path is not None and path.by_reference
         expected = reference_blocks(args)
         seconds, mismatches = [], 0
         for i in range(args.repeats + 1):  # the first is a warm-up (maps the peer's cache)

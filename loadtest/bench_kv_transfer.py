@@ -78,7 +78,7 @@ class KVEndpointActor:
             g.layers, num_blocks, g.block_size, g.kv_heads, g.head_dim, dtype, torch.device(device), shared=shared
         )
         self.cache.tensor.normal_()
-        transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key)
+        transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key, device=device)
         self.sender = KVSender(transport, timeout=120)
         self.receiver = KVReceiver(transport, timeout=120)
         for endpoint in (self.sender, self.receiver):
@@ -100,6 +100,8 @@ class KVEndpointActor:
             request=SimpleNamespace(request_id=request_id, block_ids=block_ids),
             start=0,
             num_new_tokens=len(block_ids) * self.geometry.block_size,
+            samples=True,  # a whole prompt: its first token is sampled at the end of this step
+            generates=False,
         )
         self.sender.add(request_id, [target])
         for layer in range(self.geometry.layers):

@@ -92,7 +92,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
             raise ValueError(f"role: a decode actor runs the decode or colocated role, not {config.role}")
         super().__init__(config)
         transport = (
-            make_transport(config.kv_transport, self.instance_id, config.link_key, self.host)
+            make_transport(config.kv_transport, self.instance_id, config.link_key, self.host, config.engine.device)
             if config.role is Role.DECODE
             else None
         )
@@ -100,7 +100,9 @@ class DecodeActor(WorkerActorBase, DecodeService):
         # One-rank DECODE instances move requests out with their KV over a second transport.
         moves = transport is not None and not followers
         migration_transport = (
-            make_transport(config.kv_transport, f"{self.instance_id}-move", config.link_key, self.host)
+            make_transport(
+                config.kv_transport, f"{self.instance_id}-move", config.link_key, self.host, config.engine.device
+            )
             if moves
             else None
         )

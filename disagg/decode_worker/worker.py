@@ -231,6 +231,14 @@ class DecodeWorker:
         moving = self.migrations_out is not None and self.migrations_out.active
         return not self.engine.has_unfinished_requests() and not moving
 
+    def kv_paths(self) -> dict[str, str]:
+        """Peer id -> how KV goes to it, for this rank's pairs so far: those KV comes in by, and
+        those requests move out by (`disagg status`)."""
+        paths = self.receiver.transport.paths() if self.receiver is not None else {}
+        if self.migrations_out is not None:
+            paths.update(self.migrations_out.sender.transport.paths())
+        return paths
+
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()

@@ -81,9 +81,13 @@ class InstanceActor(DecodeActor, PrefillActor):
         if not self.worker.is_idle():  # before any endpoint is built: nothing to undo
             raise ValueError("switch: the instance still holds requests; drain it first")
         suffix = f"{self.instance_id}~{next(self._generation)}"
-        transport = make_transport(self.config.kv_transport, suffix, self.config.link_key, self.host)
+        transport = make_transport(
+            self.config.kv_transport, suffix, self.config.link_key, self.host, self.config.engine.device
+        )
         moves = (
-            make_transport(self.config.kv_transport, f"{suffix}-move", self.config.link_key, self.host)
+            make_transport(
+                self.config.kv_transport, f"{suffix}-move", self.config.link_key, self.host, self.config.engine.device
+            )
             if command.role is Role.DECODE
             else None
         )
@@ -103,10 +107,12 @@ class InstanceActor(DecodeActor, PrefillActor):
 
     def _new_worker(self, role: Role, transport_id: str) -> PrefillWorker | DecodeWorker:
         config = self.config
-        transport = make_transport(config.kv_transport, transport_id, config.link_key, self.host)
+        transport = make_transport(config.kv_transport, transport_id, config.link_key, self.host, config.engine.device)
         if role is Role.PREFILL:
             return PrefillWorker(config.engine, transport, kv_timeout=config.kv_timeout_s)
-        moves = make_transport(config.kv_transport, f"{transport_id}-move", config.link_key, self.host)
+        moves = make_transport(
+            config.kv_transport, f"{transport_id}-move", config.link_key, self.host, config.engine.device
+        )
         return DecodeWorker(config.engine, transport, kv_timeout=config.kv_timeout_s, migration_transport=moves)
 
     def _attach(self, role: Role) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.errors import KVTransferError
+from disagg.kv_transfer.paths import KVPath
 from disagg.kv_transfer.transport import Transport
 
 
@@ -167,8 +168,8 @@ class InProcessTransport(Transport):
         with self._failing_pair(peer_id, generation):
             out.copy_(self._hub.get(self.worker_id, peer_id, generation, out, timeout))
 
-    def shares_memory_with(self, peer_id: str) -> bool:
-        return True  # one process
+    def path_to(self, peer_id: str) -> KVPath | None:
+        return KVPath.SHARED_MEMORY  # one process: every peer's cache is mappable, connected or not
 
     def disconnect(self, peer_id: str) -> None:
         with self._lock:

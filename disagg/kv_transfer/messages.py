@@ -6,7 +6,10 @@ derives from the header and its own cache geometry, so no shape metadata travels
 
 Between workers on one host whose prefill cache is in shared memory, KV_REF replaces KV: its
 payload (`BlockRef`) names the sender's cache and its blocks, and the receiver copies them
-itself, straight from the sender's cache into its own blocks.
+itself, straight from the sender's cache into its own blocks. A reference costs the same
+whatever it covers, so one goes per step for every layer of the target's range, and the one of a
+prompt's last chunk travels with the DONE as KV_REF_DONE: a one-chunk prompt's KV moves in one
+message and its ACK.
 
 A request that moves between decode instances (disagg.decode_worker.migration) sends its
 tokens in a TOKENS message before its DONE, so the target can decode on without another party.
@@ -29,6 +32,10 @@ class MsgType(enum.IntEnum):
     ABORT = 4  # either side gives up on the transfer (request aborted, cancelled or failed)
     KV_REF = 5  # as KV, but by reference to the sender's shared cache: a BlockRef payload follows
     TOKENS = 6  # a moving request's tokens (int64 payload of num_blocks tokens), before its DONE
+    KV_REF_DONE = 7  # a KV_REF and then a DONE in one message (carries the first token)
+
+
+REFERENCES = (MsgType.KV_REF, MsgType.KV_REF_DONE)  # the messages with a BlockRef payload
 
 
 @dataclass(frozen=True)
@@ -76,21 +83,32 @@ class BlockRef:
     # whatever happens (it frees them earlier only on an ACK, which comes after the copy).
     valid_until_ns: int
     block_ids: list[int] = field(default_factory=list)  # the sender's block ids, in order
+    # On a GPU, the IPC handle of an event recorded after the kernels that wrote the blocks, as
+    # FENCE_LEN int64s: the receiver's copy waits for it on the device, and neither side waits on
+    # the host. Zeros: nothing to wait for (a CPU cache is written before the reference is made).
+    fence: tuple[int, ...] = (0,) * 8
 
-    FIXED = 9  # int64 fields before the block ids
+    FIXED = 9  # int64 fields before the fence
+    FENCE_LEN = 8  # 64 bytes: CUDA's IPC event handle
+    NO_FENCE = (0,) * FENCE_LEN
 
     def to_tensor(self) -> torch.Tensor:
         fixed = [getattr(self, name) for name in _BLOCK_REF_FIXED]  # (astuple would deep-copy the ids)
-        return torch.tensor([*fixed, *self.block_ids], dtype=torch.int64)
+        return torch.tensor([*fixed, *self.fence, *self.block_ids], dtype=torch.int64)
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> "BlockRef":
         values = t.tolist()
-        return cls(*values[: cls.FIXED], block_ids=values[cls.FIXED :])
+        ids_start = cls.FIXED + cls.FENCE_LEN
+        return cls(*values[: cls.FIXED], block_ids=values[ids_start:], fence=tuple(values[cls.FIXED : ids_start]))
 
     @classmethod
     def empty(cls, num_blocks: int) -> torch.Tensor:
-        return torch.empty(cls.FIXED + num_blocks, dtype=torch.int64)
+        return torch.empty(cls.FIXED + cls.FENCE_LEN + num_blocks, dtype=torch.int64)
+
+    @property
+    def has_fence(self) -> bool:
+        return any(self.fence)
 
 
 _BLOCK_REF_FIXED = tuple(f.name for f in fields(BlockRef))[: BlockRef.FIXED]

@@ -26,7 +26,8 @@ import torch
 from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
-from disagg.kv_transfer.messages import BlockRef, Header, MsgType
+from disagg.kv_transfer.copy_stream import CopyStream
+from disagg.kv_transfer.messages import REFERENCES, BlockRef, Header, MsgType
 from disagg.kv_transfer.shared_memory import SharedHandle, attach
 from disagg.kv_transfer.transport import Transport
 
@@ -62,6 +63,7 @@ class KVReceiver(KVEndpoint):
         super().__init__(transport, timeout, max_queued_messages)
         self.attention_backend = attention_backend
         self._copy_ops = None  # the C++ block copy for the cache's device, or None: torch
+        self._copy_stream: CopyStream | None = None  # where copies out of peers' caches run
         self._ids = itertools.count(1)
         self._transfers: dict[int, _Incoming] = {}
         self._by_request: dict[str, int] = {}
@@ -73,6 +75,7 @@ class KVReceiver(KVEndpoint):
     def register_kv_cache(self, kv_cache) -> None:
         super().register_kv_cache(kv_cache)
         self._copy_ops = cpu_ops(kv_cache.tensor.device, self.attention_backend)
+        self._copy_stream = CopyStream(kv_cache.tensor.device)
 
     # ---- called by the worker ----------------------------------------------------------------
     def expect(
@@ -111,7 +114,7 @@ class KVReceiver(KVEndpoint):
         return time.monotonic() + self.timeout  # ACKs are small and always worth sending
 
     def payload_buffer(self, peer_id: str, header: Header) -> torch.Tensor | None:
-        if header.type is MsgType.KV_REF:
+        if header.type in REFERENCES:
             return BlockRef.empty(header.num_blocks)
         if header.type is MsgType.TOKENS:
             return torch.empty(header.num_blocks, dtype=torch.int64)
@@ -123,7 +126,7 @@ class KVReceiver(KVEndpoint):
         )
 
     def on_message(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
-        if header.type in (MsgType.KV, MsgType.KV_REF):
+        if header.type in (MsgType.KV, *REFERENCES):
             self._progressed(header.transfer_id)
         self._imports.put((peer_id, header, payload))  # blocks while the importer is behind (bounded memory)
 
@@ -144,23 +147,23 @@ class KVReceiver(KVEndpoint):
         super().close()
 
     def _handle(self, peer_id: str, header: Header, payload: torch.Tensor | None) -> None:
-        if header.type is MsgType.KV_REF:
+        if header.type in REFERENCES:
             self._import_ref(peer_id, header, BlockRef.from_tensor(payload))
-            return
+            if header.type is MsgType.KV_REF:
+                return  # (KV_REF_DONE: its DONE next, the same way as a DONE of its own)
         ack = None
         with self._lock:
             tr = self._transfers.get(header.transfer_id)
             if tr is None or peer_id not in tr.sources:
-                if (
-                    header.type is MsgType.DONE
-                ):  # cancelled here: the sender may free its blocks now, not at its timeout
+                if header.type in (MsgType.DONE, MsgType.KV_REF_DONE):
+                    # Cancelled here (or its copy failed): the sender may free its blocks now, not at its timeout.
                     self._reply_to(peer_id, Header(MsgType.ABORT, header.transfer_id))
                 return  # cancelled or unknown: drop it
             if header.type is MsgType.KV:
                 self._import(tr, header, payload)
             elif header.type is MsgType.TOKENS:
                 tr.token_ids = payload.tolist()
-            elif header.type is MsgType.DONE:
+            elif header.type in (MsgType.DONE, MsgType.KV_REF_DONE):
                 ack = (tr.sources[peer_id], Header(MsgType.ACK, tr.transfer_id))
                 self._source_done(tr, peer_id, header.token)
             elif header.type is MsgType.ABORT:
@@ -204,7 +207,7 @@ class KVReceiver(KVEndpoint):
         group = max(1, IMPORT_GROUP_BYTES // max(1, len(dst_ids) * block_bytes))
         for i in range(0, header.num_layers, group):
             n = min(group, header.num_layers - i)
-            with self._lock:
+            with self._lock, self._copy_stream.after(peer_id, ref.fence, source.device):
                 if self._transfers.get(header.transfer_id) is not tr:
                     return  # cancelled or failed meanwhile: its blocks are no longer ours to write
                 copy_blocks(
@@ -214,7 +217,7 @@ class KVReceiver(KVEndpoint):
                     dst_ids,
                     self._copy_ops,
                 )
-        _wait_for_copies(self.kv_cache.tensor)
+        self._copy_stream.wait()
         with self._lock:
             if self._transfers.get(header.transfer_id) is not tr:
                 return
@@ -250,6 +253,8 @@ class KVReceiver(KVEndpoint):
     def on_error(self, peer_id: str, error: Exception) -> None:
         with self._lock:
             self._peer_caches.pop(peer_id, None)  # a peer that died: let its memory go
+            if self._copy_stream is not None:
+                self._copy_stream.forget(peer_id)
             for tr in list(self._transfers.values()):
                 if peer_id in tr.sources:
                     self._fail(tr, f"{peer_id}: {error}")
@@ -283,13 +288,6 @@ class KVReceiver(KVEndpoint):
                 tr.token_ids,
             )
         )
-
-
-def _wait_for_copies(cache: torch.Tensor) -> None:
-    """On a GPU the copies are queued, not done: they must end before the transfer counts as
-    arrived (its ACK lets the sender reuse the blocks we read) and before the deadline check."""
-    if cache.device.type == "cuda":
-        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:

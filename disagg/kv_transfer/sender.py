@@ -7,7 +7,11 @@ last chunk the first token goes out in a DONE message; the blocks may be freed w
 acknowledged (or the transfer failed/timed out), which `poll()` reports.
 
 When the cache is in shared memory and the target is on this host, nothing is packed: a KV_REF
-names the blocks and the receiver copies them out of our cache itself (messages.BlockRef).
+names the blocks and the receiver copies them out of our cache itself (messages.BlockRef). A
+reference costs the same whatever it names, so one goes per step for every layer of the target's
+range, and that of a prompt's last chunk waits for the DONE and travels with it (KV_REF_DONE).
+On a GPU a reference carries a fence (an IPC event after the kernels that wrote its layers), so
+no host waits for the step's kernels before a reference goes out.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from disagg.engine.cuda_sharing import WriteFence
 from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
@@ -46,6 +51,14 @@ class _Outgoing:
     num_bytes: int = 0
     batch: "_LayerBatch | None" = None  # this step's layers packed so far, not yet sent
     step_layer: int = 0  # the next layer to send in this step (global)
+    held: "_HeldRef | None" = None  # the prompt's last reference, which goes with the DONE
+
+
+@dataclass(frozen=True)
+class _HeldRef:
+    header: Header
+    block_ids: list[int]  # ours
+    fence: tuple[int, ...]
 
 
 @dataclass
@@ -70,6 +83,7 @@ class KVSender(KVEndpoint):
         # Targets handed in from other threads, resolved on the engine thread before the next
         # layer goes out (resolving them on the caller's thread would take the GIL from the step).
         self._deferred: deque[tuple[str, Callable[[], list[KVTarget] | None]]] = deque()
+        self._write_fence: WriteFence | None = None  # a CUDA cache's, made with its first reference
 
     @property
     def saves_layers(self) -> bool:
@@ -160,42 +174,44 @@ class KVSender(KVEndpoint):
         num_bytes = batch.num_layers * self._layer_bytes(tr, last - first)
         tr.num_bytes += num_bytes
         self.num_bytes_total += num_bytes
-        if batch.payload is None:
-            _wait_for_writes(self.kv_cache.tensor)
-        kind, payload = (
-            (MsgType.KV, batch.payload)
-            if batch.payload is not None
-            else (MsgType.KV_REF, self._block_ref(tr, chunk.request.block_ids[first:last]))
-        )
-        self._post(
-            tr,
-            Header(
-                kind,
-                tr.target.transfer_id,
-                batch.first_layer,
-                first,
-                last - first,
-                heads[0],
-                heads[1],
-                num_layers=batch.num_layers,
-            ),
-            payload,
-        )
+        kind = MsgType.KV if batch.payload is not None else MsgType.KV_REF
+        header = Header(
+            kind, tr.target.transfer_id, batch.first_layer, first, last - first, heads[0], heads[1], num_layers=batch.num_layers
+        )  # fmt: skip
+        if batch.payload is not None:
+            self._post(tr, header, batch.payload)
+            return
+        held = _HeldRef(header, chunk.request.block_ids[first:last], self._fence())
+        if chunk.samples and not chunk.generates:  # the prompt's last chunk: finish() follows
+            tr.held = held
+        else:
+            self._post(tr, header, self._block_ref(tr, held))
 
     def _new_batch(self, tr: _Outgoing, layer: int, num_blocks: int) -> _LayerBatch:
-        """Room for as many of the next layers as make one message of MIN_MESSAGE_BYTES (at least
-        one layer, at most those left in the target's range this step)."""
-        num_layers = max(
-            1, min(tr.target.layers[1] - layer, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks)))
-        )
-        if self.kv_cache.shared_handle is not None and self.transport.shares_memory_with(tr.target.peer_id):
-            return _LayerBatch(layer, num_layers, None)
+        """By reference: every layer left in the target's range this step (a reference costs the
+        same whatever it names). Packed: as many of the next layers as make one message of
+        MIN_MESSAGE_BYTES (at least one layer, at most those left in the range)."""
+        layers_left = tr.target.layers[1] - layer
+        path = self.transport.path_to(tr.target.peer_id)
+        if self.kv_cache.shared_handle is not None and path is not None and path.by_reference:
+            return _LayerBatch(layer, layers_left, None)
+        num_layers = max(1, min(layers_left, -(-MIN_MESSAGE_BYTES // self._layer_bytes(tr, num_blocks))))
         return _LayerBatch(layer, num_layers, self.kv_cache.packing_buffer(num_layers, tr.target.heads, num_blocks))
 
     def _layer_bytes(self, tr: _Outgoing, num_blocks: int) -> int:
         return self.kv_cache.slice_bytes(1, tr.target.heads, num_blocks)
 
-    def _block_ref(self, tr: _Outgoing, block_ids: list[int]) -> torch.Tensor:
+    def _fence(self) -> tuple[int, ...]:
+        """What the receiver's copy waits for: nothing on CPU (the layers are written by now), the
+        kernels queued so far on a GPU (those that wrote the layers a reference names)."""
+        device = self.kv_cache.tensor.device
+        if device.type != "cuda":
+            return BlockRef.NO_FENCE
+        if self._write_fence is None:
+            self._write_fence = WriteFence(device)
+        return self._write_fence.record()
+
+    def _block_ref(self, tr: _Outgoing, held: _HeldRef) -> torch.Tensor:
         cache, handle = self.kv_cache, self.kv_cache.shared_handle
         # We hold the blocks at least until the transfer's deadline (it only ever moves later);
         # a millisecond off it covers the float seconds' rounding.
@@ -210,7 +226,8 @@ class KVSender(KVEndpoint):
             cache.layer_offset,
             cache.head_offset,
             valid_until_ns,
-            list(block_ids),
+            list(held.block_ids),
+            held.fence,
         ).to_tensor()
 
     def catch_up(self, request_id: str, block_ids: list[int], num_tokens: int) -> None:
@@ -240,6 +257,7 @@ class KVSender(KVEndpoint):
             for tr in self._by_request.get(chunk.request.request_id, ()):
                 tr.step_layer = tr.target.layers[0]
                 tr.batch = None
+                tr.held = None
 
     def finish(self, request_id: str, first_token: int) -> None:
         """The prompt is done and its first token sampled: tell every target, then await ACKs."""
@@ -247,8 +265,15 @@ class KVSender(KVEndpoint):
             if tr.state in (TransferState.PENDING, TransferState.TRANSFERRING):
                 tr.state = TransferState.AWAITING_ACK
                 tr.deadline = time.monotonic() + self.timeout
-                self._post(tr, Header(MsgType.DONE, tr.target.transfer_id, token=first_token))
+                self._post(tr, *self._done_message(tr, first_token))
                 self._channel(tr.target.peer_id, tr.target.peer_address).wake_receiver()
+
+    def _done_message(self, tr: _Outgoing, first_token: int) -> tuple[Header, torch.Tensor | None]:
+        """DONE, or the held reference with it in one message."""
+        held, tr.held = tr.held, None
+        if held is None:
+            return Header(MsgType.DONE, tr.target.transfer_id, token=first_token), None
+        return replace(held.header, type=MsgType.KV_REF_DONE, token=first_token), self._block_ref(tr, held)
 
     def send_tokens(self, request_id: str, token_ids: list[int]) -> None:
         """Before `finish`: the tokens the KV is of go to every target (a moving request's)."""
@@ -281,7 +306,7 @@ class KVSender(KVEndpoint):
         tr.deadline = max(tr.deadline, time.monotonic() + self.timeout)
 
     def _post(self, tr: _Outgoing, header: Header, payload: torch.Tensor | None = None) -> None:
-        if header.type is not MsgType.DONE:
+        if header.type not in (MsgType.DONE, MsgType.KV_REF_DONE):
             self._extend_deadline(tr)
         try:
             self._channel(tr.target.peer_id, tr.target.peer_address).post(
@@ -378,15 +403,6 @@ class KVSender(KVEndpoint):
                 request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes
             )
         )
-
-
-def _wait_for_writes(cache: torch.Tensor) -> None:
-    """Before a reference goes out, the layers it names must be in memory. On a GPU the step's
-    kernels run behind this thread: wait for those queued so far (the layers up to this one; the
-    next layers are not launched yet, so the wait costs a launch gap, not the rest of the step).
-    A packed payload needs no wait: the transport's send is ordered after the packing copy."""
-    if cache.device.type == "cuda":
-        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def _follows(a: Header, b: Header) -> bool:

@@ -34,6 +34,7 @@ so that is set (unless already set) before the first NCCL group of the process i
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -46,11 +47,12 @@ import torch.distributed as dist
 
 from disagg.auth import TAG_BYTES, AuthenticationError, Seals, new_nonce
 from disagg.errors import KVTransferError
-from disagg.engine.shared_memory import host_key
+from disagg.kv_transfer.paths import DeviceView, KVPath, choose_path, local_view
 from disagg.kv_transfer.rendezvous import PairStore, Rendezvous, RendezvousClosed, connect_pair_store
 from disagg.kv_transfer.torch_dist_pair import Pair, first_line, remaining
 from disagg.kv_transfer.transport import Transport
 
+logger = logging.getLogger(__name__)
 BACKENDS = ("gloo", "nccl")
 # gloo's (and NCCL's) own bound on any operation of a pair, the idle watcher's recv included (so an idle
 # pair is never closed by it); every call waits only until its own deadline.
@@ -90,11 +92,20 @@ _TRANSPORT_ERRORS = (RuntimeError, OSError)
 
 class TorchDistTransport(Transport):
     def __init__(
-        self, worker_id: str, key: bytes, host: str = "127.0.0.1", backend: str | None = None, seal: str | None = None
+        self,
+        worker_id: str,
+        key: bytes,
+        host: str = "127.0.0.1",
+        backend: str | None = None,
+        seal: str | None = None,
+        device: torch.device = torch.device("cpu"),
+        view: DeviceView | None = None,
     ):
         """`key`: the deployment's (disagg.auth): a peer must hold it to meet this worker.
         `seal`: which pairs tag their gloo messages: those across hosts, or always (tests, and
-        measuring the cost on one host); None: $DISAGG_KV_SEAL, else cross-host."""
+        measuring the cost on one host); None: $DISAGG_KV_SEAL, else cross-host.
+        `device`: where this worker's KV cache is; `view`: what this process sees of the devices
+        (default: read from the process), from which each pair's path is chosen (kv_transfer.paths)."""
         seal = seal or os.environ.get("DISAGG_KV_SEAL", "cross-host")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
@@ -102,6 +113,7 @@ class TorchDistTransport(Transport):
             raise ValueError(f"seal: expected one of {SEAL_MODES}, got {seal!r}")
         self.seal = seal
         self.worker_id = worker_id
+        self.view = view if view is not None else local_view(device)
         self.backend = backend
         self._key = key
         self._rendezvous: Rendezvous | None = Rendezvous(worker_id, key, host)
@@ -197,10 +209,15 @@ class TorchDistTransport(Transport):
             ):
                 raise self._fail(pair, f"{_describe(got)} failed its integrity check (changed, replayed or reordered)")
 
-    def shares_memory_with(self, peer_id: str) -> bool:
+    def path_to(self, peer_id: str) -> KVPath | None:
         with self._lock:
             pair = self._pairs.get(peer_id)
-        return pair is not None and pair.same_host and not pair.broken.done()
+        return pair.path_out if pair is not None and not pair.broken.done() else None
+
+    def paths(self) -> dict[str, str]:
+        with self._lock:
+            pairs = list(self._pairs.values())
+        return {pair.peer_id: pair.path_out.value for pair in pairs if not pair.broken.done()}
 
     def disconnect(self, peer_id: str) -> None:
         with self._lock:
@@ -269,9 +286,11 @@ class TorchDistTransport(Transport):
         options._threads = 1  # only point-to-point ops, which do not use the worker threads
         try:
             pair_store.set(f"nonce/{rank}", new_nonce())  # the pair's seal keys are fresh for each generation
-            pair_store.set(f"joined/{rank}", host_key())  # each side learns whether the other is on its host
+            # Each side learns whether the other is on its host, and what of its devices it can reach.
+            pair_store.set(f"joined/{rank}", self.view.to_json())
             pair_store.wait([f"joined/{1 - rank}"], timedelta(seconds=remaining(deadline)))
-            same_host = bool(host_key()) and pair_store.get(f"joined/{1 - rank}").decode() == host_key()
+            peer_view = DeviceView.from_json(pair_store.get(f"joined/{1 - rank}").decode())
+            same_host = bool(self.view.host) and peer_view.host == self.view.host
             nonces = (pair_store.get("nonce/0"), pair_store.get("nonce/1"))
             gloo = dist.ProcessGroupGloo(pair_store, rank, 2, options)
         except _TRANSPORT_ERRORS as exc:
@@ -290,6 +309,15 @@ class TorchDistTransport(Transport):
             gloo,
             inbox,
             same_host,
+            path_out=choose_path(self.view, peer_view),
+            path_in=choose_path(peer_view, self.view),
+        )
+        logger.info(
+            "kv pair %s <-> %s: KV goes by %s, comes by %s",
+            self.worker_id,
+            peer_id,
+            pair.path_out.value,
+            pair.path_in.value,
         )
         if self.seal == "always" or not same_host:
             purpose = f"kv {self._pair_name(peer_id, peer_address)} {prefix}"
@@ -298,8 +326,11 @@ class TorchDistTransport(Transport):
         return pair
 
     def _group_for(self, pair: Pair, device: torch.device, sender_rank: int):
-        """The group that carries tensors on `device` from `sender_rank`, and the device the wire tensors live on."""
-        backend = self.backend or ("nccl" if device.type == "cuda" else "gloo")
+        """The group that carries tensors on `device` from `sender_rank`, and the device the wire
+        tensors live on: NCCL for CUDA tensors where the pair's path is NCCL (not on one GPU, which
+        NCCL refuses, nor beside a CPU cache), gloo otherwise."""
+        path = pair.path_out if sender_rank == pair.rank else pair.path_in
+        backend = self.backend or ("nccl" if device.type == "cuda" and path is KVPath.NCCL else "gloo")
         if backend == "gloo":
             return pair.gloo, torch.device("cpu")
         if device.type != "cuda":

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.auth import Seals
+from disagg.kv_transfer.paths import KVPath
 from disagg.kv_transfer.rendezvous import PairStore
 
 # How long past its deadline a caller waits for gloo to report the timeout of its operation.
@@ -51,6 +52,9 @@ class Pair:
     gloo: dist.ProcessGroupGloo
     inbox: torch.Tensor  # the first message of each recv lands here (gloo); under recv_lock
     same_host: bool = False  # the peer can map our shared tensors (shared_memory.host_key)
+    # How KV goes to the peer and comes from it (kv_transfer.paths), chosen when the pair is made.
+    path_out: KVPath = KVPath.GLOO
+    path_in: KVPath = KVPath.GLOO
     # Tags on every gloo message, each direction in order (disagg.auth): pairs across hosts; None: none.
     seals: Seals | None = None
     nccl: dict[int, dist.ProcessGroupNCCL] = field(default_factory=dict)  # sender rank -> group

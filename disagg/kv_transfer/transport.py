@@ -19,6 +19,8 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from disagg.kv_transfer.paths import KVPath
+
 
 class Transport(ABC):
     """Ordered point-to-point tensor messages between this worker and named peers."""
@@ -44,9 +46,13 @@ class Transport(ABC):
     def recv(self, peer_id: str, out: torch.Tensor, timeout: float) -> None:
         """Receive the next message from `peer_id` into `out`, whose shape and dtype must match it."""
 
-    def shares_memory_with(self, peer_id: str) -> bool:
-        """True when the pair is connected and the peer can map our shared tensors (same host)."""
-        return False
+    def path_to(self, peer_id: str) -> KVPath | None:
+        """How KV goes to the peer (kv_transfer.paths); None until the pair is connected."""
+        return None
+
+    def paths(self) -> dict[str, str]:
+        """Peer id -> how KV goes to it, for every connected pair (what `disagg status` shows)."""
+        return {}
 
     @abstractmethod
     def disconnect(self, peer_id: str) -> None:

@@ -46,7 +46,9 @@ class PrefillActor(WorkerActorBase, PrefillService):
             raise ValueError(f"role: a prefill actor runs the prefill role, not {config.role}")
         super().__init__(config)
         groups, wait_for_ranks = self._start_ranks(followers)
-        transport = make_transport(config.kv_transport, self.instance_id, config.link_key, self.host)
+        transport = make_transport(
+            config.kv_transport, self.instance_id, config.link_key, self.host, config.engine.device
+        )
         self.worker = PrefillWorker(
             config.engine, transport, kv_timeout=config.kv_timeout_s, groups=groups, followers=self.shards
         )

@@ -169,6 +169,10 @@ class PrefillWorker:
         """No request left to compute and no blocks held for a transfer."""
         return not self.engine.has_unfinished_requests() and not self.engine.scheduler.held_for_export
 
+    def kv_paths(self) -> dict[str, str]:
+        """Peer id -> how KV goes to it, for this rank's pairs so far (`disagg status`)."""
+        return self.sender.transport.paths()
+
     def close(self) -> None:
         self.sender.close()
 

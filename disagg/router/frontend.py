@@ -95,6 +95,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     num_free_blocks=load.num_free_blocks,
                     num_total_blocks=load.num_total_blocks,
                     latency_model=_latency_model(inst),
+                    kv_paths=load.kv_paths,
                 )
             )
             self.metrics.set_instance_load(

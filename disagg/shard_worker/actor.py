@@ -63,7 +63,9 @@ class ShardActor(ShardService):
             kv_timeout=self.config.kv_timeout_s,
             transport=None
             if self.config.role is Role.COLOCATED
-            else make_transport(self.config.kv_transport, self.peer_id, self.config.link_key, self.host),
+            else make_transport(
+                self.config.kv_transport, self.peer_id, self.config.link_key, self.host, self.config.engine.device
+            ),
             groups=groups,
         )
         self.engine, self.endpoint = built.engine, built.endpoint

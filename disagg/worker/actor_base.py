@@ -205,6 +205,7 @@ class WorkerActorBase:
                 load = self.load()
                 load.steps = self._recent_steps()
                 load.prefix_hashes = self.worker.engine.block_manager.cached_hashes(MAX_PREFIX_HASHES)
+                load.kv_paths = self.worker.kv_paths()
                 try:
                     registry.heartbeat(self.instance_info(), load, self._heartbeat_ttl_s)
                 except RegistryUnavailable as exc:  # keep serving; the next beat retries

@@ -191,6 +191,7 @@ class CacheActor:
                 pass
 
             start, num_new_tokens = 0, len(block_ids) * 16
+            samples, generates = True, False  # a whole prompt, its first token sampled in this step
 
         Chunk.request.request_id, Chunk.request.block_ids = request_id, block_ids
         self.sender.add(request_id, [target])

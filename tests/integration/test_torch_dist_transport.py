@@ -61,8 +61,7 @@ class TransportPeer:
         return results
 
     def pair_is_live(self, peer_id: str) -> bool:
-        # Both peers of these tests run on this host, so this is True exactly while the pair is live.
-        return self.transport.shares_memory_with(peer_id)
+        return self.transport.path_to(peer_id) is not None  # a path exactly while the pair is live
 
     def wait_until_broken(self, peer_id: str, timeout: float) -> float:
         """Seconds until this side sees its pair with the peer broken (inf: not within `timeout`)."""

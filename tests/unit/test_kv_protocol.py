@@ -97,6 +97,28 @@ def test_disaggregated_tokens_equal_colocated(pair, colocated_tokens, monkeypatc
     assert (MsgType.KV_REF in kinds, MsgType.KV in kinds) == (by_reference, not by_reference)
 
 
+@pytest.mark.parametrize("min_message_bytes", [1, 1 << 30])
+def test_a_reference_goes_once_a_step_and_the_last_with_the_done(
+    pair, colocated_tokens, monkeypatch, min_message_bytes
+):
+    """By reference, whatever the packed protocol's message size: a one-step prompt's KV moves in
+    one message (KV_REF_DONE) and its ACK; a prompt of four chunks in one KV_REF per earlier
+    chunk, then KV_REF_DONE and the ACK. Before, a reference went every few layers, then a DONE."""
+    monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", min_message_bytes)
+    kinds = message_kinds(monkeypatch)
+    _, prefill, decode = pair
+    chunks = []
+    forward_done = prefill.sender.forward_done
+    monkeypatch.setattr(prefill.sender, "forward_done", lambda step: (chunks.extend(step), forward_done(step)))
+    for length in (33, 250):  # one chunk; several of at most 64 tokens
+        index = PROMPT_LENGTHS.index(length)
+        kinds.clear(), chunks.clear()
+        submit(prefill, decode, f"r{length}", prompts()[index], greedy())
+        assert run(prefill, decode)[f"r{length}"] == colocated_tokens[index]
+        assert (length == 33) == (len(chunks) == 1), chunks
+        assert kinds == [MsgType.KV_REF] * (len(chunks) - 1) + [MsgType.KV_REF_DONE, MsgType.ACK], f"{length} tokens"
+
+
 @pytest.mark.parametrize("pair", [True, False], indirect=True, ids=["by-reference", "packed"])
 def test_a_prefill_step_that_fails_on_one_request_streams_the_others_intact(pair, colocated_tokens, monkeypatch):
     """The step fails after layer 0 went out, whenever one request is in it: that request fails
@@ -400,7 +422,11 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
         for rank, rx in receivers.items()
     }
     chunk = SimpleNamespace(
-        request=SimpleNamespace(request_id="r", block_ids=src_block_ids), start=0, num_new_tokens=len(src_block_ids) * 4
+        request=SimpleNamespace(request_id="r", block_ids=src_block_ids),
+        start=0,
+        num_new_tokens=len(src_block_ids) * 4,
+        samples=True,
+        generates=False,
     )
     for rank, tx in senders.items():
         targets = [

@@ -115,7 +115,11 @@ def test_a_reference_copied_after_the_senders_deadline_fails_the_transfer(monkey
     late = SimpleNamespace(monotonic=time.monotonic, monotonic_ns=lambda: time.monotonic_ns() + 10**9)
     monkeypatch.setattr("disagg.kv_transfer.receiver.time", late)
     chunk = SimpleNamespace(
-        request=SimpleNamespace(request_id="r", block_ids=[1, 2]), start=0, num_new_tokens=2 * SHAPE[4]
+        request=SimpleNamespace(request_id="r", block_ids=[1, 2]),
+        start=0,
+        num_new_tokens=2 * SHAPE[4],
+        samples=True,
+        generates=False,
     )
     for layer in range(SHAPE[0]):
         sender.save_kv_layer(layer, [chunk])
@@ -181,7 +185,11 @@ def test_a_reference_is_imported_a_group_of_layers_at_a_time(layers_per_copy, mo
     transfer_id = receiver.expect("r", [6, 3], {"p": sender.address()})
     sender.add("r", [KVTarget("d", receiver.address(), transfer_id, [6, 3], (0, layers), (0, heads))])
     chunk = SimpleNamespace(
-        request=SimpleNamespace(request_id="r", block_ids=[1, 5]), start=0, num_new_tokens=2 * block_size
+        request=SimpleNamespace(request_id="r", block_ids=[1, 5]),
+        start=0,
+        num_new_tokens=2 * block_size,
+        samples=True,
+        generates=False,
     )
     for layer in range(layers):
         sender.save_kv_layer(layer, [chunk])

@@ -14,6 +14,7 @@ import torch
 
 from disagg.auth import FrameSeal
 from disagg.errors import KVTransferError
+from disagg.kv_transfer.paths import DeviceView, KVPath
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from tests.support import LINK_KEY
 
@@ -49,9 +50,9 @@ def transfer(pool, sender, receiver, tensor: torch.Tensor, out: torch.Tensor, ti
 
 def wait_until_broken(transport, peer_id: str, timeout: float = SLACK) -> None:
     """The side that did not see a failure sees its pair break when the other side drops it.
-    (Both peers are in this process, so `shares_memory_with` is True exactly while it is live.)"""
+    (`path_to` names a path exactly while the pair is live.)"""
     end = time.monotonic() + timeout
-    while transport.shares_memory_with(peer_id):
+    while transport.path_to(peer_id) is not None:
         assert time.monotonic() < end, (
             f"{transport.worker_id}'s pair with {peer_id} is still live {timeout}s after the peer dropped it"
         )
@@ -267,3 +268,40 @@ def test_a_message_that_fails_its_tag_fails_the_transfer_and_the_pair_is_rebuilt
 def test_pairs_on_one_host_are_not_sealed(pair):
     a, b = pair
     assert a._pairs["b"].seals is None and b._pairs["a"].seals is None
+
+
+# Stand-in device views (kv_transfer.paths): what each side's process would see.
+ONE_HOST = "boot/ns/uid"
+GPU_A, GPU_B = "GPU-a", "GPU-b"
+
+
+@pytest.mark.parametrize(
+    "view_a, view_b, a_to_b, b_to_a",
+    [
+        (DeviceView(ONE_HOST), DeviceView(ONE_HOST), KVPath.SHARED_MEMORY, KVPath.SHARED_MEMORY),
+        # Ray-isolated GPUs of one host: each process sees only its own.
+        (DeviceView(ONE_HOST, GPU_A, (GPU_A,)), DeviceView(ONE_HOST, GPU_B, (GPU_B,)), KVPath.NCCL, KVPath.NCCL),
+        # b sees a's GPU and can read it; a does not see b's.
+        (
+            DeviceView(ONE_HOST, GPU_A, (GPU_A,)),
+            DeviceView(ONE_HOST, GPU_B, (GPU_A, GPU_B), (GPU_A,)),
+            KVPath.CUDA_IPC,
+            KVPath.NCCL,
+        ),
+    ],
+    ids=["cpu", "isolated-gpus", "one-way-visible"],
+)
+def test_both_sides_of_a_pair_choose_the_same_paths_from_each_others_devices(pool, view_a, view_b, a_to_b, b_to_a):
+    a = TorchDistTransport("a", LINK_KEY, view=view_a)
+    b = TorchDistTransport("b", LINK_KEY, view=view_b)
+    try:
+        assert a.path_to("b") is None  # not connected yet
+        connect(pool, a, b)
+        assert (a.path_to("b"), b.path_to("a")) == (a_to_b, b_to_a)
+        assert (a.paths(), b.paths()) == ({"b": a_to_b.value}, {"a": b_to_a.value})
+        out = torch.empty(4)  # CPU tensors still go over gloo, whatever the path says of the caches
+        transfer(pool, a, b, torch.arange(4.0), out)
+        assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+    finally:
+        a.close()
+        b.close()
