@@ -370,6 +370,23 @@ def test_cluster_status_health_and_reflection(server, client):
     assert "disagg.v1.Serving" in services
 
 
+def test_cluster_status_shows_how_kv_goes_between_instances(server, client):
+    """Each pair's path is chosen once, from both sides' devices: CPU caches on one host, so the
+    decode side copies the prefill's KV out of its shared memory."""
+    assert client.generate(chat("Name a colour.", max_tokens=2), timeout=60)[0]
+    deadline = time.monotonic() + 15  # the next heartbeats carry the new pair
+    while time.monotonic() < deadline:
+        pools = {p.role: p.instances for p in client.cluster_status().pools}
+        prefill_paths = dict(pools["prefill"][0].kv_paths)
+        decode_paths = {peer: path for inst in pools["decode"] for peer, path in inst.kv_paths.items()}
+        if prefill_paths and decode_paths:
+            break
+        time.sleep(0.5)
+    decode_ids = {inst.instance_id for inst in pools["decode"]}
+    assert set(prefill_paths) <= decode_ids and set(prefill_paths.values()) == {"shared memory"}, prefill_paths
+    assert pools["prefill"][0].instance_id in decode_paths and set(decode_paths.values()) == {"shared memory"}
+
+
 def scrape(server) -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     values = {}
