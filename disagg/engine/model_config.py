@@ -1,8 +1,27 @@
-"""The shape of a Llama-family decoder, independent of where its weights come from."""
+"""The shape of a decoder-only model, independent of where its weights come from.
+
+A family (disagg/engine/models/) maps its Hugging Face config.json onto these fields. Per layer,
+attention is global or sliding-window: `layer_types` names each layer's kind as HF does
+("full_attention", "sliding_attention"), `sliding_window` the window's length in tokens, its own
+included (HF's `kv_idx > q_idx - sliding_window`). `attention_window(layer)` and `layer_groups`
+are how the rest of the engine reads them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that attend alike: the same window (None: global attention), so the same KV
+    blocks of a request stay needed (what a block manager can free per group)."""
+
+    window: int | None
+    layers: tuple[int, ...]  # global layer indices
 
 
 @dataclass(frozen=True)
@@ -24,6 +43,34 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to, its own included
+    layer_types: tuple[str, ...] = ()  # each layer's LAYER_TYPES entry; () = every layer full_attention
+
+    def __post_init__(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types: {len(self.layer_types)} entries for {self.num_hidden_layers} layers (num_hidden_layers)"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: unsupported {unknown} (supported: {', '.join(LAYER_TYPES)})")
+        windowed = SLIDING_ATTENTION in self.layer_types
+        if windowed and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"sliding_window: a positive number of tokens is needed, got {self.sliding_window!r}")
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of (global) layer `layer`, None where it attends to every position."""
+        windowed = self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION
+        return self.sliding_window if windowed else None
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers by window, global attention first (one group for a model without windows)."""
+        windows = sorted({self.attention_window(i) for i in range(self.num_hidden_layers)}, key=lambda w: w or 0)
+        return tuple(
+            LayerGroup(w, tuple(i for i in range(self.num_hidden_layers) if self.attention_window(i) == w))
+            for w in windows
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -86,6 +86,12 @@ class CausalLM(nn.Module):
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
 
+    @property
+    def local_attention_windows(self) -> list[int | None]:
+        """Each of this stage's layers' sliding window (None: global), by local index (the
+        KV cache's layer slots); ModelConfig.layer_groups has the whole model's."""
+        return [self.config.attention_window(i) for i in range(self.start_layer, self.end_layer)]
+
     def forward(
         self,
         input_ids,

@@ -18,9 +18,10 @@ from disagg.engine.models.weights import decoder_weight_shapes
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
+    def __init__(self, cfg: ModelConfig, layer_index: int, cache_index: int, tp: TPGroup, backends: Backends):
         super().__init__()
         self.cache_index = cache_index  # this layer's slot in the stage-local KV cache
+        self.window = cfg.attention_window(layer_index)  # None: global attention
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
@@ -44,7 +45,7 @@ class LlamaAttention(nn.Module):
         qk = self.rope(qkv[:, : heads + kv_heads], cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
-        out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale, self.window)
         return self.o_proj(out.view(n, q_size))
 
 
@@ -61,9 +62,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, model: CausalLM, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
+    def __init__(
+        self, model: CausalLM, cfg: ModelConfig, layer_index: int, cache_index: int, tp: TPGroup, backends: Backends
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, cache_index, tp, backends)
+        self.self_attn = LlamaAttention(cfg, layer_index, cache_index, tp, backends)
         self.mlp = LlamaMLP(cfg, tp, backends)
         self.input_layernorm = model.make_norm(cfg, backends)
         self.post_attention_layernorm = model.make_norm(cfg, backends)
@@ -77,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg, layer_index, cache_index, tp, backends):
-        return LlamaDecoderLayer(self, cfg, cache_index, tp, backends)
+        return LlamaDecoderLayer(self, cfg, layer_index, cache_index, tp, backends)
 
 
 def config_from_hf(d: dict, name: str) -> ModelConfig:
