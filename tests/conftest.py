@@ -126,6 +126,25 @@ FAMILY_SHAPES = {
         "MistralForCausalLM",
         dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=FAMILY_WINDOW, tie_word_embeddings=False),
     ),
+    "qwen2": (  # YaRN on every layer; layers 1 and 2 slide (max_window_layers 1), layer 0 global
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=48,
+            max_window_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 1000000.0,
+            },
+        ),
+    ),  # fmt: skip
 }
 
 

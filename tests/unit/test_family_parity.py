@@ -18,8 +18,8 @@ from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
 
-FAMILIES = ["mistral"]
-WINDOWED = ["mistral"]
+FAMILIES = ["mistral", "qwen2"]
+WINDOWED = ["mistral", "qwen2"]
 PROMPT_LENGTHS = [1, 7, 16, 31, 33, 64, 100, 129, 250, 400]
 VOCAB = 512
 MAX_TOKENS = 20

@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3.x, SmolLM2; for now Qwen2): the decoder layer most
+"""Llama family (Llama 2/3.x, SmolLM2): the decoder layer most
 families build on (pre-norm attention and a gated MLP, fused QKV and gate/up projections).
 
 LlamaAttention also takes what later families add to it, each read from ModelConfig: a sliding
@@ -119,7 +119,7 @@ def config_from_hf(d: dict, name: str) -> ModelConfig:
 
 FAMILY = ModelFamily(
     name="llama",
-    model_types=("llama", "qwen2"),  # qwen2 until its own family
+    model_types=("llama",),
     config_from_hf=config_from_hf,
     model_class=LlamaForCausalLM,
     weight_shapes=decoder_weight_shapes,
