@@ -145,6 +145,11 @@ FAMILY_SHAPES = {
             },
         ),
     ),  # fmt: skip
+    "qwen3": (  # head_dim 32 over a hidden size of 64 and 4 heads
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+    ),
 }
 
 

@@ -18,7 +18,7 @@ from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
 
-FAMILIES = ["mistral", "qwen2"]
+FAMILIES = ["mistral", "qwen2", "qwen3"]
 WINDOWED = ["mistral", "qwen2"]
 PROMPT_LENGTHS = [1, 7, 16, 31, 33, 64, 100, 129, 250, 400]
 VOCAB = 512
