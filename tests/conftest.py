@@ -119,6 +119,10 @@ def tiny_qwen2_bias_dir(tmp_path_factory) -> str:
 # ---- the families beyond Llama (disagg/engine/models/): small sliding windows, so that prompts ----
 # of a few hundred tokens are several windows long; norms random, so a wrong norm shows.
 FAMILY_WINDOW = 32
+_GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+}
 FAMILY_SHAPES = {
     # name: (HF config class, HF model class, extra config fields)
     "mistral": (
@@ -150,6 +154,22 @@ FAMILY_SHAPES = {
         "Qwen3ForCausalLM",
         dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
     ),
+    "gemma3": (  # local, local, global, local; every Gemma-specific setting off its default
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_hidden_layers=4,
+            sliding_window=FAMILY_WINDOW,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=_GEMMA3_ROPE,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -18,8 +18,8 @@ from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
 
-FAMILIES = ["mistral", "qwen2", "qwen3"]
-WINDOWED = ["mistral", "qwen2"]
+FAMILIES = ["mistral", "qwen2", "qwen3", "gemma3"]
+WINDOWED = ["mistral", "qwen2", "gemma3"]
 PROMPT_LENGTHS = [1, 7, 16, 31, 33, 64, 100, 129, 250, 400]
 VOCAB = 512
 MAX_TOKENS = 20
@@ -82,6 +82,21 @@ def test_windowed_family_with_every_row_as_a_decode(family_case, kind):
     if not llm.engine.runner.rows_as_decodes:
         pytest.skip("batch_invariant needs the C++ decode kernel, which did not build here")
     assert_matches(llm, case, f"{kind}, batch_invariant")
+
+
+def test_windowed_family_with_a_warm_prefix_cache(family_case):
+    case = family_case("gemma3")
+    llm = LLM(model=case[0], dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256, enable_prefix_caching=True)
+    assert_matches(llm, case, "gemma3, cold prefix cache")
+    assert_matches(llm, case, "gemma3, warm prefix cache")
+
+
+def test_the_models_layer_windows(family_dir):
+    """What the block-freeing work reads: each layer's window, and the layers grouped by it."""
+    llm = LLM(model=family_dir("gemma3"), dtype="float32", num_kv_blocks=16)
+    assert llm.engine.model.local_attention_windows == [32, 32, None, 32]
+    groups = llm.engine.model_config.layer_groups
+    assert [(g.window, g.layers) for g in groups] == [(None, (2,)), (32, (0, 1, 3))]
 
 
 @pytest.mark.parametrize("step_tokens", [None, 1], ids=["prefill", "decode"])

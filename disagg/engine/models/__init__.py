@@ -24,13 +24,13 @@ before anything loads; a unit test keeps the two equal).
 from __future__ import annotations
 
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.models import llama, mistral, qwen2, qwen3
+from disagg.engine.models import gemma3, llama, mistral, qwen2, qwen3
 from disagg.engine.models.causal_lm import Backends, CausalLM
 from disagg.engine.models.family import ModelFamily, WeightShapes
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.errors import ModelLoadError
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
 
 
 def family_of(model_type: str) -> ModelFamily:
