@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activations the layers compute
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the RoPE scalings layers/rotary.py computes
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,11 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma)
 
     def __post_init__(self) -> None:
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
