@@ -211,7 +211,8 @@ def rope_scaling_from_hf(d: dict) -> dict | None:
     rope_type = scaling.get("rope_type") or scaling.get("type")
     if rope_type in (None, "default"):
         return None
-    scaling = dict(scaling, rope_type=rope_type)
+    scaling = {key: value for key, value in scaling.items() if key != "rope_theta"}  # (rope_parameters holds it)
+    scaling["rope_type"] = rope_type
     if rope_type == "yarn":  # as transformers does when the config leaves it out
         scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
     return scaling
