@@ -1,12 +1,13 @@
-"""Named real model shapes (for `random:<shape>` weights) and the tensors a shape implies.
+"""Named real model shapes (for `random:<shape>` weights).
 
 Random weights of a real shape let us measure speed and memory of a big model without its
-checkpoint; the numbers come from each model's published config.json.
+checkpoint; the numbers come from each model's published config.json. The tensors a shape
+implies are its family's (disagg.engine.models.expected_weight_shapes).
 """
 
 from __future__ import annotations
 
-from disagg.engine.model_config import ModelConfig
+from disagg.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -54,13 +55,74 @@ def named_shapes() -> dict[str, ModelConfig]:
         "smollm2-135m": _config(
             "llama", 49152, 576, 1536, 30, 9, 3, 8192, rope_theta=100000.0, tie_word_embeddings=True
         ),
+        # Qwen/Qwen3-8B's config.json: head_dim 128, q/k norms, untied, no sliding window.
+        "qwen3-8b": _config(
+            "qwen3",
+            151936,
+            4096,
+            12288,
+            36,
+            32,
+            8,
+            40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            qk_norm=True,
+            bos_token_id=151643,
+            eos_token_ids=(151645,),
+        ),
+        # mistralai/Mistral-7B-v0.1's config.json: a 4,096-token window on every layer.
+        "mistral-7b-v0.1": _config(
+            "mistral",
+            32000,
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            32768,
+            sliding_window=4096,
+            layer_types=(SLIDING_ATTENTION,) * 32,
+        ),
+        # google/gemma-3-12b's text_config: 48 layers, every 6th global, the others 1,024-token local
+        # windows; head_dim 256 over hidden 3,840 and 16 heads; linear RoPE scaling 8 on the global layers.
+        "gemma3-12b": _config(
+            "gemma3_text",
+            262208,
+            3840,
+            15360,
+            48,
+            16,
+            8,
+            131072,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            rope_local_theta=10000.0,
+            tie_word_embeddings=True,
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=True,
+            norms_per_layer=4,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            layer_types=every_nth_global(48, 6),
+            bos_token_id=2,
+            eos_token_ids=(1,),
+        ),
         "tiny": _config("llama", 512, 64, 128, 2, 4, 2, 2048),
     }
+
+
+def every_nth_global(layers: int, n: int) -> tuple[str, ...]:
+    """Gemma 3's pattern: layer i global where (i + 1) is a multiple of n, sliding otherwise."""
+    return tuple(SLIDING_ATTENTION if (i + 1) % n else FULL_ATTENTION for i in range(layers))
 
 
 def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extra) -> ModelConfig:
     extra.setdefault("bos_token_id", 1)
     extra.setdefault("eos_token_ids", (2,))
+    extra.setdefault("head_dim", hidden // heads)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -69,34 +131,6 @@ def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extr
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
         max_position_embeddings=max_pos,
         **extra,
     )
-
-
-def expected_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor a checkpoint of this shape holds, by Hugging Face name, in load order."""
-    h, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv_out, inter = config.num_key_value_heads * config.head_dim, config.intermediate_size
-    shapes = [("model.embed_tokens.weight", (config.vocab_size, h))]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q_out, h))]
-        shapes += [(p + "self_attn.k_proj.weight", (kv_out, h)), (p + "self_attn.v_proj.weight", (kv_out, h))]
-        if config.attention_bias:
-            shapes += [
-                (p + "self_attn.q_proj.bias", (q_out,)),
-                (p + "self_attn.k_proj.bias", (kv_out,)),
-                (p + "self_attn.v_proj.bias", (kv_out,)),
-            ]
-        shapes += [(p + "self_attn.o_proj.weight", (h, q_out)), (p + "post_attention_layernorm.weight", (h,))]
-        shapes += [
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    if not config.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (config.vocab_size, h)))
-    return shapes
