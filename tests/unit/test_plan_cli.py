@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -181,3 +182,51 @@ def test_the_reference_is_simulated_like_a_candidate():
     assert "reference" in printed and "1.00x" in printed
     with pytest.raises(ValueError, match="h200"):
         reference_candidate(search, parse_reference("prefill=tp1x1@h200,decode=tp2x1"))
+
+
+# ---- the shipped one-GPU configs beside a plan ------------------------------------------------------
+DEPLOY_CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+
+def plan_argv(compare: str) -> list[str]:
+    argv = ["plan", "--model", "llama3-8b", "--hardware", "h200", "--cluster", "1x8"]
+    return argv + ["--slo", "ttft_ms=400,tpot_ms=40", "--num-requests", "40", "--compare", compare]
+
+
+@pytest.mark.parametrize("name", ["gpu-one.yaml", "gpu-one-colocated.yaml"])
+def test_disagg_plan_takes_the_one_gpu_configs_as_its_reference(name, capsys, monkeypatch):
+    from disagg.cli import main
+
+    best = Candidate("colocated", {"colocated": PoolPlan(1, 1, 1, "h200", "chunked", 2048, 5000)}, 3.0, "colocated")
+    monkeypatch.setattr(Search, "run", lambda self, target_rate=None, progress=None: [best])
+    # The simulation itself is the next test's (90 s of arrivals at an H200's rates is minutes here).
+    monkeypatch.setattr(Search, "max_rate", lambda self, pools, transfer, **checks: 2.5)
+    assert main(plan_argv(str(DEPLOY_CONFIGS / name))) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "best plan beside the reference" in out and "h200" in out.split("best plan beside")[1], out
+
+
+@pytest.mark.parametrize("name", ["gpu-one.yaml", "gpu-one-colocated.yaml"])
+def test_the_one_gpu_configs_are_simulated_on_an_h200_roofline(name):
+    from disagg.planner.roofline import roofline_profile
+
+    h200 = hardware_spec("h200")
+    kind = NodeKind(h200, roofline_profile("llama3-8b", h200), num_nodes=1, devices_per_node=8)
+    requests = [SimRequest(i, 0.0, 400, 40) for i in range(30)]
+    search = Search(model_spec("llama3-8b"), [kind], requests, SLO(400.0, 40.0), min_duration_s=1.0, rate_tolerance=0.3)
+    reference = reference_candidate(search, parse_reference(str(DEPLOY_CONFIGS / name)))
+    assert reference.max_rate > 0 and {p.hardware for p in reference.pools.values()} == {"h200"}
+
+
+def test_disagg_plan_refuses_to_compare_a_config_whose_workers_do_not_fit(tmp_path, capsys, monkeypatch):
+    from disagg.cli import main
+
+    monkeypatch.setattr(Search, "run", lambda *a, **k: pytest.fail("searched before the config was checked"))
+    unfit = tmp_path / "unfit.yaml"
+    unfit.write_text(
+        (DEPLOY_CONFIGS / "gpu-one.yaml").read_text().replace("42949672960", str(60 * 2**30))  # decode: 60 GiB of KV
+    )
+    assert main(plan_argv(str(unfit))) == 2
+    err = capsys.readouterr().err
+    assert "would not start" in err and "decode instance 0" in err and "60.00 GiB of KV cache" in err, err
+    assert "prefill" not in err.split("would not start")[1], err
