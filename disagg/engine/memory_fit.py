@@ -56,8 +56,9 @@ def rank_weight_params(model: ModelConfig, tp: int, pp: int, pp_rank: int = 0) -
         size = _numel(shape)
         if name.startswith("model.layers."):
             layers += size if start <= int(name.split(".")[2]) < end else 0
-        elif name == "model.embed_tokens.weight":
-            ends += size * first + size * (last and not first and model.tie_word_embeddings)
+        elif name == "model.embed_tokens.weight":  # a tied head on a later stage is a copy of it
+            copies = int(first) + int(last and not first and model.tie_word_embeddings)
+            ends += size * copies
         else:  # model.norm.weight, lm_head.weight
             ends += size * last
     return layers // tp + ends
