@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import math
 
-from disagg.config import ServingConfig
-from disagg.engine.memory_fit import activation_bytes, fit_error, memory_need
+from disagg.config import EngineConfig, ParallelConfig, ServingConfig
+from disagg.engine.memory_fit import DTYPE_BYTES, activation_bytes, dtype_name, fit_error, kv_block_bytes, memory_need
 from disagg.engine.model_config import ModelConfig
 from disagg.planner import models
 from disagg.planner.hardware import Hardware
@@ -96,6 +96,31 @@ def fits(
     return free > 0 and kv_capacity_tokens(config, hardware, tp, pp, utilization, dtype_bytes) >= kv_tokens
 
 
+def worker_kv_tokens(
+    config: ModelConfig,
+    hardware: Hardware,
+    tp: int,
+    pp: int,
+    max_num_batched_tokens: int,
+    utilization: float = DEFAULT_UTILIZATION,
+) -> int:
+    """The KV tokens a worker of our engine may ask for on this hardware and still start: the rule
+    config_fit_errors checks (its weights as the engine places them, the vocabulary whole on every
+    TP rank, and a step's activations), on every pipeline stage."""
+    device_type = _device_type(hardware)
+    engine = EngineConfig(
+        parallel=ParallelConfig(tp, pp), max_num_batched_tokens=max_num_batched_tokens, dtype="auto", weights="auto"
+    )
+    available = hardware.memory_bytes * utilization
+    room = min(memory_need(config, engine, device_type, pp_rank=r).max_kv_bytes(available) for r in range(pp))
+    dtype_bytes = DTYPE_BYTES[dtype_name(engine.dtype, device_type, engine.weights)]
+    return room // kv_block_bytes(config, engine, dtype_bytes) * engine.block_size
+
+
+def _device_type(hardware: Hardware) -> str:
+    return "cpu" if hardware.name.startswith("cpu") else "cuda"
+
+
 def config_fit_errors(
     config: ServingConfig, model: ModelConfig, hardware: dict[str, Hardware], utilization: float = DEFAULT_UTILIZATION
 ) -> list[str]:
@@ -107,7 +132,7 @@ def config_fit_errors(
     errors = []
     for role, pool in config.pools():
         spec = hardware[role]
-        device_type = "cpu" if spec.name.startswith("cpu") else "cuda"
+        device_type = _device_type(spec)
         for index in range(pool.num_instances):
             engine = config.pool_engine_config(pool, index)
             share = (engine.gpu_memory_utilization or 1.0) if device_type == "cuda" else 1.0

@@ -230,3 +230,24 @@ def test_disagg_plan_refuses_to_compare_a_config_whose_workers_do_not_fit(tmp_pa
     err = capsys.readouterr().err
     assert "would not start" in err and "decode instance 0" in err and "60.00 GiB of KV cache" in err, err
     assert "prefill" not in err.split("would not start")[1], err
+
+
+@pytest.mark.parametrize("hardware", ["a100-80gb", "l40s", "h200"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_written_plan_starts_its_workers_by_the_engines_memory_rule(hardware, tp, monkeypatch):
+    """The search gives a pool of a model our engine runs the KV a worker may ask for and still
+    start (its weights as the engine places them, a step's activations), so `disagg plan -o`
+    writes what `disagg plan --compare` and the engine accept."""
+    from disagg.planner.memory import config_fit_errors
+    from disagg.planner.roofline import roofline_profile
+    from disagg.planner.search import pool_plans
+
+    monkeypatch.setenv("DISAGG_WEIGHTS", "auto")  # what a written config gets outside these tests
+    spec = hardware_spec(hardware)
+    kind = NodeKind(spec, roofline_profile("llama3-8b", spec, [(tp, 1)]), num_nodes=1, devices_per_node=8)
+    search = Search(model_spec("llama3-8b"), [kind], [SimRequest(0, 0.0, 100, 10)], SLO(400.0, 40.0))
+    pools = [search.pool("prefill", kind, tp, 1), search.pool("decode", kind, tp, 1)]
+    candidate = Candidate("disaggregated", pool_plans(pools), 1.0, "test")
+    config = ServingConfig.from_dict(serving_config_dict(candidate, "llama3-8b", SLO_MS, [kind]))
+    assert config_fit_errors(config, model_spec("llama3-8b"), {"prefill": spec, "decode": spec}) == []
+    assert all(p.num_kv_blocks * 16 > 100_000 for p in pools), "and most of the memory still holds KV"
