@@ -131,17 +131,19 @@ def config_fit_errors(
     allocator slack), which the engine's check at start finds already taken."""
     errors = []
     for role, pool in config.pools():
-        spec = hardware[role]
-        device_type = _device_type(spec)
         for index in range(pool.num_instances):
             engine = config.pool_engine_config(pool, index)
-            share = (engine.gpu_memory_utilization or 1.0) if device_type == "cuda" else 1.0
-            available = spec.memory_bytes * share * utilization
             for pp_rank in range(pool.pipeline_parallel_size):
-                need = memory_need(model, engine, device_type, pp_rank=pp_rank)
-                error = fit_error(
-                    need, available, f"one {spec.name} device at {share:g} x {utilization:g} of its memory"
-                )
-                if error:
-                    errors.append(f"{role} instance {index} (stage {pp_rank}): {error}")
+                error = _worker_fit_error(model, engine, hardware[role], utilization, pp_rank)
+                errors += [f"{role} instance {index} (stage {pp_rank}): {error}"] if error else []
     return errors
+
+
+def _worker_fit_error(
+    model: ModelConfig, engine: EngineConfig, spec: Hardware, utilization: float, pp_rank: int
+) -> str:
+    device_type = _device_type(spec)
+    share = (engine.gpu_memory_utilization or 1.0) if device_type == "cuda" else 1.0
+    available = spec.memory_bytes * share * utilization
+    need = memory_need(model, engine, device_type, pp_rank=pp_rank)
+    return fit_error(need, available, f"one {spec.name} device at {share:g} x {utilization:g} of its memory")
