@@ -75,6 +75,12 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
     kv_cache_memory_bytes: int = 1 * GiB
+    # The fraction of its GPU's memory this worker may take (weights, KV cache, activations), as
+    # vLLM's setting of that name: at start, what it needs must fit in this share of the GPU's
+    # memory, and in what the GPU has free (disagg/engine/memory_fit.py), or it is refused.
+    # None: its pool's num_gpus_per_worker where that is below 1 (workers sharing a GPU), else
+    # whatever the GPU has free. On a CPU the host's available memory is the bound.
+    gpu_memory_utilization: float | None = None
     max_num_batched_tokens: int = 512  # the per-step token budget (Sarathi-Serve)
     # Fair prefill (vLLM's setting of that name): a prompt's chunk is first capped at this many
     # tokens a step, until every prompt waiting for a chunk has had its share; the rest of the
@@ -161,6 +167,16 @@ class EngineConfig:
         )
         _require(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", "must be >= 1")
         _require(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes", "must be > 0")
+        _require(
+            self.gpu_memory_utilization is None
+            or (
+                isinstance(self.gpu_memory_utilization, (int, float))
+                and not isinstance(self.gpu_memory_utilization, bool)
+                and 0 < self.gpu_memory_utilization <= 1
+            ),
+            "gpu_memory_utilization",
+            f"must be a fraction in (0, 1] of the GPU's memory, got {self.gpu_memory_utilization!r}",
+        )
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
         _require(
             self.long_prefill_token_threshold is None
@@ -584,7 +600,11 @@ class ServingConfig:
         differ only in their ranks): the shared ones, the pool's, then the instance's own."""
         parallel = ParallelConfig(pool.tensor_parallel_size, pool.pipeline_parallel_size)
         own = pool.instance_override(index).get("engine") or {}
-        return self.engine.replace(**{**pool.engine, **own, "parallel": parallel})
+        engine = self.engine.replace(**{**pool.engine, **own, "parallel": parallel})
+        if engine.gpu_memory_utilization is None and 0 < pool.num_gpus_per_worker < 1:
+            # A worker given part of a GPU may take that part of its memory (gpu_memory_utilization).
+            engine = engine.replace(gpu_memory_utilization=pool.num_gpus_per_worker)
+        return engine
 
     def worker_threads(self, pool: PoolConfig, index: int = 0) -> int:
         """Torch threads of each worker of the pool's instance `index`."""

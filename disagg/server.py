@@ -50,7 +50,7 @@ from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
 from disagg.client import API_KEY_ENV
 from disagg.config import ServingConfig, read_yaml_settings
-from disagg.engine.loader import load_model_source
+from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
 from disagg.metrics import ServingMetrics
@@ -111,6 +111,7 @@ class Server:
         self._failure: BaseException | None = None
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
+        self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
 
     def start(self, timeout_s: float = 600.0) -> "Server":
         try:
@@ -132,9 +133,6 @@ class Server:
         wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
-        model = load_model_source(
-            config.engine.model, cache_dir=config.engine.cache_dir, tokenizer=config.engine.tokenizer
-        )
         self.launcher = PoolLauncher(
             config, redis_url, self._link_key, worker_host(config.worker_host, num_nodes), cpu_plan
         )
@@ -142,27 +140,32 @@ class Server:
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
         self.launcher.supervise()
-        self._start_frontend(redis_url, model, timeout_s)
-        self._start_replicas(redis_url, timeout_s)
+        # The model's shape and tokenizer come from a worker: this node may hold no model files
+        # (a `ray up` head), and the frontend tokenizes as the workers do (disagg.engine.model_card).
+        card = ray.get(self.launcher.instances[0].actor.model_card.remote(), timeout=timeout_s)
+        self._start_frontend(redis_url, card, timeout_s)
+        self._start_replicas(redis_url, card, timeout_s)
 
-    def start_replica(self, redis_url: str, timeout_s: float = 600.0) -> "Server":
-        """Frontend `index` of a deployment already running (Ray, Redis and the workers are its)."""
-        model = load_model_source(
-            self.config.engine.model, cache_dir=self.config.engine.cache_dir, tokenizer=self.config.engine.tokenizer
-        )
-        self._start_frontend(redis_url, model, timeout_s)
+    def start_replica(self, redis_url: str, card: ModelCard, timeout_s: float = 600.0) -> "Server":
+        """Frontend `index` of a deployment already running (Ray, Redis and the workers are its;
+        `card`: the model they serve)."""
+        self._start_frontend(redis_url, card, timeout_s)
         return self
 
-    def _start_frontend(self, redis_url: str, model, timeout_s: float) -> None:
+    def _start_frontend(self, redis_url: str, card: ModelCard, timeout_s: float) -> None:
         self._thread = threading.Thread(
-            target=self._run_frontend, args=(redis_url, model), name=f"frontend-{self.index}", daemon=True
+            target=self._run_frontend, args=(redis_url, card), name=f"frontend-{self.index}", daemon=True
         )
         self._thread.start()
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
 
-    def _start_replicas(self, redis_url: str, timeout_s: float) -> None:
+    def _start_replicas(self, redis_url: str, card: ModelCard, timeout_s: float) -> None:
         """Frontends 1..N-1, restarted by Ray whenever they die (same ports where they are fixed)."""
+        if self.config.frontends > 1:
+            # In the object store for as long as this server holds it: a restarted replica reads
+            # its arguments again, and Ray would have freed an argument it stored itself.
+            self._card_ref = ray.put(card)
         for index in range(1, self.config.frontends):
             replica = FrontendReplica.options(
                 name=f"frontend-{index}",
@@ -170,7 +173,7 @@ class Server:
                 max_restarts=-1,
                 num_cpus=0,
                 scheduling_strategy=_replica_placement(self.config.host),
-            ).remote(self.config, redis_url, self._link_key, index)
+            ).remote(self.config, redis_url, self._link_key, index, self._card_ref)
             self.replicas.append(replica)
         self._stack.callback(self._stop_replicas)
         ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
@@ -213,16 +216,16 @@ class Server:
         self.redis = self._stack.enter_context(redis).supervise()
         return self.redis.url
 
-    def _run_frontend(self, redis_url: str, model) -> None:
+    def _run_frontend(self, redis_url: str, card: ModelCard) -> None:
         try:
-            asyncio.run(self._frontend(redis_url, model))
+            asyncio.run(self._frontend(redis_url, card))
         except BaseException as exc:  # reported to start(); a crash after start is logged
             self._failure = exc
             logger.exception("frontend failed")
         finally:
             self._started.set()
 
-    async def _frontend(self, redis_url: str, model) -> None:
+    async def _frontend(self, redis_url: str, card: ModelCard) -> None:
         config = self.config
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
@@ -241,8 +244,9 @@ class Server:
         )
         self.directory = directory
         await _wait_for_instances(config, directory)
-        tokenizer = Tokenizer(model.tokenizer) if model.tokenizer is not None else None
-        limits = await _model_limits(config, model, directory)
+        hf_tokenizer = card.tokenizer()
+        tokenizer = Tokenizer(hf_tokenizer) if hf_tokenizer is not None else None
+        limits = await _model_limits(config, card, directory)
         streams = DecodeStreams(on_lost=directory.mark_failed)
         metrics = ServingMetrics()
         orchestrator = Orchestrator(
@@ -279,7 +283,7 @@ class Server:
         tasks.append(asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains"))
         arrival_feed = None
         if self.index == 0:
-            tasks += self._control_loops(directory, model, metrics, orchestrator, registry)
+            tasks += self._control_loops(directory, card, metrics, orchestrator, registry)
         elif _replans(config):  # frontend 0's re-planner plans for this frontend's traffic too
             arrival_feed = ArrivalFeed(registry, config.replan_window_s)
             orchestrator.on_arrival = arrival_feed.arrived
@@ -302,10 +306,10 @@ class Server:
             metrics_server.stop()
         registry.close()
 
-    def _control_loops(self, directory, model, metrics, orchestrator, registry) -> list[asyncio.Task]:
+    def _control_loops(self, directory, card, metrics, orchestrator, registry) -> list[asyncio.Task]:
         """Where instances may switch: re-planning and rebalancing (frontend 0's requests only)."""
         tasks = []
-        replanning = self._replanning(directory, model, metrics, orchestrator, registry)
+        replanning = self._replanning(directory, card, metrics, orchestrator, registry)
         if replanning is not None:
             tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
         if self.config.switchable():
@@ -313,7 +317,7 @@ class Server:
             tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
         return tasks
 
-    def _replanning(self, directory, model, metrics, orchestrator, registry) -> ReplanLoop | None:
+    def _replanning(self, directory, card: ModelCard, metrics, orchestrator, registry) -> ReplanLoop | None:
         """The closed loop, where instances may switch and there is a split to choose (_replans),
         fed every frontend's arrivals."""
         config = self.config
@@ -321,8 +325,8 @@ class Server:
             return None
         base = load_profile(config.profile) if config.profile else None
         dtype_bytes = 4 if config.engine.dtype == "float32" else 2
-        kv_bytes = model.config.kv_bytes_per_token * dtype_bytes
-        layers = model.config.num_hidden_layers
+        kv_bytes = card.config.kv_bytes_per_token * dtype_bytes
+        layers = card.config.num_hidden_layers
 
         def profile():
             return live_profile(base, directory, config.engine.model, kv_bytes, layers)
@@ -431,9 +435,9 @@ class FrontendReplica:
     """Frontend `index` of a deployment (ServingConfig.frontends): the same gRPC and HTTP service
     as frontend 0's, on its own ports, in a process Ray restarts when it dies."""
 
-    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int):
+    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url)
+        self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url, card)
 
     def addresses(self) -> tuple[str, str | None]:
         """(gRPC HOST:PORT, HTTP HOST:PORT or None), with its node's IP for a wildcard host."""
@@ -571,13 +575,12 @@ async def _wait_for_instances(config: ServingConfig, directory: InstanceDirector
         await directory.refresh()
 
 
-async def _model_limits(config: ServingConfig, model, directory: InstanceDirectory) -> ModelLimits:
+async def _model_limits(config: ServingConfig, card: ModelCard, directory: InstanceDirectory) -> ModelLimits:
     role = "colocated" if config.mode == "colocated" else "decode"
     blocks = min(i.view.load.num_total_blocks for i in directory.healthy(role))
-    max_len = min(
-        config.engine.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
-    )
-    return ModelLimits(model.config.vocab_size, max_len, blocks, config.engine.block_size)
+    context = card.config.max_position_embeddings
+    max_len = min(config.engine.max_model_len or context, context)
+    return ModelLimits(card.config.vocab_size, max_len, blocks, config.engine.block_size)
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):

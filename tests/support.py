@@ -182,3 +182,18 @@ def stream_all(client, requests, during=None, after_tokens: int = 4) -> list[tup
         if during is not None:
             during()
         return [f.result() for f in futures]
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of 259 tokens (256 bytes and 3 special), for the tiny checkpoints."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -14,6 +14,7 @@ stopped whole and launched again under the same id, in a new placement group.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -27,10 +28,13 @@ from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import POOL_LABEL_SLIVER, ParallelConfig, PoolConfig, Role, ServingConfig, WorkerConfig
 from disagg.engine.distributed import RankPlace
-from disagg.errors import UnavailableError
+from disagg.errors import ModelLoadError, UnavailableError
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "disagg"
+# How Ray reports a worker that refused to start with a ModelLoadError (a model it cannot load,
+# memory its device does not have): the error's last line in the actor's creation traceback.
+_REFUSED_START = re.compile(r"^disagg\.errors\.ModelLoadError: (.+)$", re.M)
 
 
 @dataclass
@@ -91,8 +95,11 @@ class PoolLauncher:
                 self.instances.append(self._launch_one(role, pool, index, f"{role}-{index}-{run_id}"))
         try:
             ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=ready_timeout_s)
-        except Exception:
+        except Exception as exc:
             self.shutdown()
+            refused = _REFUSED_START.findall(str(exc))
+            if refused:  # the worker's own message, whole, not Ray's report of an actor's death around it
+                raise ModelLoadError(refused[-1]) from exc
             raise
         return self.instances
 

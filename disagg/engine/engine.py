@@ -28,7 +28,9 @@ from disagg.engine.layers.attention import select_decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
 from disagg.engine.layers.quantized import wide_dtype_for
 from disagg.engine.length_prediction import load_length_ranker, predict_output_len
+from disagg.engine.device_memory import available_memory
 from disagg.engine.loader import load_model_source
+from disagg.engine.memory_fit import dtype_name, fit_error, kv_block_bytes, kv_num_blocks, memory_need
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.models import build_model
 from disagg.engine.models.causal_lm import Backends, CausalLM
@@ -36,7 +38,7 @@ from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
 from disagg.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-from disagg.errors import InvalidRequestError
+from disagg.errors import InvalidRequestError, ModelLoadError
 from disagg.request import FinishReason, Request, RequestStatus, SamplingParams, check_fits, priority_value
 from disagg.step_work import MeasuredStep
 
@@ -60,11 +62,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device, weights: str = "auto") -> torch.dtype:
-    if dtype == "auto" and weights in ("fp32", "bf16"):
-        return torch.float32 if weights == "fp32" else torch.bfloat16
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    return getattr(torch, dtype_name(dtype, device.type, weights))
 
 
 class LLMEngine:
@@ -107,6 +105,7 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or source.config.max_position_embeddings, source.config.max_position_embeddings
         )
+        self._check_memory_fits(source)
         self.model = self._build_model(source)
         self.kv_cache = self._build_kv_cache()
         self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -165,6 +164,18 @@ class LLMEngine:
                 tokenizer.hf_tokenizer, self.model_config.vocab_size, tokenizer.eos_token_ids
             )
         return self._compiler
+
+    def _check_memory_fits(self, source) -> None:
+        """Before anything is allocated: this rank's weights, KV cache and activations must fit
+        what its device leaves it (memory_fit.py), or it is refused with the figures."""
+        place = self.groups.place if self.groups is not None else None
+        pp_rank = place.pp_rank if place is not None else 0
+        from_gguf = source.gguf_path is not None
+        need = memory_need(self.model_config, self.config, self.device.type, from_gguf=from_gguf, pp_rank=pp_rank)
+        available, where = available_memory(self.device, self.config.gpu_memory_utilization)
+        error = fit_error(need, available, where)
+        if error:
+            raise ModelLoadError(f"{self.config.model} ({self.config.role} worker): {error}")
 
     def _build_model(self, source) -> CausalLM:
         previous = torch.get_default_dtype()
@@ -227,10 +238,10 @@ class LLMEngine:
         cfg, c, p = self.model_config, self.config, self.config.parallel
         num_kv_heads = cfg.num_key_value_heads // p.tensor_parallel_size
         # Every rank of an instance sizes its cache for the largest stage, so that all ranks
-        # have the same number of blocks: rank 0's block ids are valid everywhere.
-        largest_stage = -(-cfg.num_hidden_layers // p.pipeline_parallel_size)
-        per_block = KVCache.bytes_per_block(cfg, largest_stage, num_kv_heads, c.block_size, self.dtype)
-        num_blocks = c.num_kv_blocks or max(1, c.kv_cache_memory_bytes // per_block)
+        # have the same number of blocks: rank 0's block ids are valid everywhere (memory_fit).
+        dtype_bytes = self.dtype.itemsize
+        per_block = kv_block_bytes(cfg, c, dtype_bytes)
+        num_blocks = kv_num_blocks(cfg, c, dtype_bytes)
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, c.block_size, num_blocks * per_block / 2**20
         )

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from disagg.engine.cuda_sharing import export_cuda
-from disagg.engine.model_config import ModelConfig
 from disagg.engine.shared_memory import SharedHandle, shared_zeros
 
 
@@ -57,12 +56,6 @@ class KVCache:
         # them per step is 4 calls into torch a layer.
         self._layers = list(self.tensor.unbind(0))  # [2, KVH, blocks, bs, D] each
         self._slots = [layer.view(2, num_kv_heads, -1, head_dim).unbind(0) for layer in self._layers]
-
-    @staticmethod
-    def bytes_per_block(
-        cfg: ModelConfig, num_layers: int, num_kv_heads: int, block_size: int, dtype: torch.dtype
-    ) -> int:
-        return 2 * num_layers * block_size * num_kv_heads * cfg.head_dim * torch.empty((), dtype=dtype).element_size()
 
     @property
     def num_layers(self) -> int:

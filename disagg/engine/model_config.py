@@ -110,6 +110,14 @@ class ModelConfig:
         return attention + mlp_matrices * h * self.intermediate_size
 
     @property
+    def layer_small_params(self) -> int:
+        """Norms and biases of one decoder layer: each family's hidden-size norms (Gemma 3 has four),
+        q's and k's per-head norms where it has them, the QKV bias where it has one."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        qk_norms = 2 * self.head_dim if self.qk_norm else 0
+        return self.norms_per_layer * self.hidden_size + qk_norms + ((q + 2 * kv) if self.attention_bias else 0)
+
+    @property
     def attention_context_tokens(self) -> float:
         """The context at which a prompt token's attention costs as many FLOPs as its linear
         layers (2 per weight, against 4 per head dimension for each key it attends to): about

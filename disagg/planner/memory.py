@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 
+from disagg.config import EngineConfig, ParallelConfig, ServingConfig
+from disagg.engine.memory_fit import DTYPE_BYTES, activation_bytes, dtype_name, fit_error, kv_block_bytes, memory_need
 from disagg.engine.model_config import ModelConfig
 from disagg.planner import models
 from disagg.planner.hardware import Hardware
@@ -56,8 +58,7 @@ def activation_bytes_per_device(config: ModelConfig, tokens: int, tp: int, dtype
     """The largest activations of one step of `tokens` tokens: the MLP's input and intermediate
     (twice: before and after the activation function) and a few hidden-sized buffers, split over
     TP. An engine that sizes its cache after a trial step of its token budget (vLLM) keeps this."""
-    per_token = 2 * config.intermediate_size + 4 * config.hidden_size
-    return tokens * per_token * dtype_bytes / tp
+    return activation_bytes(config, tokens, tp, dtype_bytes)
 
 
 def kv_capacity_tokens(
@@ -93,3 +94,56 @@ def fits(
         return False
     free = hardware.memory_bytes * utilization - weight_bytes_per_device(config, tp, pp, dtype_bytes)
     return free > 0 and kv_capacity_tokens(config, hardware, tp, pp, utilization, dtype_bytes) >= kv_tokens
+
+
+def worker_kv_tokens(
+    config: ModelConfig,
+    hardware: Hardware,
+    tp: int,
+    pp: int,
+    max_num_batched_tokens: int,
+    utilization: float = DEFAULT_UTILIZATION,
+) -> int:
+    """The KV tokens a worker of our engine may ask for on this hardware and still start: the rule
+    config_fit_errors checks (its weights as the engine places them, the vocabulary whole on every
+    TP rank, and a step's activations), on every pipeline stage."""
+    device_type = _device_type(hardware)
+    engine = EngineConfig(
+        parallel=ParallelConfig(tp, pp), max_num_batched_tokens=max_num_batched_tokens, dtype="auto", weights="auto"
+    )
+    available = hardware.memory_bytes * utilization
+    room = min(memory_need(config, engine, device_type, pp_rank=r).max_kv_bytes(available) for r in range(pp))
+    dtype_bytes = DTYPE_BYTES[dtype_name(engine.dtype, device_type, engine.weights)]
+    return room // kv_block_bytes(config, engine, dtype_bytes) * engine.block_size
+
+
+def _device_type(hardware: Hardware) -> str:
+    return "cpu" if hardware.name.startswith("cpu") else "cuda"
+
+
+def config_fit_errors(
+    config: ServingConfig, model: ModelConfig, hardware: dict[str, Hardware], utilization: float = DEFAULT_UTILIZATION
+) -> list[str]:
+    """Why workers of a serving config would be refused at start on this hardware (`hardware`:
+    each pool role's), by the engine's own rule (disagg.engine.memory_fit), one line each; [] when
+    all fit. A worker may use its share of a device (gpu_memory_utilization, or the fraction of a
+    GPU its pool asks for), less `1 - utilization` of it for the runtime (CUDA context, graphs,
+    allocator slack), which the engine's check at start finds already taken."""
+    errors = []
+    for role, pool in config.pools():
+        for index in range(pool.num_instances):
+            engine = config.pool_engine_config(pool, index)
+            for pp_rank in range(pool.pipeline_parallel_size):
+                error = _worker_fit_error(model, engine, hardware[role], utilization, pp_rank)
+                errors += [f"{role} instance {index} (stage {pp_rank}): {error}"] if error else []
+    return errors
+
+
+def _worker_fit_error(
+    model: ModelConfig, engine: EngineConfig, spec: Hardware, utilization: float, pp_rank: int
+) -> str:
+    device_type = _device_type(spec)
+    share = (engine.gpu_memory_utilization or 1.0) if device_type == "cuda" else 1.0
+    available = spec.memory_bytes * share * utilization
+    need = memory_need(model, engine, device_type, pp_rank=pp_rank)
+    return fit_error(need, available, f"one {spec.name} device at {share:g} x {utilization:g} of its memory")

@@ -77,8 +77,7 @@ def _layer_small_params(config: ModelConfig) -> int:
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     if _is_opt(config):  # every linear has a bias; two LayerNorms with weight and bias
         return q + 2 * kv + h + config.intermediate_size + h + 4 * h
-    qk_norms = 2 * config.head_dim if config.qk_norm else 0
-    return config.norms_per_layer * h + qk_norms + ((q + 2 * kv) if config.attention_bias else 0)
+    return config.layer_small_params
 
 
 def embedding_params(config: ModelConfig) -> int:

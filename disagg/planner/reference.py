@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from disagg.config import ServingConfig
+from disagg.engine.model_config import ModelConfig
 from disagg.planner.hardware import hardware_spec
+from disagg.planner.memory import config_fit_errors
 from disagg.planner.search import Candidate, NodeKind, Search, pool_plans
 
 ROLES = ("prefill", "decode", "colocated")
@@ -57,6 +59,18 @@ def _parse_pool(part: str, text: str) -> ReferencePool:
         )
     tp, pp, instances, hardware = match.groups()
     return ReferencePool(role.strip(), int(tp), int(pp or 1), int(instances), hardware)
+
+
+def check_config_fits(path: str, model: ModelConfig, kinds: list[NodeKind]) -> None:
+    """A serving config compared against the plan must be one that starts: each worker's weights,
+    KV cache and activations fit its pool's hardware (disagg.planner.memory.config_fit_errors)."""
+    config = ServingConfig.from_yaml(path)
+    hardware = {pool.role: _kind_of(pool, kinds).hardware for pool in _from_config(config)}
+    errors = config_fit_errors(config, model, hardware)
+    if errors:
+        raise ValueError(
+            f"compare: {path} would not start, its workers do not fit their devices:\n  " + "\n  ".join(errors)
+        )
 
 
 def _from_config(config: ServingConfig) -> list[ReferencePool]:

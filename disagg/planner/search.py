@@ -236,7 +236,10 @@ class Search:
 
     # ---- building pools ------------------------------------------------------------------------
     def pool(self, role: str, kind: NodeKind, tp: int, pp: int, instances: int = 1, **engine) -> SimPool:
+        budget = engine.get("max_num_batched_tokens", 16384 if role == "prefill" else 2048)
         tokens = memory.kv_capacity_tokens(self.model_config, kind.hardware, tp, pp)
+        if self.model_config.architecture != "opt":  # a model our engine runs: as much KV as it starts with
+            tokens = min(tokens, memory.worker_kv_tokens(self.model_config, kind.hardware, tp, pp, budget))
         if kind.hardware.name.startswith("cpu"):
             per_token = memory.kv_bytes_per_token_per_device(self.model_config, tp, pp, 4)  # float32 on CPU
             tokens = min(tokens, int(CPU_KV_CAP_BYTES // per_token))
@@ -247,7 +250,7 @@ class Search:
             step_model=kind.profile.step_model(tp, pp),
             num_kv_blocks=max(1, tokens // self.block_size),
             block_size=self.block_size,
-            max_num_batched_tokens=engine.get("max_num_batched_tokens", 16384 if role == "prefill" else 2048),
+            max_num_batched_tokens=budget,
             max_num_seqs=engine.get("max_num_seqs", 512),
             max_model_len=self.max_model_len,
             scheduling_policy=policy,

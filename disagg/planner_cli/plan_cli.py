@@ -52,7 +52,7 @@ def add_arguments(p, argparse) -> None:
 def main(args) -> int:
     from disagg.bench.metrics import parse_slo
     from disagg.planner.models import model_spec
-    from disagg.planner.reference import parse_reference, reference_candidate
+    from disagg.planner.reference import check_config_fits, parse_reference, reference_candidate
     from disagg.planner.search import SLO, Search
 
     slo_ms = parse_slo(args.slo)
@@ -62,6 +62,8 @@ def main(args) -> int:
     serve_model = check_serve_model(args) if args.output else None
     reference = parse_reference(args.compare) if args.compare else None
     kinds = cluster_kinds(args.cluster, args.model, args.profile, args.hardware)
+    if args.compare and Path(args.compare).is_file():
+        check_config_fits(args.compare, config, kinds)
     requests = _lengths(args, config.max_position_embeddings)
     slo = SLO(slo_ms["ttft_ms"], slo_ms["tpot_ms"], args.percentile, args.attainment)
     search = Search(config, kinds, requests, slo, max_model_len=config.max_position_embeddings, seed=args.seed)

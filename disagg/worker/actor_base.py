@@ -22,6 +22,7 @@ from disagg.hosts.addressing import resolve_host
 from disagg.hosts.cpu_binding import keep_off_engine_cpus
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import resolve_device
+from disagg.engine.model_card import ModelCard, model_card
 from disagg.engine.step_loop import StepLoop
 from disagg.errors import RegistryUnavailable
 from disagg.config import WorkerConfig
@@ -139,6 +140,13 @@ class WorkerActorBase:
             kv_ranks=layout.to_list() if layout else [],
             rpc_address=self.rpc.address,
         )
+
+    def model_card(self) -> ModelCard:
+        """What a frontend needs of the model this instance serves, so that it reads no model
+        files of its own (disagg.engine.model_card)."""
+        engine = self.worker.engine
+        tokenizer = engine.tokenizer.hf_tokenizer if engine.tokenizer is not None else None
+        return model_card(engine.config.model, engine.model_config, tokenizer)
 
     def kv_layout(self) -> KVLayout | None:
         """Every rank's KV endpoint (None for a colocated instance, which moves no KV)."""

@@ -3,6 +3,8 @@ schema and defaults; `make deploy-test` runs the local one for real)."""
 
 from __future__ import annotations
 
+import getpass
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -64,4 +66,55 @@ def test_the_aws_file_puts_each_tensor_parallel_group_on_one_node_and_serves_saf
         pool = getattr(served, role)
         gpus = GPUS_PER_INSTANCE_TYPE[types[node_type]["node_config"]["InstanceType"]]
         assert pool.tensor_parallel_size * pool.num_gpus_per_worker <= gpus, role
-    assert any("hf download" in c for c in config["worker_setup_commands"])
+    assert any("deploy/download-model.sh" in c for c in config["worker_setup_commands"])
+
+
+def test_the_aws_head_holds_neither_the_model_nor_the_token_that_downloads_it():
+    """The GPU nodes download the model with a token that only their IAM role may read (SSM);
+    the head, which holds whatever file_mounts copies, gets no token and runs no download: its
+    frontend takes the model's shape and tokenizer from a worker (test_model_on_workers_only.py)."""
+    config = launcher_config("cluster-aws.yaml")
+    assert set(config["file_mounts"]) == {"~/.ray/auth_token", "~/disagg-plan.yaml", "~/disagg-api-key", "~/disagg-tls"}
+    head = config["head_setup_commands"] + config["head_start_ray_commands"]
+    assert not [c for c in head if "/models" in c or "hf " in c or "download" in c or "hf-token" in c], head
+    download = [c for c in config["worker_setup_commands"] if "download-model.sh" in c]
+    served = ServingConfig.from_yaml(str(DEPLOY / "configs" / "llama3-8b-gpu.yaml")).engine.model
+    assert len(download) == 1 and f" {served} " in download[0] and download[0].split()[-1] == "/disagg/hf-token"
+    types = config["available_node_types"]
+    assert "IamInstanceProfile" not in types["head"]["node_config"]  # Ray's own role, which may not read it
+    gpu_roles = {t["node_config"]["IamInstanceProfile"]["Name"] for name, t in types.items() if name != "head"}
+    assert gpu_roles == {"disagg-gpu-node"}
+    assert "rm -rf ~/disagg-api-key ~/disagg-tls" in config["worker_setup_commands"]
+
+
+def fake_commands(bin_dir: Path, record: Path) -> None:
+    """Stand-ins for what download-model.sh calls on an EC2 node: the metadata service (curl),
+    SSM (aws), sudo, and `hf`, which records its environment's token and its arguments."""
+    scripts = {
+        "curl": 'case "$*" in *api/token*) echo session;; *placement/region*) echo us-west-2;; *) exit 22;; esac',
+        "aws": '[ "$*" = "ssm get-parameter --region us-west-2 --name /disagg/hf-token --with-decryption '
+        '--query Parameter.Value --output text" ] && echo hf_secret || exit 1',
+        "sudo": '"$@"',
+        "hf": f'echo "token=${{HF_TOKEN:-}} args=$*" >> {record}; touch "$4/config.json"',
+    }
+    bin_dir.mkdir()
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/usr/bin/env bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+
+def test_a_gpu_node_downloads_the_model_once_with_the_token_only_in_the_downloads_environment(tmp_path):
+    record = tmp_path / "hf-calls"
+    fake_commands(tmp_path / "bin", record)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path), "USER": getpass.getuser()}
+    script = [str(DEPLOY / "download-model.sh"), "meta-llama/Meta-Llama-3-8B-Instruct", str(tmp_path / "m")]
+    run = subprocess.run(script + ["/disagg/hf-token"], env=env, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    call = f"args=download meta-llama/Meta-Llama-3-8B-Instruct --local-dir {tmp_path / 'm'} --exclude original/*"
+    assert record.read_text().splitlines() == [f"token=hf_secret {call}"]
+    assert "hf_secret" not in run.stdout + run.stderr
+    again = subprocess.run(script + ["/disagg/hf-token"], env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and len(record.read_text().splitlines()) == 1, "downloaded twice"
+    (tmp_path / "m" / "config.json").unlink()
+    public = subprocess.run(script, env=env, capture_output=True, text=True, timeout=60)
+    assert public.returncode == 0 and record.read_text().splitlines()[-1] == f"token= {call}", public.stderr

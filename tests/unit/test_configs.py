@@ -6,9 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from disagg.config import EngineConfig, Role, ServingConfig, WorkerConfig
+from disagg.config import DEFAULT_MODEL, EngineConfig, Role, ServingConfig, WorkerConfig
+from disagg.planner.hardware import hardware_spec
+from disagg.planner.memory import config_fit_errors
+from disagg.planner.models import model_spec
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "deploy" / "configs").glob("*.yaml"))
+# What each shipped GPU config is written for, as its header says: (hardware, the model's shape).
+GPU_CONFIGS = {
+    "llama3-8b-gpu.yaml": ("l40s", "llama3-8b"),
+    "gpu-one.yaml": ("h200", "llama3-8b"),
+    "gpu-one-colocated.yaml": ("h200", "llama3-8b"),
+}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -19,6 +28,57 @@ def test_example_configs_parse(path):
 
 def test_examples_exist():
     assert {p.name for p in CONFIGS} >= {"disaggregated.yaml", "colocated.yaml", "colocated-prefill-first.yaml"}
+    assert {p.name for p in CONFIGS} >= set(GPU_CONFIGS)
+
+
+def shipped(name: str) -> ServingConfig:
+    return ServingConfig.from_yaml(str(CONFIGS[0].parent / name))
+
+
+def test_every_shipped_gpu_config_fits_its_hardware_by_the_engines_rule():
+    """Each worker's weights, KV cache and activations fit its share of the GPU it is written for,
+    less a tenth for the runtime: the rule the engine refuses a worker by at start."""
+    on_gpus = {p.name for p in CONFIGS if any(pool.num_gpus_per_worker for _, pool in shipped(p.name).pools())}
+    assert on_gpus == set(GPU_CONFIGS), "a new GPU config: name the hardware it is written for above"
+    for name, (hardware, shape) in GPU_CONFIGS.items():
+        config = shipped(name)
+        errors = config_fit_errors(
+            config, model_spec(shape), {role: hardware_spec(hardware) for role, _ in config.pools()}
+        )
+        assert errors == [], (name, errors)
+
+
+def test_gpu_one_shares_one_gpu_between_a_prefill_and_a_decode_worker():
+    config = shipped("gpu-one.yaml")
+    pools = dict(config.pools())
+    assert sum(p.num_instances * p.workers_per_instance * p.num_gpus_per_worker for p in pools.values()) == 1
+    engines = {role: config.pool_engine_config(pool) for role, pool in pools.items()}
+    assert all(e.gpu_memory_utilization == 0.5 for e in engines.values()), "each may take half the GPU's memory"
+    assert all(e.device == "cuda" and e.dtype == "bfloat16" for e in engines.values())
+    assert (engines["prefill"].model, engines["prefill"].tokenizer) == ("random:llama3-8b", DEFAULT_MODEL)
+    assert not engines["decode"].enforce_eager, "decode steps replay CUDA graphs"
+    assert engines["decode"].kv_cache_memory_bytes > engines["prefill"].kv_cache_memory_bytes
+    assert config.slo.ttft_ms > 0 and config.slo.tpot_ms > 0
+
+
+def test_gpu_one_colocated_is_the_same_service_on_the_whole_gpu():
+    disaggregated, colocated = shipped("gpu-one.yaml"), shipped("gpu-one-colocated.yaml")
+    ((role, pool),) = colocated.pools()
+    engine, decode = colocated.pool_engine_config(pool), disaggregated.pool_engine_config(disaggregated.decode)
+    assert role == "colocated" and pool.num_instances * pool.num_gpus_per_worker == 1
+    same = ("model", "tokenizer", "dtype", "device", "max_model_len", "block_size")
+    assert [getattr(engine, f) for f in same] == [getattr(decode, f) for f in same]
+    assert colocated.slo == disaggregated.slo and engine.gpu_memory_utilization is None and not engine.enforce_eager
+
+
+def test_the_tokenizer_the_gpu_configs_name_loads_and_fits_the_model():
+    """random: weights have no tokenizer; the configs name the default model's, which must load
+    beside a Llama-3-8B shape (its ids within the model's vocabulary)."""
+    from disagg.engine.loader import load_model_source
+
+    engine = shipped("gpu-one.yaml").engine
+    source = load_model_source(engine.model, cache_dir=engine.cache_dir, tokenizer=engine.tokenizer)
+    assert source.tokenizer is not None and len(source.tokenizer) <= source.config.vocab_size
 
 
 @pytest.mark.parametrize(

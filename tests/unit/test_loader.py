@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support import tiny_tokenizer
 
 from disagg.config import DEFAULT_MODEL
 from disagg.engine import gguf_convert
@@ -162,20 +163,6 @@ def test_hf_dir_tokenizer_is_loaded_when_present(tmp_path):
     source = load_model_source(str(tmp_path / "m"), cache_dir=str(tmp_path))
     assert source.tokenizer is not None
     assert source.tokenizer.decode(source.tokenizer.encode("hello world")) == "hello world"
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=200, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 # ---- random weights ------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from argparse import Namespace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -181,3 +182,72 @@ def test_the_reference_is_simulated_like_a_candidate():
     assert "reference" in printed and "1.00x" in printed
     with pytest.raises(ValueError, match="h200"):
         reference_candidate(search, parse_reference("prefill=tp1x1@h200,decode=tp2x1"))
+
+
+# ---- the shipped one-GPU configs beside a plan ------------------------------------------------------
+DEPLOY_CONFIGS = Path(__file__).resolve().parents[2] / "deploy" / "configs"
+
+
+def plan_argv(compare: str) -> list[str]:
+    argv = ["plan", "--model", "llama3-8b", "--hardware", "h200", "--cluster", "1x8"]
+    return argv + ["--slo", "ttft_ms=400,tpot_ms=40", "--num-requests", "40", "--compare", compare]
+
+
+@pytest.mark.parametrize("name", ["gpu-one.yaml", "gpu-one-colocated.yaml"])
+def test_disagg_plan_takes_the_one_gpu_configs_as_its_reference(name, capsys, monkeypatch):
+    from disagg.cli import main
+
+    best = Candidate("colocated", {"colocated": PoolPlan(1, 1, 1, "h200", "chunked", 2048, 5000)}, 3.0, "colocated")
+    monkeypatch.setattr(Search, "run", lambda self, target_rate=None, progress=None: [best])
+    # The simulation itself is the next test's (90 s of arrivals at an H200's rates is minutes here).
+    monkeypatch.setattr(Search, "max_rate", lambda self, pools, transfer, **checks: 2.5)
+    assert main(plan_argv(str(DEPLOY_CONFIGS / name))) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    assert "best plan beside the reference" in out and "h200" in out.split("best plan beside")[1], out
+
+
+@pytest.mark.parametrize("name", ["gpu-one.yaml", "gpu-one-colocated.yaml"])
+def test_the_one_gpu_configs_are_simulated_on_an_h200_roofline(name):
+    from disagg.planner.roofline import roofline_profile
+
+    h200 = hardware_spec("h200")
+    kind = NodeKind(h200, roofline_profile("llama3-8b", h200), num_nodes=1, devices_per_node=8)
+    requests = [SimRequest(i, 0.0, 400, 40) for i in range(30)]
+    search = Search(model_spec("llama3-8b"), [kind], requests, SLO(400.0, 40.0), min_duration_s=1.0, rate_tolerance=0.3)
+    reference = reference_candidate(search, parse_reference(str(DEPLOY_CONFIGS / name)))
+    assert reference.max_rate > 0 and {p.hardware for p in reference.pools.values()} == {"h200"}
+
+
+def test_disagg_plan_refuses_to_compare_a_config_whose_workers_do_not_fit(tmp_path, capsys, monkeypatch):
+    from disagg.cli import main
+
+    monkeypatch.setattr(Search, "run", lambda *a, **k: pytest.fail("searched before the config was checked"))
+    unfit = tmp_path / "unfit.yaml"
+    unfit.write_text(
+        (DEPLOY_CONFIGS / "gpu-one.yaml").read_text().replace("42949672960", str(60 * 2**30))  # decode: 60 GiB of KV
+    )
+    assert main(plan_argv(str(unfit))) == 2
+    err = capsys.readouterr().err
+    assert "would not start" in err and "decode instance 0" in err and "60.00 GiB of KV cache" in err, err
+    assert "prefill" not in err.split("would not start")[1], err
+
+
+@pytest.mark.parametrize("hardware", ["a100-80gb", "l40s", "h200"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_written_plan_starts_its_workers_by_the_engines_memory_rule(hardware, tp, monkeypatch):
+    """The search gives a pool of a model our engine runs the KV a worker may ask for and still
+    start (its weights as the engine places them, a step's activations), so `disagg plan -o`
+    writes what `disagg plan --compare` and the engine accept."""
+    from disagg.planner.memory import config_fit_errors
+    from disagg.planner.roofline import roofline_profile
+    from disagg.planner.search import pool_plans
+
+    monkeypatch.setenv("DISAGG_WEIGHTS", "auto")  # what a written config gets outside these tests
+    spec = hardware_spec(hardware)
+    kind = NodeKind(spec, roofline_profile("llama3-8b", spec, [(tp, 1)]), num_nodes=1, devices_per_node=8)
+    search = Search(model_spec("llama3-8b"), [kind], [SimRequest(0, 0.0, 100, 10)], SLO(400.0, 40.0))
+    pools = [search.pool("prefill", kind, tp, 1), search.pool("decode", kind, tp, 1)]
+    candidate = Candidate("disaggregated", pool_plans(pools), 1.0, "test")
+    config = ServingConfig.from_dict(serving_config_dict(candidate, "llama3-8b", SLO_MS, [kind]))
+    assert config_fit_errors(config, model_spec("llama3-8b"), {"prefill": spec, "decode": spec}) == []
+    assert all(p.num_kv_blocks * 16 > 100_000 for p in pools), "and most of the memory still holds KV"
