@@ -105,7 +105,12 @@ def gpu_settings(installed: dict, rates: tuple[float, ...] | None) -> Settings:
         config_changes={},
         engine_changes={},
         pool_changes={},
-        paris_changes={**no_port, "engine": {"device": "cuda"}, **dict.fromkeys(POOLS_SHARING_ONE_GPU, half_gpu)},
+        # float32 as tests/gpu's default-model test: the answer's first token is a near-tie ("The" or "L'")
+        paris_changes={
+            **no_port,
+            "engine": {"device": "cuda", "dtype": "float32"},
+            **dict.fromkeys(POOLS_SHARING_ONE_GPU, half_gpu),
+        },
         kv_ipc_args=("--device", "cuda", "--repeats", "10"),
         kv_transfer_args=("--device", "cuda", "--dtype", "bfloat16", "--repeats", "5"),
         profile_args=tuple(
@@ -164,6 +169,7 @@ def parse_args(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    chosen = selected(args.only)
     started = time.monotonic()
     out, target = Path(args.out), Path(args.target)
     out.mkdir(parents=True, exist_ok=True)
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = (dry_run_settings if args.dry_run else gpu_settings)(installed, rates)
     ctx = context(out, target / "run", installed, settings, args.dry_run)
     budget = (args.budget_s or (DRY_RUN_BUDGET_S if args.dry_run else GPU_BUDGET_S)) - (time.monotonic() - started)
-    summary = run_stages(selected(args.only), ctx, budget, has_gpu=not args.dry_run and gpu_present(), summary=summary)
+    summary = run_stages(chosen, ctx, budget, has_gpu=not args.dry_run and gpu_present(), summary=summary)
     archive(ctx.work, out / "work.tar.gz")
     print_table(summary)
     return 0
@@ -185,7 +191,7 @@ def install(kit: Path, target: Path, summary: dict) -> dict:
     try:
         installed = install_kit.install(kit, target)
         status = "ok"
-    except (OSError, ValueError, subprocess.CalledProcessError) as exc:
+    except Exception as exc:  # pip, a broken archive, a wrong piece: the stages say what it costs
         installed = {"site": str(target / "site"), "bin": [], "tokenizer": None, "model": None, "notes": []}
         status = f"failed: {exc}"
     summary["install"] = {"status": status, "seconds": round(time.monotonic() - started, 1), **installed}
