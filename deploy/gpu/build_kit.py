@@ -6,11 +6,11 @@ The machine has Python 3.12, CUDA torch, Triton, transformers, tokenizers, numpy
 msgpack, protobuf, grpcio 1.84, pyyaml, prometheus-client, matplotlib and pytest, and reaches no
 package registry. It lacks, and the kit holds:
   part a  wheels/: Ray (the version of our venv, repacked without its Java jars, dashboard
-            front-end and RLlib: 32 MB that nothing here runs), the grpcio our generated stubs
-            were made for (disagg/v1/serving_pb2_grpc.py refuses an older one), its health and
-            reflection services and the protobuf they need, the Redis client, jsonschema and what
-            it needs (Ray imports it), gguf (the default model's reader), llguidance (structured
-            output);
+            front-end, RLlib, Serve, Data, Train, Tune and LLM: 35 MB that nothing here runs),
+            the grpcio our generated stubs were made for (disagg/v1/serving_pb2_grpc.py refuses
+            an older one), its health and reflection services and the protobuf they need, the
+            Redis client, jsonschema and what it needs (Ray imports it), gguf (the default
+            model's reader), llguidance (structured output);
           redis-server.tar.xz: redis-server from Debian's package with the shared libraries it
             links, less glibc and the GCC runtime (bin/redis-server sets LD_LIBRARY_PATH for it);
           tokenizer.tar.xz: the default model's tokenizer and config.json, without weights (the
@@ -65,9 +65,19 @@ PLATFORMS = ("manylinux1_x86_64", "manylinux2010_x86_64", "manylinux2014_x86_64"
     f"manylinux_2_{n}_x86_64" for n in (5, 12, 17, 24, 27, 28, 31, 34, 35)
 )
 # Parts of Ray's wheel nothing of ours runs: Java workers, the dashboard's web front-end (its
-# server runs without it), RLlib.
-RAY_DROPPED = ("ray/jars/", "ray/dashboard/client/", "ray/rllib/")
-RAY_REPACK_VERSION = "1"  # bump when RAY_DROPPED changes: repacked wheels are cached under it
+# server runs without it), and the libraries on top of Ray core (RLlib, Serve, Data, Train, Tune,
+# LLM), which Ray core, `ray start` and the dashboard import only when asked for them.
+RAY_DROPPED = (
+    "ray/jars/",
+    "ray/dashboard/client/",
+    "ray/rllib/",
+    "ray/serve/",
+    "ray/data/",
+    "ray/train/",
+    "ray/tune/",
+    "ray/llm/",
+)
+RAY_REPACK_VERSION = "2"  # bump when RAY_DROPPED changes: repacked wheels are cached under it
 # Packages every Debian or Ubuntu with a C++ Python stack has: glibc and the GCC runtime.
 BASE_PACKAGES = {"libc6", "libgcc-s1", "libstdc++6"}
 BASE_SONAMES = re.compile(r"^(libc|libm|libdl|librt|libpthread|libresolv|ld-linux-x86-64|libstdc\+\+|libgcc_s)\.so")

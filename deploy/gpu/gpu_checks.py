@@ -180,6 +180,8 @@ def service(mode: str):
             figures["ready_s"] = round(time.monotonic() - started, 1)
             for rate in ctx.settings.rates:
                 figures["rates"][f"{rate:g}"] = bench_at(ctx, address, name, rate, slo)
+        if all("status" in measured for measured in figures["rates"].values()):
+            raise Failed("no rate was measured", figures)
         return figures
 
     stage.__name__ = f"service_{mode}"
