@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 # apt as root, or through sudo for another user (a `ray up` node's SSH user).
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast bench-smoke deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto
+.PHONY: setup lint test test-fast bench-smoke deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto gpu-kit
 
 setup: $(STAMP)
 
@@ -81,6 +81,12 @@ bench-guidellm: setup $(GUIDELLM_STAMP)
 # under ~/.cache/disagg/llama.cpp/ (cmake and a C++ compiler needed).
 bench-llamacpp: setup
 	PYTHONPATH=. $(PY) loadtest/bench_vs_llamacpp.py --json loadtest/out/bench_vs_llamacpp.json
+
+# What a lent GPU machine (no package registry) lacks for `disagg serve` and deploy/gpu/run_all.py,
+# in git-ignored parts .gpu/a, .gpu/b, ... that one device call each carries (README: "On a lent GPU machine").
+# Needs pip's registry and Debian's (apt-get download); its last line: `gpu kit MiB: N`, the largest part.
+gpu-kit: setup
+	$(PY) deploy/gpu/build_kit.py --out .gpu
 
 proto: setup
 	$(PY) proto/generate.py

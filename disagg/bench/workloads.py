@@ -17,6 +17,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -335,11 +336,23 @@ def describe(config: WorkloadConfig, requests: list[BenchRequest]) -> dict:
 
 
 def load_tokenizer(model: str | None = None):
-    """(Hugging Face tokenizer, context length) of a model spec, as the server would load it."""
+    """(Hugging Face tokenizer, context length) of a model spec, as the server would load it. A
+    Hugging Face directory without weights serves too (config.json and the tokenizer's files, as
+    `make gpu-kit` carries the default model's to a GPU machine): only those two are read."""
     from disagg.config import DEFAULT_MODEL, EngineConfig
-    from disagg.engine.loader import load_model_source
+    from disagg.engine.loader import load_hf_tokenizer, load_model_source, read_hf_config
 
-    source = load_model_source(model or DEFAULT_MODEL, cache_dir=EngineConfig().cache_dir)
-    if source.tokenizer is None:
+    spec = model or DEFAULT_MODEL
+    if _is_weightless_hf_dir(spec):
+        tokenizer, context = load_hf_tokenizer(spec), read_hf_config(spec).max_position_embeddings
+    else:
+        source = load_model_source(spec, cache_dir=EngineConfig().cache_dir)
+        tokenizer, context = source.tokenizer, source.config.max_position_embeddings
+    if tokenizer is None:
         raise ValueError(f"model: {model!r} has no tokenizer; text workloads need one")
-    return source.tokenizer, source.config.max_position_embeddings
+    return tokenizer, context
+
+
+def _is_weightless_hf_dir(spec: str) -> bool:
+    folder = Path(spec).expanduser()
+    return (folder / "config.json").is_file() and not any(folder.glob("*.safetensors"))

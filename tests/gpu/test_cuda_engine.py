@@ -62,7 +62,7 @@ def test_cuda_equals_cpu_on_the_new_families(family_dir, kind):
 def test_cuda_equals_cpu_on_the_default_model():
     try:
         default_gguf_location()
-    except RuntimeError as exc:  # not installed here (a GPU machine gets it from deploy/gpu/prepare.sh)
+    except RuntimeError as exc:  # not installed here (a GPU machine gets it from `make gpu-kit`)
         pytest.skip(str(exc))
     llm = LLM(model=DEFAULT_MODEL, device="cpu", dtype="float32")
     tokenizer = llm.engine.tokenizer

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +17,9 @@ from disagg.bench.workloads import (
     make_workload,
     sample_lengths,
 )
+from disagg.config import EngineConfig
+from disagg.engine.gguf_convert import cached_hf_dir
+from disagg.engine.loader import default_gguf_path
 
 ENGLISH = {"the", "and", "of", "a", "was", "to", "in", "that", "for", "it", "about"}
 
@@ -109,3 +114,16 @@ def test_bad_configs_are_refused():
     for bad in (dict(name="poetry"), dict(length_scale=0.0), dict(num_requests=-1), dict(context_len=5)):
         with pytest.raises(ValueError):
             WorkloadConfig(**bad)
+
+
+def test_a_folder_without_weights_sizes_the_prompts_as_its_model_would(tokenizer_and_context, tmp_path):
+    """What `make gpu-kit` carries for the default model: config.json and the tokenizer, no weights."""
+    tokenizer, context = tokenizer_and_context
+    tokenizer.save_pretrained(tmp_path)
+    converted = Path(cached_hf_dir(default_gguf_path(), EngineConfig().cache_dir))
+    config = {**json.loads((converted / "config.json").read_text()), "max_position_embeddings": 1234}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    alone, alone_context = load_tokenizer(str(tmp_path))
+    assert alone_context == 1234 != context
+    config = WorkloadConfig("chat", num_requests=4, seed=1, length_scale=0.25)
+    assert make_workload(config, alone) == make_workload(config, tokenizer)
