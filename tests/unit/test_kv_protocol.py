@@ -558,7 +558,8 @@ def test_a_request_queued_longer_than_the_kv_timeout_lends_its_blocks_for_long_e
     valid from when they are sent, not from when its targets came: else the receiver's copy is
     refused ("copied after the sender stopped holding it") and the request fails over."""
     _, prefill, decode = pair
-    prefill.sender.timeout = decode.receiver.timeout = 0.4
+    # 0.6 s: longer than a step gap (0.3 s) by enough for a loaded machine, shorter than the long prompt's steps.
+    prefill.sender.timeout = decode.receiver.timeout = 0.6
     submit(prefill, decode, "long", prompts()[-1], greedy())  # 250 tokens: 4 steps of 64
     reservation = decode.reserve("queued", prompts()[3], greedy(), prefill.kv_layout(), 5.0)
     prefill.add_request("queued", prompts()[3], greedy())
