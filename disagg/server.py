@@ -252,6 +252,7 @@ class Server:
             streams,
             config.engine.block_size,
             on_migration=metrics.observe_migration,
+            sliding_window=limits.sliding_window,
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
@@ -577,7 +578,15 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
     max_len = min(
         config.engine.max_model_len or model.config.max_position_embeddings, model.config.max_position_embeddings
     )
-    return ModelLimits(model.config.vocab_size, max_len, blocks, config.engine.block_size)
+    engine = config.pool_engine_config(config.colocated if role == "colocated" else config.decode)
+    return ModelLimits(
+        model.config.vocab_size,
+        max_len,
+        blocks,
+        config.engine.block_size,
+        sliding_window=model.config.shared_window,
+        chunk_tokens=engine.max_num_batched_tokens,
+    )
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):

@@ -38,14 +38,6 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((-1 if parent is None else parent, tokens))
 
 
-def shared_window(layer_windows) -> int | None:
-    """The sliding window after which a request's blocks may be released: the one every layer
-    has (each layer's window, None for a global layer). None when some layer is global or the
-    windows differ (those need a block table per layer group)."""
-    windows = set(layer_windows)
-    return windows.pop() if len(windows) == 1 else None
-
-
 def out_of_window_blocks(num_computed_tokens: int, block_size: int, window: int | None) -> int:
     """The leading blocks of a request no layer reads again once `num_computed_tokens` positions
     are computed, under a sliding window of `window` tokens on every layer (None: none)."""

@@ -17,7 +17,7 @@ from collections import deque
 import torch
 
 from disagg.config import EngineConfig, Role
-from disagg.engine.block_manager import BlockManager, shared_window
+from disagg.engine.block_manager import BlockManager
 from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.engine.distributed import InstanceGroups
 from disagg.engine.grammar import GrammarCompiler
@@ -140,8 +140,7 @@ class LLMEngine:
 
     # ---- construction ------------------------------------------------------------------------
     def _new_block_manager(self, config: EngineConfig) -> BlockManager:
-        cfg = self.model_config
-        window = shared_window(cfg.attention_window(i) for i in range(cfg.num_hidden_layers))
+        window = self.model_config.shared_window
         return BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, window)
 
     def _new_scheduler(self, config: EngineConfig, block_manager: BlockManager) -> Scheduler:

@@ -228,9 +228,9 @@ class Scheduler:
         may add before it pauses); its KV arrives as a remote prefill's does."""
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return False
-        # Its KV ends at least at the tokens known now, so the window leaves behind at least the
-        # blocks before theirs (its source does not send them).
-        skip = self.block_manager.num_out_of_window(request.num_prompt_tokens - 1)
+        # It arrives with the KV of at least the tokens known now, so the window has left behind
+        # at least the blocks before theirs (its source does not send them).
+        skip = self.block_manager.num_out_of_window(request.num_prompt_tokens)
         if not self.block_manager.allocate_slots(
             request, max(capacity_tokens, request.num_prompt_tokens), skip_blocks=skip
         ):

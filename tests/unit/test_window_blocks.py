@@ -14,7 +14,6 @@ from disagg.engine.block_manager import (
     max_blocks_held,
     num_held,
     out_of_window_blocks,
-    shared_window,
 )
 from disagg.engine.scheduler import SampledToken, Scheduler
 from disagg.errors import InvalidRequestError
@@ -76,8 +75,6 @@ def test_the_window_arithmetic():
     assert max_blocks_held(1000, 4, 8, 1) == 3  # a decode: its window's blocks and the one it writes
     assert max_blocks_held(1000, 4, 8, 16) == 7
     assert max_blocks_held(6, 4, 8, 16) == 2  # never more than its tokens'
-    assert shared_window([32, 32, 32]) == 32
-    assert shared_window([32, None, 32]) is None and shared_window([None, None]) is None
 
 
 def test_a_windowed_request_holds_its_window_and_frees_everything_at_the_end():
