@@ -11,7 +11,7 @@ endpoints count (num_bytes_total, the kv_transfer_bytes_total metric's source); 
 decode instance's, after the reservation and at their most while it decodes. The prefill's
 chunks are whole budgets of 512 tokens (fair prefill off), which end on a block: a chunk that
 ends inside a block sends that block again with the next one, and fair prefill's work cap cuts
-this narrow shape's prompt into small chunks, which would count many blocks twice on both sides.
+this narrow shape's prompt into chunks that do (about a tenth more bytes, on both sides).
 
 The ratio is the shape's window against its prompt, so it holds for Mistral-7B-v0.1 itself: its
 KV is 128 KiB a token in bf16, and the script prints what the same prompt moves there.
