@@ -585,7 +585,8 @@ async def _model_limits(config: ServingConfig, model, directory: InstanceDirecto
         blocks,
         config.engine.block_size,
         sliding_window=model.config.shared_window,
-        chunk_tokens=engine.max_num_batched_tokens,
+        # (prefill_first computes a whole prompt in a step: no smaller chunk bounds what it holds)
+        chunk_tokens=engine.max_num_batched_tokens if engine.scheduling_policy != "prefill_first" else max_len,
     )
 
 

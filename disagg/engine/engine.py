@@ -303,11 +303,12 @@ class LLMEngine:
 
     def _max_blocks_held(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """The most blocks a request holds at once: every block of its tokens, but fewer under a
-        sliding window (its chunks then bound it: prefill_first computes a whole prompt in one
-        step, chunked at most a budget's tokens)."""
+        sliding window (its chunks then bound it: chunked, at most a budget's tokens;
+        prefill_first computes a whole prompt in one step, and a preempted one's outputs too)."""
+        num_tokens = num_prompt_tokens + max_tokens
         chunked = self.config.scheduling_policy != "prefill_first"
-        chunk = self.config.max_num_batched_tokens if chunked else num_prompt_tokens
-        return self.block_manager.max_blocks_held(num_prompt_tokens + max_tokens, chunk)
+        chunk = self.config.max_num_batched_tokens if chunked else num_tokens
+        return self.block_manager.max_blocks_held(num_tokens, chunk)
 
     def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
         if prompt_token_ids is None:
