@@ -178,3 +178,22 @@ def test_preempting_a_windowed_request_frees_only_what_it_holds():
     s._preempt(request, out)
     assert request.block_ids == [] and request.num_released_blocks == 0
     assert s.block_manager.num_free_blocks == 64
+
+
+def test_the_router_validates_and_reserves_by_the_window():
+    """12 blocks of 4 tokens: a 50-token prompt + 6 out is refused without a window, accepted
+    under an 8-token one; the decode side is predicted to reserve the prompt's last window."""
+    from disagg.config import ServingConfig
+    from disagg.router.orchestrator import Orchestrator
+    from disagg.router.validation import ModelLimits, check_fits, max_tokens_that_fit
+
+    params = SamplingParams(temperature=0, max_tokens=6)
+    whole = ModelLimits(vocab_size=512, max_model_len=4096, max_blocks_per_request=12, block_size=BLOCK)
+    with pytest.raises(InvalidRequestError):
+        check_fits(50, params, whole)
+    windowed = ModelLimits(512, 4096, 12, BLOCK, sliding_window=WINDOW, chunk_tokens=16)
+    check_fits(50, params, windowed)
+    assert max_tokens_that_fit(50, whole) == 12 * BLOCK - 50
+    assert max_tokens_that_fit(50, windowed) == 4096 - 50
+    orchestrator = Orchestrator(ServingConfig(), None, None, None, BLOCK, sliding_window=WINDOW)
+    assert orchestrator.blocks_reserved(50, 50) == 13 - out_of_window_blocks(50, BLOCK, WINDOW) == 3
