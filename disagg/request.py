@@ -229,6 +229,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Its first block_ids entries that are placeholders: blocks released once out of a sliding
+    # window (disagg.engine.block_manager), or never held here (their KV stayed elsewhere).
+    num_released_blocks: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
     stop_reason: int | str | None = None
@@ -295,10 +298,13 @@ def check_fits(
     block_size: int,
     num_blocks: int,
     field_prefix: str = "",
+    max_blocks_held: int | None = None,
 ) -> None:
     """Refuse a request that could never run: its prompt, or prompt + max_tokens, exceeds the
     model's context or the KV cache (`num_blocks` of `block_size` tokens). The engine and the
-    router's validation both ask this (the router names the field `sampling.max_tokens`)."""
+    router's validation both ask this (the router names the field `sampling.max_tokens`).
+    `max_blocks_held`: the most blocks the request holds at once, where a sliding window
+    releases the others as it goes (None: every block of its tokens)."""
     if num_prompt_tokens >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{num_prompt_tokens} tokens do not fit the model's context ({max_model_len} tokens)"
@@ -309,6 +315,8 @@ def check_fits(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context ({max_model_len} tokens)",
         )
     needed = -(-(num_prompt_tokens + max_tokens) // block_size)
+    if max_blocks_held is not None:
+        needed = min(needed, max_blocks_held)
     if needed > num_blocks:
         raise InvalidRequestError(
             f"{field_prefix}max_tokens",

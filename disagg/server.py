@@ -256,6 +256,7 @@ class Server:
             streams,
             config.engine.block_size,
             on_migration=metrics.observe_migration,
+            sliding_window=limits.sliding_window,
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
@@ -580,7 +581,16 @@ async def _model_limits(config: ServingConfig, card: ModelCard, directory: Insta
     blocks = min(i.view.load.num_total_blocks for i in directory.healthy(role))
     context = card.config.max_position_embeddings
     max_len = min(config.engine.max_model_len or context, context)
-    return ModelLimits(card.config.vocab_size, max_len, blocks, config.engine.block_size)
+    engine = config.pool_engine_config(config.colocated if role == "colocated" else config.decode)
+    return ModelLimits(
+        card.config.vocab_size,
+        max_len,
+        blocks,
+        config.engine.block_size,
+        sliding_window=card.config.shared_window,
+        # (prefill_first computes a whole prompt in a step: no smaller chunk bounds what it holds)
+        chunk_tokens=engine.max_num_batched_tokens if engine.scheduling_policy != "prefill_first" else max_len,
+    )
 
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):

@@ -8,6 +8,16 @@ gets a chained hash of (parent hash, its tokens). A freed block keeps its hash a
 free list as evictable; a later request whose prompt starts with the same tokens takes it back
 instead of recomputing. Hits are verified against the stored tokens, so a hash collision can
 never serve wrong KV.
+
+Sliding windows (`sliding_window`: the window every attention layer shares; None: global
+attention, or layers of different windows): once a request has computed n positions, a block
+all of whose positions are below n - W + 1 is never read again (a decode of context c reads from
+position c - W, a chunk starting at s from s - W + 1). Such leading blocks are released after
+each step: their entries in the request's block table become PLACEHOLDER (never read, never
+freed twice, never hashed; `Request.num_released_blocks` counts them) and the blocks go back to
+the free list as a finished request's do, a hashed one kept as evictable prefix cache. A model
+with layers of several windows (Gemma 3: local and global) holds every block: releasing per
+layer group needs one block table per group (vLLM's hybrid allocator), which this is not.
 """
 
 from __future__ import annotations
@@ -15,6 +25,10 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from disagg.request import Request
+
+# A released block's entry in a block table (see above): no block's id. Negative, so that a read
+# through it fails loudly on the torch paths instead of reading another request's KV.
+PLACEHOLDER = -1
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -24,12 +38,54 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((-1 if parent is None else parent, tokens))
 
 
+def out_of_window_blocks(num_computed_tokens: int, block_size: int, window: int | None) -> int:
+    """The leading blocks of a request no layer reads again once `num_computed_tokens` positions
+    are computed, under a sliding window of `window` tokens on every layer (None: none)."""
+    if window is None:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // block_size
+
+
+def max_blocks_held(num_tokens: int, block_size: int, window: int | None, chunk_tokens: int) -> int:
+    """The most blocks a request of `num_tokens` holds at once, computed in chunks of at most
+    `chunk_tokens` (a step's budget): every block without a window; under one, those of a chunk
+    and of the window before it."""
+    every_block = -(-num_tokens // block_size)
+    if window is None:
+        return every_block
+    return min(every_block, -(-(window - 1 + max(1, chunk_tokens)) // block_size) + 1)
+
+
+def num_placeholders(block_ids: list[int]) -> int:
+    """How many entries a block table starts with that are released (PLACEHOLDER)."""
+    n = 0
+    while n < len(block_ids) and block_ids[n] == PLACEHOLDER:
+        n += 1
+    return n
+
+
+def num_held(block_ids: list[int]) -> int:
+    """The blocks a block table really holds (its entries that are not placeholders)."""
+    return len(block_ids) - num_placeholders(block_ids)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        sliding_window: int | None = None,
+    ):
+        """`sliding_window`: the window every attention layer of the model shares (its blocks
+        are released as they fall out of it); None: every block is held to the end."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window: must be >= 1 or None, got {sliding_window!r}")
         self.num_total_blocks = num_blocks
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
@@ -59,6 +115,14 @@ class BlockManager:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def num_out_of_window(self, num_computed_tokens: int) -> int:
+        """A request's leading blocks that no layer reads again after `num_computed_tokens`."""
+        return out_of_window_blocks(num_computed_tokens, self.block_size, self.sliding_window)
+
+    def max_blocks_held(self, num_tokens: int, chunk_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` holds at once (see max_blocks_held)."""
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, chunk_tokens)
 
     # ---- prefix cache --------------------------------------------------------------------
     def cached_hashes(self, limit: int) -> list[int]:
@@ -105,7 +169,7 @@ class BlockManager:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         hashes = self._hashes_of(request, num_full)
-        for i in range(num_full):
+        for i in range(request.num_released_blocks, num_full):  # released: hashed before, or never held
             block_id = request.block_ids[i]
             if self._block_hash[block_id] is not None:
                 continue
@@ -126,42 +190,75 @@ class BlockManager:
         return hashes
 
     # ---- allocation ----------------------------------------------------------------------
-    def can_allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
-        return self._num_blocks_needed(request, num_new_tokens, cached_blocks) <= self._num_takeable(cached_blocks)
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] = (), skip_blocks: int = 0
+    ) -> bool:
+        skip, num_fresh = self._plan(request, num_new_tokens, cached_blocks, skip_blocks)
+        return num_fresh <= self._num_takeable(cached_blocks[skip:])
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_blocks: list[int] = (), skip_blocks: int = 0
+    ) -> bool:
         """Give the request enough blocks for `num_computed_tokens + num_new_tokens` tokens.
 
         `cached_blocks` (from find_cached_prefix, for a request that owns no blocks yet) are
-        taken first and count as computed tokens ahead of the new ones. Returns False, changing nothing, when there are not enough free blocks.
+        taken first and count as computed tokens ahead of the new ones; those the window already
+        left behind are not taken (placeholders). `skip_blocks` (for a request that owns no
+        blocks yet): as many first blocks are not needed here (their KV is computed elsewhere and
+        out of the window by the time this engine reads the request): placeholders too.
+        Returns False, changing nothing, when there are not enough free blocks.
         """
-        num_fresh = self._num_blocks_needed(request, num_new_tokens, cached_blocks)
-        if num_fresh > self._num_takeable(cached_blocks):
+        skip, num_fresh = self._plan(request, num_new_tokens, cached_blocks, skip_blocks)
+        if num_fresh > self._num_takeable(cached_blocks[skip:]):
             return False
-        for block_id in cached_blocks:
+        if skip:
+            request.block_ids.extend([PLACEHOLDER] * skip)
+            request.num_released_blocks = skip
+        for block_id in cached_blocks[skip:]:
             self._take(block_id, reuse_content=True)
-        request.block_ids.extend(cached_blocks)
+        request.block_ids.extend(cached_blocks[skip:])
         for _ in range(num_fresh):
             request.block_ids.append(self._take(next(iter(self._free)), reuse_content=False))
         self.peak_num_used_blocks = max(self.peak_num_used_blocks, self.num_used_blocks)
         return True
 
+    def release_out_of_window(self, request: Request) -> None:
+        """After the request's num_computed_tokens grew: release its leading blocks that fell out
+        of the window (nothing without one). A hashed block stays in the prefix cache, evictable."""
+        target = min(self.num_out_of_window(request.num_computed_tokens), len(request.block_ids))
+        for i in range(request.num_released_blocks, target):
+            self._drop(request.block_ids[i])
+            request.block_ids[i] = PLACEHOLDER
+        request.num_released_blocks = max(request.num_released_blocks, target)
+
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody else uses return to the free list."""
         # Reverse order: a sequence's tail blocks are the least likely to be shared, evict them first.
-        for block_id in reversed(request.block_ids):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free[block_id] = None
-                if self._block_hash[block_id] is None:
-                    self._free.move_to_end(block_id, last=False)
+        for block_id in reversed(request.block_ids[request.num_released_blocks :]):
+            self._drop(block_id)
         request.block_ids.clear()
+        request.num_released_blocks = 0
         self._request_hashes.pop(request.request_id, None)
 
-    def _num_blocks_needed(self, request: Request, num_new_tokens: int, cached_blocks) -> int:
-        # Cached blocks are computed tokens the request does not count yet (it owns no blocks).
-        num_tokens = request.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
-        return max(0, self.num_blocks_for(num_tokens) - len(request.block_ids) - len(cached_blocks))
+    def _drop(self, block_id: int) -> None:
+        self._ref_counts[block_id] -= 1
+        if self._ref_counts[block_id] == 0:
+            self._free[block_id] = None
+            if self._block_hash[block_id] is None:
+                self._free.move_to_end(block_id, last=False)
+
+    def _plan(self, request: Request, num_new_tokens: int, cached_blocks, skip_blocks: int) -> tuple[int, int]:
+        """(leading placeholders, fresh blocks) an allocation makes. Cached blocks are computed
+        tokens the request does not count yet (it owns no blocks)."""
+        bs = self.block_size
+        num_tokens = request.num_computed_tokens + len(cached_blocks) * bs + num_new_tokens
+        skip = 0
+        if not request.block_ids:
+            skip = min(
+                max(skip_blocks, self.num_out_of_window(len(cached_blocks) * bs)), self.num_blocks_for(num_tokens)
+            )
+        covered = len(request.block_ids) + max(skip, len(cached_blocks))
+        return skip, max(0, self.num_blocks_for(num_tokens) - covered)
 
     def _num_takeable(self, cached_blocks) -> int:
         # Cached blocks that are currently free are not available for fresh allocation too.

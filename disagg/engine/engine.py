@@ -108,7 +108,7 @@ class LLMEngine:
         self._check_memory_fits(source)
         self.model = self._build_model(source)
         self.kv_cache = self._build_kv_cache()
-        self.block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = self._new_block_manager(config)
         self.scheduler = self._new_scheduler(config, self.block_manager)
         self.kv_connector = kv_connector
         if kv_connector is not None:
@@ -138,6 +138,10 @@ class LLMEngine:
         self.num_steps = 0
 
     # ---- construction ------------------------------------------------------------------------
+    def _new_block_manager(self, config: EngineConfig) -> BlockManager:
+        window = self.model_config.shared_window
+        return BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, window)
+
     def _new_scheduler(self, config: EngineConfig, block_manager: BlockManager) -> Scheduler:
         return Scheduler(
             block_manager,
@@ -293,7 +297,8 @@ class LLMEngine:
             self._grammar_compiler().check(params.structured)
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         bm = self.block_manager
-        check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks)
+        held = self._max_blocks_held(len(token_ids), params.max_tokens)
+        check_fits(len(token_ids), params.max_tokens, self.max_model_len, bm.block_size, bm.num_total_blocks, "", held)
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else self.model_config.eos_token_ids
         request = Request(
             str(request_id),
@@ -306,6 +311,15 @@ class LLMEngine:
         if self.length_ranker is not None:
             request.predicted_output_len = predict_output_len(self.length_ranker, request)
         return request
+
+    def _max_blocks_held(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most blocks a request holds at once: every block of its tokens, but fewer under a
+        sliding window (its chunks then bound it: chunked, at most a budget's tokens;
+        prefill_first computes a whole prompt in one step, and a preempted one's outputs too)."""
+        num_tokens = num_prompt_tokens + max_tokens
+        chunked = self.config.scheduling_policy != "prefill_first"
+        chunk = self.config.max_num_batched_tokens if chunked else num_tokens
+        return self.block_manager.max_blocks_held(num_tokens, chunk)
 
     def _prompt_token_ids(self, prompt, prompt_token_ids) -> list[int]:
         if prompt_token_ids is None:
@@ -523,7 +537,7 @@ class LLMEngine:
         if self.groups is not None:
             raise ValueError("switch_role: an instance of several ranks cannot switch roles yet")
         config = self.config.replace(role=role)
-        block_manager = BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching)
+        block_manager = self._new_block_manager(config)
         scheduler = self._new_scheduler(config, block_manager)
         if kv_connector is not None:
             kv_connector.register_kv_cache(self.kv_cache)

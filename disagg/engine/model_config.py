@@ -97,6 +97,14 @@ class ModelConfig:
         )
 
     @property
+    def shared_window(self) -> int | None:
+        """The sliding window every layer has, after which a request's KV blocks may be released
+        (disagg.engine.block_manager); None where some layer is global or the windows differ
+        (releasing those would need a block table per layer group)."""
+        groups = self.layer_groups
+        return groups[0].window if len(groups) == 1 else None
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers, in elements (multiply by dtype size)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim

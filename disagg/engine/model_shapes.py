@@ -84,6 +84,13 @@ def named_shapes() -> dict[str, ModelConfig]:
             sliding_window=4096,
             layer_types=(SLIDING_ATTENTION,) * 32,
         ),
+        # Mistral-7B-v0.1's layout (4 query heads per KV head, a 4,096-token window on every layer)
+        # at a tiny width, which runs on a CPU in seconds (the sliding-window benchmark); "-global"
+        # is the same shape with every layer attending to every position.
+        "tiny-mistral": _config(
+            "mistral", 512, 128, 256, 4, 8, 2, 32768, sliding_window=4096, layer_types=(SLIDING_ATTENTION,) * 4
+        ),
+        "tiny-mistral-global": _config("mistral", 512, 128, 256, 4, 8, 2, 32768),
         # google/gemma-3-12b's text_config: 48 layers, every 6th global, the others 1,024-token local
         # windows; head_dim 256 over hidden 3,840 and 16 heads; linear RoPE scaling 8 on the global layers.
         "gemma3-12b": _config(

@@ -177,7 +177,10 @@ class Scheduler:
             victim = self._displaced_by(request, self.clock())
             if victim is None:
                 return False
-        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens):
+        # Under a sliding window the blocks the window leaves behind at the prompt's end are not
+        # reserved: the prefill does not send them (placeholders, see the block manager).
+        skip = self.block_manager.num_out_of_window(request.num_prompt_tokens)
+        if not self.block_manager.allocate_slots(request, request.num_prompt_tokens, skip_blocks=skip):
             return False
         if victim is not None:
             self._suspend(victim)
@@ -194,6 +197,9 @@ class Scheduler:
         request.append_output_token(first_token_id)
         request.status = RequestStatus.RUNNING
         request.timings.kv_ready = request.timings.first_scheduled = time.perf_counter()
+        # Released before hashed: a block the window left behind may hold KV that never came
+        # (a moving request's source had released it; see KVSender).
+        self.block_manager.release_out_of_window(request)
         self.block_manager.cache_full_blocks(request)
         if not self._check_stop(request):
             self.running.append(request)
@@ -222,7 +228,12 @@ class Scheduler:
         may add before it pauses); its KV arrives as a remote prefill's does."""
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return False
-        if not self.block_manager.allocate_slots(request, max(capacity_tokens, request.num_prompt_tokens)):
+        # It arrives with the KV of at least the tokens known now, so the window has left behind
+        # at least the blocks before theirs (its source does not send them).
+        skip = self.block_manager.num_out_of_window(request.num_prompt_tokens)
+        if not self.block_manager.allocate_slots(
+            request, max(capacity_tokens, request.num_prompt_tokens), skip_blocks=skip
+        ):
             return False
         self._admit(request)
         request.status = RequestStatus.WAITING_FOR_KV
@@ -527,6 +538,7 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             self.block_manager.cache_full_blocks(request)
+            self.block_manager.release_out_of_window(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
@@ -634,6 +646,7 @@ class Scheduler:
             for _ in range(num_steps):
                 request.append_output_token(token_id)
             self.block_manager.cache_full_blocks(request)
+            self.block_manager.release_out_of_window(request)
             request.timings.first_token = request.timings.first_token or now
             self._check_stop(request)
         return updated

@@ -9,6 +9,10 @@ for the matching recv: without this the sender would idle through every copy). D
 through the same FIFO, so it is acknowledged only after every payload before it is in place. A cancelled transfer's late payloads are dropped, never written, since
 its blocks may already belong to someone else.
 
+Under a sliding window a transfer's block list starts with placeholders (the blocks the window
+left behind, block_manager.PLACEHOLDER): the sender never sends them, and a message that would
+write one fails the transfer.
+
 A KV_REF (a sender on this host with its cache in shared memory) is imported by mapping the
 sender's cache once per peer and copying the named blocks straight into ours: one copy in all.
 """
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg.engine.block_manager import num_placeholders
 from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.endpoint import KVEndpoint, TransferResult, TransferState
@@ -52,6 +57,7 @@ class _Incoming:
     num_bytes: int = 0
     first_byte_at: float | None = None
     token_ids: list[int] | None = None  # a moving request's tokens (MsgType.TOKENS)
+    num_placeholders: int = 0  # leading entries of block_ids that are no block (out of the window)
 
 
 class KVReceiver(KVEndpoint):
@@ -89,7 +95,9 @@ class KVReceiver(KVEndpoint):
             transfer_id = next(self._ids)
             index = torch.as_tensor(block_ids, dtype=torch.long, device=self.kv_cache.tensor.device)
             deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-            self._transfers[transfer_id] = _Incoming(request_id, transfer_id, index, dict(sources), deadline)
+            self._transfers[transfer_id] = _Incoming(
+                request_id, transfer_id, index, dict(sources), deadline, num_placeholders=num_placeholders(block_ids)
+            )
             self._by_request[request_id] = transfer_id
         for peer_id, address in sources.items():
             self._channel(peer_id, address).wake_receiver()
@@ -182,6 +190,9 @@ class KVReceiver(KVEndpoint):
             pass  # best effort: with its queue full the pair is in trouble anyway (the sender times out)
 
     def _import(self, tr: _Incoming, header: Header, payload: torch.Tensor) -> None:
+        if _writes_placeholder(tr, header):
+            self._fail(tr, "the sender wrote into a block this side does not hold (out of its window)")
+            return
         heads = self.kv_cache.blocks_view(header.layer, header.num_layers, (header.head_start, header.head_end))
         heads.index_copy_(3, tr.block_ids[header.first_block : header.first_block + header.num_blocks], payload)
         self._count(tr, payload.numel() * payload.element_size())
@@ -194,6 +205,9 @@ class KVReceiver(KVEndpoint):
             tr = self._transfers.get(header.transfer_id)
             if tr is None or peer_id not in tr.sources:
                 return  # cancelled or unknown: drop it
+            if _writes_placeholder(tr, header):
+                self._fail(tr, "the sender wrote into a block this side does not hold (out of its window)")
+                return
             try:
                 source = self._peer_cache(peer_id, ref)
             except KVTransferError as exc:
@@ -288,6 +302,11 @@ class KVReceiver(KVEndpoint):
                 tr.token_ids,
             )
         )
+
+
+def _writes_placeholder(tr: _Incoming, header: Header) -> bool:
+    """Whether the message's blocks reach into the transfer's leading placeholders."""
+    return header.num_blocks > 0 and header.first_block < tr.num_placeholders
 
 
 def copy_blocks(src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], ops=None) -> None:

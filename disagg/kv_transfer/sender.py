@@ -12,6 +12,12 @@ reference costs the same whatever it names, so one goes per step for every layer
 range, and that of a prompt's last chunk waits for the DONE and travels with it (KV_REF_DONE).
 On a GPU a reference carries a fence (an IPC event after the kernels that wrote its layers), so
 no host waits for the step's kernels before a reference goes out.
+
+Under a sliding window only what the receiver reads goes out: a target's block list starts with
+placeholders (block_manager.PLACEHOLDER) for the blocks its window left behind, and those are
+never sent; nor are the blocks we released ourselves (a moving request's source keeps decoding
+while its KV goes out). The receiver goes on from our state, so what we released is out of its
+window too.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from disagg.engine.block_manager import PLACEHOLDER, num_placeholders
 from disagg.engine.cuda_sharing import WriteFence
 from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.errors import KVTransferError
@@ -97,12 +104,16 @@ class KVSender(KVEndpoint):
         with self._lock:
             if request_id in self._by_request:
                 return
-            transfers = [_Outgoing(request_id, t, deadline) for t in targets]
+            transfers = [_Outgoing(request_id, t, deadline, sent_tokens=self._unwanted_tokens(t)) for t in targets]
             self._by_request[request_id] = transfers
             for tr in transfers:
                 self._by_key[(tr.target.peer_id, tr.target.transfer_id)] = tr
             self._registrations += 1
             self._next_due_layer = 0  # the next layer catches up on what it computed before
+
+    def _unwanted_tokens(self, target: KVTarget) -> int:
+        """The positions of the target's leading placeholders: its window left them behind."""
+        return num_placeholders(target.block_ids) * self.kv_cache.block_size
 
     def add_later(self, request_id: str, resolve: Callable[[], list[KVTarget] | None]) -> None:
         """From any thread: `add(request_id, resolve())` on the engine thread, at the next layer of
@@ -157,6 +168,7 @@ class KVSender(KVEndpoint):
     def _send_layer(self, tr: _Outgoing, chunk, layer: int) -> None:
         bs = self.kv_cache.block_size
         first, last = tr.sent_tokens // bs, -(-(chunk.start + chunk.num_new_tokens) // bs)
+        first = _first_held(chunk.request.block_ids, first, last)
         if first >= last:
             return  # nothing new (a catch-up after every layer had gone out)
         heads = tr.target.heads
@@ -245,7 +257,7 @@ class KVSender(KVEndpoint):
         for chunk in chunks:
             for tr in self._by_request.get(chunk.request.request_id, ()):
                 if tr.step_layer >= tr.target.layers[1]:  # every layer of the range went out
-                    tr.sent_tokens = chunk.start + chunk.num_new_tokens
+                    tr.sent_tokens = max(tr.sent_tokens, chunk.start + chunk.num_new_tokens)
                 tr.step_layer = tr.target.layers[0]  # next step: from the range's first layer
                 tr.batch = None  # always sent by now: batches end at the range's last layer
 
@@ -403,6 +415,14 @@ class KVSender(KVEndpoint):
                 request_id, error is None, error=error, seconds=time.monotonic() - started, num_bytes=num_bytes
             )
         )
+
+
+def _first_held(block_ids: list[int], first: int, last: int) -> int:
+    """From block `first` on, the first that we hold (ours released before are out of every
+    window the receiver reads: it goes on from where we are)."""
+    while first < last and block_ids[first] == PLACEHOLDER:
+        first += 1
+    return first
 
 
 def _follows(a: Header, b: Header) -> bool:

@@ -52,6 +52,7 @@ class Deployment:
             lambda role, tp, pp: self.profiles[role].step_model(tp, pp),
             profile.kv_bytes_per_token or self._kv_bytes_per_token(),
             self._max_model_len(),
+            self._sliding_window(),
         )
 
     def simulator(self) -> Simulator:
@@ -100,6 +101,13 @@ class Deployment:
 
     def _kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(_model(self.any_profile))
+
+    def _sliding_window(self) -> int | None:
+        """The model's window every layer shares, where its shape is known (None otherwise)."""
+        try:
+            return _model(self.any_profile).shared_window
+        except ValueError:  # a profile of a model the catalogue does not list
+            return None
 
     def _max_model_len(self) -> int:
         name = self.any_profile.model

@@ -4,6 +4,7 @@ Weights split evenly over the TP ranks (heads, MLP columns and the vocabulary al
 whole layers, the first stage the embeddings and the last the LM head (both when tied). The KV of
 a token splits the same way, by heads over TP and by layers over PP. The most loaded device decides.
 `utilization` (vLLM's gpu_memory_utilization) leaves the rest for activations and the runtime.
+Under a sliding window every layer shares, a request holds only its window's KV (kv_tokens_held).
 
 Pure Python: the planner runs on any laptop.
 """
@@ -14,6 +15,7 @@ import math
 
 from disagg.config import EngineConfig, ParallelConfig, ServingConfig
 from disagg.engine.memory_fit import DTYPE_BYTES, activation_bytes, dtype_name, fit_error, kv_block_bytes, memory_need
+from disagg.engine.block_manager import max_blocks_held
 from disagg.engine.model_config import ModelConfig
 from disagg.planner import models
 from disagg.planner.hardware import Hardware
@@ -52,6 +54,14 @@ def weight_bytes_per_device(config: ModelConfig, tp: int, pp: int, dtype_bytes: 
 def kv_bytes_per_token_per_device(config: ModelConfig, tp: int, pp: int, dtype_bytes: int = 2) -> float:
     layers = math.ceil(config.num_hidden_layers / pp)
     return 2 * layers * config.num_key_value_heads / tp * config.head_dim * dtype_bytes
+
+
+def kv_tokens_held(config: ModelConfig, context_tokens: int, block_size: int = 16) -> int:
+    """The KV slots (whole blocks) a decoding request of `context_tokens` holds: every block of
+    its context, or, where every layer has the same sliding window W, those its window spans (at
+    most W + block_size: the engine releases the blocks behind it). A model with layers of
+    several windows holds every block (the engine keeps one block table for all layers)."""
+    return max_blocks_held(context_tokens, block_size, config.shared_window, 1) * block_size
 
 
 def activation_bytes_per_device(config: ModelConfig, tokens: int, tp: int, dtype_bytes: int = 2) -> float:

@@ -259,6 +259,7 @@ class Search:
             tensor_parallel_size=tp,
             pipeline_parallel_size=pp,
             name=kind.hardware.name,
+            sliding_window=self.model_config.shared_window,
         )
 
     def ideal(self, role: str) -> SimPool:
@@ -281,12 +282,13 @@ class Search:
         devices. PP only where no TP alone fits: our engine runs a step's stages one after
         another, so PP adds memory, not speed, and a PP shape is dominated by its TP-only twin."""
         longest = max(r.prompt_len + r.output_len for r in self.requests)
+        held = memory.kv_tokens_held(self.model_config, longest, self.block_size)  # (fewer under a window)
         fitting = [
             (tp, pp)
             for pp in (1, 2, 4, 8)
             for tp in (1, 2, 4, 8, 16)
             if tp <= kind.devices_per_node and tp * pp <= max_devices and kind.profile.has(tp, pp)
-            if memory.fits(self.model_config, kind.hardware, tp, pp, kv_tokens=4 * longest)
+            if memory.fits(self.model_config, kind.hardware, tp, pp, kv_tokens=4 * held)
         ]
         smallest_pp = min((pp for _, pp in fitting), default=1)
         return [(tp, pp) for tp, pp in fitting if pp == smallest_pp]

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.config import DEFAULT_PRIORITY_AGING_S, Role, ServingConfig
-from disagg.engine.block_manager import BlockManager
+from disagg.engine.block_manager import BlockManager, max_blocks_held, out_of_window_blocks
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
 from disagg.placement.latency_model import HostSharing, StepModel, TransferModel, sharing_kind
@@ -123,10 +123,25 @@ class SimPool:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     name: str = ""
+    # The window every attention layer of the model has (ModelConfig.shared_window): a request's
+    # blocks that leave it are released, as the engine's block manager does (None: none).
+    sliding_window: int | None = None
 
     @property
     def ranks(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """The most blocks a request of `num_tokens` holds at once here (under a window, fewer)."""
+        chunk = num_tokens if self.scheduling_policy == "prefill_first" else self.max_num_batched_tokens
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, chunk)
+
+    def prompt_blocks_held(self, prompt_len: int) -> int:
+        """The blocks a computed prompt holds: all of them, or under a window its last window's
+        (what a decode instance reserves, and receives)."""
+        return -(-prompt_len // self.block_size) - out_of_window_blocks(
+            prompt_len, self.block_size, self.sliding_window
+        )
 
 
 def pools_from_config(
@@ -134,8 +149,10 @@ def pools_from_config(
     step_model_for: Callable[[str, int, int], StepModel],
     kv_bytes_per_token: int,
     max_model_len: int = 8192,
+    sliding_window: int | None = None,
 ) -> list[SimPool]:
-    """The pools a serving config runs; `step_model_for(role, tp, pp)` gives each its latency."""
+    """The pools a serving config runs; `step_model_for(role, tp, pp)` gives each its latency;
+    `sliding_window`: the model's (ModelConfig.shared_window)."""
     pools = []
     for role, pool in config.pools():
         engine = config.pool_engine_config(pool)
@@ -159,6 +176,7 @@ def pools_from_config(
                 tensor_parallel_size=tp,
                 pipeline_parallel_size=pp,
                 name=role,
+                sliding_window=sliding_window,
             )
         )
     return pools
@@ -207,7 +225,9 @@ class SimInstance:
         self.role = Role(pool.role)
         self.step_model = pool.step_model
         self.scheduler = Scheduler(
-            BlockManager(pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False),
+            BlockManager(
+                pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False, sliding_window=pool.sliding_window
+            ),
             role=self.role,
             max_num_batched_tokens=pool.max_num_batched_tokens,
             max_num_seqs=pool.max_num_seqs,
@@ -568,6 +588,7 @@ class Simulator:
                     pool.max_model_len,
                     pool.block_size,
                     pool.num_kv_blocks,
+                    max_blocks_held=pool.blocks_held(sim_request.prompt_len + sim_request.output_len),
                 )
             except InvalidRequestError as exc:
                 record.failed, record.error_code = f"invalid: {exc}", exc.grpc_code_name
@@ -622,7 +643,7 @@ class Simulator:
             queue.popleft()
 
     def _blocks(self, sim_request: SimRequest, role: str) -> int:
-        return -(-sim_request.prompt_len // self.instances[role][0].pool.block_size)
+        return self.instances[role][0].pool.prompt_blocks_held(sim_request.prompt_len)
 
     def _engine_request(self, flight: _Flight) -> Request:
         r = flight.sim_request
@@ -665,7 +686,10 @@ class Simulator:
         prefill instance's link, after the transfers queued on it before."""
         if flight.prefill_end is None or flight.reserved_at is None or flight.done:
             return
-        num_bytes = flight.record.prompt_len * self.kv_bytes_per_token / _parallel_links(flight)
+        # Under a sliding window only the prompt's last window moves (what the decode side reserved).
+        pool = flight.decode.pool
+        tokens = min(flight.record.prompt_len, pool.prompt_blocks_held(flight.record.prompt_len) * pool.block_size)
+        num_bytes = tokens * self.kv_bytes_per_token / _parallel_links(flight)
         wire_s = num_bytes / self.transfer.bandwidth_bytes_per_s
         layers = max(1, self.num_layers)
         if flight.reserved_at <= flight.prefill_end:  # streamed: layer i left when computed, (i+1)/L into the step

@@ -70,7 +70,8 @@ class LiveMoves:
 
     async def _move_elsewhere(self, placement: Placement, source: Instance) -> bool:
         candidates = [i for i in self.directory.healthy("decode") if i is not source]  # (draining ones are not healthy)
-        blocks = -(-(len(placement.token_ids) + HEADROOM_TOKENS) // source.block_size)
+        num_tokens = len(placement.token_ids)  # (the last one's KV comes later: `move` reserves for the others')
+        blocks = self.orchestrator.blocks_reserved(num_tokens + HEADROOM_TOKENS, num_tokens - 1)
         target = self.orchestrator.policy.choose_decode(candidates, blocks) if candidates else None
         return target is not None and await self.move(placement, target)
 

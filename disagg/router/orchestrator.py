@@ -34,7 +34,7 @@ from disagg.errors import (
     UnavailableError,
     WorkerLinkError,
 )
-from disagg.engine.block_manager import BlockManager
+from disagg.engine.block_manager import BlockManager, num_held, out_of_window_blocks
 from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
@@ -119,8 +119,12 @@ class Orchestrator:
         streams: DecodeStreams,
         block_size: int,
         on_migration=lambda reason: None,
+        sliding_window: int | None = None,
     ):
+        """`sliding_window`: the window every layer of the model has (ModelConfig.shared_window):
+        a decode instance then reserves only the blocks of a prompt's last window."""
         self.config = config
+        self.sliding_window = sliding_window
         self.default_slo = Slo(config.slo.ttft_ms, config.slo.tpot_ms)
         self.on_migration = on_migration  # a request moved on after a failure (a metric counts them)
         self.directory = directory
@@ -254,7 +258,13 @@ class Orchestrator:
         self.live[request_id] = placement
 
     def _blocks(self, prompt_token_ids: list[int]) -> int:
-        return -(-len(prompt_token_ids) // self.block_size)
+        return self.blocks_reserved(len(prompt_token_ids), len(prompt_token_ids))
+
+    def blocks_reserved(self, num_tokens: int, num_kv_tokens: int) -> int:
+        """The blocks a decode instance reserves for `num_tokens` positions when the KV of the
+        first `num_kv_tokens` comes from elsewhere: not those their window left behind."""
+        skipped = out_of_window_blocks(num_kv_tokens, self.block_size, self.sliding_window)
+        return -(-num_tokens // self.block_size) - skipped
 
     def _place(self, prefills: list[Instance], decodes: list[Instance], request: RequestShape) -> Choice:
         choice = self.policy.choose_pair(prefills, decodes, request)
@@ -428,7 +438,7 @@ class Orchestrator:
         if reservation is not None:
             decode.outstanding_requests += 1
             decode.outstanding_context_tokens += len(prompt_token_ids)
-            decode.reserved_blocks += len(reservation.block_ids)
+            decode.reserved_blocks += num_held(reservation.block_ids)
             if placement.choice is not None and placement.choice.decode is not decode:  # placed elsewhere after all
                 placement.choice = None
         return reservation

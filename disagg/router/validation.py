@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from disagg.engine.block_manager import max_blocks_held
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import InvalidRequestError
 from disagg.request import SamplingParams, StructuredOutput
@@ -32,6 +33,14 @@ class ModelLimits:
     max_model_len: int
     max_blocks_per_request: int  # the smallest KV cache among the instances, in blocks
     block_size: int
+    # The window every attention layer shares (None: none, or layers of several): a request then
+    # holds only its window's blocks and a step's chunk of `chunk_tokens` (the decoding pool's budget).
+    sliding_window: int | None = None
+    chunk_tokens: int = 1
+
+    def blocks_held(self, num_tokens: int) -> int:
+        """The most KV blocks a request of `num_tokens` holds at once on a decoding instance."""
+        return max_blocks_held(num_tokens, self.block_size, self.sliding_window, self.chunk_tokens)
 
 
 def sampling_params(proto: serving_pb2.SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
@@ -158,7 +167,9 @@ def _chat_messages(chat: serving_pb2.Chat) -> list[dict]:
 def max_tokens_that_fit(num_prompt_tokens: int, limits: ModelLimits) -> int:
     """The most output tokens a prompt of this length leaves room for, in the model's context and
     in an instance's KV cache."""
-    room = min(limits.max_model_len, limits.max_blocks_per_request * limits.block_size)
+    room = limits.max_model_len
+    if limits.blocks_held(room) > limits.max_blocks_per_request:  # (under a window that fits, any length does)
+        room = min(room, limits.max_blocks_per_request * limits.block_size)
     return room - num_prompt_tokens
 
 
@@ -170,4 +181,5 @@ def check_fits(num_prompt_tokens: int, params: SamplingParams, limits: ModelLimi
         limits.block_size,
         limits.max_blocks_per_request,
         field_prefix="sampling.",
+        max_blocks_held=limits.blocks_held(num_prompt_tokens + params.max_tokens),
     )

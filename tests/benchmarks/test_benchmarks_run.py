@@ -110,6 +110,9 @@ SMOKE = {
         "--servers", "llama.cpp", "--threads", "1", "--streams", "1", "--min-requests", "1", "--requests-per-stream", "1",
         "--prompt-len", "16", "--max-tokens", "4", "--max-load", "1000", "--out-dir", "{tmp}"),
         (r"^\s+@1: [\d.]+ tok/s, TTFT p50 [\d.]+ s, 1 requests, 4 tokens",), skip=no_llamacpp_build),
+    "bench_sliding_window": Smoke("bench_sliding_window.py", ("--smoke", "--json", "{tmp}/window.json"),
+        (r"^windowed: KV bytes moved \d+; decode blocks reserved \d+, peak \d+",
+         r"^KV bytes moved ratio windowed/full: 0\.8\d+$", r"^decode blocks held ratio windowed/full: 0\.8\d+$")),
     "calibrate_roofline": Smoke("calibrate_roofline.py", (
         "loadtest/results/gpu-h100/llama3-8b-h100-tp1.json", "--model", "llama3-8b", "--hardware", "h100-sxm",
         "--out", "{tmp}/roofline.json"),

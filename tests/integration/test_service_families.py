@@ -1,7 +1,8 @@
 """The new model families through the disaggregated service: prefill on one worker, decode on
 another (Gemma 3's prefill at TP=2, so its KV is resharded on the way), KV streamed chunk by
 chunk under a 32-token budget, prompts several sliding windows long. Greedy output equals the
-offline engine's on the same checkpoint, and every block is free afterwards."""
+offline engine's on the same checkpoint, and every block is free afterwards. Mistral's every
+layer slides: its decode instance receives only each prompt's last window."""
 
 from __future__ import annotations
 
@@ -41,14 +42,20 @@ def served_tokens(server: Server) -> list[list[int]]:
         return [[t for message in call for t in message.token_ids] for call in streams]
 
 
-def serving_config(model: str, prefill: dict) -> ServingConfig:
+def serving_config(model: str, prefill: dict, **engine) -> ServingConfig:
     small = {"num_instances": 1, "num_cpus_per_worker": 0.25}
     return ServingConfig.from_dict(
         {
             "mode": "disaggregated",
             "port": 0,
             "http_port": 0,
-            "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 128, "max_num_batched_tokens": 32},
+            "engine": {
+                "model": model,
+                "dtype": "float32",
+                "num_kv_blocks": 128,
+                "max_num_batched_tokens": 32,
+                **engine,
+            },
             "prefill": {**small, **prefill},
             "decode": small,
             "replan": False,
@@ -72,4 +79,33 @@ def test_disaggregated_family_equals_the_engine_alone(ray_session, family_dir, k
     expected = offline_tokens(model)
     with Server(serving_config(model, PREFILL_POOLS[kind])) as server:
         assert served_tokens(server) == expected
+        assert_all_blocks_free(server)
+
+
+def test_a_windowed_transfer_moves_only_each_prompts_last_window(ray_session, family_dir):
+    """Mistral (a 32-token window on every layer, 16-token blocks), its prefill at TP=2 (the KV
+    resharded onto one decode rank), prompts one at a time in chunks of 32 tokens that start on
+    a block (fair prefill off): the decode instance receives each prompt's last-window blocks
+    and no other: 3 blocks for each of the prompts of 40, 150 and 260 tokens, where the whole
+    prompts are 3, 10 and 17 (measured before windows were released). (The 5-token prompt's one
+    block arrives 1.5 times at TP=2, with or without a window: one rank sends its half twice.)"""
+    model = family_dir("mistral")
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = [list(o.outputs[0].token_ids) for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)]
+    cache = llm.engine.kv_cache
+    block_bytes = cache.slice_bytes(cache.num_layers, (0, cache.num_kv_heads), 1)
+    config = serving_config(model, {"tensor_parallel_size": 2}, long_prefill_token_threshold=0)
+    with Server(config) as server, DisaggClient(server.address) as client:
+        [decode] = [i for i in server.launcher.instances if i.role == "decode"]
+        actor = ray.get_actor(decode.actor_name, namespace=NAMESPACE)
+        received = [ray.get(actor.status.remote())["kv_bytes_received"]]  # (the warm-up's)
+        got = []
+        for p in PROMPTS:  # one after another: what each one moved
+            request = generate_request(prompt_token_ids=p, temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+            got.append([t for m in client.stream(request, timeout=120) for t in m.token_ids])
+            received.append(ray.get(actor.status.remote())["kv_bytes_received"])
+        assert got == expected
+        blocks = [(b - a) / block_bytes for a, b in zip(received, received[1:])]
+        assert blocks[1:] == [3, 3, 3], blocks
         assert_all_blocks_free(server)

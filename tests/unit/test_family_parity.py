@@ -84,11 +84,32 @@ def test_windowed_family_with_every_row_as_a_decode(family_case, kind):
     assert_matches(llm, case, f"{kind}, batch_invariant")
 
 
-def test_windowed_family_with_a_warm_prefix_cache(family_case):
-    case = family_case("gemma3")
+@pytest.mark.parametrize("kind", ["gemma3", "mistral"])
+def test_windowed_family_with_a_warm_prefix_cache(family_case, kind):
+    """Gemma 3 holds every block; Mistral's blocks are released as they leave the window and
+    stay cached, so the warm run's prefixes come from released blocks."""
+    case = family_case(kind)
     llm = LLM(model=case[0], dtype="float32", max_num_batched_tokens=64, num_kv_blocks=256, enable_prefix_caching=True)
-    assert_matches(llm, case, "gemma3, cold prefix cache")
-    assert_matches(llm, case, "gemma3, warm prefix cache")
+    assert_matches(llm, case, f"{kind}, cold prefix cache")
+    assert_matches(llm, case, f"{kind}, warm prefix cache")
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+def test_windowed_family_in_a_pool_only_released_blocks_make_room_in(family_case, prefix_caching):
+    """Mistral slides every layer, so its blocks are released as they leave the window: its
+    prompts (up to 12 windows long, all in one batch) run in 12 blocks, where the longest alone
+    would need 27 without releasing (the engine would refuse it)."""
+    case = family_case("mistral")
+    llm = LLM(
+        model=case[0],
+        dtype="float32",
+        max_num_batched_tokens=64,
+        num_kv_blocks=12,
+        enable_prefix_caching=prefix_caching,
+    )
+    assert llm.engine.block_manager.sliding_window == 32
+    assert max(len(p) for p in case[1]) + MAX_TOKENS > 12 * llm.engine.config.block_size
+    assert_matches(llm, case, "mistral, 12 blocks")
 
 
 def test_the_models_layer_windows(family_dir):

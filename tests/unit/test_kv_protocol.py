@@ -13,6 +13,7 @@ from support import run_transfers as run, submit_transfer as submit
 from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.decode_worker.worker import DecodeWorker
+from disagg.engine.block_manager import PLACEHOLDER
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.partition import head_range, layer_range
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
@@ -399,13 +400,25 @@ def wait_for(endpoint, timeout: float = 10.0):
     raise AssertionError("transfer did not finish")
 
 
+# Under a sliding window a block table starts with placeholders: the receiver's (blocks its window
+# left behind: never sent) or the sender's (blocks it released: the receiver goes on from its
+# state, so they are out of its window too). Either way only blocks 1 and 2 move.
+RELEASED = {
+    "none": ([5, 1, 6], [2, 7, 0]),
+    "receiver": ([5, 1, 6], [PLACEHOLDER, 7, 0]),
+    "sender": ([PLACEHOLDER, 1, 6], [2, 7, 0]),
+}
+
+
+@pytest.mark.parametrize("released", RELEASED)
 @pytest.mark.parametrize("by_reference", [True, False], ids=["by-reference", "packed"])
 @pytest.mark.parametrize("src,dst", [((2, 1), (1, 1)), ((1, 1), (2, 1)), ((1, 2), (1, 1)), ((2, 2), (1, 2))])
-def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
+def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference, released):
     src_plan, dst_plan = ParallelPlan(*src), ParallelPlan(*dst)
     full = torch.randn(LAYERS, 2, HEADS, BLOCKS, 4, 8, generator=torch.Generator().manual_seed(1))
     hub = InProcessHub()
-    src_block_ids, dst_block_ids = [5, 1, 6], [2, 7, 0]
+    src_block_ids, dst_block_ids = RELEASED[released]
+    sent = slice(0 if released == "none" else 1, 3)
     receivers, dst_caches = {}, {}
     routes = plan_kv_routes(LAYERS, HEADS, src_plan, dst_plan)
     for rank in dst_plan.ranks():
@@ -442,10 +455,14 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference):
     for rank, rx in receivers.items():
         [result] = wait_for(rx)
         assert result.ok and result.first_token == 3
-        expected = rank_cache(dst_plan, rank, full)
-        assert torch.equal(dst_caches[rank].export_blocks(dst_block_ids), expected.export_blocks(src_block_ids)), (
+        expected, got = rank_cache(dst_plan, rank, full), dst_caches[rank]
+        assert torch.equal(got.export_blocks(dst_block_ids[sent]), expected.export_blocks([5, 1, 6][sent])), (
             f"decode rank {rank}"
         )
+        if released == "sender":  # the block it released: never written here
+            assert not got.export_blocks(dst_block_ids[:1]).any()
+        heads = (got.head_offset, got.head_offset + got.num_kv_heads)
+        assert rx.num_bytes_total == got.slice_bytes(got.num_layers, heads, len(dst_block_ids[sent]))
     for tx in senders.values():
         assert all(r.ok for r in wait_for(tx))
     for endpoint in (*senders.values(), *receivers.values()):

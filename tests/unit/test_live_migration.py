@@ -102,6 +102,30 @@ def test_a_request_moved_mid_stream_decodes_exactly_as_unmoved(tiny_gqa_dir, pro
     b.close()
 
 
+def test_a_windowed_request_moves_with_only_its_window(family_dir):
+    """Mistral's tiny checkpoint (a 32-token window on every layer, 16-token blocks): the target
+    reserves only the window's blocks of a 400-token request, and the source sends only those
+    it still holds (it keeps decoding, and releasing, while the KV goes out); the target
+    decodes on exactly as unmoved."""
+    model = family_dir("mistral")
+    prompts = random_prompts([400, 9], 512, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    expected = _unmoved(model, prompts, params)
+    got, move, a, b = _run_with_move(model, prompts, params)
+    assert move is not None and move.done.result() is True and got == expected
+    assert all(not s.work.chunks for s in b.engine.step_stats), "the target recomputed KV"
+    cache = a.engine.kv_cache
+    block_bytes = cache.slice_bytes(cache.num_layers, (0, cache.num_kv_heads), 1)
+    moved = a.migrations_out.sender.num_bytes_total
+    # The window's 2 or 3 blocks, and again those the pre-copy steps wrote into (at most 2): not
+    # the whole request's 26.
+    assert 2 * block_bytes <= moved <= 5 * block_bytes
+    for worker in (a, b):
+        assert worker.engine.num_free_blocks == worker.engine.num_total_blocks
+    a.close()
+    b.close()
+
+
 @pytest.mark.slow
 def test_a_structured_request_moves_with_its_grammar_state():
     """The grammar's state goes with the request (rebuilt at the target from the tokens it

@@ -230,3 +230,40 @@ def test_one_instance_alone_on_its_host_is_never_slowed():
         [SimRequest(0, 0.0, 20, 4)]
     )
     assert r.e2el_s * 1e3 == pytest.approx(30.0 + 3 * 7.0)
+
+
+# ---- sliding windows: the simulated block manager releases what leaves the window -----------------
+def test_a_window_moves_only_the_prompts_last_window():
+    """1 byte per token at 1 kB/s: a 400-token prompt under a 32-token window (16-token blocks)
+    moves its last 2 blocks, 32 bytes in 32 ms (not 400 ms), and the decode side reserves those."""
+    transfer = TransferModel(bandwidth_bytes_per_s=1000.0, latency_ms=0.0)
+    windowed = [SimPool(role, 1, MODEL, num_kv_blocks=1000, sliding_window=32) for role in ("prefill", "decode")]
+    [r] = Simulator(windowed, transfer=transfer, kv_bytes_per_token=1, num_layers=1).run([SimRequest(0, 0.0, 400, 2)])
+    # prefill: 10 + 400 ms (one step); the KV 32 ms; then one decode step of 7 ms
+    assert r.e2el_s * 1e3 == pytest.approx(410.0 + 32.0 + 7.0)
+    assert windowed[1].prompt_blocks_held(400) == 2 and windowed[1].prompt_blocks_held(20) == 2
+    whole = SimPool("decode", 1, MODEL, num_kv_blocks=1000)
+    assert whole.prompt_blocks_held(400) == 25
+
+
+def test_a_window_lets_requests_run_in_a_pool_too_small_for_their_whole_context():
+    """8 blocks of 16 tokens: each 300-token request needs 20 without a window (refused), at most
+    4 with a 32-token window and chunks of 16 (so two run at once)."""
+    requests = [SimRequest(i, 0.0, 300, 10) for i in range(3)]
+    pool = dict(num_kv_blocks=8, block_size=16, max_num_batched_tokens=16, long_prefill_token_threshold=0)
+    refused = Simulator([SimPool("colocated", 1, MODEL, **pool)]).run(requests)
+    assert not any(r.success for r in refused) and all(r.error_code == "INVALID_ARGUMENT" for r in refused)
+    records = Simulator([SimPool("colocated", 1, MODEL, sliding_window=32, **pool)]).run(requests)
+    assert all(r.success and r.output_len == 10 for r in records)
+
+
+def test_the_memory_model_counts_a_windowed_requests_window():
+    from disagg.engine.model_shapes import named_shapes
+    from disagg.planner.memory import kv_tokens_held
+
+    shapes = named_shapes()
+    mistral, gemma, llama = shapes["mistral-7b-v0.1"], shapes["gemma3-12b"], shapes["llama3-8b"]
+    assert kv_tokens_held(mistral, 8000) == 4096 + 16  # its 4,096-token window and the block it fills
+    assert kv_tokens_held(mistral, 1000) == 1008
+    assert kv_tokens_held(llama, 8000) == 8000
+    assert kv_tokens_held(gemma, 8000) == 8000  # local and global layers: every block held
