@@ -206,10 +206,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of a prompt's cached prefix blocks
     num_threads: int | None = None  # torch intra-op threads; None: leave as is
     seed: int = 0  # the random seed of sampling and of `random:` weights
-    cache_dir: str = field(default_factory=EnvDefault("DISAGG_CACHE_DIR", os.path.expanduser))  # converted weights
-    parallel: ParallelConfig = field(
-        default_factory=ParallelConfig
-    )  # this rank's place (a serving config's pools set it)
+    # Where converted weights are kept.
+    cache_dir: str = field(default_factory=EnvDefault("DISAGG_CACHE_DIR", os.path.expanduser))
+    # This rank's place in its instance (a serving config's pools set it).
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # A prefill cache in shared memory, so that a decode worker on this host copies the KV
     # straight out of it; off: KV always goes over the transport.
     kv_shared_memory: bool = field(default_factory=EnvDefault("DISAGG_KV_SHARED_MEMORY", lambda v: v != "0"))
@@ -593,9 +593,9 @@ class ServingConfig:
     # A TP x PP instance: one step's limit across its ranks (a rank that hangs fails the step after
     # this long, instead of stalling the instance); the first step may be slow.
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
-    group_timeout_s: float = (
-        DEFAULT_GROUP_TIMEOUT_S  # a TP x PP instance's torch.distributed groups: joining and each collective
-    )
+    # A TP x PP instance's torch.distributed groups: how long its ranks may take to join them, and
+    # each gloo collective (a peer that died mid-step fails it after this long).
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
     threads_per_worker: int = 1  # torch intra-op threads of each worker (a pool's instances entry may differ)
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)

@@ -12,7 +12,7 @@ import sys
 from disagg.config import ENV_VARS
 from disagg.settings.catalog import Group, Setting, is_switch, serving_groups
 
-COMMAND = "python -m disagg.settings.markdown > docs/settings.md"
+COMMAND = "python -m disagg.settings.markdown > docs/settings.md"  # or: make settings-docs
 
 INTRO = f"""# Settings
 
