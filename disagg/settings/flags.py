@@ -33,8 +33,8 @@ def settings_from_flags(args: argparse.Namespace) -> dict:
     settings: dict = {}
     for setting in serving_settings():
         if setting.key in given:
-            value = parse_value(setting, given[setting.key])
-            (settings.setdefault(setting.group, {}) if setting.group else settings)[setting.name] = value
+            into = settings.setdefault(setting.group, {}) if setting.group else settings
+            into[setting.name] = parse_value(setting, given[setting.key])
     return settings
 
 

@@ -32,7 +32,8 @@ Every setting of a serving config, set in three ways, each over the one before:
 A value is checked in one place, whichever way it came: a bad one stops `disagg serve` with the
 setting's name and what it must be. `disagg serve --help` lists the same settings.
 A pool's `engine` mapping holds engine settings that differ for that pool, and its `instances`
-list what differs for one instance (`threads_per_worker`, `engine`).
+list what differs for one instance (`threads_per_worker`, `engine`); for that pool or instance
+they win over `engine.*`, wherever each came from.
 """
 
 
