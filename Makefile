@@ -9,7 +9,7 @@ TORCH_SPEC := torch==2.13.0
 # apt as root, or through sudo for another user (a `ray up` node's SSH user).
 APT_GET := $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: setup lint test test-fast bench-smoke deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto gpu-kit
+.PHONY: setup lint test test-fast bench-smoke deploy-test serve bench loadtest bench-guidellm bench-llamacpp clean proto gpu-kit settings-docs
 
 setup: $(STAMP)
 
@@ -90,6 +90,10 @@ gpu-kit: setup
 
 proto: setup
 	$(PY) proto/generate.py
+
+# docs/settings.md from the comments beside each setting in disagg/config.py (a unit test checks it is current).
+settings-docs: setup
+	$(PY) -m disagg.settings.markdown > docs/settings.md
 
 clean:
 	rm -rf $(VENV) $(GUIDELLM_VENV) build *.egg-info

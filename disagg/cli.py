@@ -11,6 +11,16 @@ from disagg.config import DEFAULT_MODEL
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # bad input: a clear message, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
@@ -19,13 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench_commands(sub)
     _add_profile_command(sub)
     _add_planner_commands(sub)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except ValueError as exc:  # bad input: a clear message, not a traceback
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _add_bench_commands(sub) -> None:
@@ -52,40 +56,34 @@ def _add_planner_commands(sub) -> None:
 
 
 def _add_serve(sub) -> None:
+    from disagg.settings.flags import add_setting_flags
+
     p = sub.add_parser(
         "serve",
         help="serve the model over gRPC and an OpenAI-compatible HTTP API "
         "(default: local Ray, local Redis, 1 prefill + 1 decode worker)",
+        usage="disagg serve [--config FILE] [--SETTING VALUE ...] [--ready-file FILE] [--cluster]",
+        description="Serve the model. Every setting of the serving config is a flag below (docs/settings.md); "
+        "a flag overrides the --config file, which overrides the defaults.",
     )
-    p.add_argument("--config", help="YAML serving config (see deploy/configs/)")
-    p.add_argument("--model", help="override the config's model")
-    p.add_argument("--port", type=int, help="override the config's gRPC port")
-    p.add_argument("--http-port", type=int, help="override the config's HTTP port (0: no HTTP API)")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], help="override the config's mode")
-    p.add_argument("--frontends", type=int, help="override the config's number of frontends (port + i each)")
-    p.add_argument("--ready-file", help="write HOST:PORT here once serving (for scripts)")
+    p.add_argument("--config", metavar="FILE", help="YAML serving config (see deploy/configs/)")
+    p.add_argument("--ready-file", metavar="FILE", help="write HOST:PORT here once serving (for scripts)")
     p.add_argument(
         "--cluster",
         action="store_true",
         help="join the running Ray cluster (`ray up deploy/cluster.yaml`) and pin each pool to the nodes "
         "labelled with its name, waiting for them to join",
     )
+    add_setting_flags(p)
     p.set_defaults(func=_serve)
 
 
 def _serve(args) -> int:
     from disagg.server import main_serve
+    from disagg.settings.flags import settings_from_flags
 
     logging.getLogger("disagg").setLevel(logging.INFO)
-    given = {
-        "model": args.model,
-        "port": args.port,
-        "http_port": args.http_port,
-        "mode": args.mode,
-        "frontends": args.frontends,
-    }
-    overrides = {k: v for k, v in given.items() if v is not None}
-    return main_serve(args.config, overrides, args.ready_file, args.cluster)
+    return main_serve(args.config, settings_from_flags(args), args.ready_file, args.cluster)
 
 
 def _add_status(sub) -> None:

@@ -6,12 +6,12 @@ would show it to everyone on the machine. With a CA file the channel is TLS.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import grpc
 import grpc.experimental
 
+from disagg.config import API_KEY_ENV, env
 from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -50,12 +50,9 @@ def generate_request(
     return request
 
 
-API_KEY_ENV = "DISAGG_API_KEY"
-
-
 def api_key_metadata(api_key: str | None = None) -> tuple:
     """The call metadata that carries the API key: `api_key`, else $DISAGG_API_KEY, else none."""
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "")
+    key = api_key if api_key is not None else env(API_KEY_ENV) or ""
     return (("x-api-key", key),) if key else ()
 
 

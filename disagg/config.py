@@ -1,18 +1,23 @@
-"""Every setting, as frozen dataclasses validated in one place.
+"""Every setting, as frozen dataclasses validated in one place, and every environment variable
+the code reads (ENV_VARS, read through `env`).
 
 `EngineConfig` is what one engine instance (COLOCATED, PREFILL or DECODE) needs. The serving
-config (pools, router, Redis) builds on it.
+config (pools, router, Redis) builds on it. A setting's doc is the comment beside it or above
+it: `disagg serve --help` and docs/settings.md show that text (disagg.settings).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import ipaddress
 import os
 import secrets
+import types
+import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from disagg.errors import InvalidRequestError
 
@@ -21,6 +26,9 @@ GiB = 1 << 30
 DEFAULT_KV_TIMEOUT_S = 30.0  # how long a KV transfer (or a prefill's wait for its targets) may take
 DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
 DEFAULT_HEARTBEAT_TTL_S = 3.0
+DEFAULT_DRAIN_TIMEOUT_S = 60.0  # ServingConfig.drain_timeout_s
+DEFAULT_STEP_TIMEOUT_S = 120.0  # ServingConfig.step_timeout_s
+DEFAULT_GROUP_TIMEOUT_S = 120.0  # ServingConfig.group_timeout_s
 ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
 CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
 WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4")  # EngineConfig.weights
@@ -36,6 +44,93 @@ DEFAULT_PRIORITY_AGING_S = 10.0
 MIN_PLACEMENT_CANDIDATES = 8  # ServingConfig.placement_candidates: room for prefix holders, the least loaded and draws
 
 
+# ---- the environment ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EnvVar:
+    """An environment variable the code reads: its name, its value when unset, what it does."""
+
+    name: str
+    default: str | None  # None: unset means "not given"
+    doc: str
+
+
+# Every environment variable read anywhere in disagg/, read through `env` (vLLM's envs.py holds
+# its own likewise); docs/settings.md lists them. An empty value counts as unset.
+API_KEY_ENV = "DISAGG_API_KEY"
+ENV_VARS = (
+    EnvVar(API_KEY_ENV, None, "the API key clients send; `disagg serve` takes it where the config sets no api_key"),
+    EnvVar("DISAGG_CACHE_DIR", "~/.cache/disagg", "engine.cache_dir's default: where converted weights are kept"),
+    EnvVar("DISAGG_KV_SHARED_MEMORY", "1", "engine.kv_shared_memory's default; 0: off"),
+    EnvVar("DISAGG_ATTENTION_BACKEND", "auto", "engine.attention_backend's default: auto, torch or kernel"),
+    EnvVar("DISAGG_CPU_GEMM", "onednn", "engine.cpu_gemm's default: onednn or torch"),
+    EnvVar("DISAGG_WEIGHTS", "auto", "engine.weights's default: auto, fp32, bf16, int8 or int4"),
+    EnvVar("DISAGG_ENFORCE_EAGER", "0", "engine.enforce_eager's default; 1: on"),
+    EnvVar(
+        "DISAGG_KV_SEAL",
+        "cross-host",
+        "which KV pairs tag their gloo messages (disagg.kv_transfer.torch_dist): cross-host, or always",
+    ),
+    EnvVar("DISAGG_KERNEL_CACHE", None, "where the C++ CPU kernels are built; unset: $XDG_CACHE_HOME/disagg/kernels"),
+    EnvVar("XDG_CACHE_HOME", None, "the user's cache directory (the kernels' default home); unset: ~/.cache"),
+    EnvVar(
+        "SSH_CONNECTION",
+        None,
+        "set by sshd: `python -m disagg.cluster.node_labels` finds the address a `ray up` node was reached at",
+    ),
+    EnvVar(
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+        "256",
+        "oneDNN's kernel cache, in entries; an engine sets it to this unless the environment does (oneDNN: 1024)",
+    ),
+    EnvVar("LRU_CACHE_CAPACITY", "256", "ideep's kernel cache, in entries; set like ONEDNN_PRIMITIVE_CACHE_CAPACITY"),
+    EnvVar(
+        "TORCH_NCCL_BLOCKING_WAIT",
+        "1",
+        "NCCL KV pairs set it unless the environment does: a timed-out NCCL call raises instead of hanging",
+    ),
+)
+
+
+def env(name: str) -> str | None:
+    """Environment variable `name` (declared in ENV_VARS), or its default when unset or empty."""
+    value = os.environ.get(name, "")
+    return value if value.strip() else env_default(name)
+
+
+def set_env_default(name: str) -> None:
+    """Set `name` (declared in ENV_VARS) to its default unless the environment sets it: for
+    variables a library reads itself."""
+    os.environ.setdefault(name, env_default(name))
+
+
+def env_default(name: str) -> str | None:
+    """What `env(name)` gives when the environment does not set it."""
+    return _declared(name).default
+
+
+def _declared(name: str) -> EnvVar:
+    for var in ENV_VARS:
+        if var.name == name:
+            return var
+    raise KeyError(f"environment variable {name} is not declared in disagg.config.ENV_VARS")
+
+
+@dataclass(frozen=True)
+class EnvDefault:
+    """A setting's default taken from an environment variable when a config is made (docs show
+    the variable, not this machine's value)."""
+
+    name: str  # declared in ENV_VARS
+    parse: Callable[[str], object]
+
+    def __call__(self) -> object:
+        return self.parse(env(self.name))
+
+
+def _lowered(value: str) -> str:
+    return value.strip().lower()
+
+
 class Role(str, enum.Enum):
     COLOCATED = "colocated"  # prefill and decode in one instance (chunked prefill)
     PREFILL = "prefill"  # runs prompts, samples the first token, keeps blocks for export
@@ -49,12 +144,13 @@ class Role(str, enum.Enum):
 class ParallelConfig:
     """Tensor/pipeline parallel plan of one instance and this process's place in it."""
 
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
+    tensor_parallel_size: int = 1  # workers the instance's layers are split across
+    pipeline_parallel_size: int = 1  # the instance's pipeline stages
+    tp_rank: int = 0  # this process's tensor-parallel rank
+    pp_rank: int = 0  # this process's pipeline stage
 
     def __post_init__(self) -> None:
+        _require_types(self)
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             _require(getattr(self, name) >= 1, name, "must be >= 1")
         _require(0 <= self.tp_rank < self.tensor_parallel_size, "tp_rank", "out of range")
@@ -71,10 +167,10 @@ class EngineConfig:
     tokenizer: str | None = None  # another model's tokenizer (e.g. for `random:` weights)
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
     device: str = "auto"  # auto: cuda when available, else cpu
-    role: Role = Role.COLOCATED
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_bytes
-    kv_cache_memory_bytes: int = 1 * GiB
+    role: Role = Role.COLOCATED  # what this engine runs (a serving config's pools set it)
+    block_size: int = 16  # tokens per KV cache block (a power of two)
+    num_kv_blocks: int | None = None  # KV cache blocks per worker; overrides kv_cache_memory_bytes
+    kv_cache_memory_bytes: int = 1 * GiB  # the KV cache's size per worker, unless num_kv_blocks is set
     # The fraction of its GPU's memory this worker may take (weights, KV cache, activations), as
     # vLLM's setting of that name: at start, what it needs must fit in this share of the GPU's
     # memory, and in what the GPU has free (disagg/engine/memory_fit.py), or it is refused.
@@ -103,29 +199,29 @@ class EngineConfig:
     # Under ltr, the ranker file that predicts each request's output length when it is added
     # (disagg.ranking); None: the one bundled for the default model. Not read under fcfs.
     length_ranker: str | None = None
-    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S
-    max_num_seqs: int = 128  # running requests at most
-    max_waiting_requests: int = 4096  # bounded admission queue
-    max_model_len: int | None = None  # defaults to the model's context length
-    enable_prefix_caching: bool = True
+    priority_aging_s: float = DEFAULT_PRIORITY_AGING_S  # a waiting request rises one priority per this many seconds
+    max_num_seqs: int = 128  # requests running at once (the batch), at most
+    max_waiting_requests: int = 4096  # requests waiting in an engine's queue, at most (more are refused)
+    max_model_len: int | None = None  # prompt plus output tokens at most; None: the model's context length
+    enable_prefix_caching: bool = True  # reuse the KV of a prompt's cached prefix blocks
     num_threads: int | None = None  # torch intra-op threads; None: leave as is
-    seed: int = 0
-    cache_dir: str = field(
-        default_factory=lambda: os.environ.get("DISAGG_CACHE_DIR", str(Path.home() / ".cache" / "disagg"))
-    )
+    seed: int = 0  # the random seed of sampling and of `random:` weights
+    # Where converted weights are kept.
+    cache_dir: str = field(default_factory=EnvDefault("DISAGG_CACHE_DIR", os.path.expanduser))
+    # This rank's place in its instance (a serving config's pools set it).
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # A prefill cache in shared memory, so that a decode worker on this host copies the KV
-    # straight out of it; off: KV always goes over the transport. (README: DISAGG_KV_SHARED_MEMORY)
-    kv_shared_memory: bool = field(default_factory=lambda: os.environ.get("DISAGG_KV_SHARED_MEMORY", "1") != "0")
+    # straight out of it; off: KV always goes over the transport.
+    kv_shared_memory: bool = field(default_factory=EnvDefault("DISAGG_KV_SHARED_MEMORY", lambda v: v != "0"))
     # The C++ CPU kernels (decode attention, norm, rotary, the transfer's block copy): auto (where
-    # they build), torch (never), kernel (always, or an error). (README: DISAGG_ATTENTION_BACKEND)
-    attention_backend: str = field(default_factory=lambda: _env_choice("DISAGG_ATTENTION_BACKEND", "auto"))
-    # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear). (README: DISAGG_CPU_GEMM)
-    cpu_gemm: str = field(default_factory=lambda: _env_choice("DISAGG_CPU_GEMM", "onednn"))
+    # they build), torch (never), kernel (always, or an error).
+    attention_backend: str = field(default_factory=EnvDefault("DISAGG_ATTENTION_BACKEND", _lowered))
+    # GEMMs on CPU: onednn (prepacked weights) or torch (F.linear).
+    cpu_gemm: str = field(default_factory=EnvDefault("DISAGG_CPU_GEMM", _lowered))
     # How weights are kept: auto (a GGUF's 4-bit blocks as int4, its other quantized ones as int8,
     # on CPU; float checkpoints dense), fp32 or bf16 (dense; the dtype unless `dtype` sets one), int8 or int4 (quantized at
-    # load, CPU). (disagg/engine/layers/quantized.py; README: DISAGG_WEIGHTS)
-    weights: str = field(default_factory=lambda: _env_choice("DISAGG_WEIGHTS", "auto"))
+    # load, CPU). (disagg/engine/layers/quantized.py)
+    weights: str = field(default_factory=EnvDefault("DISAGG_WEIGHTS", _lowered))
     # Quantized weights: what prompts (and decode batches past 4) multiply in. fp32: a prompt's
     # first token is the reference's (transformers on the dequantized weights) even at a near-tie;
     # bf16: 1.4-1.7x faster prompts, llama.cpp-like numbers. A decode instance, which computes no
@@ -144,12 +240,13 @@ class EngineConfig:
     batch_invariant: bool = False
     # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
     # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.
-    enforce_eager: bool = field(default_factory=lambda: os.environ.get("DISAGG_ENFORCE_EAGER", "0") == "1")
+    enforce_eager: bool = field(default_factory=EnvDefault("DISAGG_ENFORCE_EAGER", lambda v: v == "1"))
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):
             object.__setattr__(self, "role", _parse_enum(Role, self.role, "role"))
-        _require(isinstance(self.model, str) and self.model.strip() != "", "model", "must be a non-empty string")
+        _require_types(self)
+        _require(self.model.strip() != "", "model", "must be a non-empty string")
         _require(
             self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "dtype",
@@ -254,11 +351,6 @@ def prefill_chunk_cap(budget: int, long_prefill_token_threshold: int | None) -> 
     return min(long_prefill_token_threshold, budget) if long_prefill_token_threshold > 0 else budget
 
 
-def _env_choice(name: str, default: str) -> str:
-    """A setting's default from the environment (the only place that reads it)."""
-    return os.environ.get(name, default).strip().lower() or default
-
-
 def _parse_enum(enum_cls, value: str, field_name: str):
     try:
         return enum_cls(value.lower())
@@ -274,6 +366,41 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a name: it may resolve anywhere
         return False
+
+
+def _require_types(config) -> None:
+    """Each field of `config` holds its declared type: a YAML file or a flag may give anything."""
+    hints = field_types(type(config))
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        _require(_is_of(value, hints[f.name]), f.name, f"must be {type_name(hints[f.name])}, got {value!r}")
+
+
+@functools.cache
+def field_types(cls: type) -> dict:
+    """{field name: declared type} of config dataclass `cls`."""
+    return typing.get_type_hints(cls)
+
+
+def _is_of(value, hint) -> bool:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_is_of(value, arm) for arm in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, typing.get_origin(hint) or hint)
+
+
+def type_name(hint) -> str:
+    """A declared type as a message names it: "an integer", "a number or null", ..."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " or ".join(type_name(arm) for arm in typing.get_args(hint))
+    names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+    names |= {list: "a list", type(None): "null"}
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -299,6 +426,9 @@ class WorkerConfig:
     num_threads: int = 1  # torch intra-op threads
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # ServingConfig.drain_timeout_s
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S  # ServingConfig.step_timeout_s
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S  # ServingConfig.group_timeout_s
     actor_name: str = ""
     engine_cpus: tuple[int, ...] | None = (
         None  # where the engine thread runs (disagg.hosts.cpu_binding); None: where the process may
@@ -314,7 +444,8 @@ class WorkerConfig:
         _require(
             isinstance(self.instance_id, str) and self.instance_id != "", "instance_id", "must be a non-empty string"
         )
-        _require(self.kv_timeout_s > 0, "kv_timeout_s", "must be > 0")
+        for name in ("kv_timeout_s", "drain_timeout_s", "step_timeout_s", "group_timeout_s"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
         _require_kv_transport(self.kv_transport)
         _require(isinstance(self.link_key, bytes) and len(self.link_key) >= 16, "link_key", "must be >= 16 bytes")
         _require(self.num_threads >= 1, "num_threads", "must be >= 1")
@@ -333,11 +464,11 @@ class WorkerConfig:
 class PoolConfig:
     """One pool of instances (prefill, decode or colocated) and where its workers run."""
 
-    num_instances: int = 1
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    num_cpus_per_worker: float = 1.0
-    num_gpus_per_worker: float = 0.0
+    num_instances: int = 1  # instances in the pool
+    tensor_parallel_size: int = 1  # workers an instance's layers are split across (TP)
+    pipeline_parallel_size: int = 1  # pipeline stages of an instance (PP); workers per instance: TP x PP
+    num_cpus_per_worker: float = 1.0  # the CPUs Ray reserves for each worker
+    num_gpus_per_worker: float = 0.0  # the GPUs Ray reserves for each worker (a fraction shares one)
     resources: dict = field(default_factory=dict, hash=False)  # extra Ray resources per worker, e.g. {"prefill": 1}
     engine: dict = field(default_factory=dict, hash=False)  # EngineConfig fields that differ for this pool
     # Per instance, in order: what differs for that one instance, `threads_per_worker` and/or
@@ -345,6 +476,7 @@ class PoolConfig:
     instances: list = field(default_factory=list, hash=False)
 
     def __post_init__(self) -> None:
+        _require_types(self)
         _require(self.num_instances >= 0, "num_instances", "must be >= 0")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", "must be >= 1")
         _require(self.pipeline_parallel_size >= 1, "pipeline_parallel_size", "must be >= 1")
@@ -379,8 +511,13 @@ INSTANCE_OVERRIDES = {"threads_per_worker", "engine"}
 
 @dataclass(frozen=True)
 class SLOConfig:
-    ttft_ms: float = 0.0  # 0: no target
-    tpot_ms: float = 0.0
+    ttft_ms: float = 0.0  # time to first token target, in ms; 0: no target
+    tpot_ms: float = 0.0  # time per output token target, in ms; 0: no target
+
+    def __post_init__(self) -> None:
+        _require_types(self)
+        _require(self.ttft_ms >= 0, "ttft_ms", "must be >= 0 (0: no target)")
+        _require(self.tpot_ms >= 0, "tpot_ms", "must be >= 0 (0: no target)")
 
 
 # What each worker takes of its node's pool label (a custom Ray resource named after the pool):
@@ -397,20 +534,19 @@ CPU_BINDINGS = ("auto", "on", "off")
 @dataclass(frozen=True)
 class ServingConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)  # model and engine settings shared by every pool
-    mode: str = "disaggregated"
-    prefill: PoolConfig = field(default_factory=PoolConfig)
-    decode: PoolConfig = field(default_factory=PoolConfig)
-    colocated: PoolConfig = field(default_factory=PoolConfig)
+    mode: str = "disaggregated"  # disaggregated: a prefill and a decode pool; colocated: one pool doing both
+    prefill: PoolConfig = field(default_factory=PoolConfig)  # the prefill pool (disaggregated mode)
+    decode: PoolConfig = field(default_factory=PoolConfig)  # the decode pool (disaggregated mode)
+    colocated: PoolConfig = field(default_factory=PoolConfig)  # the one pool of colocated mode
     host: str = "127.0.0.1"  # where the gRPC frontend listens
-    port: int = 50051
+    port: int = 50051  # the gRPC frontend's port; 0: any free port
     http_host: str = "127.0.0.1"  # where the OpenAI-compatible HTTP API listens (disagg.router.http_frontend)
-    http_port: int = 8000  # 0: no HTTP API
-    worker_host: str | None = (
-        None  # where workers listen (request link, KV); None: loopback on one node, each node's IP on several
-    )
-    metrics_port: int | None = None  # Prometheus /metrics; None: off
-    redis_url: str | None = None  # None: start a local redis-server
-    ray_address: str | None = None  # None: start a local Ray
+    http_port: int = 8000  # the OpenAI-compatible HTTP API's port; 0: no HTTP API
+    # Where workers listen (request link, KV); None: loopback on one node, each node's IP on several.
+    worker_host: str | None = None
+    metrics_port: int | None = None  # the port of Prometheus /metrics; None: off
+    redis_url: str | None = None  # the Redis holding the cluster's metadata; None: start a local redis-server
+    ray_address: str | None = None  # the Ray cluster to join ("auto": the one on this node); None: start a local Ray
     slo: SLOConfig = field(default_factory=SLOConfig)  # every request's targets unless it sets its own
     placement: str = "goodput"  # goodput: by predicted TTFT/TPOT against the SLO; least_work (disagg.placement)
     slo_admission: str = "reject"  # a request no instance is predicted to serve in time: reject | best_effort
@@ -427,9 +563,9 @@ class ServingConfig:
     # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
     # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
     placement_candidates: int = 12
-    max_inflight_requests: int | None = (
-        None  # admission bound, more are refused RESOURCE_EXHAUSTED; None: inflight_limit()
-    )
+    # Requests in flight at most, more are refused RESOURCE_EXHAUSTED; None: as many as the decode
+    # (or colocated) pool runs at once (ServingConfig.inflight_limit).
+    max_inflight_requests: int | None = None
     # Frontends serving the same instances: this process's, and frontends - 1 more as Ray actors
     # (disagg.server.FrontendReplica), frontend i on port + i and http_port + i (an ephemeral
     # port where those are 0). Each admits its share of the in-flight bound.
@@ -437,28 +573,44 @@ class ServingConfig:
     # How long a request may wait for room on a decode instance (at most kv_timeout_s: the prefill
     # instance holds its computed prompt that long).
     admission_timeout_s: float = 30.0
-    request_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0  # a request's deadline from its arrival, unless the client sets a shorter one
     max_migrations: int = 3  # times a request may move on after an instance failed under it (disagg.router.migration)
     recovery_timeout_s: float = 60.0  # how long a migrating request waits for a healthy instance (a relaunch)
     max_worker_restarts: int = -1  # a dead instance is relaunched this often (per instance); -1: always, 0: never
-    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S
+    kv_timeout_s: float = DEFAULT_KV_TIMEOUT_S  # how long a KV transfer (or a prefill's wait for its targets) may take
     kv_transport: str = DEFAULT_KV_TRANSPORT  # how prefill instances send KV to decode ones (KV_TRANSPORTS)
-    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S  # how often a worker refreshes its entry in Redis
+    # A worker whose entry was not refreshed for this long is taken out of placement (its Redis key expires).
     heartbeat_ttl_s: float = DEFAULT_HEARTBEAT_TTL_S
-    threads_per_worker: int = 1
+    # How long `disagg serve` waits for its workers to load their model and start (a relaunched
+    # instance too), and for the frontends to start.
+    start_timeout_s: float = 600.0
+    warm_up_timeout_s: float = 120.0  # each warm-up request's limit (warm_up); one that times out is logged, not fatal
+    drain_grace_s: float = 10.0  # on SIGINT/SIGTERM, how long in-flight requests get to finish before the server stops
+    # After SIGTERM (or a scale-in), how long a decode instance waits for routers to move its
+    # requests away with their KV before it exits (what is left then migrates by recompute).
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    # A TP x PP instance: one step's limit across its ranks (a rank that hangs fails the step after
+    # this long, instead of stalling the instance); the first step may be slow.
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    # A TP x PP instance's torch.distributed groups: how long its ranks may take to join them, and
+    # each gloo collective (a peer that died mid-step fails it after this long).
+    group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+    threads_per_worker: int = 1  # torch intra-op threads of each worker (a pool's instances entry may differ)
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
     # The closed loop (disagg.router.replanning): instances switch between prefill and decode
     # as the traffic shifts. Every replan_interval_s, the last replan_window_s of arrivals are
     # replayed by the simulator on each split; at most one switch per replan_hold_s.
     replan: bool = True
-    replan_interval_s: float = 5.0
-    replan_window_s: float = 30.0
-    replan_hold_s: float = 20.0
+    replan_interval_s: float = 5.0  # how often the re-planner considers a switch
+    replan_window_s: float = 30.0  # how much recent traffic the re-planner replays
+    replan_hold_s: float = 20.0  # at most one switch per this many seconds
+    replan_switch_timeout_s: float = 30.0  # how long a switching instance may take to finish its requests
     replan_min_gain: float = 5.0  # points of predicted SLO attainment a switch must gain
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata (HTTP: `Authorization: Bearer`)
     tls_cert_file: str | None = None  # TLS on the gRPC and the HTTP port alike
-    tls_key_file: str | None = None
+    tls_key_file: str | None = None  # the private key of tls_cert_file
     # With api_key set, gRPC health and reflection, HTTP /health and /metrics ask for it too;
     # true leaves the two health checks open (a load balancer's probe sends no key).
     health_without_key: bool = False
@@ -467,6 +619,7 @@ class ServingConfig:
     insecure: bool = False
 
     def __post_init__(self) -> None:
+        _require_types(self)
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
@@ -511,8 +664,15 @@ class ServingConfig:
             "kv_timeout_s",
             "heartbeat_interval_s",
             "heartbeat_ttl_s",
+            "start_timeout_s",
+            "warm_up_timeout_s",
+            "drain_grace_s",
+            "drain_timeout_s",
+            "step_timeout_s",
+            "group_timeout_s",
             "replan_interval_s",
             "replan_window_s",
+            "replan_switch_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(
@@ -633,6 +793,37 @@ class ServingConfig:
     @classmethod
     def from_yaml(cls, path: str) -> "ServingConfig":
         return cls.from_dict(read_yaml_settings(path))
+
+
+def setting_groups() -> dict[str, type]:
+    """{name: config class} of the ServingConfig fields that are groups of settings (engine, the
+    pools, slo): a config file nests them, flags prefix them (`--engine.max-num-seqs`)."""
+    hints = field_types(ServingConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ServingConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+# EngineConfig fields that are not settings of a serving config: each pool's workers get theirs.
+SET_BY_POOLS = ("role", "parallel")
+
+
+def merge_settings(base: dict, overrides: dict) -> dict:
+    """`overrides` over `base`, both settings as a config file holds them: within a group (engine,
+    a pool, slo) setting by setting, elsewhere (a mapping or list setting too) value by value.
+    A top-level `model` counts as engine.model."""
+    merged = _model_in_engine(base)
+    groups = setting_groups()
+    for name, value in _model_in_engine(overrides).items():
+        nested = name in groups and isinstance(value, dict) and isinstance(merged.get(name), dict)
+        merged[name] = {**merged[name], **value} if nested else value
+    return merged
+
+
+def _model_in_engine(settings: dict) -> dict:
+    settings = dict(settings or {})
+    engine = settings.get("engine") or {}
+    if "model" in settings and isinstance(engine, dict):  # else from_dict names what is wrong
+        settings["engine"] = {**engine, "model": settings.pop("model")}
+    return settings
 
 
 def _no_unknown(cls, data: dict, where: str) -> None:

@@ -48,8 +48,7 @@ from disagg.hosts.addressing import (
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
-from disagg.client import API_KEY_ENV
-from disagg.config import ServingConfig, read_yaml_settings
+from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
@@ -74,7 +73,6 @@ from disagg.router.calibration import calibrate
 from disagg.router.warm_up import warm_up
 
 logger = logging.getLogger(__name__)
-DRAIN_GRACE_S = 10.0
 
 
 class Server:
@@ -113,9 +111,10 @@ class Server:
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
         self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
 
-    def start(self, timeout_s: float = 600.0) -> "Server":
+    def start(self) -> "Server":
+        """Within the config's start_timeout_s, or an error (what started is stopped)."""
         try:
-            self._start(timeout_s)
+            self._start(self.config.start_timeout_s)
         except BaseException:
             self.stop()
             raise
@@ -146,10 +145,10 @@ class Server:
         self._start_frontend(redis_url, card, timeout_s)
         self._start_replicas(redis_url, card, timeout_s)
 
-    def start_replica(self, redis_url: str, card: ModelCard, timeout_s: float = 600.0) -> "Server":
+    def start_replica(self, redis_url: str, card: ModelCard) -> "Server":
         """Frontend `index` of a deployment already running (Ray, Redis and the workers are its;
         `card`: the model they serve)."""
-        self._start_frontend(redis_url, card, timeout_s)
+        self._start_frontend(redis_url, card, self.config.start_timeout_s)
         return self
 
     def _start_frontend(self, redis_url: str, card: ModelCard, timeout_s: float) -> None:
@@ -187,7 +186,7 @@ class Server:
     def _stop_replicas(self) -> None:
         stops = [r.stop.remote() for r in self.replicas]
         with contextlib.suppress(Exception):
-            ray.get(stops, timeout=DRAIN_GRACE_S + 15)
+            ray.get(stops, timeout=self.config.drain_grace_s + 15)
         for replica in self.replicas:
             with contextlib.suppress(Exception):
                 ray.kill(replica, no_restart=True)
@@ -294,7 +293,7 @@ class Server:
         for task in tasks:
             task.cancel()
         await _set_health(health_servicer, health_pb2.HealthCheckResponse.NOT_SERVING)  # from the drain's start
-        await self.request_path.drain(DRAIN_GRACE_S)
+        await self.request_path.drain(config.drain_grace_s)
         await server.stop(grace=1.0)
         if http is not None:
             await http.stop()
@@ -371,7 +370,7 @@ class Server:
             self.launcher.abandon()
         if self._loop is not None and self._stop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._stop.set)
-            self._thread.join(DRAIN_GRACE_S + 10)
+            self._thread.join(self.config.drain_grace_s + 10)
         self._stack.close()
 
     def _shutdown_ray(self) -> None:
@@ -417,7 +416,7 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
             print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
             cluster_gone = True
             break
-    print(f"disagg: shutting down (in-flight requests get {DRAIN_GRACE_S:.0f}s)", flush=True)
+    print(f"disagg: shutting down (in-flight requests get {config.drain_grace_s:.0f}s)", flush=True)
     server.stop(cluster_gone)
     print("disagg: stopped", flush=True)
     return 0
@@ -654,13 +653,20 @@ async def _report_health(config: ServingConfig, directory: InstanceDirectory, he
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:
-    """`disagg serve`. A config without `api_key` takes $DISAGG_API_KEY's (the clients' variable),
-    so that no key need be written in a config file or on a command line."""
-    settings = {**(read_yaml_settings(config_path) if config_path else {}), **overrides}
-    if not settings.get("api_key") and os.environ.get(API_KEY_ENV):
-        settings["api_key"] = os.environ[API_KEY_ENV]
-    config = ServingConfig.from_dict(settings)
+    """`disagg serve`: the defaults, under the config file's settings, under `overrides` (the
+    flags', nested as in the file). A config without `api_key` takes $DISAGG_API_KEY's (the
+    clients' variable), so that no key need be written in a config file or on a command line.
+    `cluster`: join the running Ray cluster (ServingConfig.on_cluster)."""
+    config = serving_config(config_path, overrides)
     return serve(config.on_cluster() if cluster else config, ready_file)
+
+
+def serving_config(config_path: str | None, overrides: dict) -> ServingConfig:
+    """The defaults, under the file's settings, under `overrides`, checked by the config."""
+    settings = merge_settings(read_yaml_settings(config_path) if config_path else {}, overrides)
+    if not settings.get("api_key") and env(API_KEY_ENV):
+        settings["api_key"] = env(API_KEY_ENV)
+    return ServingConfig.from_dict(settings)
 
 
 if __name__ == "__main__":

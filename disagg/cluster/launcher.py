@@ -88,13 +88,14 @@ class PoolLauncher:
         self._lock = threading.Lock()  # self.instances, between the supervisor and shutdown
         self._stopping = threading.Event()
 
-    def launch(self, ready_timeout_s: float = 600.0) -> list[LaunchedInstance]:
+    def launch(self) -> list[LaunchedInstance]:
+        """Every pool's instances, ready within the config's start_timeout_s (else stopped, and an error)."""
         run_id = uuid.uuid4().hex[:6]
         for role, pool in self.config.pools():
             for index in range(pool.num_instances):
                 self.instances.append(self._launch_one(role, pool, index, f"{role}-{index}-{run_id}"))
         try:
-            ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=ready_timeout_s)
+            ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=self.config.start_timeout_s)
         except Exception as exc:
             self.shutdown()
             refused = _REFUSED_START.findall(str(exc))
@@ -141,6 +142,9 @@ class PoolLauncher:
             num_threads=self.config.worker_threads(pool, index),
             heartbeat_interval_s=self.config.heartbeat_interval_s,
             heartbeat_ttl_s=self.config.heartbeat_ttl_s,
+            drain_timeout_s=self.config.drain_timeout_s,
+            step_timeout_s=self.config.step_timeout_s,
+            group_timeout_s=self.config.group_timeout_s,
             actor_name=actor_name,
             engine_cpus=tuple(sorted(engine_cpus)) if engine_cpus is not None else None,
             link_key=self.link_key,
@@ -194,15 +198,14 @@ class PoolLauncher:
         return {role: POOL_LABEL_SLIVER} if ray.cluster_resources().get(role, 0) > 0 else {}
 
     # ---- relaunching TP x PP instances ----------------------------------------------------------
-    def supervise(self, interval_s: float = 2.0, ready_timeout_s: float = 600.0) -> None:
+    def supervise(self, interval_s: float = 2.0) -> None:
         """Watch the multi-worker instances from a thread; relaunch one that is out of service,
         at most `max_worker_restarts` times each (-1: always)."""
         if self.config.max_worker_restarts == 0 or not any(i.shard_actors for i in self.instances):
             return
-        args = (interval_s, ready_timeout_s)
-        threading.Thread(target=self._supervise, args=args, name="instance-supervisor", daemon=True).start()
+        threading.Thread(target=self._supervise, args=(interval_s,), name="instance-supervisor", daemon=True).start()
 
-    def _supervise(self, interval_s: float, ready_timeout_s: float) -> None:
+    def _supervise(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s):
             with self._lock:
                 watched = [i for i in self.instances if i.shard_actors]
@@ -210,7 +213,7 @@ class PoolLauncher:
                 if self._stopping.is_set() or self._in_service(inst) or not self._may_relaunch(inst):
                     continue
                 try:
-                    self._relaunch(inst, ready_timeout_s)
+                    self._relaunch(inst)
                 except Exception as exc:  # keep watching the others; this one is retried next round
                     logger.error("relaunch of %s failed: %s", inst.instance_id, exc)
 
@@ -225,7 +228,7 @@ class PoolLauncher:
         limit = self.config.max_worker_restarts
         return limit < 0 or inst.relaunches < limit
 
-    def _relaunch(self, inst: LaunchedInstance, ready_timeout_s: float) -> None:
+    def _relaunch(self, inst: LaunchedInstance) -> None:
         logger.warning("instance %s is out of service; relaunching it (all %d ranks)", inst.instance_id,
                        1 + len(inst.shard_actors))  # fmt: skip
         _kill(inst, remove_group=True)  # no shutdown(): that would deregister it for good
@@ -236,7 +239,7 @@ class PoolLauncher:
                 _kill(fresh, remove_group=True)
                 return
             self.instances[self.instances.index(inst)] = fresh
-        ray.get(fresh.actor.ready.remote(), timeout=ready_timeout_s)
+        ray.get(fresh.actor.ready.remote(), timeout=self.config.start_timeout_s)
         logger.info("instance %s is back (relaunch %d)", inst.instance_id, fresh.relaunches)
 
     def switched(self, instance_id: str, role: str) -> None:

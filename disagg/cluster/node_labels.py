@@ -9,8 +9,8 @@ side of `$SSH_CONNECTION`). It prints
 
 for `ray start`: the node registers under that address (the launcher's autoscaler knows its nodes
 by the addresses in the cluster file), and the custom resource named after the pool is what
-`disagg serve --cluster` pins the pool to (disagg.cluster.launcher). Standard library only: it
-runs before anything else on a fresh node.
+`disagg serve --cluster` pins the pool to (disagg.cluster.launcher). Standard library only (and
+disagg.config, which is): it runs before anything else on a fresh node.
 
     python -m disagg.cluster.node_labels --prefill 10.0.0.2 --decode 10.0.0.3 10.0.0.4
 """
@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
+
+from disagg.config import env
 
 POOLS = ("prefill", "decode", "colocated")
 LABEL_AMOUNT = 1  # a node's units of its pool's resource; each worker takes a sliver of one
 
 
-def reached_address(environ: dict[str, str]) -> str:
-    """The address this machine was reached at over SSH: the third field of SSH_CONNECTION
+def reached_address(ssh_connection: str | None) -> str:
+    """The address this machine was reached at over SSH: the third field of $SSH_CONNECTION
     ("client-ip client-port server-ip server-port")."""
-    fields = environ.get("SSH_CONNECTION", "").split()
+    fields = (ssh_connection or "").split()
     if len(fields) != 4:
         raise ValueError("SSH_CONNECTION is not set: pass --address (this runs in a `ray up` start command)")
     return fields[2]
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--address", help="this machine's address (default: where SSH reached it)")
     args = parser.parse_args(argv)
     try:
-        address = args.address or reached_address(dict(os.environ))
+        address = args.address or reached_address(env("SSH_CONNECTION"))
         print(ray_start_flags(address, {pool: getattr(args, pool) for pool in POOLS}))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

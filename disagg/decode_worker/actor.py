@@ -28,7 +28,6 @@ from disagg.rpc.messages import Reservation, TokenDelta
 from disagg.rpc.services import TOKENS_TOPIC, DecodeService
 
 logger = logging.getLogger(__name__)
-DRAIN_TIMEOUT_S = 60.0  # after SIGTERM, how long routers get to move this instance's requests away
 
 
 @dataclass(frozen=True)
@@ -144,7 +143,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
     def drain(self, exit_when_done: bool = False) -> None:
         """Leave service: no new requests; routers move the ones here away with their KV (or, where
         they cannot, let them finish here). With `exit_when_done`, the process ends once it holds
-        none, or after DRAIN_TIMEOUT_S (what is left then migrates by recompute)."""
+        none, or after the config's drain_timeout_s (what is left then migrates by recompute)."""
         if self._draining.is_set():
             return
         self._draining.set()
@@ -162,7 +161,7 @@ class DecodeActor(WorkerActorBase, DecodeService):
             logger.warning("instance %s: SIGTERM cannot be caught here; it ends the process at once", self.instance_id)
 
     def _exit_when_drained(self) -> None:
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        deadline = time.monotonic() + self.config.drain_timeout_s
         while time.monotonic() < deadline and not self.worker.is_idle():
             time.sleep(0.1)
         time.sleep(0.5)  # the last deltas and acknowledgements leave

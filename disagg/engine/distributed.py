@@ -19,11 +19,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from disagg.config import DEFAULT_GROUP_TIMEOUT_S
 from disagg.engine.layers.parallel import TPGroup
 
-# Ranks run in lockstep, driven step by step by rank 0, so a collective waits only as long as
-# one forward pass of a peer; this bounds the wait when a peer dies mid-step.
-GROUP_TIMEOUT = timedelta(seconds=120)
 _PIPE_TAG = 7
 
 
@@ -82,15 +80,26 @@ class InstanceGroups:
     store: "dist.Store"  # kept alive while the groups live
 
 
-def join_instance(place: RankPlace, store: "dist.Store", device: torch.device, host: str) -> InstanceGroups:
+def join_instance(
+    place: RankPlace,
+    store: "dist.Store",
+    device: torch.device,
+    host: str,
+    timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+) -> InstanceGroups:
     """Build this rank's groups through the instance's `store`, gloo listening on this rank's
-    `host`; blocks until every rank of each group has joined."""
-    tp_pg = _group(dist.PrefixStore(f"tp{place.pp_rank}/", store), place.tp_rank, place.tp_size, device, host)
-    pp_pg = _group(dist.PrefixStore(f"pp{place.tp_rank}/", store), place.pp_rank, place.pp_size, device, host)
+    `host`; blocks until every rank of each group has joined. Ranks run in lockstep, driven step
+    by step by rank 0, so a gloo collective waits only as long as one forward pass of a peer:
+    `timeout_s` (ServingConfig.group_timeout_s) bounds the wait when a peer dies mid-step."""
+    timeout = timedelta(seconds=timeout_s)
+    tp_pg = _group(dist.PrefixStore(f"tp{place.pp_rank}/", store), place.tp_rank, place.tp_size, device, host, timeout)
+    pp_pg = _group(dist.PrefixStore(f"pp{place.tp_rank}/", store), place.pp_rank, place.pp_size, device, host, timeout)
     return InstanceGroups(place, TPGroup(place.tp_rank, place.tp_size, tp_pg), PipelineLink(place, pp_pg), store)
 
 
-def _group(store: "dist.Store", rank: int, size: int, device: torch.device, host: str) -> "dist.ProcessGroup | None":
+def _group(
+    store: "dist.Store", rank: int, size: int, device: torch.device, host: str, timeout: timedelta
+) -> "dist.ProcessGroup | None":
     if size == 1:
         return None
     if device.type == "cuda":
@@ -98,6 +107,6 @@ def _group(store: "dist.Store", rank: int, size: int, device: torch.device, host
             raise ValueError("device: CUDA instances of several workers need a torch built with NCCL")
         return dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
     options = dist.ProcessGroupGloo._Options()
-    options._timeout = GROUP_TIMEOUT
+    options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     return dist.ProcessGroupGloo(store, rank, size, options)

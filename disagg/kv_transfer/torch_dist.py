@@ -35,7 +35,6 @@ so that is set (unless already set) before the first NCCL group of the process i
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -46,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from disagg.auth import TAG_BYTES, AuthenticationError, Seals, new_nonce
+from disagg.config import env, set_env_default
 from disagg.errors import KVTransferError
 from disagg.kv_transfer.paths import DeviceView, KVPath, choose_path, local_view
 from disagg.kv_transfer.rendezvous import PairStore, Rendezvous, RendezvousClosed, connect_pair_store
@@ -106,7 +106,7 @@ class TorchDistTransport(Transport):
         measuring the cost on one host); None: $DISAGG_KV_SEAL, else cross-host.
         `device`: where this worker's KV cache is; `view`: what this process sees of the devices
         (default: read from the process), from which each pair's path is chosen (kv_transfer.paths)."""
-        seal = seal or os.environ.get("DISAGG_KV_SEAL", "cross-host")
+        seal = seal or env("DISAGG_KV_SEAL")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend: expected one of {BACKENDS} or None, got {backend!r}")
         if seal not in SEAL_MODES:
@@ -374,7 +374,7 @@ def _gloo_device(host: str):
 def _nccl_group(pair: Pair, sender_rank: int) -> dist.ProcessGroupNCCL:
     if not (torch.cuda.is_available() and dist.is_nccl_available()):
         raise ValueError("tensor: CUDA tensors need CUDA and a torch built with NCCL (or backend='gloo')")
-    os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")  # read when the group is made (module docstring)
+    set_env_default("TORCH_NCCL_BLOCKING_WAIT")  # read when the group is made (module docstring)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = pair.timeout
     store = dist.PrefixStore(f"{pair.prefix}/nccl/{sender_rank}", pair.store)

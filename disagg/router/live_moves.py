@@ -48,11 +48,12 @@ class LiveMoves:
             if p.decode is instance and p.handover is None and p.moving_to is None and p.num_tokens > 0
         ]
 
-    async def drain(self, instance: Instance, timeout_s: float = 60.0) -> MoveStats:
+    async def drain(self, instance: Instance) -> MoveStats:
         """Move every request decoding on `instance` to the other decode instances (chosen as the
-        placement policy would for a new request), until none is left or `timeout_s` passed."""
+        placement policy would for a new request), until none is left or the config's
+        drain_timeout_s passed (the instance leaves then)."""
         stats = MoveStats()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.orchestrator.config.drain_timeout_s
         while time.monotonic() < deadline and (placements := self.requests_on(instance)):
             results = await asyncio.gather(*(self._move_elsewhere(p, instance) for p in placements))
             stats.moved += sum(results)

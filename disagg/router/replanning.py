@@ -36,7 +36,6 @@ from disagg.planner.replanner import Decision, Replanner, Split, TrafficWindow, 
 from disagg.router.directory import Instance, InstanceDirectory
 
 logger = logging.getLogger(__name__)
-SWITCH_TIMEOUT_S = 30.0  # from a switch's start until the instance must hold nothing
 IDLE_POLL_S = 0.1
 REGISTER_TIMEOUT_S = 10.0  # for the directory to find the instance in its new pool
 ROLES = ("prefill", "decode")
@@ -194,7 +193,7 @@ class ReplanLoop:
     async def _switch_when_idle(self, instance: Instance, to_role: str) -> tuple[str, str]:
         """Asks the instance to switch until it holds nothing and does (its engine thread
         refuses while it holds requests)."""
-        deadline = time.monotonic() + SWITCH_TIMEOUT_S
+        deadline = time.monotonic() + self.config.replan_switch_timeout_s
         while True:
             try:
                 await instance.actor.switch_role.remote(to_role)
@@ -203,7 +202,7 @@ class ReplanLoop:
                 if "drain it first" not in str(exc):
                     return "failed", f"{type(exc).__name__}: {exc}"
                 if time.monotonic() > deadline:
-                    return "failed", f"still held requests after {SWITCH_TIMEOUT_S:.0f} s"
+                    return "failed", f"still held requests after {self.config.replan_switch_timeout_s:.0f} s"
             await asyncio.sleep(IDLE_POLL_S)
 
     async def _until_registered(self, instance_id: str, role: str) -> None:

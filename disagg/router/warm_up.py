@@ -23,7 +23,6 @@ from disagg.router.streams import DecodeStreams
 
 logger = logging.getLogger(__name__)
 PROMPT_TOKENS = 64  # long enough for full KV blocks and a real prefill GEMM
-WARM_UP_TIMEOUT_S = 120.0
 
 
 class Pinned(LeastOutstandingWork):
@@ -70,7 +69,7 @@ async def warm_up(
         names = (prefill.instance_id if prefill else "", decode.instance_id)
         try:
             await asyncio.wait_for(
-                run_request(orchestrator, f"warm-up-{index}", token_ids(vocab_size), params), WARM_UP_TIMEOUT_S
+                run_request(orchestrator, f"warm-up-{index}", token_ids(vocab_size), params), config.warm_up_timeout_s
             )
             served.append(names)
         except Exception as exc:  # noqa: BLE001 - see the docstring

@@ -55,8 +55,9 @@ class ShardActor(ShardService):
         self.loop: FollowerLoop | None = None
 
     def join(self, world: WorldAddress) -> JoinedRank:
-        store = connect_world(world, self.config.link_key)
-        groups = join_instance(self.place, store, resolve_device(self.config.engine.device), self.host)
+        store = connect_world(world, self.config.link_key, self.config.group_timeout_s)
+        device = resolve_device(self.config.engine.device)
+        groups = join_instance(self.place, store, device, self.host, self.config.group_timeout_s)
         built = assemble(
             self.config.engine,
             self.config.role,
@@ -77,7 +78,9 @@ class ShardActor(ShardService):
 
     def open_channel(self, invite: ChannelInvite) -> None:
         channel = open_follower_channel(invite, self.config.link_key, OPEN_TIMEOUT_S)
-        self.loop = FollowerLoop(channel, invite.index, self.run_step, name=f"steps-{self.peer_id}")
+        self.loop = FollowerLoop(
+            channel, invite.index, self.run_step, f"steps-{self.peer_id}", step_timeout_s=self.config.step_timeout_s
+        )
         self.loop.start()
 
     # ---- rank 0's steps and calls, one at a time, in its order ------------------------------------

@@ -12,8 +12,8 @@ import logging
 import threading
 from collections.abc import Callable
 
+from disagg.config import DEFAULT_STEP_TIMEOUT_S
 from disagg.worker.peer_wait import ChannelTimeout, PeerGone
-from disagg.worker.shard_group import STEP_TIMEOUT_S
 from disagg.worker.shard_service import ShardReply
 from disagg.worker.step_channel import FollowerChannel
 from disagg.worker.step_messages import StepAnswer, decode_order, encode_answer
@@ -25,9 +25,18 @@ RunStep = Callable[[list | None, list, float], ShardReply]  # (chunks, this rank
 
 
 class FollowerLoop:
-    def __init__(self, channel: FollowerChannel, index: int, run_step: RunStep, name: str):
-        """`index`: this rank's place among rank 0's followers (which commands are its own)."""
+    def __init__(
+        self,
+        channel: FollowerChannel,
+        index: int,
+        run_step: RunStep,
+        name: str,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ):
+        """`index`: this rank's place among rank 0's followers (which commands are its own);
+        `step_timeout_s`: how long rank 0 may take to take an answer (ServingConfig.step_timeout_s)."""
         self.channel = channel
+        self.step_timeout_s = step_timeout_s
         self.index = index
         self.run_step = run_step
         self._stopping = threading.Event()
@@ -47,7 +56,7 @@ class FollowerLoop:
             while not self._stopping.is_set():
                 payload = self.channel.recv(IDLE_WAIT_S)
                 if payload is not None:
-                    self.channel.send(self._answer(payload), STEP_TIMEOUT_S)
+                    self.channel.send(self._answer(payload), self.step_timeout_s)
         except (PeerGone, ChannelTimeout) as exc:
             if not self._stopping.is_set():
                 logger.warning("the step channel to rank 0 broke (%s): this rank takes no more steps", exc)

@@ -161,13 +161,18 @@ class WorkerActorBase:
             return None, None
         device = resolve_device(self.engine_config.device)
         self.shards = ShardGroup(
-            followers, host=self.host, link_key=self.config.link_key, device=device, on_broken=self._leave_service
+            followers,
+            self.config.step_timeout_s,
+            host=self.host,
+            link_key=self.config.link_key,
+            device=device,
+            on_broken=self._leave_service,
         )
-        self._world = InstanceWorld(self.instance_id, self.config.link_key, self.host)
+        self._world = InstanceWorld(self.instance_id, self.config.link_key, self.host, self.config.group_timeout_s)
         joining = self.shards.start_join(self._world.address)
         p = self.engine_config.parallel
         place = RankPlace(0, p.tensor_parallel_size, 0, p.pipeline_parallel_size)
-        groups = join_instance(place, self._world.store(), device, self.host)
+        groups = join_instance(place, self._world.store(), device, self.host, self.config.group_timeout_s)
         return groups, lambda: self.shards.finish_join(joining)
 
     # ---- lifecycle ---------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.engine.distributed import GROUP_TIMEOUT
+from disagg.config import DEFAULT_GROUP_TIMEOUT_S
 from disagg.kv_transfer.rendezvous import PairStore, Rendezvous, connect_pair_store
 
 
@@ -34,7 +34,9 @@ class WorldAddress:
 class InstanceWorld:
     """Rank 0's side: the store, served until `close`."""
 
-    def __init__(self, instance_id: str, key: bytes, host: str):
+    def __init__(self, instance_id: str, key: bytes, host: str, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S):
+        """`timeout_s`: how long the ranks may take to join (ServingConfig.group_timeout_s)."""
+        self.timeout_s = timeout_s
         self._rendezvous = Rendezvous(instance_id, key, host)
         port = self._rendezvous.port
         self._rendezvous.own_address = f"{host}:{port}"
@@ -42,13 +44,13 @@ class InstanceWorld:
 
     def store(self) -> PairStore:
         """Rank 0's own store of the world, in process."""
-        return self._rendezvous.pair_store(self.address.name, GROUP_TIMEOUT.total_seconds())
+        return self._rendezvous.pair_store(self.address.name, self.timeout_s)
 
     def close(self) -> None:
         self._rendezvous.close()
 
 
-def connect_world(address: WorldAddress, key: bytes) -> PairStore:
+def connect_world(address: WorldAddress, key: bytes, timeout_s: float = DEFAULT_GROUP_TIMEOUT_S) -> PairStore:
     """Another rank's store of the world: one authenticated connection to rank 0's. OSError if
     unreachable, AuthenticationError if rank 0 does not hold `key`."""
-    return connect_pair_store(address.host, address.port, address.name, key, GROUP_TIMEOUT.total_seconds())
+    return connect_pair_store(address.host, address.port, address.name, key, timeout_s)

@@ -10,7 +10,7 @@ A command always reaches a rank before any later step: the commands ride in the 
 order, in the order they were queued, and the calls through Ray return only once the rank has
 run them, all from rank 0's engine thread, which sends a step only between such calls (a rank
 runs a call and a step one at a time: disagg.shard_worker.actor). Every wait has a timeout: a
-rank that died fails the step at once, one that hangs at STEP_TIMEOUT_S, instead of stalling
+rank that died fails the step at once, one that hangs at its step timeout, instead of stalling
 the instance.
 """
 
@@ -21,6 +21,7 @@ from collections.abc import Callable
 import ray
 import torch
 
+from disagg.config import DEFAULT_STEP_TIMEOUT_S
 from disagg.engine.distributed import RankPlace
 from disagg.engine.step_chunks import portable
 from disagg.kv_transfer.endpoint import TransferResult
@@ -30,7 +31,6 @@ from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, Joi
 from disagg.worker.step_channel import OPEN_TIMEOUT_S, ChannelOffer, DriverChannel
 from disagg.worker.step_messages import StepAnswer, StepOrder, decode_answer, encode_order
 
-STEP_TIMEOUT_S = 120.0  # one forward pass of a shard, with room for a slow first step
 IDLE_POLL_S = 0.005  # how long an idle instance's other ranks wait for a transfer to finish
 
 
@@ -38,7 +38,7 @@ class ShardGroup:
     def __init__(
         self,
         actors: list[tuple[RankPlace, "ray.actor.ActorHandle"]],
-        timeout_s: float = STEP_TIMEOUT_S,
+        timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
         *,
         host: str = "127.0.0.1",
         link_key: bytes = b"",

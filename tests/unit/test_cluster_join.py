@@ -12,9 +12,9 @@ POOLS = {"prefill": ["10.0.0.2"], "decode": ["10.0.0.3", "10.0.0.4"], "colocated
 
 
 def test_a_machine_is_the_address_ssh_reached_it_at():
-    assert reached_address({"SSH_CONNECTION": "10.0.0.9 51234 10.0.0.3 22"}) == "10.0.0.3"
+    assert reached_address("10.0.0.9 51234 10.0.0.3 22") == "10.0.0.3"
     with pytest.raises(ValueError, match="SSH_CONNECTION"):
-        reached_address({})
+        reached_address(None)
 
 
 def test_each_listed_machine_is_labelled_for_its_pool_and_the_rest_for_none():

@@ -75,7 +75,7 @@ class Directory:
         self.held.discard(instance_id)
 
 
-def setup(refusals: int = 0):
+def setup(refusals: int = 0, **settings):
     log: list = []
     instances = [
         Inst("p0", "prefill", Actor(log, "p0")),
@@ -83,7 +83,7 @@ def setup(refusals: int = 0):
         Inst("d1", "decode", Actor(log, "d1", refusals), View(Load(num_running=5))),
     ]
     directory = Directory(instances)
-    config = ServingConfig.from_dict({"prefill": {"num_instances": 1}, "decode": {"num_instances": 2}})
+    config = ServingConfig.from_dict({"prefill": {"num_instances": 1}, "decode": {"num_instances": 2}, **settings})
     switched = []
 
     def on_switched(instance_id, role):
@@ -114,9 +114,8 @@ def test_a_switch_drains_the_least_busy_instance_then_switches_and_resumes_it(mo
     assert list(loop.log) == [entry]
 
 
-def test_a_switch_refused_until_the_deadline_leaves_the_instance_in_its_role_and_in_service(monkeypatch):
-    loop, directory, log, switched = setup(refusals=-1)
-    monkeypatch.setattr(replanning, "SWITCH_TIMEOUT_S", 0.3)
+def test_a_switch_refused_until_the_deadline_leaves_the_instance_in_its_role_and_in_service():
+    loop, directory, log, switched = setup(refusals=-1, replan_switch_timeout_s=0.3)
     deciding(loop, Split(2, 1))
     entry = asyncio.run(loop.step())
     assert entry.switch.outcome == "failed" and "still held requests" in entry.switch.reason

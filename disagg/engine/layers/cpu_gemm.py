@@ -13,22 +13,20 @@ DISAGG_CPU_GEMM) switches it off.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 
-from disagg.config import CPU_GEMMS
+from disagg.config import CPU_GEMMS, set_env_default
 
 logger = logging.getLogger(__name__)
 
 GEMMS = CPU_GEMMS  # onednn, torch
 # oneDNN builds kernels for each input shape (a step's row count is its token count) and keeps
 # them in two caches of 1024 entries each, up to a megabyte an entry. Bounded here unless the
-# environment sets them: a worker then grows about half as much, at the same speed
-# (loadtest/bench_onednn_cache.py, RESULTS.md).
+# environment sets them (to their defaults in disagg.config.ENV_VARS, 256): a worker then grows
+# about half as much, at the same speed (loadtest/bench_onednn_cache.py, RESULTS.md).
 CACHE_CAPACITY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
-CACHE_CAPACITY = 256
 # oneDNN picks the packed layout for this many rows; 32 measured best for both decode batches
 # and 512-row prefill steps.
 PACK_BATCH_HINT = 32
@@ -43,10 +41,10 @@ def onednn_enabled(gemm: str = "onednn") -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
-def bound_onednn_caches(capacity: int = CACHE_CAPACITY) -> None:
+def bound_onednn_caches() -> None:
     """Call before this process's first oneDNN operation: both caches read their size once."""
     for name in CACHE_CAPACITY_ENV:
-        os.environ.setdefault(name, str(capacity))
+        set_env_default(name)
 
 
 class PackedWeight:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from disagg.config import ATTENTION_BACKENDS
+from disagg.config import ATTENTION_BACKENDS, env
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +121,10 @@ def module_name() -> str:
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get("DISAGG_KERNEL_CACHE")
+    configured = env("DISAGG_KERNEL_CACHE")
     if configured:
         return Path(configured).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = env("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "disagg" / "kernels"
 
 
