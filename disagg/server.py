@@ -229,10 +229,12 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
+        streams = DecodeStreams()
         directory = InstanceDirectory(
             registry,
             NAMESPACE,
             self._link_key,
+            streams,
             heartbeat_ttl_s=config.heartbeat_ttl_s,
             recovery_timeout_s=config.recovery_timeout_s,
             profile=load_profile(config.profile) if config.profile else None,
@@ -246,7 +248,6 @@ class Server:
         hf_tokenizer = card.tokenizer()
         tokenizer = Tokenizer(hf_tokenizer) if hf_tokenizer is not None else None
         limits = await _model_limits(config, card, directory)
-        streams = DecodeStreams(on_lost=directory.mark_failed)
         metrics = ServingMetrics()
         orchestrator = Orchestrator(
             config,

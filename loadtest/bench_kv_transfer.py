@@ -184,10 +184,10 @@ class DecodeSide:
     def __init__(self, worker_id: str, key: bytes):
         torch.set_num_threads(1)
         from disagg.config import EngineConfig
-        from disagg.decode_worker.worker import DecodeWorker
+        from disagg.decode_worker.role import DecodeRole
 
         transport = make_transport(DEFAULT_KV_TRANSPORT, worker_id, key)
-        self.worker = DecodeWorker(EngineConfig(num_kv_blocks=256), transport, kv_timeout=120)
+        self.worker = DecodeRole(EngineConfig(num_kv_blocks=256), transport, kv_timeout=120)
 
     def address(self) -> str:
         return self.worker.address()
@@ -206,13 +206,13 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
     """Median prefill seconds alone and with layer-wise streaming, their ratio, and the median
     protocol messages of a streamed prompt (with a real model's pace between layers)."""
     from disagg.config import EngineConfig
-    from disagg.prefill_worker.worker import PrefillWorker
+    from disagg.prefill_worker.role import PrefillRole
     from disagg.request import SamplingParams
 
     torch.set_num_threads(1)
     key = secrets.token_bytes(32)  # both ends are one deployment's
     transport = make_transport(DEFAULT_KV_TRANSPORT, "p-stream", key)
-    prefill = PrefillWorker(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), transport, kv_timeout=120)
+    prefill = PrefillRole(EngineConfig(num_kv_blocks=256, max_num_batched_tokens=512), transport, kv_timeout=120)
     decode = DecodeSide.remote("d-stream", key)
     cfg = prefill.engine.model_config
     prompt = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -227,7 +227,7 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
                 draining = decode.drain.remote()
             messages_before = prefill.sender.num_messages_total
             start = time.perf_counter()
-            prefill.add_request(request_id, prompt, params)
+            prefill.prefill(request_id, prompt, params)
             if streaming:
                 prefill.set_kv_targets(request_id, reservation)  # in force from the first layer on
             while prefill.engine.has_unfinished_requests():

@@ -49,17 +49,29 @@ def serve_side(weights: str, kv_tokens: int, requests: int) -> dict:
             for _ in range(requests):
                 request = generate_request(prompt=PROMPT, temperature=0.0, max_tokens=64, ignore_eos=True)
                 client.generate(request, timeout=300)
+            roles = _roles_by_port(client)
             client.close()
-            return {kind: _rss_mib(pid) for pid, kind in _workers(deployment).items()}
+            return {kind: _rss_mib(pid) for pid, kind in _workers(deployment, roles).items()}
         finally:
             deployment.stop()
 
 
-def _workers(deployment: Deployment) -> dict[int, str]:
-    """pid -> "decode" or "prefill", from each worker process's Ray name."""
+def _roles_by_port(client: DisaggClient) -> dict[int, str]:
+    """KV port -> role, of every instance the frontend knows."""
+    instances = [i for pool in client.cluster_status().pools for i in pool.instances]
+    return {int(i.kv_address.rsplit(":", 1)[1]): i.role for i in instances if ":" in i.kv_address}
+
+
+def _workers(deployment: Deployment, roles: dict[int, str]) -> dict[int, str]:
+    """pid -> "decode" or "prefill": the role of the instance whose KV port the process listens on
+    (every worker process is a ray::WorkerActor, whichever its role)."""
     named = {}
     for pid, name in deployment.workers().items():
-        named[pid] = "decode" if "DecodeActor" in name else "prefill" if "PrefillActor" in name else name
+        try:
+            ports = {c.laddr.port for c in psutil.Process(pid).net_connections("tcp") if c.status == "LISTEN"}
+        except psutil.Error:
+            ports = set()
+        named[pid] = next((roles[p] for p in ports if p in roles), name)
     return named
 
 

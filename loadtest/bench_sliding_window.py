@@ -29,10 +29,10 @@ import time
 import torch
 
 from disagg import EngineConfig, SamplingParams
-from disagg.decode_worker.worker import DecodeWorker
+from disagg.decode_worker.role import DecodeRole
 from disagg.engine.model_shapes import named_shapes
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
-from disagg.prefill_worker.worker import PrefillWorker
+from disagg.prefill_worker.role import PrefillRole
 
 WINDOWED, GLOBAL = "random:tiny-mistral", "random:tiny-mistral-global"
 BLOCK_SIZE = 16
@@ -51,12 +51,12 @@ def measure(model: str, prompt: list[int], max_tokens: int, by_reference: bool) 
         long_prefill_token_threshold=0,
     )
     blocks = -(-(len(prompt) + max_tokens) // BLOCK_SIZE) + 8
-    prefill = PrefillWorker(
+    prefill = PrefillRole(
         EngineConfig(**config, num_kv_blocks=blocks, kv_shared_memory=by_reference),
         InProcessTransport("prefill-0", hub),
         kv_timeout=60.0,
     )
-    decode = DecodeWorker(
+    decode = DecodeRole(
         EngineConfig(**config, num_kv_blocks=blocks), InProcessTransport("decode-0", hub), kv_timeout=60.0
     )
     try:
@@ -66,12 +66,12 @@ def measure(model: str, prompt: list[int], max_tokens: int, by_reference: bool) 
         decode.close()
 
 
-def _run(prefill: PrefillWorker, decode: DecodeWorker, prompt: list[int], max_tokens: int) -> dict:
+def _run(prefill: PrefillRole, decode: DecodeRole, prompt: list[int], max_tokens: int) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     started = time.perf_counter()
     reservation = decode.reserve("r", prompt, params, prefill.kv_layout())
     reserved = decode.engine.block_manager.num_used_blocks
-    prefill.add_request("r", prompt, params)
+    prefill.prefill("r", prompt, params)
     prefill.set_kv_targets("r", reservation)
     tokens, peak = [], 0
     while not (prefill.is_idle() and decode.is_idle()):

@@ -20,7 +20,7 @@ import yaml
 from disagg.bench.experiment import free_port
 from disagg.client import DisaggClient
 
-WORKER_KINDS = ("PrefillActor", "DecodeActor", "InstanceActor")
+WORKER_KINDS = ("WorkerActor",)  # every worker is one (disagg.worker.actor), whichever its role
 
 
 class Deployment:

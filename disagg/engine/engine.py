@@ -526,7 +526,7 @@ class LLMEngine:
         request = self.scheduler.finish_kv_import(request_id, first_token_id)
         return self._output(request)
 
-    # ---- role switch: the same weights serve another pool (disagg.worker.role_switch) ---------
+    # ---- role switch: the same weights serve another pool (disagg.worker.actor.switch_role) ---
     def switch_role(self, role: Role, kv_connector: KVConnector | None) -> None:
         """Serve as `role` from now on, with `kv_connector` moving its KV: the scheduler, block
         table and connector are made anew; the weights and the KV memory stay. Only an engine

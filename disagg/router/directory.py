@@ -6,8 +6,10 @@ broken link takes it out of placement at once (`mark_failed`), not a heartbeat T
 returns when it registers at a new link address (relaunched), or when it still heartbeats at the
 old one a TTL after the failure (it was alive: a dead process's key lapses within a TTL). When
 Redis cannot be reached the last view is kept (requests in flight never touch Redis), and an
-instance that comes back simply reappears. Each instance's request link (disagg.rpc) is dialled on first use and kept; its
-Ray actor handle is looked up by name once, for lifecycle calls only.
+instance that comes back simply reappears. Each instance's request link (disagg.rpc) is dialled
+on first use and kept, and the directory hears what it brings besides replies: the token deltas,
+which it hands to the streams, and its loss. Its Ray actor handle is looked up by name once, for
+lifecycle calls only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.placement.prefill_rate import PrefillRate
 from disagg.registry import InstanceView, LoadReport, Registry
 from disagg.router.prompt_queue import PromptQueue
+from disagg.router.streams import DecodeStreams
 from disagg.rpc.client import RpcClient
+from disagg.rpc.services import TOKENS_TOPIC
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 from disagg.step_work import MeasuredStep
 
@@ -226,6 +230,7 @@ class InstanceDirectory:
         registry: Registry,
         namespace: str,
         link_key: bytes,
+        streams: DecodeStreams,
         refresh_interval_s: float = 0.5,
         heartbeat_ttl_s: float = 3.0,
         recovery_timeout_s: float = 60.0,
@@ -238,7 +243,8 @@ class InstanceDirectory:
         """`profile`: seeds each instance's latency model (its TP x PP entry) until the
         instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step;
         `prefill_chunk_cap`: their fair prefill cap (None: none); `prefill_by_work`: whether
-        those caps count work (EngineConfig.long_prefill_by_work)."""
+        those caps count work (EngineConfig.long_prefill_by_work). `streams`: where the links'
+        token deltas go."""
         self.profile = profile
         self.prefill_budget = prefill_budget
         self.prefill_chunk_cap = prefill_chunk_cap
@@ -246,6 +252,7 @@ class InstanceDirectory:
         self.block_size = block_size
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
+        self.streams = streams
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.recovery_timeout_s = recovery_timeout_s
         self._failed: dict[str, _Failure] = {}
@@ -290,6 +297,17 @@ class InstanceDirectory:
             self._learnt[instance_id] = inst
             logger.warning("instance %s failed (its link broke, or it said so); out of placement", instance_id)
             self._failed[instance_id] = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic())
+
+    # ---- what the links bring besides replies (disagg.rpc.client.LinkListener) ---------------------
+    def link_event(self, link: str, topic: str, payload) -> None:
+        """A worker's event on the link to instance `link`: a step's token deltas."""
+        if topic == TOKENS_TOPIC:
+            self.streams.deliver(link, payload)
+
+    def link_lost(self, link: str) -> None:
+        """The link to instance `link` broke: it failed, and so did every request streaming from it."""
+        self.mark_failed(link)
+        self.streams.lost(link)
 
     def is_failed(self, instance: Instance) -> bool:
         failed = self._failed.get(instance.instance_id)
@@ -398,7 +416,8 @@ class InstanceDirectory:
         info = view.info
         link = self._links.get(info.rpc_address)
         if link is None:
-            link = self._links[info.rpc_address] = RpcClient(info.rpc_address, self._link_key, name=info.instance_id)
+            link = RpcClient(info.rpc_address, self._link_key, name=info.instance_id, listener=self)
+            self._links[info.rpc_address] = link
         instance = Instance(
             info.instance_id,
             info.role,

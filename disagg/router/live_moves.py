@@ -96,7 +96,7 @@ class LiveMoves:
         if reservation is None:
             return self._failed()
         placement.moving_to = target
-        mailbox = self.orchestrator.streams.open(target, request_id)  # before it can stream anything
+        mailbox = self.orchestrator.streams.open(target.instance_id, request_id)  # before it can stream anything
         try:
             tokens = await source.decode_service.migrate_out(request_id, reservation, timeout_s=CALL_TIMEOUT_S)
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:

@@ -330,7 +330,7 @@ class Orchestrator:
             pending.pending_requests -= 1  # answered: in the outstanding requests of `decode` from now on
             pending = None
             placement.decode = decode
-            mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
+            mailbox = self.streams.open(decode.instance_id, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
             # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
             self._background(self._send_targets(prefill, request_id, reservation, mailbox))
@@ -451,7 +451,7 @@ class Orchestrator:
         chose to prefill a short prompt itself (no KV transfer)."""
         instance = choice.decode
         placement = Placement(None, instance, choice=choice, started=started)
-        mailbox = self.streams.open(instance, request_id)
+        mailbox = self.streams.open(instance.instance_id, request_id)
         instance.outstanding_requests += 1
         instance.outstanding_context_tokens += len(prompt_token_ids)
         placement.queued = instance.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)

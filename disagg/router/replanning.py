@@ -8,7 +8,7 @@ says when a switch is worth it, with hysteresis. A switch moves one instance:
 1. out of placement at once (held out here; its report says "draining" a heartbeat later,
    and the server's drain task then moves its decoding requests away with their KV);
 2. once it holds nothing, its engine thread rebuilds it in the other role around the same
-   weights (disagg.instance.actor.InstanceActor.switch_role);
+   weights (disagg.worker.actor.WorkerActor.switch_role);
 3. back into placement; the directory finds it in its new pool with its next heartbeat.
 
 A switch that cannot finish (the instance still held requests at the deadline, or refused)

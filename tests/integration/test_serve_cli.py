@@ -119,7 +119,7 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    # Both workers' processes are titled ray::InstanceActor (either may switch roles): of their
+    # Both workers' processes are titled ray::WorkerActor (either may switch roles): of their
     # threads, one (the prefill engine's) runs only on that CPU, one (the decode engine's) anywhere.
     workers = [allowed for name, sets in on_it.items() if "Actor" in name for allowed in sets]
     assert sorted(workers, key=len) == [{engine_cpu}, cpus], (

@@ -4,11 +4,11 @@ It holds its shard of the model, its slice of the KV cache and its own KV endpoi
 moves its own slice). It schedules nothing: rank 0 sends it each engine step's chunks over the
 step channel, in order, and the rank's follower loop runs its part (`run_step`), all ranks
 meeting in the all-reduces and the stage hand-offs. The same order carries rank 0's KV commands
-for this rank and the answer brings back this rank's finished transfers.
+for this rank and the answer brings back this rank's finished transfers (and the transfer ids of
+those it was told to expect).
 
-Ray calls the lifecycle (join, open_channel, expect, abort_transfers, shutdown) on the actor's
-own thread, beside the follower loop's: a lock lets a call and a step run only one at a time,
-as they did when the steps came through Ray too.
+Ray calls the lifecycle (join, open_channel, shutdown) on the actor's own thread, beside the
+follower loop's: a lock lets a call and a step run only one at a time.
 """
 
 from __future__ import annotations
@@ -18,19 +18,21 @@ import threading
 
 import torch
 
-from disagg.config import Role, WorkerConfig
+from disagg.config import WorkerConfig
 from disagg.engine.distributed import RankPlace, join_instance
 from disagg.engine.engine import LLMEngine, resolve_device
 from disagg.hosts.addressing import resolve_host
 from disagg.kv_transfer.connector import assemble
+from disagg.kv_transfer.factory import role_transports
 from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.sender import KVSender
-from disagg.kv_transfer.factory import make_transport
-from disagg.shard_worker.follower_loop import FollowerLoop
+from disagg.worker.follower_loop import FollowerLoop
 from disagg.worker.instance_world import WorldAddress, connect_world
 from disagg.worker.shard_service import (
+    AbortTransfers,
     AddTargets,
     CatchUp,
+    Expect,
     FinishTransfer,
     JoinedRank,
     ShardCommand,
@@ -58,22 +60,21 @@ class ShardActor(ShardService):
         store = connect_world(world, self.config.link_key, self.config.group_timeout_s)
         device = resolve_device(self.config.engine.device)
         groups = join_instance(self.place, store, device, self.host, self.config.group_timeout_s)
+        config = self.config
+        transports = role_transports(
+            config.kv_transport, config.role, self.peer_id, config.link_key, self.host, config.engine.device,
+            one_rank=False,
+        )  # fmt: skip
         built = assemble(
-            self.config.engine,
-            self.config.role,
-            kv_timeout=self.config.kv_timeout_s,
-            transport=None
-            if self.config.role is Role.COLOCATED
-            else make_transport(
-                self.config.kv_transport, self.peer_id, self.config.link_key, self.host, self.config.engine.device
-            ),
+            config.engine,
+            config.role,
+            kv_timeout=config.kv_timeout_s,
+            transport=transports.kv,
             groups=groups,
+            wake=self._finished.set,
         )
         self.engine, self.endpoint = built.engine, built.endpoint
-        address = ""
-        if self.endpoint is not None:
-            self.endpoint.on_finished = self._finished.set
-            address = self.endpoint.address()
+        address = self.endpoint.address() if self.endpoint is not None else ""
         return JoinedRank(self.peer_id, address, os.getpid(), channel_key())
 
     def open_channel(self, invite: ChannelInvite) -> None:
@@ -91,9 +92,9 @@ class ShardActor(ShardService):
             return self._run_step(chunks, commands, wait_s)
 
     def _run_step(self, chunks, commands: list[ShardCommand], wait_s: float) -> ShardReply:
-        for command in commands:
-            self._apply(command)
         reply = ShardReply()
+        for command in commands:
+            self._apply(command, reply)
         if chunks:
             reply.logits = self.engine.runner.execute_shard(chunks)
         elif wait_s > 0 and self.endpoint is not None and not self.endpoint.has_finished():
@@ -103,7 +104,7 @@ class ShardActor(ShardService):
             reply.results = self.endpoint.poll()
         return reply
 
-    def _apply(self, command: ShardCommand) -> None:
+    def _apply(self, command: ShardCommand, reply: ShardReply) -> None:
         match command:
             case AddTargets(request_id, targets):
                 self.endpoint.add(request_id, targets)
@@ -112,16 +113,12 @@ class ShardActor(ShardService):
             case FinishTransfer(request_id):
                 if self.endpoint.has_transfer(request_id):
                     self.endpoint.finish(request_id, -1)  # rank 0 sends the first token; this rank only its KV
+            case Expect(request_id, block_ids, sources, timeout):
+                reply.transfer_ids.append(self.endpoint.expect(request_id, block_ids, sources, timeout))
+            case AbortTransfers(request_id):
+                self.endpoint.abort(request_id)
             case _:
                 raise TypeError(f"unknown shard command {command!r}")
-
-    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:
-        with self._lock:
-            return self.endpoint.expect(request_id, block_ids, sources, timeout)
-
-    def abort_transfers(self, request_id: str) -> None:
-        with self._lock:
-            self.endpoint.abort(request_id)
 
     def shutdown(self) -> None:
         if self.loop is not None:
