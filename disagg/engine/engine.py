@@ -129,9 +129,6 @@ class LLMEngine:
         )
         self.guided = GuidedDecoding(self._grammar_compiler, config.jump_forward)
         self._compiler: GrammarCompiler | None = None
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._prompts: dict[str, str | None] = {}
-        self._num_reported: dict[str, int] = {}
         self.last_step_seconds = 0.0
         # The latest steps, for the worker's reports (appended here, read from another thread).
         self.step_stats: deque[MeasuredStep] = deque(maxlen=STEP_STATS_KEPT)
@@ -337,11 +334,11 @@ class LLMEngine:
         return ids
 
     def _track(self, request: Request, prompt: str | None) -> None:
-        rid = request.request_id
-        self._prompts[rid] = prompt
-        self._num_reported[rid] = 0
+        """What its outputs need, held by the request itself (its text, its detokenizer)."""
+        request.prompt = prompt
+        request.num_reported = 0
         if self.tokenizer is not None:
-            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.finish_request(str(request_id), RequestStatus.FINISHED_ABORTED)
@@ -349,8 +346,6 @@ class LLMEngine:
         return request is not None
 
     def _forget(self, request_id: str) -> None:
-        for table in (self._detokenizers, self._prompts, self._num_reported):
-            table.pop(request_id, None)
         self.guided.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -447,14 +442,14 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         rid = request.request_id
-        new_ids = request.output_token_ids[self._num_reported.get(rid, 0) :]
-        self._num_reported[rid] = request.num_output_tokens
+        new_ids = request.output_token_ids[request.num_reported :]
+        request.num_reported = request.num_output_tokens
         new_text = self._detokenize(request, new_ids)
-        detok = self._detokenizers.get(rid)
+        detok = request.detokenizer
         finished = request.is_finished or rid in self.scheduler.held_for_export
         out = RequestOutput(
             request_id=rid,
-            prompt=self._prompts.get(rid),
+            prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[
                 CompletionOutput(
@@ -479,7 +474,7 @@ class LLMEngine:
 
     def _detokenize(self, request: Request, new_ids: list[int]) -> str:
         """Text delta of the new tokens; finishes the request when a stop string appears."""
-        detok = self._detokenizers.get(request.request_id)
+        detok = request.detokenizer
         if detok is None or not new_ids:
             return ""
         before = len(detok.text)
@@ -583,7 +578,6 @@ class LLMEngine:
         sampling_params.validate()
         request = self.scheduler.finish_migration_import(request_id, token_ids, last_token, sampling_params)
         self._track(request, None)  # the detokenizer starts from the final prompt
-        self._num_reported[request_id] = 0
         return self._output(request)
 
     # ---- stats -------------------------------------------------------------------------------
