@@ -144,9 +144,32 @@ class Instance:
     def ended_since(self, stamp: float) -> int:
         return sum(1 for t in self.ended_at if t > stamp)
 
-    def request_ended(self) -> None:
-        """One of this router's requests here ended: out of its counts."""
+    # ---- the router's own counts of what it sent here (its reports lag by up to a heartbeat) ------
+    def admit_prefill(self, num_tokens: int) -> None:
+        """A prompt of `num_tokens` sent here to prefill, until its first token (`release_prefill`)."""
+        self.outstanding_prefill_tokens += num_tokens
+
+    def release_prefill(self, num_tokens: int) -> None:
+        self.outstanding_prefill_tokens -= num_tokens
+
+    def await_reservation(self) -> None:
+        """Chosen for a request whose reservation has not been answered (concurrent choices see it)."""
+        self.pending_requests += 1
+
+    def reservation_answered(self) -> None:
+        self.pending_requests -= 1
+
+    def admit(self, num_prompt_tokens: int, num_blocks: int = 0) -> None:
+        """A request of `num_prompt_tokens` decodes here from now on (reserving `num_blocks` of
+        its free blocks until the next report counts them), until `release`."""
+        self.outstanding_requests += 1
+        self.outstanding_context_tokens += num_prompt_tokens
+        self.reserved_blocks += num_blocks
+
+    def release(self, num_prompt_tokens: int) -> None:
+        """One of this router's requests here ended (or moved away): out of its counts."""
         self.outstanding_requests = max(0, self.outstanding_requests - 1)
+        self.outstanding_context_tokens = max(0, self.outstanding_context_tokens - num_prompt_tokens)
         self.ended_at.append(time.time())
 
     @property
@@ -200,6 +223,8 @@ class Instance:
         return hits * self.block_size
 
     def learn_report(self, report: LoadReport) -> None:
+        """A new load report: it counts the blocks reserved before it was taken already."""
+        self.reserved_blocks = 0
         self.learn_steps(report)
         self.prefix_hashes = set(report.prefix_hashes)
 
@@ -402,7 +427,6 @@ class InstanceDirectory:
         same_role = known is not None and known.role == view.info.role  # else it switched: anew in its pool
         if same_role and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
-                known.reserved_blocks = 0  # the new report already counts earlier reservations
                 known.learn_report(view.load)
             known.view = view
             return

@@ -27,13 +27,16 @@ from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, path: RequestPath, directory: InstanceDirectory, model_name: str):
+    def __init__(
+        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanLoop | None = None
+    ):
+        """`replanning`: the closed loop, where this frontend runs one (its decisions are shown)."""
         self.path = path
         self.orchestrator = path.orchestrator
         self.directory = directory
         self.metrics = path.metrics
         self.model_name = model_name
-        self.replanning: ReplanLoop | None = None  # the server sets it when its instances may switch
+        self.replanning = replanning
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):

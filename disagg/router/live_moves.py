@@ -105,8 +105,7 @@ class LiveMoves:
             return self._failed()
         if self.orchestrator.live.get(request_id) is not placement:
             return self._failed()  # it ended meanwhile (its end aborted the target too)
-        target.outstanding_requests += 1
-        target.outstanding_context_tokens += placement.num_prompt_tokens
+        target.admit(placement.num_prompt_tokens)
         placement.handover = Handover(target, mailbox, len(tokens) - placement.num_prompt_tokens)
         placement.mailbox.wake()  # its stream may hand over at once
         self.stats.moved += 1

@@ -111,7 +111,7 @@ class ReplanLoop:
         self._profile: Profile | None = None
 
     def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
-        """The orchestrator's `on_arrival`."""
+        """A request arrived (the orchestrator's ArrivalListener)."""
         self.window.add(at, prompt_tokens, max_tokens)
 
     def current_split(self) -> Split | None:
