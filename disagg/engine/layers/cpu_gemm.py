@@ -69,7 +69,11 @@ class PackedWeight:
         if self._applies(weight):
             self._packed_for(weight)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_rows: int | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T + bias. `decode_rows` (the step's leading decode rows) matters only to a
+        quantized weight in this one's place (layers/quantized.py): every row here is alike."""
         if not (self._applies(weight) and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32):
             return F.linear(x, weight, bias)
         packed = self._packed_for(weight)

@@ -44,20 +44,22 @@ class ColumnParallelLinear(nn.Module):
         target = self.bias if is_bias else self.weight
         target.data.narrow(0, self.offsets[shard], n).copy_(part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows`: the step's leading rows that decode a generated token (a quantized weight
+        takes its kernel for those: layers/quantized.py); None outside an engine step."""
+        return self.packed.linear(x, self.weight, self.bias, decode_rows)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up of a [gate; up] projection: one kernel where a quantized weight has one."""
         fused = getattr(self.packed, "silu_mul", None)
         if fused is not None and self.bias is None:
-            return fused(x)
-        gate, up = self(x).chunk(2, dim=-1)
+            return fused(x, decode_rows)
+        gate, up = self(x, decode_rows).chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def gelu_tanh_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """gelu(gate) (tanh approximation, HF's gelu_pytorch_tanh) * up of a [gate; up] projection (GeGLU)."""
-        gate, up = self(x).chunk(2, dim=-1)
+        gate, up = self(x, decode_rows).chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
 
@@ -77,6 +79,6 @@ class RowParallelLinear(nn.Module):
     def load(self, full: torch.Tensor) -> None:
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.packed.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        out = self.tp.all_reduce(self.packed.linear(x, self.weight, None, decode_rows))
         return out if self.bias is None else out + self.bias

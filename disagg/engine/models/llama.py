@@ -59,13 +59,13 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         q_size = heads * self.head_dim
-        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, meta.decode_rows).view(n, heads + 2 * kv_heads, self.head_dim)
         # q's and k's heads are adjacent: one rotary call for both (a decode step makes 2 per layer fewer).
         qk = self.rope(self._normed_qk(qkv), cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
         out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale, self.window)
-        return self.o_proj(out.view(n, q_size))
+        return self.o_proj(out.view(n, q_size), meta.decode_rows)
 
     def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """q's and k's heads [T, heads + kv_heads, D], each head normalized where the family says so."""
@@ -85,9 +85,11 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig.HIDDEN_ACTS)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gated = self.gate_up_proj.gelu_tanh_mul(x) if self.gelu else self.gate_up_proj.silu_mul(x)
-        return self.down_proj(gated)
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows`: the step's (AttentionMetadata.decode_rows)."""
+        gate_up = self.gate_up_proj
+        gated = gate_up.gelu_tanh_mul(x, decode_rows) if self.gelu else gate_up.silu_mul(x, decode_rows)
+        return self.down_proj(gated, decode_rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,7 +107,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.decode_rows), residual
 
 
 class LlamaForCausalLM(CausalLM):
