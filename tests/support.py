@@ -3,9 +3,11 @@ conftest.py files exist, and `from conftest import` would pick whichever loaded 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import torch
 
@@ -197,3 +199,18 @@ def tiny_tokenizer():
     )
     tok.train_from_iterator(["hello world, the quick brown fox"] * 20, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+# DistServe's published A100 profiles and measured runs, beside the repository (CI has them there too).
+DISTSERVE_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "distserve"
+
+
+def distserve_data(name: str) -> Path:
+    """A file of DistServe's data. Missing, the test fails under CI ($CI, which .ci/run sets),
+    where the data must be, and skips elsewhere, saying where it looked."""
+    import pytest
+
+    path = DISTSERVE_DATA / name
+    if not path.exists():
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"DistServe's data is not at {path}")
+    return path
