@@ -30,7 +30,8 @@ from disagg.engine.layers.quantized import wide_dtype_for
 from disagg.engine.length_prediction import load_length_ranker, predict_output_len
 from disagg.engine.loader import load_model_source
 from disagg.engine.model_runner import ModelRunner
-from disagg.engine.models.llama import Backends, LlamaForCausalLM
+from disagg.engine.models import build_model
+from disagg.engine.models.causal_lm import Backends, CausalLM
 from disagg.engine.outputs import CompletionOutput, RequestOutput
 from disagg.engine.sampler import Sampler, token_generator
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
@@ -165,7 +166,7 @@ class LLMEngine:
             )
         return self._compiler
 
-    def _build_model(self, source) -> LlamaForCausalLM:
+    def _build_model(self, source) -> CausalLM:
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)  # build parameters directly in the target dtype
         try:
@@ -173,9 +174,9 @@ class LLMEngine:
                 place = self.groups.place if self.groups is not None else None
                 backends = Backends(self.config.attention_backend, self.config.cpu_gemm)
                 if place is None:
-                    model = LlamaForCausalLM(source.config, self.max_model_len, backends=backends)
+                    model = build_model(source.config, self.max_model_len, backends=backends)
                 else:
-                    model = LlamaForCausalLM(
+                    model = build_model(
                         source.config,
                         self.max_model_len,
                         tp=self.groups.tp,

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.model_shapes import expected_weight_shapes
+from disagg.engine.models import expected_weight_shapes
 from disagg.errors import ModelLoadError
 
 # Bump when the conversion changes, so that old cache entries are not reused.

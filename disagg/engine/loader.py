@@ -24,8 +24,9 @@ from tqdm import tqdm
 from disagg.config import DEFAULT_MODEL
 from disagg.engine.gguf_convert import cached_hf_dir, gguf_tensor_types
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.model_shapes import expected_weight_shapes, named_shapes
+from disagg.engine.model_shapes import named_shapes
 from disagg.engine.model_specs import RANDOM_PREFIX, SUPPORTED_HF_MODEL_TYPES
+from disagg.engine.models import config_from_hf, expected_weight_shapes
 from disagg.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def read_hf_config(hf_dir: str, name: str = "") -> ModelConfig:
             f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)})"
         )
     try:
-        config = ModelConfig.from_hf_dict(d, name=name)
+        config = config_from_hf(d, name)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing field {exc.args[0]}") from exc
     if config.num_attention_heads % config.num_key_value_heads:

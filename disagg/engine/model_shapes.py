@@ -1,7 +1,8 @@
-"""Named real model shapes (for `random:<shape>` weights) and the tensors a shape implies.
+"""Named real model shapes (for `random:<shape>` weights).
 
 Random weights of a real shape let us measure speed and memory of a big model without its
-checkpoint; the numbers come from each model's published config.json.
+checkpoint; the numbers come from each model's published config.json. The tensors a shape
+implies are its family's (disagg.engine.models.expected_weight_shapes).
 """
 
 from __future__ import annotations
@@ -73,30 +74,3 @@ def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extr
         max_position_embeddings=max_pos,
         **extra,
     )
-
-
-def expected_weight_shapes(config: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor a checkpoint of this shape holds, by Hugging Face name, in load order."""
-    h, q_out = config.hidden_size, config.num_attention_heads * config.head_dim
-    kv_out, inter = config.num_key_value_heads * config.head_dim, config.intermediate_size
-    shapes = [("model.embed_tokens.weight", (config.vocab_size, h))]
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (h,)), (p + "self_attn.q_proj.weight", (q_out, h))]
-        shapes += [(p + "self_attn.k_proj.weight", (kv_out, h)), (p + "self_attn.v_proj.weight", (kv_out, h))]
-        if config.attention_bias:
-            shapes += [
-                (p + "self_attn.q_proj.bias", (q_out,)),
-                (p + "self_attn.k_proj.bias", (kv_out,)),
-                (p + "self_attn.v_proj.bias", (kv_out,)),
-            ]
-        shapes += [(p + "self_attn.o_proj.weight", (h, q_out)), (p + "post_attention_layernorm.weight", (h,))]
-        shapes += [
-            (p + "mlp.gate_proj.weight", (inter, h)),
-            (p + "mlp.up_proj.weight", (inter, h)),
-            (p + "mlp.down_proj.weight", (h, inter)),
-        ]
-    shapes.append(("model.norm.weight", (h,)))
-    if not config.tie_word_embeddings:
-        shapes.append(("lm_head.weight", (config.vocab_size, h)))
-    return shapes

@@ -15,7 +15,9 @@ from disagg.config import DEFAULT_MODEL
 from disagg.engine.model_shapes import named_shapes
 
 RANDOM_PREFIX = "random:"
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")  # what engine/models/llama.py runs
+# What the model families run (disagg.engine.models.supported_model_types(), kept equal by a unit test;
+# this list is torch-free, for the tools that check a spec without loading it).
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_MAGIC = b"GGUF"
 
 

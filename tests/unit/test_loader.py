@@ -15,7 +15,7 @@ from disagg.config import DEFAULT_MODEL
 from disagg.engine import gguf_convert
 from disagg.engine.gguf_convert import llama3_factors, llama3_scaling_from_factors, unpermute_rotary
 from disagg.engine.loader import default_gguf_path, load_model_source
-from disagg.engine.model_shapes import expected_weight_shapes
+from disagg.engine.models import expected_weight_shapes
 from disagg.errors import ModelLoadError
 
 torch.set_num_threads(2)

@@ -12,7 +12,7 @@ import torch
 from disagg import LLM, SamplingParams
 from disagg.engine.layers.cpu_kernels import cpu_ops
 from disagg.engine.layers.quantized import Int4Weight, Int8Weight, quantize, weight_format
-from disagg.engine.models.llama import QuantizedEmbedding
+from disagg.engine.models.causal_lm import QuantizedEmbedding
 
 OUT, IN = 96, 256
 

@@ -29,7 +29,7 @@ Formats:
 - int8: for our kernel, a scale per 32 weights (GGUF's Q8_0, kept exactly); for torch's, one
   scale per output row. Used for GGUF's Q8_0 and 5/6-bit formats (a small rounding of their
   values) and for the vocabulary projection (with a tied embedding, its int8 blocks are shared:
-  disagg.engine.models.llama.QuantizedEmbedding).
+  disagg.engine.models.causal_lm.QuantizedEmbedding).
 """
 
 from __future__ import annotations

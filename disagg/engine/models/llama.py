@@ -1,39 +1,20 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over the paged KV cache.
-
-Written for tensor and pipeline parallelism: projections are column/row-parallel layers and a
-pipeline stage builds only its range of layers (the first stage embeds, the last normalizes
-and projects to the vocabulary). At TP=PP=1 it is the plain model.
-"""
+"""Llama family (Llama 2/3.x, SmolLM2; today also Mistral and Qwen2): the decoder layer most
+families build on (pre-norm attention and a SiLU-gated MLP, fused QKV and gate/up projections)."""
 
 from __future__ import annotations
-
-import re
-from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
-from disagg.engine.layers.cpu_gemm import PackedWeight
+from disagg.engine.layers.fused import Rotary
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-from disagg.engine.layers.fused import FusedRMSNorm, Rotary
-from disagg.engine.layers.parallel import SINGLE, TPGroup
-from disagg.engine.layers.cpu_kernels import cpu_ops
-from disagg.engine.layers.quantized import Int8Weight, int8_blocks, quantize, weight_format
-from disagg.engine.layers.rotary import RotaryEmbedding
+from disagg.engine.layers.parallel import TPGroup
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.partition import layer_range
-from disagg.errors import ModelLoadError
-
-
-@dataclass(frozen=True)
-class Backends:
-    """Which CPU code paths the layers take (EngineConfig.attention_backend, .cpu_gemm)."""
-
-    attention: str = "auto"  # cpu_kernels.BACKENDS: decode attention, norm and rotary
-    gemm: str = "onednn"  # cpu_gemm.GEMMS
+from disagg.engine.models.causal_lm import Backends, CausalLM
+from disagg.engine.models.family import ModelFamily
+from disagg.engine.models.weights import decoder_weight_shapes
 
 
 class LlamaAttention(nn.Module):
@@ -80,12 +61,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
+    def __init__(self, model: CausalLM, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
         super().__init__()
         self.self_attn = LlamaAttention(cfg, cache_index, tp, backends)
         self.mlp = LlamaMLP(cfg, tp, backends)
-        self.input_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
-        self.post_attention_layernorm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
+        self.input_layernorm = model.make_norm(cfg, backends)
+        self.post_attention_layernorm = model.make_norm(cfg, backends)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         h, residual = self.input_layernorm(x, residual)
@@ -94,213 +75,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-class LlamaForCausalLM(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        max_model_len: int,
-        tp: TPGroup = SINGLE,
-        pp_rank: int = 0,
-        pp_size: int = 1,
-        backends: Backends = Backends(),
-    ):
-        super().__init__()
-        self.config = cfg
-        self.backends = backends
-        self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
-        self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
-        # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if self.is_first_stage else None
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i - self.start_layer, tp, backends) for i in range(self.start_layer, self.end_layer)
-        )
-        self.norm = FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention) if self.is_last_stage else None
-        self.lm_head = None
-        if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
-        self.logits_weight = PackedWeight(backends.gemm)  # the vocabulary projection: the biggest GEMM of a decode step
-
-    @property
-    def num_local_layers(self) -> int:
-        return self.end_layer - self.start_layer
-
-    def forward(
-        self,
-        input_ids,
-        positions,
-        kv_cache: KVCache,
-        meta: AttentionMetadata,
-        hidden_states=None,
-        residual=None,
-        after_layer=None,
-    ):
-        """First stage takes input_ids; later stages take (hidden_states, residual) from the previous one.
-        Returns final hidden states on the last stage, else (hidden_states, residual).
-        `after_layer(local_index)` runs once each layer's KV is in the cache (KV streaming)."""
-        h = self.embed_tokens(input_ids) if self.is_first_stage else hidden_states
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        for index, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
-            if after_layer is not None:
-                after_layer(index)
-        if not self.is_last_stage:
-            return h, residual
-        return self.norm(h, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.logits_weight, PackedWeight):  # quantized: it holds the weight itself
-            return self.logits_weight.linear(hidden).float()
-        return self.logits_weight.linear(hidden, self._vocab_weight()).float()
-
-    def _vocab_weight(self) -> torch.Tensor:
-        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-
-    # ---- weights ---------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], pack: bool = True) -> None:
-        """Load Hugging Face-named tensors, each rank/stage taking its own slice. `pack`: make
-        the oneDNN copies now (not when the weights are about to be quantized: `pack_gemms`
-        after that, so that the float32 copies never all exist at once)."""
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            loaded.update(self._load_one(name, tensor))
-        missing = {n for n, _ in self.named_parameters()} - loaded
-        if missing:
-            raise ModelLoadError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
-        if pack:
-            self.pack_gemms()
-
-    def pack_gemms(self) -> None:
-        # Loads write through .data, which moves no version counter: pack again, now.
-        for holder, weight in self.packed_gemms():
-            holder.pack(weight)
-
-    def packed_gemms(self) -> list[tuple[PackedWeight, torch.Tensor]]:
-        """Each GEMM that keeps a prepacked weight (layers/cpu_gemm.py), with that weight."""
-        gemms = [(m.packed, m.weight) for m in self.modules() if isinstance(getattr(m, "packed", None), PackedWeight)]
-        if self.is_last_stage and isinstance(self.logits_weight, PackedWeight):
-            gemms.append((self.logits_weight, self._vocab_weight()))
-        return gemms
-
-    # ---- quantized weights (layers/quantized.py) ---------------------------------------------
-    def quantize_weights(
-        self, setting: str, gguf_types: dict[str, str], wide_dtype: torch.dtype = torch.float32
-    ) -> None:
-        """Keep each GEMM's weight quantized where `setting` (EngineConfig.weights) says so,
-        freeing its dense copy. The vocabulary projection goes to int8 whenever anything is
-        quantized, and a tied embedding to int8 blocks (QuantizedEmbedding)."""
-        quantized = False
-        kernels = cpu_ops(self._device(), self.backends.attention)  # ours where they build, else torch's
-        for name, module in self.named_modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                types = [gguf_types.get(n) for n in self._checkpoint_names(name)]
-                fmt = weight_format(setting, types)
-                if fmt is not None:
-                    module.packed = quantize(module.weight.data, fmt, types, kernels, wide_dtype)
-                    module.weight = _freed(module.weight)
-                    quantized = True
-        if not (quantized and self.is_last_stage):
-            return
-        dense = self._vocab_weight().data
-        self.logits_weight = quantize(dense, "int8", kernels=kernels, wide_dtype=wide_dtype)
-        if self.lm_head is not None:
-            self.lm_head.weight = _freed(self.lm_head.weight)
-        elif self.config.hidden_size % QuantizedEmbedding.BLOCK == 0:  # else the embedding stays dense
-            self.embed_tokens = QuantizedEmbedding(dense)
-            if kernels is not None:  # ours reads the embedding's own int8 blocks: one copy of the vocabulary
-                self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
-        self.logits_weight.without_wide_copy()
-
-    def every_row_quantized(self) -> None:
-        """Every row, prompt or decode, through the quantized kernels (EngineConfig.batch_invariant)."""
-        weights = [getattr(module, "packed", None) for module in self.modules()] + [self.logits_weight]
-        for weight in weights:
-            if hasattr(weight, "every_row_narrow"):
-                weight.every_row_narrow = True
-
-    def _device(self) -> torch.device:
-        return next(p.device for p in self.parameters())
-
-    def _checkpoint_names(self, module_name: str) -> list[str]:
-        """The checkpoint tensors a (possibly fused) linear of this stage is loaded from."""
-        prefix, _, local = module_name.partition(".")  # "layers", "3.self_attn.qkv_proj"
-        index, _, rest = local.partition(".")
-        layer = f"model.layers.{int(index) + self.start_layer}"
-        parts = [src for src, (fused, _) in self._SHARDS.items() if fused == rest] or [rest]
-        return [f"{layer}.{part}.weight" for part in parts]
-
-    _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-    _SHARDS = {
-        "self_attn.q_proj": ("self_attn.qkv_proj", "q"),
-        "self_attn.k_proj": ("self_attn.qkv_proj", "k"),
-        "self_attn.v_proj": ("self_attn.qkv_proj", "v"),
-        "mlp.gate_proj": ("mlp.gate_up_proj", "gate"),
-        "mlp.up_proj": ("mlp.gate_up_proj", "up"),
-    }
-
-    def _load_one(self, name: str, tensor: torch.Tensor) -> list[str]:
-        if name == "model.embed_tokens.weight":
-            targets = []
-            if self.embed_tokens is not None:
-                targets.append(self._copy("embed_tokens.weight", tensor))
-            if self.lm_head is not None and self.config.tie_word_embeddings:
-                targets.append(self._copy("lm_head.weight", tensor))
-            return targets
-        if name == "lm_head.weight":
-            return [self._copy("lm_head.weight", tensor)] if self.lm_head is not None else []
-        if name == "model.norm.weight":
-            return [self._copy("norm.weight", tensor)] if self.norm is not None else []
-        match = self._LAYER.fullmatch(name)
-        if match is None:
-            return []  # e.g. rotary inv_freq buffers some checkpoints carry
-        index = int(match.group(1))
-        if not self.start_layer <= index < self.end_layer:
-            return []
-        return [self._load_layer_tensor(f"layers.{index - self.start_layer}", match.group(2), tensor)]
-
-    def _load_layer_tensor(self, prefix: str, rest: str, tensor: torch.Tensor) -> str:
-        module_name, _, kind = rest.rpartition(".")
-        if module_name in self._SHARDS:
-            fused, shard = self._SHARDS[module_name]
-            with torch.no_grad():
-                self.get_submodule(f"{prefix}.{fused}").load(shard, tensor, is_bias=kind == "bias")
-            return f"{prefix}.{fused}.{kind}"
-        module = self.get_submodule(f"{prefix}.{module_name}")
-        if isinstance(module, RowParallelLinear) and kind == "weight":
-            with torch.no_grad():
-                module.load(tensor)
-            return f"{prefix}.{module_name}.weight"
-        return self._copy(f"{prefix}.{module_name}.{kind}", tensor)
-
-    def _copy(self, param_name: str, tensor: torch.Tensor) -> str:
-        param = self.get_parameter(param_name)
-        if param.shape != tensor.shape:
-            raise ModelLoadError(
-                f"weights: {param_name} has shape {tuple(tensor.shape)} in the checkpoint, expected {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
-        return param_name
+class LlamaForCausalLM(CausalLM):
+    def make_layer(self, cfg, layer_index, cache_index, tp, backends):
+        return LlamaDecoderLayer(self, cfg, cache_index, tp, backends)
 
 
-class QuantizedEmbedding(nn.Module):
-    """A token embedding kept int8 in blocks of 32 with a scale each (GGUF's Q8_0, whose values
-    it keeps exactly). Not the vocabulary projection's per-row int8: a lookup reads a few rows,
-    so the finer scales cost nothing, and the coarser ones flip near-tied first tokens."""
-
-    BLOCK = 32
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.q, self.scales = int8_blocks(weight, self.BLOCK)  # [vocab, hidden], [vocab, hidden / 32]
-        self.dtype = weight.dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        q = self.q[input_ids].view(*input_ids.shape, -1, self.BLOCK)
-        rows = q.to(self.dtype) * self.scales[input_ids].to(self.dtype).unsqueeze(-1)
-        return rows.flatten(-2)
+def config_from_hf(d: dict, name: str) -> ModelConfig:
+    return ModelConfig.from_hf_dict(d, name=name)
 
 
-def _freed(weight: nn.Parameter) -> nn.Parameter:
-    """An empty stand-in for a weight now held quantized: its memory goes back."""
-    return nn.Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
+FAMILY = ModelFamily(
+    name="llama",
+    model_types=("llama", "mistral", "qwen2"),
+    config_from_hf=config_from_hf,
+    model_class=LlamaForCausalLM,
+    weight_shapes=decoder_weight_shapes,
+)
