@@ -113,3 +113,50 @@ def tiny_untied_dir(tmp_path_factory) -> str:
 def tiny_qwen2_bias_dir(tmp_path_factory) -> str:
     """Qwen2 with QKV bias (non-zero), GQA 4/2, untied."""
     return _tiny_dir(tmp_path_factory, "qwen2_bias", seed=4)
+
+
+# Mixture-of-experts checkpoints: 8 experts, 2 a token, expert matrices of 32 (a whole block of
+# the quantized kernels). Qwen3-MoE: per-head q/k norms, head_dim 32 (not hidden / heads), layer
+# 1 kept dense (mlp_only_layers), weights not renormalised; Mixtral: renormalised, every layer sparse.
+TINY_MOE_SHAPES = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        rope_theta=1000000.0,
+    ),
+    "mixtral": dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=None,
+    ),
+}  # fmt: skip
+
+
+def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0):
+    """Write a random Qwen3MoeForCausalLM / MixtralForCausalLM of shape `kind` to `path`
+    (transformers' save_pretrained: one tensor per expert matrix)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config_cls, model_cls = {
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+        "mixtral": (MixtralConfig, MixtralForCausalLM),
+    }[kind]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind]}))
+    with torch.no_grad():
+        for layer in model.model.layers:  # as make_tiny_checkpoint, for the same reason
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            down = getattr(layer.mlp, "experts", layer.mlp).down_proj
+            (down if isinstance(down, torch.nn.Parameter) else down.weight).mul_(RESIDUAL_GAIN)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=12)

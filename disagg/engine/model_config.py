@@ -1,4 +1,4 @@
-"""The shape of a Llama-family decoder, independent of where its weights come from."""
+"""The shape of a decoder (Llama-like, dense or mixture-of-experts), independent of where its weights come from."""
 
 from __future__ import annotations
 
@@ -24,19 +24,87 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    # Mixture of experts (num_experts 0: dense). A layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, each token routed to `num_experts_per_tok` of them, except in the
+    # layers Qwen3-MoE keeps dense: those in `mlp_only_layers`, and all but every
+    # `decoder_sparse_step`-th; a dense layer's MLP has `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token across all layers, in elements (multiply by dtype size)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
+    # ---- sizes: total (every weight, what memory holds) against active (what a token passes through)
     @property
-    def layer_linear_params(self) -> int:
-        """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        sparse = (index + 1) % self.decoder_sparse_step == 0 and index not in self.mlp_only_layers
+        return self.is_moe and sparse
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's gate, up and down matrices."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def linear_params(self, active: bool = False) -> int:
+        """Weights of the decoder layers' matrices (attention, MLPs or experts and their
+        routers), without biases, norms or embeddings; `active`: those one token passes through
+        (its k experts of each MoE layer), else all of them."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = experts * self.expert_params + self.num_experts * self.hidden_size
+        dense_layers = self.num_hidden_layers - self.num_moe_layers
+        return (
+            self.num_hidden_layers * self._attention_params
+            + dense_layers * self._dense_mlp_params
+            + self.num_moe_layers * moe
+        )
+
+    @property
+    def _attention_params(self) -> int:
         h, hd = self.hidden_size, self.head_dim
-        attention = 2 * h * self.num_attention_heads * hd + 2 * h * self.num_key_value_heads * hd
+        return 2 * h * self.num_attention_heads * hd + 2 * h * self.num_key_value_heads * hd
+
+    @property
+    def _dense_mlp_params(self) -> int:
         mlp_matrices = 2 if self.architecture == "opt" else 3  # OPT: fc1, fc2; Llama: gate, up, down
-        return attention + mlp_matrices * h * self.intermediate_size
+        return mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def layer_linear_params(self) -> float:
+        """Weights of one decoder layer's matrices that a token passes through (Q, K, V, O and
+        the MLP, or its k experts and the router), without biases or norms; an average over the
+        layers where some are dense and some not. What a token's FLOPs count."""
+        return self.linear_params(active=True) / self.num_hidden_layers
+
+    @property
+    def total_params(self) -> int:
+        """Every weight (embeddings, norms, LM head when untied): what the weights take in memory."""
+        return self.linear_params() + self._other_params
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token's forward pass reads (as "30B-A3B" counts them): total_params
+        with only k experts of each MoE layer."""
+        return self.linear_params(active=True) + self._other_params
+
+    @property
+    def _other_params(self) -> int:
+        h, layers = self.hidden_size, self.num_hidden_layers
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + head + (2 * layers + 1) * h
 
     @property
     def attention_context_tokens(self) -> float:

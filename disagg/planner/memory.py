@@ -1,6 +1,7 @@
 """Whether a model fits on a TP x PP group of devices, and how many KV tokens are left room for.
 
-Weights split evenly over the TP ranks (heads, MLP columns and the vocabulary alike); PP stages hold
+Weights split evenly over the TP ranks (heads, MLP columns, a mixture of experts' experts, every
+one of them resident, and the vocabulary alike); PP stages hold
 whole layers, the first stage the embeddings and the last the LM head (both when tied). The KV of
 a token splits the same way, by heads over TP and by layers over PP. The most loaded device decides.
 `utilization` (vLLM's gpu_memory_utilization) leaves the rest for activations and the runtime.
@@ -56,8 +57,14 @@ def activation_bytes_per_device(config: ModelConfig, tokens: int, tp: int, dtype
     """The largest activations of one step of `tokens` tokens: the MLP's input and intermediate
     (twice: before and after the activation function) and a few hidden-sized buffers, split over
     TP. An engine that sizes its cache after a trial step of its token budget (vLLM) keeps this."""
-    per_token = 2 * config.intermediate_size + 4 * config.hidden_size
+    per_token = 2 * _mlp_width(config) + (4 + config.num_experts_per_tok) * config.hidden_size
     return tokens * per_token * dtype_bytes / tp
+
+
+def _mlp_width(config: ModelConfig) -> int:
+    """A token's widest MLP intermediate: a dense layer's, or its k experts' together."""
+    dense = config.intermediate_size if config.num_moe_layers < config.num_hidden_layers else 0
+    return max(dense, config.num_experts_per_tok * config.moe_intermediate_size)
 
 
 def kv_capacity_tokens(
