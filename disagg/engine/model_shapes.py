@@ -56,12 +56,39 @@ def named_shapes() -> dict[str, ModelConfig]:
             "llama", 49152, 576, 1536, 30, 9, 3, 8192, rope_theta=100000.0, tie_word_embeddings=True
         ),
         "tiny": _config("llama", 512, 64, 128, 2, 4, 2, 2048),
-    }
+        # Mixtures of experts. Qwen3-30B-A3B: 128 experts of 768, 8 a token (30.5B total, 3.3B active).
+        "qwen3-30b-a3b": _config("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 40960, **_QWEN3_MOE),
+        # Mixtral-8x7B(-v0.1): 8 experts of 14336, 2 a token (46.7B total, 12.9B active); sliding_window null.
+        "mixtral-8x7b": _config(
+            "mixtral", 32000, 4096, 14336, 32, 32, 8, 32768, rope_theta=1000000.0,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+        ),
+        # For benchmarks on one CPU host, Qwen3-30B-A3B scaled down (it takes 122 GB in float32):
+        # width, heads, expert count and expert size halved, a quarter of the layers, a 32k
+        # vocabulary; 1.0B total, 0.24B active. "-dense": the same model with each MoE layer
+        # replaced by one dense MLP as wide as a token's 8 experts together (the same active parameters).
+        "qwen3-moe-mini": _config("qwen3_moe", 32768, 1024, 3072, 12, 16, 2, 40960, **_QWEN3_MOE_MINI),
+        "qwen3-moe-mini-dense": _config(
+            "qwen3_moe", 32768, 1024, 3072, 12, 16, 2, 40960, **_QWEN3_MOE_MINI, mlp_only_layers=tuple(range(12))
+        ),
+    }  # fmt: skip
+
+
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): head_dim 128, norm_topk_prob true, every layer sparse.
+_QWEN3_MOE = dict(
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_ids=(151645,),
+)  # fmt: skip
+_QWEN3_MOE_MINI = dict(
+    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=384, norm_topk_prob=True,
+)  # fmt: skip
 
 
 def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extra) -> ModelConfig:
     extra.setdefault("bos_token_id", 1)
     extra.setdefault("eos_token_ids", (2,))
+    extra.setdefault("head_dim", hidden // heads)
     return ModelConfig(
         architecture=arch,
         vocab_size=vocab,
@@ -70,7 +97,6 @@ def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extr
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
         max_position_embeddings=max_pos,
         **extra,
     )
