@@ -67,6 +67,9 @@ class LoadReport:
     # Leaving (SIGTERM, scale-in): no new requests, and routers move its requests elsewhere with
     # their KV (disagg.router.live_moves) before it goes.
     draining: bool = False
+    # A mixture of experts: tokens routed to each expert since the start, over rank 0's MoE
+    # layers ([] for a dense model): `disagg:moe_expert_tokens_total`.
+    expert_tokens: list = field(default_factory=list)
 
 
 @dataclass

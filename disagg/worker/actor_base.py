@@ -252,4 +252,5 @@ def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
         kv_cache_usage=1.0 - free / total,
         updated_at=time.time(),
         decode_context_tokens=context,
+        expert_tokens=engine.expert_tokens(),
     )

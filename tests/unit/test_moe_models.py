@@ -138,3 +138,25 @@ def test_two_ranks_equal_one(tiny_qwen3_moe_dir, tiny_mixtral_dir, kind, expert_
     experts = engines[1].model.moe_layers()[0][1].experts
     assert experts.num_local_experts == (4 if expert_parallel else 8)
     assert engines[0].num_free_blocks == engines[0].num_total_blocks
+
+
+def test_expert_load_is_exposed_as_a_counter(tiny_mixtral_dir):
+    """The engine's per-expert counts travel in the worker's load report and render as
+    `disagg:moe_expert_tokens_total{instance, role, expert}`; a dense instance has none."""
+    from disagg.metrics import ServingMetrics
+    from disagg.worker.actor_base import engine_load
+
+    engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, dtype="float32", device="cpu", num_kv_blocks=16))
+    greedy_steps(engine, [[5, 6, 7, 8]])
+    report = engine_load(engine)
+    assert sum(report.expert_tokens) == (4 + 7) * 2 * 2  # 11 tokens computed, 2 experts, 2 layers
+    metrics = ServingMetrics()
+    metrics.set_expert_load("d0", "decode", report.expert_tokens)
+    metrics.set_expert_load("p0", "prefill", [])
+    text = metrics.render().decode()
+    assert "# TYPE disagg:moe_expert_tokens_total counter" in text
+    lines = [line for line in text.splitlines() if line.startswith("disagg:moe_expert_tokens_total{")]
+    assert len(lines) == 8 and all('instance="d0"' in line and 'role="decode"' in line for line in lines)
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in lines) == sum(report.expert_tokens)
+    metrics.remove_instance("d0", "decode")
+    assert "disagg:moe_expert_tokens_total{" not in metrics.render().decode()
