@@ -43,6 +43,7 @@ class InstanceInfo:
         default_factory=list
     )  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
     rpc_address: str = ""  # host:port of the request link (disagg.rpc) on rank 0
+    expert_parallel_size: int = 1  # the ranks a mixture of experts' experts are split over
 
 
 @dataclass

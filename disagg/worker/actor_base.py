@@ -138,6 +138,7 @@ class WorkerActorBase:
             p.pipeline_parallel_size,
             kv_ranks=layout.to_list() if layout else [],
             rpc_address=self.rpc.address,
+            expert_parallel_size=p.expert_parallel_size,
         )
 
     def kv_layout(self) -> KVLayout | None:
