@@ -7,6 +7,7 @@ seeds, so that a test can load it both into our engine and into transformers as 
 from __future__ import annotations
 
 import os
+import zlib
 
 import pytest
 import torch
@@ -115,6 +116,100 @@ def tiny_qwen2_bias_dir(tmp_path_factory) -> str:
     return _tiny_dir(tmp_path_factory, "qwen2_bias", seed=4)
 
 
+# ---- the families beyond Llama (disagg/engine/models/): small sliding windows, so that prompts ----
+# of a few hundred tokens are several windows long; norms random, so a wrong norm shows.
+FAMILY_WINDOW = 32
+_GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+}
+FAMILY_SHAPES = {
+    # name: (HF config class, HF model class, extra config fields)
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=FAMILY_WINDOW, tie_word_embeddings=False),
+    ),
+    "qwen2": (  # YaRN on every layer; layers 1 and 2 slide (max_window_layers 1), layer 0 global
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=48,
+            max_window_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 1000000.0,
+            },
+        ),
+    ),  # fmt: skip
+    "qwen3": (  # head_dim 32 over a hidden size of 64 and 4 heads
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+    ),
+    "gemma3": (  # local, local, global, local; every Gemma-specific setting off its default
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_hidden_layers=4,
+            sliding_window=FAMILY_WINDOW,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=_GEMMA3_ROPE,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),  # fmt: skip
+}
+
+
+def make_family_checkpoint(path, kind: str, seed: int = 0) -> str:
+    """Write a random checkpoint of FAMILY_SHAPES[kind] with transformers' own class to `path`."""
+    import transformers
+
+    config_name, model_name, extra = FAMILY_SHAPES[kind]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**_COMMON, **extra}))
+    gemma = kind == "gemma3"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            layer.mlp.down_proj.weight.mul_(RESIDUAL_GAIN)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma scales by 1 + weight: random around 0, others around 1
+                param.normal_(0.0 if gemma else 1.0, 0.2)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """kind -> the directory of its FAMILY_SHAPES checkpoint, written on first use."""
+    dirs: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in dirs:
+            seed = zlib.crc32(kind.encode()) % 1000  # fixed per kind, whatever other kinds exist
+            dirs[kind] = make_family_checkpoint(tmp_path_factory.mktemp(f"family_{kind}"), kind, seed)
+        return dirs[kind]
+
+    return get
+
+
 # Mixture-of-experts checkpoints: 8 experts, 2 a token, expert matrices of 32 (a whole block of
 # the quantized kernels). Qwen3-MoE: per-head q/k norms, head_dim 32 (not hidden / heads), layer
 # 1 kept dense (mlp_only_layers), weights not renormalised; Mixtral: renormalised, every layer sparse.
@@ -128,6 +223,10 @@ TINY_MOE_SHAPES = {
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
         num_experts_per_tok=2, intermediate_size=32, sliding_window=None,
     ),
+    "mixtral_window": dict(  # every layer slides over 32 tokens, as Mistral-7B-v0.1's 4,096
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=32,
+    ),
 }  # fmt: skip
 
 
@@ -136,10 +235,8 @@ def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0):
     (transformers' save_pretrained: one tensor per expert matrix)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config_cls, model_cls = {
-        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-        "mixtral": (MixtralConfig, MixtralForCausalLM),
-    }[kind]
+    qwen = kind.startswith("qwen3_moe")
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if qwen else (MixtralConfig, MixtralForCausalLM)
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind]}))
     with torch.no_grad():
@@ -160,3 +257,8 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_mixtral_dir(tmp_path_factory) -> str:
     return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=12)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_window_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral_window"), "mixtral_window", seed=13)

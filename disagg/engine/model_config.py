@@ -1,13 +1,33 @@
-"""The shape of a decoder (Llama-like, dense or mixture-of-experts), independent of where its weights come from."""
+"""The shape of a decoder-only model (dense or mixture-of-experts), independent of where its weights come from.
+
+A family (disagg/engine/models/) maps its Hugging Face config.json onto these fields. Per layer,
+attention is global or sliding-window: `layer_types` names each layer's kind as HF does
+("full_attention", "sliding_attention"), `sliding_window` the window's length in tokens, its own
+included (HF's `kv_idx > q_idx - sliding_window`). `attention_window(layer)` and `layer_groups`
+are how the rest of the engine reads them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activations the layers compute
+
+
+@dataclass(frozen=True)
+class LayerGroup:
+    """Layers that attend alike: the same window (None: global attention), so the same KV
+    blocks of a request stay needed (what a block manager can free per group)."""
+
+    window: int | None
+    layers: tuple[int, ...]  # global layer indices
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama", "mistral" or "qwen2"
+    architecture: str  # the Hugging Face model_type ("llama", "qwen3", "gemma3_text", ...): names the family
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -24,6 +44,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     name: str = ""
+    sliding_window: int | None = None  # tokens a sliding-window layer attends to, its own included
+    layer_types: tuple[str, ...] = ()  # each layer's LAYER_TYPES entry; () = every layer full_attention
+    hidden_act: str = "silu"  # the MLP gate's activation (HIDDEN_ACTS)
+    qk_norm: bool = False  # an RMSNorm over each head of q and of k, before RoPE (Qwen3, Gemma 3)
+    norms_per_layer: int = 2  # hidden-size norms a layer holds (Gemma 3: 4, before and after attention and MLP)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled, where not rope_theta (Gemma 3)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma)
     # Mixture of experts (num_experts 0: dense). A layer's MLP is `num_experts` experts of
     # `moe_intermediate_size`, each token routed to `num_experts_per_tok` of them, except in the
     # layers Qwen3-MoE keeps dense: those in `mlp_only_layers`, and all but every
@@ -34,6 +62,43 @@ class ModelConfig:
     norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types: {len(self.layer_types)} entries for {self.num_hidden_layers} layers (num_hidden_layers)"
+            )
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"layer_types: unsupported {unknown} (supported: {', '.join(LAYER_TYPES)})")
+        windowed = SLIDING_ATTENTION in self.layer_types
+        if windowed and not (isinstance(self.sliding_window, int) and self.sliding_window > 0):
+            raise ValueError(f"sliding_window: a positive number of tokens is needed, got {self.sliding_window!r}")
+
+    @property
+    def attention_scale(self) -> float:
+        """What attention multiplies q.k by."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    def uses_local_rope(self, layer: int) -> bool:
+        """Whether (global) layer `layer` rotates by rope_local_theta (a sliding layer of Gemma 3)."""
+        return self.rope_local_theta is not None and self.attention_window(layer) is not None
+
+    def attention_window(self, layer: int) -> int | None:
+        """The sliding window of (global) layer `layer`, None where it attends to every position."""
+        windowed = self.layer_types and self.layer_types[layer] == SLIDING_ATTENTION
+        return self.sliding_window if windowed else None
+
+    @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers by window, global attention first (one group for a model without windows)."""
+        windows = sorted({self.attention_window(i) for i in range(self.num_hidden_layers)}, key=lambda w: w or 0)
+        return tuple(
+            LayerGroup(w, tuple(i for i in range(self.num_hidden_layers) if self.attention_window(i) == w))
+            for w in windows
+        )
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -104,7 +169,8 @@ class ModelConfig:
     def _other_params(self) -> int:
         h, layers = self.hidden_size, self.num_hidden_layers
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.vocab_size * h + head + (2 * layers + 1) * h
+        qk_norms = 2 * layers * self.head_dim if self.qk_norm else 0
+        return self.vocab_size * h + head + (self.norms_per_layer * layers + 1) * h + qk_norms
 
     @property
     def attention_context_tokens(self) -> float:
@@ -114,13 +180,14 @@ class ModelConfig:
         return self.layer_linear_params / (2 * self.num_attention_heads * self.head_dim)
 
     @classmethod
-    def from_hf_dict(cls, d: dict, name: str = "") -> "ModelConfig":
-        """From a Hugging Face config.json dict (Llama, Mistral, Qwen2)."""
+    def from_hf_dict(cls, d: dict, name: str = "", **family_fields) -> "ModelConfig":
+        """From a Hugging Face config.json dict: the fields every family shares, then
+        `family_fields` (what a family's own mapping adds or reads differently)."""
         arch = (d.get("model_type") or "llama").lower()
         num_heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return cls(
+        fields = dict(
             architecture=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -132,22 +199,20 @@ class ModelConfig:
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=_rope_scaling(d),
+            rope_scaling=rope_scaling_from_hf(d),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", arch == "qwen2")),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            hidden_act=d.get("hidden_act") or "silu",
         )
+        return cls(**{**fields, **family_fields})
 
     def to_hf_dict(self) -> dict:
-        """A config.json that transformers' LlamaForCausalLM (or Qwen2) accepts."""
+        """A config.json that transformers (and the family's own `config_from_hf`) read back as this config."""
         d = {
-            "architectures": [
-                {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
-                    self.architecture
-                ]
-            ],
+            "architectures": [_HF_CLASSES[self.architecture]],
             "model_type": self.architecture,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
@@ -163,18 +228,53 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
-            "hidden_act": "silu",
+            "hidden_act": self.hidden_act,
         }
-        if self.architecture == "llama":
+        if self.architecture in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
-        return d
+        return {**d, **self._hf_window_fields(), **self._hf_gemma_fields()}
+
+    def _hf_window_fields(self) -> dict:
+        if SLIDING_ATTENTION not in self.layer_types:
+            return {}
+        # Qwen2/3 read use_sliding_window (and layer_types); Mistral slides every layer by sliding_window.
+        return {
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": True,
+            "layer_types": list(self.layer_types),
+        }
+
+    def _hf_gemma_fields(self) -> dict:
+        if self.architecture != "gemma3_text":
+            return {}
+        return {
+            "hidden_activation": self.hidden_act,
+            "query_pre_attn_scalar": self.query_pre_attn_scalar,
+            "rope_local_base_freq": self.rope_local_theta,
+            "final_logit_softcapping": self.final_logit_softcapping,
+            "sliding_window": self.sliding_window,
+            "layer_types": list(self.layer_types),
+        }
 
 
-def _rope_scaling(d: dict) -> dict | None:
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+}
+
+
+def rope_scaling_from_hf(d: dict) -> dict | None:
+    """HF's rope_scaling (or transformers 5's rope_parameters) with rope_type set; None when unscaled."""
     scaling = d.get("rope_scaling") or d.get("rope_parameters")
     if not scaling:
         return None
     rope_type = scaling.get("rope_type") or scaling.get("type")
     if rope_type in (None, "default"):
         return None
-    return dict(scaling, rope_type=rope_type)
+    scaling = dict(scaling, rope_type=rope_type)
+    if rope_type == "yarn":  # as transformers does when the config leaves it out
+        scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
+    return scaling

@@ -76,11 +76,11 @@ def named_shapes() -> dict[str, ModelConfig]:
 
 # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): head_dim 128, norm_topk_prob true, every layer sparse.
 _QWEN3_MOE = dict(
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+    head_dim=128, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
     moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_ids=(151645,),
 )  # fmt: skip
 _QWEN3_MOE_MINI = dict(
-    head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=64, num_experts_per_tok=8,
+    head_dim=128, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=64, num_experts_per_tok=8,
     moe_intermediate_size=384, norm_topk_prob=True,
 )  # fmt: skip
 

@@ -17,7 +17,7 @@ from disagg.engine.model_shapes import named_shapes
 RANDOM_PREFIX = "random:"
 # What the model families run (disagg.engine.models.supported_model_types(), kept equal by a unit test;
 # this list is torch-free, for the tools that check a spec without loading it).
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3_moe", "mixtral")
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 GGUF_MAGIC = b"GGUF"
 
 

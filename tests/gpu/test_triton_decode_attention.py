@@ -44,3 +44,26 @@ def test_the_engine_takes_the_triton_kernel_on_cuda_unless_told_torch():
     device = torch.device("cuda")
     assert select_decode_kernel(device, "auto") is paged_decode_attention
     assert select_decode_kernel(device, "torch") is None
+
+
+@pytest.mark.parametrize("window", [1, 16, 48, 100, 4096])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", SHAPES)
+def test_triton_decode_attends_to_the_sliding_window_only(heads, kv_heads, head_dim, window):
+    """A windowed layer: equal to the torch path's window, and the blocks before each window
+    (NaN here, as a freed block's place) are never read."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(window)
+    block_size, num_blocks = 16, 512
+    kv = torch.randn(2, kv_heads, num_blocks, block_size, head_dim, device="cuda", generator=g)
+    lens = torch.tensor(CONTEXTS, dtype=torch.int32, device="cuda")
+    width = -(-max(CONTEXTS) // block_size)
+    order = torch.randperm(num_blocks, device="cuda", generator=g)
+    tables = torch.stack([order.roll(17 * i)[:width] for i in range(len(CONTEXTS))]).to(torch.int32)
+    q = torch.randn(len(CONTEXTS), heads, head_dim, device="cuda", generator=g)
+    expected = decode_attention(q, kv, DecodeBatch(tables, lens, block_size, None), head_dim**-0.5, window)
+    keep = torch.zeros(num_blocks, dtype=torch.bool, device="cuda")
+    for row, n in enumerate(CONTEXTS):
+        keep[tables[row, max(0, n - window) // block_size : -(-n // block_size)].long()] = True
+    poisoned = kv.masked_fill(~keep.view(1, 1, -1, 1, 1), float("nan"))
+    got = paged_decode_attention(q, poisoned, tables, lens, head_dim**-0.5, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

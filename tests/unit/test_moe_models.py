@@ -5,7 +5,6 @@ expert's load is counted; EP2 and TP2 engines (real gloo groups) equal one rank.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
@@ -17,7 +16,6 @@ from test_parallel_engine import sharded_engines
 from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
 from disagg.engine.engine import LLMEngine
-from disagg.errors import ModelLoadError
 
 KINDS = ["qwen3_moe", "mixtral"]
 PROMPT_LENGTHS = [1, 3, 16, 17, 40, 90, 150]
@@ -104,13 +102,14 @@ def test_quantized_experts_serve(cases):
     assert agree >= len(prompts) - 1
 
 
-def test_windowed_mixtral_is_refused(tiny_mixtral_dir, tmp_path):
-    config = json.loads(open(os.path.join(tiny_mixtral_dir, "config.json")).read())
-    config["sliding_window"] = 64
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    os.symlink(os.path.join(tiny_mixtral_dir, "model.safetensors"), tmp_path / "model.safetensors")
-    with pytest.raises(ModelLoadError, match="sliding_window 64 is not supported"):
-        LLM(model=str(tmp_path), dtype="float32", num_kv_blocks=16)
+def test_windowed_mixtral_matches_transformers(cases):
+    """Mixtral with a sliding window of 32 on every layer, prompts up to 150 tokens (several
+    windows) in chunks of 32: transformers' tokens."""
+    model_dir, prompts, expected, margins = cases("mixtral_window")
+    llm = LLM(model=model_dir, dtype="float32", max_num_batched_tokens=32, num_kv_blocks=128)
+    assert llm.engine.model_config.attention_window(0) == 32
+    got = run(llm, prompts)
+    assert got == expected, describe_mismatches(prompts, expected, got, margins)
 
 
 def greedy_steps(engine: LLMEngine, prompts) -> list[list[int]]:

@@ -7,6 +7,12 @@ runs SDPA, over a few buckets of similar context length so that padding stays sm
 call (a step holds few of them); a chunk that starts at position 0 attends to its own fresh K/V
 and needs no gather at all.
 
+A sliding-window layer passes its window W: each query then attends to its last W positions, its
+own included (HF's `kv_idx > q_idx - W`), and every path reads only the blocks that hold them
+(the kernels start at the window; the torch paths gather from its first block on), so a block
+that fell out of the window is never read. The step's metadata does not depend on the layer:
+each path derives what a window needs from it, once per step and window (masks, shifted tables).
+
 The cache is head-major ([2, KVH, blocks, bs, D] per layer): each block of one KV head is a
 contiguous [bs, D] matrix, and an index_select of blocks gives each (request, KV head) a
 contiguous [tokens, D] matrix. The query heads that share a KV head are computed together
@@ -15,7 +21,6 @@ contiguous [tokens, D] matrix. The query heads that share a KV head are computed
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +38,9 @@ MIN_DECODES_PER_BUCKET = 8
 @dataclass
 class DecodeBucket:
     rows: torch.Tensor  # [b] positions of these decodes among the step's first tokens
-    block_ids: torch.Tensor  # [b * max_blocks] long: each decode's blocks, padded with block 0
+    block_ids: (
+        torch.Tensor
+    )  # [b * max_blocks] long: each decode's blocks (from its window's first), padded with block 0
     mask: torch.Tensor  # [b, 1, 1, max_blocks * block_size] bool: True = attend
 
 
@@ -45,12 +52,15 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [B] int32: tokens each decode attends to (its position + 1)
     block_size: int
     kernel: DecodeKernel | None = None  # None: the torch path
+    _buckets: dict[int | None, list[DecodeBucket]] = field(default_factory=dict, repr=False)
 
-    @functools.cached_property
-    def buckets(self) -> list[DecodeBucket]:
-        """The torch path's inputs, built once per step: decodes sorted by length, split into a
-        few equal-count buckets, each padded only to its own longest context."""
-        return _decode_buckets(self.block_tables, self.context_lens, self.block_size)
+    def buckets(self, window: int | None = None) -> list[DecodeBucket]:
+        """The torch path's inputs, built once per step and window: decodes sorted by the
+        length they attend to, split into a few equal-count buckets, each padded only to its
+        own longest."""
+        if window not in self._buckets:
+            self._buckets[window] = _decode_buckets(self.block_tables, self.context_lens, self.block_size, window)
+        return self._buckets[window]
 
 
 @dataclass
@@ -60,6 +70,22 @@ class PrefillSpan:
     start_pos: int  # position of the chunk's first token in its sequence
     block_ids: torch.Tensor  # [n] long: blocks covering positions [0, start_pos + num_tokens)
     mask: torch.Tensor | None = None  # [num_tokens, ctx_len] bool; None when start_pos == 0 (plain causal)
+    _windowed: dict[int, "WindowedKeys"] = field(default_factory=dict, repr=False)
+
+    def windowed(self, window: int, block_size: int) -> "WindowedKeys":
+        """What a layer of sliding window `window` reads, built once per step and window."""
+        if window not in self._windowed:
+            self._windowed[window] = _windowed_keys(self, window, block_size)
+        return self._windowed[window]
+
+
+@dataclass
+class WindowedKeys:
+    """A prefill chunk's keys under a sliding window: from the block holding its first query's
+    window start on."""
+
+    first_block: int  # index into the span's blocks of the first one read
+    mask: torch.Tensor  # [num_tokens, keys from first_block * block_size to the chunk's end] bool
 
 
 @dataclass
@@ -78,30 +104,39 @@ def select_decode_kernel(device: torch.device, backend: str) -> DecodeKernel | N
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); kv_layer: [2, KVH, blocks, bs, D].
+    """q: [T, H, D]; k, v: [T, KVH, D] (already written to the cache); kv_layer: [2, KVH, blocks, bs, D];
+    window: the layer's sliding window (None: it attends to every earlier position).
 
     Returns [T, H, D].
     """
     if meta.decode is not None and not meta.prefills:  # a decode-only step: no scatter into `out`
-        return decode_attention(q, kv_layer, meta.decode, scale)
+        return decode_attention(q, kv_layer, meta.decode, scale, window)
     out = torch.empty_like(q)
     if meta.decode is not None:
         n = meta.num_decode_tokens
-        out[:n] = decode_attention(q[:n], kv_layer, meta.decode, scale)
+        out[:n] = decode_attention(q[:n], kv_layer, meta.decode, scale, window)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.num_tokens)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, span, scale)
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], kv_layer, span, scale, window)
     return out
 
 
-def decode_attention(q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeBatch, scale: float) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor, kv_layer: torch.Tensor, decode: DecodeBatch, scale: float, window: int | None = None
+) -> torch.Tensor:
     """q: [B, H, D], one token per decode -> [B, H, D]."""
     if decode.kernel is not None:
-        return decode.kernel(q, kv_layer, decode.block_tables, decode.context_lens, scale)
+        return decode.kernel(q, kv_layer, decode.block_tables, decode.context_lens, scale, window or 0)
     out = torch.empty_like(q)
-    for bucket in decode.buckets:
+    for bucket in decode.buckets(window):
         out[bucket.rows] = _decode_bucket_attention(q.index_select(0, bucket.rows), kv_layer, bucket, scale)
     return out
 
@@ -118,30 +153,79 @@ def _decode_bucket_attention(
     return out.reshape(batch, num_heads, head_dim)
 
 
-def _decode_buckets(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeBucket]:
+def _decode_buckets(
+    block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int, window: int | None
+) -> list[DecodeBucket]:
     lens = context_lens.tolist()
-    order = sorted(range(len(lens)), key=lens.__getitem__)
+    # Under a window each decode reads from the block holding its window's first position on.
+    firsts = [max(0, n - window) // block_size if window else 0 for n in lens]
+    spans = [-(-n // block_size) - first for n, first in zip(lens, firsts)]  # blocks read
+    order = sorted(range(len(lens)), key=spans.__getitem__)
     num_buckets = min(MAX_DECODE_BUCKETS, -(-len(lens) // MIN_DECODES_PER_BUCKET))
     buckets = []
     for b in range(num_buckets):
         rows = order[b * len(order) // num_buckets : (b + 1) * len(order) // num_buckets]
-        rows_t = torch.tensor(rows, dtype=torch.long, device=block_tables.device)
-        max_blocks = -(-lens[rows[-1]] // block_size)
-        block_ids = block_tables.index_select(0, rows_t)[:, :max_blocks].reshape(-1).long()
-        positions = torch.arange(max_blocks * block_size, device=block_tables.device)
-        mask = positions.unsqueeze(0) < context_lens.index_select(0, rows_t).unsqueeze(1)
-        buckets.append(DecodeBucket(rows_t, block_ids, mask.view(len(rows), 1, 1, -1)))
+        buckets.append(_decode_bucket(block_tables, context_lens, block_size, window, rows, firsts, spans[rows[-1]]))
     return buckets
 
 
-def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float) -> torch.Tensor:
-    if span.start_pos == 0:
+def _decode_bucket(block_tables, context_lens, block_size, window, rows, firsts, max_blocks) -> DecodeBucket:
+    device = block_tables.device
+    rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+    first = torch.tensor([firsts[r] for r in rows], dtype=torch.long, device=device).unsqueeze(1)
+    lens = context_lens.index_select(0, rows_t).unsqueeze(1)
+    # Padding columns repeat the decode's own last block (masked out): never a block it does not hold.
+    last = (lens.long() - 1) // block_size
+    columns = torch.minimum(first + torch.arange(max_blocks, device=device), last)
+    block_ids = block_tables.index_select(0, rows_t).gather(1, columns).reshape(-1).long()
+    positions = first * block_size + torch.arange(max_blocks * block_size, device=device)  # [b, keys]
+    mask = positions < lens
+    if window:
+        mask &= positions >= lens - window
+    return DecodeBucket(rows_t, block_ids, mask.view(len(rows), 1, 1, -1))
+
+
+def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, window: int | None) -> torch.Tensor:
+    if window is not None and span.start_pos + span.num_tokens > window:  # else the window never binds
+        keys, values, mask = _windowed_prefill_keys(k, v, kv_layer, span, window)
+        causal = False
+    elif span.start_pos == 0:
         keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
     else:
         ctx_len = span.start_pos + span.num_tokens
         keys = _gather(kv_layer[0], span.block_ids).flatten(1, 2)[:, :ctx_len]
         values = _gather(kv_layer[1], span.block_ids).flatten(1, 2)[:, :ctx_len]
         mask, causal = span.mask, False
+    return _sdpa(q, keys, values, mask, causal, scale)
+
+
+def _windowed_prefill_keys(k, v, kv_layer, span: PrefillSpan, window: int):
+    """(keys, values, mask) of a chunk under a sliding window: its own fresh K/V when the chunk
+    starts the sequence, else the cached blocks from its first query's window on."""
+    block_size = kv_layer.shape[3]
+    read = span.windowed(window, block_size)
+    if span.start_pos == 0:
+        return k.transpose(0, 1), v.transpose(0, 1), read.mask
+    ctx_len = span.start_pos + span.num_tokens - read.first_block * block_size
+    block_ids = span.block_ids[read.first_block :]
+    keys = _gather(kv_layer[0], block_ids).flatten(1, 2)[:, :ctx_len]
+    values = _gather(kv_layer[1], block_ids).flatten(1, 2)[:, :ctx_len]
+    return keys, values, read.mask
+
+
+def _windowed_keys(span: PrefillSpan, window: int, block_size: int) -> WindowedKeys:
+    """Query i (position start_pos + i) attends to key positions p with p <= its own and
+    p > its own - window; a chunk at position 0 reads its own keys, others the blocks from the
+    one holding the first query's window start."""
+    device = span.block_ids.device
+    first_block = 0 if span.start_pos == 0 else max(0, span.start_pos - window + 1) // block_size
+    end = span.start_pos + span.num_tokens
+    queries = torch.arange(span.start_pos, end, device=device).unsqueeze(1)
+    keys = torch.arange(first_block * block_size, end, device=device).unsqueeze(0)
+    return WindowedKeys(first_block, (keys <= queries) & (keys > queries - window))
+
+
+def _sdpa(q, keys, values, mask, causal: bool, scale: float) -> torch.Tensor:
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0),  # [1, H, Tq, D]
         keys.unsqueeze(0),  # [1, KVH, Tk, D]

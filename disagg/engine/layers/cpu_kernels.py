@@ -41,7 +41,8 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool
 BACKENDS = ATTENTION_BACKENDS  # auto, torch, kernel
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# (q, kv_layer, block_tables, context_lens, scale, window) -> out; window 0: no sliding window.
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int], torch.Tensor]
 
 
 class KernelUnavailable(RuntimeError):
@@ -58,7 +59,8 @@ def decode_kernel(device: torch.device, backend: str) -> DecodeKernel | None:
     """The kernel's entry point for this device, or None where attention should use torch.
 
     (q [B, H, D], kv_layer [2, KVH, blocks, bs, D], block_tables [B, n] int32, context_lens [B]
-    int32, scale) -> [B, H, D] in q's dtype (the kernel computes in float32)."""
+    int32, scale, window) -> [B, H, D] in q's dtype (the kernel computes in float32). `window` W > 0:
+    each decode attends to its last W positions only (a sliding-window layer); 0: to all."""
     ops = cpu_ops(device, backend)
     if ops is None:
         return None

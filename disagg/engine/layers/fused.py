@@ -30,16 +30,16 @@ class _LazyOps:
 
 
 class FusedRMSNorm(RMSNorm):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "auto"):
-        """`backend`: cpu_kernels.BACKENDS (EngineConfig.attention_backend)."""
-        super().__init__(hidden_size, eps)
+    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "auto", unit_offset: bool = False):
+        """`backend`: cpu_kernels.BACKENDS (EngineConfig.attention_backend); `unit_offset`: RMSNorm's."""
+        super().__init__(hidden_size, eps, unit_offset)
         self._ops = _LazyOps(backend)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         ops = self._ops.get(x)
         if ops is None or x.dim() != 2 or self.weight.dtype != torch.float32:
             return super().forward(x, residual)
-        return ops.rms_norm(x, residual, self.weight, self.eps)
+        return ops.rms_norm(x, residual, self.scale(), self.eps)
 
 
 class Rotary:

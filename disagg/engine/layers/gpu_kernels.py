@@ -4,7 +4,9 @@ blocks in place through its block table (no gather into a padded copy, no mask t
 One program per (request, KV head) computes every query head of that KV head's group
 (grouped-query attention shares each K/V load) with an online softmax over tiles of TILE
 positions: the positions of a tile map to their blocks through the block table, so a tile may
-span several blocks in any order. The group's heads are padded to 16 rows for tl.dot.
+span several blocks in any order. The group's heads are padded to 16 rows for tl.dot. A
+sliding-window layer (WINDOW W > 0) starts its tiles at position context - W, so the blocks
+before its window are never read.
 
 Without Triton (CPU machines, or a GPU machine without it) `decode_kernel` returns None and
 attention takes the torch path (layers/attention.py).
@@ -18,6 +20,7 @@ import torch
 
 TILE = 64  # positions per inner iteration
 MIN_DOT = 16  # tl.dot's smallest dimension
+NO_WINDOW = 2**31 - 1  # the kernel's window for a layer without one: every position is in it
 
 
 @functools.cache
@@ -33,7 +36,7 @@ def _triton_kernel():
     def paged_decode(
         q_ptr, kv_ptr, tables_ptr, lens_ptr, out_ptr,
         stride_qb, stride_qh, stride_kv, stride_kh, stride_kb, stride_kt, stride_tb, stride_ob, stride_oh,
-        scale,
+        scale, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
     ):  # fmt: skip
@@ -54,7 +57,8 @@ def _triton_kernel():
         l = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
         t = tl.arange(0, TILE)
-        for start in range(0, ctx, TILE):
+        first = tl.maximum(ctx - window, 0)  # window: NO_WINDOW when the layer has none
+        for start in range(first, ctx, TILE):
             pos = start + t
             valid = pos < ctx
             block = tl.load(tables_ptr + b * stride_tb + pos // BLOCK_SIZE, mask=valid, other=0)
@@ -92,10 +96,16 @@ def decode_kernel(device: torch.device, backend: str):
 
 
 def paged_decode_attention(
-    q: torch.Tensor, kv_layer: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv_layer: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    window: int = 0,
 ) -> torch.Tensor:
     """q [B, H, D]; kv_layer [2, KVH, blocks, block_size, D]; block_tables [B, n] int32;
-    context_lens [B] int32 (each >= 1) -> [B, H, D] in q's dtype."""
+    context_lens [B] int32 (each >= 1); window: the last `window` positions only (0: all)
+    -> [B, H, D] in q's dtype."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_layer.shape[1], kv_layer.shape[3]
     if q.stride(-1) != 1 or kv_layer.stride(-1) != 1:
@@ -106,7 +116,7 @@ def paged_decode_attention(
         q, kv_layer, block_tables, context_lens, out,
         q.stride(0), q.stride(1), kv_layer.stride(0), kv_layer.stride(1), kv_layer.stride(2), kv_layer.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale,
+        scale, window if window > 0 else NO_WINDOW,
         GROUP=group, GROUP_PAD=max(MIN_DOT, _next_power_of_2(group)), BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim, DIM_PAD=max(MIN_DOT, _next_power_of_2(head_dim)), TILE=TILE, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip

@@ -55,6 +55,11 @@ class ColumnParallelLinear(nn.Module):
         gate, up = self(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """gelu(gate) (tanh approximation, HF's gelu_pytorch_tanh) * up of a [gate; up] projection (GeGLU)."""
+        gate, up = self(x).chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
 
 class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial sums all-reduced."""

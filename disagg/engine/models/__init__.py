@@ -27,13 +27,21 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.models import llama, mixtral, qwen3_moe
+from disagg.engine.models import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from disagg.engine.models.causal_lm import Backends, CausalLM
 from disagg.engine.models.family import ModelFamily, WeightShapes
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.errors import ModelLoadError
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, qwen3_moe.FAMILY, mixtral.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
+)
 
 
 def family_of(model_type: str) -> ModelFamily:

@@ -72,6 +72,11 @@ class CausalLM(nn.Module):
         if self.is_last_stage and not (cfg.tie_word_embeddings and self.is_first_stage):
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_theta, cfg.rope_scaling)
+        # Sliding layers of some families (Gemma 3) rotate by another base, unscaled.
+        self.local_rotary = None
+        if cfg.rope_local_theta is not None:
+            self.local_rotary = RotaryEmbedding(cfg.head_dim, max_model_len, cfg.rope_local_theta)
+        self.local_rope = [cfg.uses_local_rope(i) for i in range(self.start_layer, self.end_layer)]
         self.logits_weight = PackedWeight(backends.gemm)  # the vocabulary projection: the biggest GEMM of a decode step
 
     # ---- what a family chooses ---------------------------------------------------------------
@@ -81,9 +86,10 @@ class CausalLM(nn.Module):
         (h, residual)."""
         raise NotImplementedError
 
-    def make_norm(self, cfg: ModelConfig, backends: Backends) -> nn.Module:
-        """The final norm (and, by default, the layers' norms): RMSNorm with the residual add folded in."""
-        return FusedRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
+    def make_norm(self, cfg: ModelConfig, backends: Backends, size: int | None = None) -> nn.Module:
+        """The final norm (and the layers' norms; `size`: other than hidden_size, e.g. a head's
+        for q and k): RMSNorm with the residual add folded in."""
+        return FusedRMSNorm(size or cfg.hidden_size, cfg.rms_norm_eps, backends.attention)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -91,6 +97,12 @@ class CausalLM(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return self.end_layer - self.start_layer
+
+    @property
+    def local_attention_windows(self) -> list[int | None]:
+        """Each of this stage's layers' sliding window (None: global), by local index (the
+        KV cache's layer slots); ModelConfig.layer_groups has the whole model's."""
+        return [self.config.attention_window(i) for i in range(self.start_layer, self.end_layer)]
 
     def expert_tokens(self) -> list[int]:
         """Tokens routed to each expert so far, over this stage's layers ([] for a dense model)."""
@@ -110,9 +122,11 @@ class CausalLM(nn.Module):
         Returns final hidden states on the last stage, else (hidden_states, residual).
         `after_layer(local_index)` runs once each layer's KV is in the cache (KV streaming)."""
         h = self.embed(input_ids) if self.is_first_stage else hidden_states
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        tables = {False: self.rotary.cos_sin(positions, h.dtype)}
+        if self.local_rotary is not None:
+            tables[True] = self.local_rotary.cos_sin(positions, h.dtype)
         for index, layer in enumerate(self.layers):
-            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+            h, residual = layer(h, residual, *tables[self.local_rope[index]], kv_cache, meta)
             if after_layer is not None:
                 after_layer(index)
         if not self.is_last_stage:

@@ -1,7 +1,15 @@
-"""Llama family (Llama 2/3.x, SmolLM2; today also Mistral and Qwen2): the decoder layer most
-families build on (pre-norm attention and a SiLU-gated MLP, fused QKV and gate/up projections)."""
+"""Llama family (Llama 2/3.x, SmolLM2): the decoder layer most
+families build on (pre-norm attention and a gated MLP, fused QKV and gate/up projections).
+
+LlamaAttention also takes what later families add to it, each read from ModelConfig: a sliding
+window per layer, a norm over each head of q and k (`qk_norm`), another score scale
+(`query_pre_attn_scalar`); LlamaMLP takes the gate's activation (`hidden_act`).
+"""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,14 +26,26 @@ from disagg.engine.models.weights import decoder_weight_shapes
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_index: int,
+        cache_index: int,
+        tp: TPGroup,
+        backends: Backends,
+        qk_norm: Callable[[int], nn.Module] | None = None,
+    ):
+        """`qk_norm(head_dim)`: builds the norms over each head of q and of k (cfg.qk_norm)."""
         super().__init__()
         self.cache_index = cache_index  # this layer's slot in the stage-local KV cache
+        self.window = cfg.attention_window(layer_index)  # None: global attention
         self.num_heads = tp.shard(cfg.num_attention_heads, "num_attention_heads")
         self.num_kv_heads = tp.shard(cfg.num_key_value_heads, "num_key_value_heads")
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
         d = cfg.head_dim
+        self.q_norm = qk_norm(d) if cfg.qk_norm else None
+        self.k_norm = qk_norm(d) if cfg.qk_norm else None
         self.qkv_proj = ColumnParallelLinear(
             cfg.hidden_size,
             {"q": cfg.num_attention_heads * d, "k": cfg.num_key_value_heads * d, "v": cfg.num_key_value_heads * d},
@@ -41,11 +61,19 @@ class LlamaAttention(nn.Module):
         q_size = heads * self.head_dim
         qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
         # q's and k's heads are adjacent: one rotary call for both (a decode step makes 2 per layer fewer).
-        qk = self.rope(qkv[:, : heads + kv_heads], cos, sin)
+        qk = self.rope(self._normed_qk(qkv), cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
-        out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale, self.window)
         return self.o_proj(out.view(n, q_size))
+
+    def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """q's and k's heads [T, heads + kv_heads, D], each head normalized where the family says so."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.q_norm is None:
+            return qkv[:, : heads + kv_heads]
+        q, k = self.q_norm(qkv[:, :heads])[0], self.k_norm(qkv[:, heads : heads + kv_heads])[0]
+        return torch.cat((q, k), dim=1)
 
 
 class LlamaMLP(nn.Module):
@@ -55,15 +83,20 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp, gemm=backends.gemm
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig.HIDDEN_ACTS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_mul(x))
+        gated = self.gate_up_proj.gelu_tanh_mul(x) if self.gelu else self.gate_up_proj.silu_mul(x)
+        return self.down_proj(gated)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, model: CausalLM, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends):
+    def __init__(
+        self, model: CausalLM, cfg: ModelConfig, layer_index: int, cache_index: int, tp: TPGroup, backends: Backends
+    ):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, cache_index, tp, backends)
+        qk_norm = functools.partial(model.make_norm, cfg, backends)
+        self.self_attn = LlamaAttention(cfg, layer_index, cache_index, tp, backends, qk_norm)
         self.mlp = LlamaMLP(cfg, tp, backends)
         self.input_layernorm = model.make_norm(cfg, backends)
         self.post_attention_layernorm = model.make_norm(cfg, backends)
@@ -77,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     def make_layer(self, cfg, layer_index, cache_index, tp, backends):
-        return LlamaDecoderLayer(self, cfg, cache_index, tp, backends)
+        return LlamaDecoderLayer(self, cfg, layer_index, cache_index, tp, backends)
 
 
 def config_from_hf(d: dict, name: str) -> ModelConfig:
@@ -86,7 +119,7 @@ def config_from_hf(d: dict, name: str) -> ModelConfig:
 
 FAMILY = ModelFamily(
     name="llama",
-    model_types=("llama", "mistral", "qwen2"),
+    model_types=("llama",),
     config_from_hf=config_from_hf,
     model_class=LlamaForCausalLM,
     weight_shapes=decoder_weight_shapes,

@@ -13,6 +13,7 @@ Checkpoints name experts one of two ways, and both load:
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -24,9 +25,9 @@ from disagg.engine.layers.moe import MoE
 from disagg.engine.layers.moe_routing import RoutingRule
 from disagg.engine.layers.parallel import TPGroup
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.models.causal_lm import Backends, CausalLM
+from disagg.engine.models.causal_lm import CausalLM
 from disagg.engine.models.family import WeightShapes
-from disagg.engine.models.llama import LlamaMLP
+from disagg.engine.models.llama import LlamaAttention, LlamaMLP
 from disagg.engine.models.weights import decoder_weight_shapes
 
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
@@ -53,11 +54,15 @@ class ExpertNames:
 
 
 class MoEDecoderLayer(nn.Module):
+    """Llama's layer (its attention takes what the config adds: q/k norms, a sliding window) with
+    a sparse MoE in place of the MLP where the config makes the layer sparse."""
+
     def __init__(
-        self, model: "MoECausalLM", cfg: ModelConfig, layer_index: int, attention: nn.Module, tp: TPGroup, backends
+        self, model: "MoECausalLM", cfg: ModelConfig, layer_index: int, cache_index: int, tp: TPGroup, backends
     ):
         super().__init__()
-        self.self_attn = attention
+        qk_norm = functools.partial(model.make_norm, cfg, backends)
+        self.self_attn = LlamaAttention(cfg, layer_index, cache_index, tp, backends, qk_norm)
         if cfg.is_moe_layer(layer_index):
             rule = model.routing_rule(cfg)
             self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, rule, tp, model.expert_parallel, backends.gemm)
@@ -74,22 +79,18 @@ class MoEDecoderLayer(nn.Module):
 
 
 class MoECausalLM(CausalLM):
-    """A family subclasses this: `make_attention`, `routing_rule` and `EXPERT_NAMES`."""
+    """A family subclasses this: `routing_rule` and `EXPERT_NAMES`."""
 
     EXPERT_NAMES: ExpertNames
     # A step groups its tokens by expert on the host (counts read back each layer): no CUDA graph
     # can hold that, so decode steps run eagerly.
     captures_cuda_graphs = False
 
-    def make_attention(self, cfg: ModelConfig, cache_index: int, tp: TPGroup, backends: Backends) -> nn.Module:
-        raise NotImplementedError
-
     def routing_rule(self, cfg: ModelConfig) -> RoutingRule:
         raise NotImplementedError
 
     def make_layer(self, cfg, layer_index, cache_index, tp, backends):
-        attention = self.make_attention(cfg, cache_index, tp, backends)
-        return MoEDecoderLayer(self, cfg, layer_index, attention, tp, backends)
+        return MoEDecoderLayer(self, cfg, layer_index, cache_index, tp, backends)
 
     def moe_layers(self) -> list[tuple[int, MoE]]:
         """(global layer index, its MoE) of this stage's sparse layers."""
@@ -155,12 +156,12 @@ class MoECausalLM(CausalLM):
             moe.experts.every_row_quantized()
 
 
-def moe_weight_shapes(config: ModelConfig, names: ExpertNames, qk_norm: bool = False) -> WeightShapes:
+def moe_weight_shapes(config: ModelConfig, names: ExpertNames) -> WeightShapes:
     """A dense decoder's tensors with each MoE layer's MLP replaced by its router and its
     experts, one tensor per expert matrix (the family's own checkpoint names)."""
     h, i = config.hidden_size, config.moe_intermediate_size
     shapes: WeightShapes = []
-    for name, shape in decoder_weight_shapes(config, qk_norm=qk_norm):
+    for name, shape in decoder_weight_shapes(config):
         layer = _layer_of(name)
         if layer is None or not config.is_moe_layer(layer) or ".mlp." not in name:
             shapes.append((name, shape))
@@ -172,11 +173,11 @@ def moe_weight_shapes(config: ModelConfig, names: ExpertNames, qk_norm: bool = F
     return shapes
 
 
-def fused_moe_weight_shapes(config: ModelConfig, qk_norm: bool = False) -> WeightShapes:
+def fused_moe_weight_shapes(config: ModelConfig) -> WeightShapes:
     """The same with transformers 5's in-memory names: each MoE layer's experts in two 3-D tensors."""
     h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
     shapes: WeightShapes = []
-    for name, shape in decoder_weight_shapes(config, qk_norm=qk_norm):
+    for name, shape in decoder_weight_shapes(config):
         layer = _layer_of(name)
         if layer is None or not config.is_moe_layer(layer) or ".mlp." not in name:
             shapes.append((name, shape))

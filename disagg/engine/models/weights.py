@@ -10,14 +10,13 @@ from disagg.engine.models.family import WeightShapes
 LLAMA_LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
 
 
-def decoder_weight_shapes(
-    config: ModelConfig, layer_norms: tuple[str, ...] = LLAMA_LAYER_NORMS, qk_norm: bool = False
-) -> WeightShapes:
+def decoder_weight_shapes(config: ModelConfig, layer_norms: tuple[str, ...] = LLAMA_LAYER_NORMS) -> WeightShapes:
     """Every tensor, in load order: the embedding, each layer, the final norm, the LM head (untied).
-    `layer_norms`: a layer's hidden-size norms; `qk_norm`: a norm over each head of q and k."""
+    `layer_norms`: a layer's hidden-size norms, the first before attention; config.qk_norm: a
+    norm over each head of q and of k."""
     shapes = [("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))]
     for i in range(config.num_hidden_layers):
-        shapes += _layer_shapes(config, f"model.layers.{i}.", layer_norms, qk_norm)
+        shapes += _layer_shapes(config, f"model.layers.{i}.", layer_norms, config.qk_norm)
     shapes.append(("model.norm.weight", (config.hidden_size,)))
     if not config.tie_word_embeddings:
         shapes.append(("lm_head.weight", (config.vocab_size, config.hidden_size)))

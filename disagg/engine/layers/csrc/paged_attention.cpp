@@ -7,6 +7,10 @@
 // the cache holds (float32 or bfloat16). Work items are (request, KV head) pairs, longest first,
 // handed out to the threads one by one (contexts differ a lot within a batch).
 //
+// A sliding-window layer passes `window` W > 0: a request of context c then attends to its last
+// W positions only, [c - W, c). Blocks wholly before the window are never read (a later block
+// manager may have freed them), and the positions before it in its first block are masked out.
+//
 // The fast path (head_dim 64 or 128, up to 8 query heads per KV head, block_size a multiple of
 // 16) uses GCC/Clang vector extensions, which compile to AVX-512, AVX2 or whatever the CPU has;
 // other shapes take a plain loop version of the same algorithm.
@@ -137,7 +141,7 @@ inline vfloat reduce16(const vfloat* v) {
 
 // One (request, KV head), G query heads of dimension 16 * NV, 16 tokens at a time.
 template <typename T, int G, int NV>
-void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t* table, int64_t ctx_len, int64_t block_size, float* out) {
+void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t* table, int64_t start, int64_t ctx_len, int64_t block_size, float* out) {
   constexpr int D = 16 * NV;
   const int64_t block_elems = block_size * D;
   vfloat qv[G][NV], acc[G][NV];
@@ -152,8 +156,10 @@ void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t
   }
   const vint lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const int64_t num_blocks = (ctx_len + block_size - 1) / block_size;
-  if (num_blocks > 0) prefetch_block(k_head + table[0] * block_elems, v_head + table[0] * block_elems, block_elems);
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  const int64_t first_block = start / block_size;
+  if (first_block < num_blocks)
+    prefetch_block(k_head + table[first_block] * block_elems, v_head + table[first_block] * block_elems, block_elems);
+  for (int64_t blk = first_block; blk < num_blocks; ++blk) {
     const int64_t offset = static_cast<int64_t>(table[blk]) * block_elems;
     if (blk + 1 < num_blocks) {
       const int64_t next = static_cast<int64_t>(table[blk + 1]) * block_elems;
@@ -162,10 +168,16 @@ void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t
     const int64_t block_tokens = std::min(block_size, ctx_len - blk * block_size);
     for (int64_t c0 = 0; c0 < block_tokens; c0 += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, block_tokens - c0));
+      // Lanes before the window's first position (only in the window's first block).
+      const int64_t skip = start - (blk * block_size + c0);
+      if (skip >= 16) continue;
+      const int lo = static_cast<int>(std::max<int64_t>(0, skip));
       const T* kb = k_head + offset + c0 * D;
       const T* vb = v_head + offset + c0 * D;
       vfloat part[G][16];
-      for (int t = 0; t < n; ++t) {
+      for (int g = 0; g < G; ++g)
+        for (int t = 0; t < lo; ++t) part[g][t] = vfloat{};
+      for (int t = lo; t < n; ++t) {
         vfloat k[NV];
         for (int j = 0; j < NV; ++j) k[j] = load16(kb + t * D + 16 * j);
         for (int g = 0; g < G; ++g) {
@@ -179,7 +191,7 @@ void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t
       float probs[G][16];
       for (int g = 0; g < G; ++g) {
         vfloat s = reduce16(part[g]);
-        s = lane < n ? s : splat(kNegInf);
+        s = (lane < n) & (lane >= lo) ? s : splat(kNegInf);
         const float new_max = std::max(m[g], hmax(s));
         if (new_max > m[g]) {
           const float alpha = exp_nonpositive(m[g] - new_max);
@@ -188,11 +200,11 @@ void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t
           m[g] = new_max;
         }
         vfloat p = vexp_nonpositive(s - new_max);
-        p = lane < n ? p : vfloat{};
+        p = (lane < n) & (lane >= lo) ? p : vfloat{};
         l[g] += hsum(p);
         std::memcpy(probs[g], &p, sizeof(p));
       }
-      for (int t = 0; t < n; ++t) {
+      for (int t = lo; t < n; ++t) {
         vfloat v[NV];
         for (int j = 0; j < NV; ++j) v[j] = load16(vb + t * D + 16 * j);
         for (int g = 0; g < G; ++g) {
@@ -214,8 +226,8 @@ void attend_fast(const float* q, const T* k_head, const T* v_head, const int32_t
 
 // ---- any shape: plain loops ------------------------------------------------------------------
 template <typename T>
-void attend_generic(const float* q, const T* k_head, const T* v_head, const int32_t* table, int64_t ctx_len, int64_t group, int64_t D,
-                    int64_t block_size, float* out, std::vector<float>& scratch) {
+void attend_generic(const float* q, const T* k_head, const T* v_head, const int32_t* table, int64_t start, int64_t ctx_len, int64_t group,
+                    int64_t D, int64_t block_size, float* out, std::vector<float>& scratch) {
   scratch.assign(group * D + 2 * group + group * block_size, 0.0f);
   float* acc = scratch.data();           // [G, D]
   float* m = acc + group * D;            // [G] running max
@@ -223,11 +235,12 @@ void attend_generic(const float* q, const T* k_head, const T* v_head, const int3
   float* s = l + group;                  // [G, block_size] scores of one block
   std::fill(m, m + group, kNegInf);
   const int64_t num_blocks = (ctx_len + block_size - 1) / block_size;
-  for (int64_t blk = 0; blk < num_blocks; ++blk) {
+  for (int64_t blk = start / block_size; blk < num_blocks; ++blk) {
     const int64_t n = std::min(block_size, ctx_len - blk * block_size);
+    const int64_t t0 = std::max<int64_t>(0, start - blk * block_size);  // the window's first position
     const T* kb = k_head + static_cast<int64_t>(table[blk]) * block_size * D;
     const T* vb = v_head + static_cast<int64_t>(table[blk]) * block_size * D;
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = t0; t < n; ++t)
       for (int64_t g = 0; g < group; ++g) {
         float dot = 0.0f;
         for (int64_t d = 0; d < D; ++d) dot += q[g * D + d] * to_float(kb[t * D + d]);
@@ -235,19 +248,19 @@ void attend_generic(const float* q, const T* k_head, const T* v_head, const int3
       }
     for (int64_t g = 0; g < group; ++g) {
       float* sg = s + g * block_size;
-      const float new_max = std::max(m[g], *std::max_element(sg, sg + n));
+      const float new_max = std::max(m[g], *std::max_element(sg + t0, sg + n));
       if (new_max > m[g]) {
         const float alpha = exp_nonpositive(m[g] - new_max);
         l[g] *= alpha;
         for (int64_t d = 0; d < D; ++d) acc[g * D + d] *= alpha;
         m[g] = new_max;
       }
-      for (int64_t t = 0; t < n; ++t) {
+      for (int64_t t = t0; t < n; ++t) {
         sg[t] = exp_nonpositive(sg[t] - new_max);
         l[g] += sg[t];
       }
     }
-    for (int64_t t = 0; t < n; ++t)
+    for (int64_t t = t0; t < n; ++t)
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < D; ++d) acc[g * D + d] += s[g * block_size + t] * to_float(vb[t * D + d]);
   }
@@ -259,7 +272,7 @@ void attend_generic(const float* q, const T* k_head, const T* v_head, const int3
 
 // ---- driver ----------------------------------------------------------------------------------
 template <typename T>
-using AttendFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, float*);
+using AttendFn = void (*)(const float*, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, float*);
 
 template <typename T, int NV>
 AttendFn<T> pick_group(int64_t group) {
@@ -288,7 +301,7 @@ AttendFn<T> pick_fast(int64_t group, int64_t head_dim, int64_t block_size) {
 
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-         at::Tensor& out) {
+         int64_t window, at::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = kv_layer.size(1), num_blocks = kv_layer.size(2), block_size = kv_layer.size(3);
   const int64_t group = num_heads / num_kv_heads;
@@ -318,13 +331,14 @@ void run(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& bloc
       const float* qsrc = q_base + (r * num_heads + h * group) * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i) qbuf[i] = qsrc[i] * fscale;
       const int64_t ctx_len = std::min<int64_t>(lens[r], max_blocks * block_size);
+      const int64_t start = window > 0 ? std::max<int64_t>(0, ctx_len - window) : 0;
       const T* k_head = k_base + h * head_stride;
       const T* v_head = v_base + h * head_stride;
       float* dst = out_base + (r * num_heads + h * group) * head_dim;
       if (fast != nullptr) {
-        fast(qbuf.data(), k_head, v_head, tables + r * max_blocks, ctx_len, block_size, dst);
+        fast(qbuf.data(), k_head, v_head, tables + r * max_blocks, start, ctx_len, block_size, dst);
       } else {
-        attend_generic<T>(qbuf.data(), k_head, v_head, tables + r * max_blocks, ctx_len, group, head_dim, block_size, dst, scratch);
+        attend_generic<T>(qbuf.data(), k_head, v_head, tables + r * max_blocks, start, ctx_len, group, head_dim, block_size, dst, scratch);
       }
     }
   });
@@ -333,24 +347,26 @@ void run(const at::Tensor& q, const at::Tensor& kv_layer, const at::Tensor& bloc
 }  // namespace
 
 // q: [B, H, D] float32; kv_layer: [2, KVH, num_blocks, block_size, D] float32 or bfloat16;
-// block_tables: [B, max_blocks] int32; context_lens: [B] int32 (tokens to attend, >= 1).
-// Returns [B, H, D] float32.
-at::Tensor decode_attention(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor context_lens, double scale) {
+// block_tables: [B, max_blocks] int32; context_lens: [B] int32 (tokens to attend, >= 1);
+// window: attend to the last `window` positions only (0: to all of them). Returns [B, H, D] float32.
+at::Tensor decode_attention(at::Tensor q, at::Tensor kv_layer, at::Tensor block_tables, at::Tensor context_lens, double scale,
+                            int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv_layer.device().is_cpu(), "paged decode attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be [B, H, D] float32");
   TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.size(4) == q.size(2), "kv_layer must be [2, KVH, blocks, block_size, D]");
   TORCH_CHECK(kv_layer.is_contiguous(), "kv_layer must be contiguous");
   TORCH_CHECK(q.size(1) % kv_layer.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && block_tables.scalar_type() == at::kInt, "block_tables must be [B, max_blocks] int32");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no window)");
   TORCH_CHECK(context_lens.dim() == 1 && context_lens.size(0) == q.size(0) && context_lens.scalar_type() == at::kInt, "context_lens must be [B] int32");
   q = q.contiguous();
   block_tables = block_tables.contiguous();
   context_lens = context_lens.contiguous();
   auto out = at::empty_like(q);
   if (kv_layer.scalar_type() == at::kFloat) {
-    run<float>(q, kv_layer, block_tables, context_lens, scale, out);
+    run<float>(q, kv_layer, block_tables, context_lens, scale, window, out);
   } else if (kv_layer.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, kv_layer, block_tables, context_lens, scale, out);
+    run<at::BFloat16>(q, kv_layer, block_tables, context_lens, scale, window, out);
   } else {
     TORCH_CHECK(false, "paged decode attention: cache dtype must be float32 or bfloat16, got ", kv_layer.scalar_type());
   }
@@ -358,7 +374,7 @@ at::Tensor decode_attention(at::Tensor q, at::Tensor kv_layer, at::Tensor block_
 }
 
 TORCH_LIBRARY_FRAGMENT(disagg_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor kv_layer, Tensor block_tables, Tensor context_lens, float scale, int window=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(disagg_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
