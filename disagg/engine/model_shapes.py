@@ -71,6 +71,9 @@ def named_shapes() -> dict[str, ModelConfig]:
         "qwen3-moe-mini-dense": _config(
             "qwen3_moe", 32768, 1024, 3072, 12, 16, 2, 40960, **_QWEN3_MOE_MINI, mlp_only_layers=tuple(range(12))
         ),
+        # The same in miniature, for tests and smoke runs: 8 experts of 32, 2 a token.
+        "tiny-moe": _config("qwen3_moe", 512, 64, 64, 2, 4, 2, 2048, **_TINY_MOE),
+        "tiny-moe-dense": _config("qwen3_moe", 512, 64, 64, 2, 4, 2, 2048, **_TINY_MOE, mlp_only_layers=(0, 1)),
     }  # fmt: skip
 
 
@@ -83,6 +86,7 @@ _QWEN3_MOE_MINI = dict(
     head_dim=128, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=64, num_experts_per_tok=8,
     moe_intermediate_size=384, norm_topk_prob=True,
 )  # fmt: skip
+_TINY_MOE = dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 
 def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extra) -> ModelConfig:
