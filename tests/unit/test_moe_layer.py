@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from disagg.engine.layers.expert_parallel import ExpertDispatch
+from disagg.engine.layers.expert_parallel import ExpertDispatch, with_keys, without_keys
+from disagg.engine.layers.experts import padded_rows
 from disagg.engine.layers.moe import MoE
 from disagg.engine.layers.moe_routing import RoutingRule, route
 from disagg.engine.layers.parallel import TPGroup
@@ -222,3 +223,22 @@ def unused_tcp_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_packed_experts_run_at_few_row_counts():
+    """Every row count from 1 to 2,048 maps to at most 40 padded ones, none smaller, and none
+    more than a quarter larger past 16 rows (oneDNN builds a kernel per row count)."""
+    padded = {n: padded_rows(n) for n in range(1, 2049)}
+    assert len(set(padded.values())) <= 40
+    assert all(p >= n and (n <= 16 or p <= 1.25 * n) for n, p in padded.items())
+    assert [padded[n] for n in (1, 2, 3, 4, 5, 9, 17, 33, 65)] == [1, 2, 3, 4, 8, 12, 20, 40, 80]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_carry_their_keys_through_one_message(dtype):
+    rows = torch.randn(5, HIDDEN).to(dtype)
+    keys = torch.tensor([0, 3, 2**40 + 7, -1, 17])  # any int64 bytes, NaN patterns included
+    back_rows, back_keys = without_keys(with_keys(rows, keys), HIDDEN)
+    assert torch.equal(back_rows, rows) and torch.equal(back_keys, keys)
+    empty_rows, empty_keys = without_keys(with_keys(rows[:0], keys[:0]), HIDDEN)
+    assert empty_rows.shape == (0, HIDDEN) and empty_keys.shape == (0,)

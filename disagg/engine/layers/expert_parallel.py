@@ -5,8 +5,8 @@ names it): attention stays split by heads, so after it every rank holds every to
 then takes its contiguous slice of the tokens, sends each of its (token, expert) pairs to the
 rank holding that expert (rank r holds experts [r * E/ep, (r + 1) * E/ep)), runs the pairs it
 receives through its experts, sends the outputs back, sums its slice's tokens, and all ranks
-gather the slices. One layer costs five collectives: the pair counts, the pairs' keys and rows
-out, the outputs back, and the gather.
+gather the slices. One layer costs four collectives: the pair counts, the pairs' rows (each with
+its key) out, the outputs back, and the gather.
 
 Rows arrive from the senders in rank order, each sender's in token order, and slices are
 contiguous in rank order, so an expert's rows are the same matrix, in the same order, as on one
@@ -50,8 +50,9 @@ class ExpertDispatch:
         local_keys = keys[order] - owners * (2 * self.num_local)
         send = torch.bincount(owners, minlength=self.group.size)
         send_counts, recv_counts = send.tolist(), self._exchange(send)
-        rows = self.group.all_to_all(x.index_select(0, start + order // k), send_counts, recv_counts)
-        received_keys = self.group.all_to_all(local_keys, send_counts, recv_counts)
+        # Each row travels with its key, the key's bytes as extra columns: one all-to-all.
+        rows = with_keys(x.index_select(0, start + order // k), local_keys)
+        rows, received_keys = without_keys(self.group.all_to_all(rows, send_counts, recv_counts), x.shape[1])
         outputs = self._run_received(rows, received_keys, experts, prompt is not None)
         back = self.group.all_to_all(outputs, recv_counts, send_counts)
         weights = routing.weights[start:end].flatten()[order]
@@ -77,3 +78,14 @@ class ExpertDispatch:
         padded = mine.new_zeros(chunk, mine.shape[1])
         padded[: mine.shape[0]] = mine
         return torch.cat(self.group.all_gather(padded))[:num_tokens]
+
+
+def with_keys(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """rows [m, hidden] with each int64 key's bytes appended as columns of rows' dtype."""
+    columns = keys.contiguous().view(rows.dtype).view(rows.shape[0], keys.element_size() // rows.element_size())
+    return torch.cat([rows, columns], dim=1)
+
+
+def without_keys(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """with_keys' inverse: (rows [m, hidden], keys [m] int64)."""
+    return packed[:, :hidden], packed[:, hidden:].contiguous().view(torch.int64).view(-1)

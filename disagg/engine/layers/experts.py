@@ -30,6 +30,20 @@ from disagg.engine.layers.quantized import quantize, step_rows, weight_format
 EXPERT_PARTS = ("gate", "up", "down")
 
 
+def padded_rows(rows: int) -> int:
+    """The row count an expert's packed GEMM runs at: oneDNN builds (and caches, a few hundred
+    at most) a kernel per row count, and an expert's rows vary every step (a dense layer's are
+    the step's tokens), so counts round up to few sizes: exact to 4, then 8, then four sizes an
+    octave (12, 16, 20, 24, 28, 32, 40, ...): past 16 rows, less than a quarter more rows; below,
+    the product is bound by reading the weights, not by rows."""
+    if rows <= 4:
+        return rows
+    if rows <= 8:
+        return 8
+    step = 1 << max(2, (rows - 1).bit_length() - 3)
+    return -(-rows // step) * step
+
+
 class _DenseGemm:
     """One expert matrix [out, in] as a float weight: a view of the stack, or a packed copy."""
 
@@ -40,7 +54,12 @@ class _DenseGemm:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        rows = x.shape[0]
+        padded = padded_rows(rows)
+        if padded != rows:
+            x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
+        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        return out if padded == rows else out[:rows]
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.linear(x).chunk(2, dim=-1)
