@@ -11,53 +11,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from disagg.engine.layers.expert_parallel import ExpertDispatch, with_keys, without_keys
 from disagg.engine.layers.experts import padded_rows
-from disagg.engine.layers.moe import MoE
 from disagg.engine.layers.moe_routing import RoutingRule, route
 from disagg.engine.layers.parallel import TPGroup
 from disagg.engine.layers.quantized import step_rows
-
-HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 2
-
-
-def expert_weights(seed: int = 0, experts: int = EXPERTS):
-    g = torch.Generator().manual_seed(seed)
-    router = torch.randn(experts, HIDDEN, generator=g) * 0.3
-    gate = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
-    up = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
-    down = torch.randn(experts, HIDDEN, INTER, generator=g) * 0.1
-    return router, gate, up, down
-
-
-def build_moe(
-    rule: RoutingRule, weights, tp: TPGroup = TPGroup(), expert_parallel: bool = False, gemm="onednn", prepare=True
-):
-    router, gate, up, down = weights
-    moe = MoE(HIDDEN, INTER, rule, tp=tp, expert_parallel=expert_parallel, gemm=gemm)
-    moe.gate.weight.data.copy_(router)
-    first = moe.first_local_expert
-    for local in range(moe.experts.num_local_experts):
-        for part, full in (("gate", gate), ("up", up), ("down", down)):
-            moe.experts.load(local, part, full[first + local])
-    if prepare:  # (not before quantizing: packing frees the float stacks)
-        moe.experts.prepare()
-    return moe.eval()
-
-
-def naive_moe(x, rule: RoutingRule, weights) -> torch.Tensor:
-    """Token by token, expert by expert, in float64: what the layer must compute."""
-    router, gate, up, down = (w.double() for w in weights)
-    out = torch.zeros(x.shape, dtype=torch.float64)
-    for t, row in enumerate(x.double()):
-        probs = torch.softmax(router @ row, dim=-1)
-        top = torch.topk(probs, rule.top_k)
-        scale = top.values.sum() if rule.renormalize else 1.0
-        for w, e in zip(top.values, top.indices):
-            out[t] += (w / scale) * (down[e] @ (F.silu(gate[e] @ row) * (up[e] @ row)))
-    return out
+from support import EXPERTS, HIDDEN, INTER, TOP_K, build_moe, expert_weights, naive_moe
 
 
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -175,21 +135,24 @@ def test_quantized_experts_equal_their_dequantized_weights(fmt):
 
 
 # ---- two processes over gloo ---------------------------------------------------------------------
-def _rank_main(rank: int, port: int, mode: str, x: torch.Tensor, out_queue) -> None:
-    torch.set_num_threads(2)  # as the parent's (conftest): the same GEMM kernels
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=30))
-    options = dist.ProcessGroupGloo._Options()
-    options._timeout = timedelta(seconds=30)
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    group = TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, options))
-    moe = build_moe(RoutingRule(EXPERTS, TOP_K, True), expert_weights(7), tp=group, expert_parallel=mode == "ep")
-    with torch.no_grad():
-        outs = [moe(x), moe(x[:1]), moe(x[:0])]  # many tokens; one (rank 1 dispatches none); none
-    out_queue.put((rank, [o.clone() for o in outs], moe.experts.num_local_experts))
+def _rank_main(rank: int, store_path: str, mode: str, x: torch.Tensor, out_queue) -> None:
+    try:
+        torch.set_num_threads(2)  # as the parent's (conftest): the same GEMM kernels
+        store = dist.FileStore(store_path, 2)  # a file, not a port another process could take
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timedelta(seconds=30)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = TPGroup(rank, 2, dist.ProcessGroupGloo(store, rank, 2, options))
+        moe = build_moe(RoutingRule(EXPERTS, TOP_K, True), expert_weights(7), tp=group, expert_parallel=mode == "ep")
+        with torch.no_grad():
+            outs = [moe(x), moe(x[:1]), moe(x[:0])]  # many tokens; one (rank 1 dispatches none); none
+        out_queue.put((rank, [o.clone() for o in outs], moe.experts.num_local_experts))
+    except Exception as exc:  # the parent names it rather than waiting on a queue that stays empty
+        out_queue.put((rank, repr(exc), 0))
 
 
 @pytest.mark.parametrize("mode", ["ep", "tp"])
-def test_two_ranks_equal_one(mode, unused_tcp_port):
+def test_two_ranks_equal_one(mode, tmp_path):
     """Expert parallel (experts split, tokens by all-to-all) and tensor parallel (each expert's
     intermediate split, all-reduce) over two processes give one rank's output; EP exactly."""
     x = torch.randn(29, HIDDEN, generator=torch.Generator().manual_seed(8))
@@ -197,7 +160,7 @@ def test_two_ranks_equal_one(mode, unused_tcp_port):
     expected = [one(x), one(x[:1]), one(x[:0])]
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    procs = [context.Process(target=_rank_main, args=(r, unused_tcp_port, mode, x, queue)) for r in range(2)]
+    procs = [context.Process(target=_rank_main, args=(r, str(tmp_path / "store"), mode, x, queue)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -207,6 +170,7 @@ def test_two_ranks_equal_one(mode, unused_tcp_port):
             p.join(timeout=30)
     for rank in (0, 1):
         outs, local = results[rank]
+        assert isinstance(outs, list), f"rank {rank} failed: {outs}"
         assert local == (EXPERTS // 2 if mode == "ep" else EXPERTS)
         for got, want in zip(outs, expected):
             if mode == "ep":
@@ -214,15 +178,6 @@ def test_two_ranks_equal_one(mode, unused_tcp_port):
             else:
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert all(p.exitcode == 0 for p in procs)
-
-
-@pytest.fixture
-def unused_tcp_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_packed_experts_run_at_few_row_counts():

@@ -123,19 +123,29 @@ def greedy_steps(engine: LLMEngine, prompts) -> list[list[int]]:
     return [outputs[f"r{i}"] for i in range(len(prompts))]
 
 
-@pytest.mark.parametrize("expert_parallel", [True, False])
-@pytest.mark.parametrize("kind", KINDS)
-def test_two_ranks_equal_one(tiny_qwen3_moe_dir, tiny_mixtral_dir, kind, expert_parallel):
-    """EP2 (experts split over the ranks, tokens by all-to-all) and TP2 (each expert split) over
-    real gloo groups, a chunked budget: the single engine's tokens; each EP rank holds half the experts."""
+@pytest.mark.parametrize(
+    "kind,tp,pp,expert_parallel",
+    [
+        ("qwen3_moe", 2, 1, True),
+        ("qwen3_moe", 2, 1, False),
+        ("mixtral", 2, 1, True),
+        ("mixtral", 2, 1, False),
+        ("qwen3_moe", 1, 2, False),  # a stage each side of the dense layer 1
+        ("mixtral", 2, 2, True),
+    ],
+)
+def test_sharded_engines_equal_one(tiny_qwen3_moe_dir, tiny_mixtral_dir, kind, tp, pp, expert_parallel):
+    """EP (experts split over a stage's ranks, tokens by all-to-all), TP (each expert split) and
+    PP over real gloo groups, a chunked budget: the single engine's tokens; an EP rank holds
+    its share of the experts."""
     model_dir = tiny_qwen3_moe_dir if kind == "qwen3_moe" else tiny_mixtral_dir
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64, max_num_batched_tokens=24)
     prompts = random_prompts([5, 57, 1, 36], 512, seed=9)
     expected = greedy_steps(LLMEngine(config), prompts)
-    engines = sharded_engines(config, 2, 1, enable_expert_parallel=expert_parallel)
+    engines = sharded_engines(config, tp, pp, enable_expert_parallel=expert_parallel)
     assert greedy_steps(engines[0], prompts) == expected
-    experts = engines[1].model.moe_layers()[0][1].experts
-    assert experts.num_local_experts == (4 if expert_parallel else 8)
+    experts = engines[-1].model.moe_layers()[0][1].experts
+    assert experts.num_local_experts == (8 // tp if expert_parallel else 8)
     assert engines[0].num_free_blocks == engines[0].num_total_blocks
 
 
