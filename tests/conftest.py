@@ -173,13 +173,14 @@ FAMILY_SHAPES = {
 }
 
 
-def make_family_checkpoint(path, kind: str, seed: int = 0) -> str:
-    """Write a random checkpoint of FAMILY_SHAPES[kind] with transformers' own class to `path`."""
+def make_family_checkpoint(path, kind: str, seed: int = 0, **overrides) -> str:
+    """Write a random checkpoint of FAMILY_SHAPES[kind] (with `overrides`) with transformers' own class to `path`."""
     import transformers
 
     config_name, model_name, extra = FAMILY_SHAPES[kind]
     torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**_COMMON, **extra}))
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config)
     gemma = kind == "gemma3"
     with torch.no_grad():
         for layer in model.model.layers:

@@ -24,25 +24,15 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from disagg.engine.gguf_archs import ARCHS, window_fields
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.models import expected_weight_shapes
 from disagg.errors import ModelLoadError
 
 # Bump when the conversion changes, so that old cache entries are not reused.
-CACHE_FORMAT_VERSION = 1
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+CACHE_FORMAT_VERSION = 2
+SUPPORTED_ARCHITECTURES = tuple(ARCHS)
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _SKIPPED = ("rope_freqs.weight",)  # llama3 rope factors: folded into config.rope_scaling instead
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
@@ -97,12 +87,13 @@ def convert_gguf(gguf_path: str, out_dir: str) -> ModelConfig:
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_hf_dict(), f, indent=2)
     tensors = [t for t in reader.tensors if t.name not in _SKIPPED]
+    arch = ARCHS[_meta(reader, gguf_path, "general.architecture")]
     plan = [
-        (_hf_name(t.name, gguf_path), _output_dtype(t), tuple(int(d) for d in reversed(t.shape.tolist())))
+        (_hf_name(t.name, arch, gguf_path), _output_dtype(t), tuple(int(d) for d in reversed(t.shape.tolist())))
         for t in tensors
     ]
     _check_plan(plan, config, gguf_path)
-    weights = ((name, _to_hf_tensor(t, name, config, gguf_path)) for t, (name, _, _) in zip(tensors, plan))
+    weights = ((name, _to_hf_tensor(t, name, config, arch, gguf_path)) for t, (name, _, _) in zip(tensors, plan))
     write_safetensors(
         os.path.join(out_dir, "model.safetensors"),
         plan,
@@ -148,13 +139,24 @@ def gguf_model_config(reader, path: str) -> ModelConfig:
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError(f"{path}: no token_embd.weight tensor")
+    shape = _shape_fields(reader, path, arch, tensors)
+    meta = functools.partial(_meta, reader, path)
+    try:
+        family = {**ARCHS[arch].fields(arch, meta, shape), **window_fields(arch, meta, shape["num_hidden_layers"])}
+        return ModelConfig(**{**shape, **family})
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def _shape_fields(reader, path: str, arch: str, tensors: dict) -> dict:
+    """The ModelConfig fields every architecture's metadata holds alike."""
     hidden = int(_meta(reader, path, f"{arch}.embedding_length"))
     heads = int(_meta(reader, path, f"{arch}.attention.head_count"))
     head_dim = int(_meta(reader, path, f"{arch}.attention.key_length", hidden // heads))
     rope_theta = _f32(_meta(reader, path, f"{arch}.rope.freq_base", 10000.0))
     eos = _meta(reader, path, "tokenizer.ggml.eos_token_id", None)
-    return ModelConfig(
-        architecture=arch,
+    return dict(
+        architecture=ARCHS[arch].model_type,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),  # ggml order: (hidden, vocab)
         hidden_size=hidden,
         intermediate_size=int(_meta(reader, path, f"{arch}.feed_forward_length")),
@@ -197,9 +199,13 @@ def _rope_scaling(reader, path, arch, tensors, rope_theta, head_dim) -> dict | N
     kind = _meta(reader, path, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
+    factor = _f32(_meta(reader, path, f"{arch}.rope.scaling.factor"))
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(_meta(reader, path, f"{arch}.rope.scaling.factor"))}
-    raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, llama3)")
+        return {"rope_type": "linear", "factor": factor}
+    if kind == "yarn":
+        original = int(_meta(reader, path, f"{arch}.rope.scaling.original_context_length"))
+        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
+    raise ModelLoadError(f"{path}: {arch}.rope.scaling.type {kind!r} is not supported (none, linear, llama3, yarn)")
 
 
 def llama3_scaling_from_factors(factors: torch.Tensor, rope_theta: float, head_dim: int, path: str = "") -> dict:
@@ -239,17 +245,17 @@ def llama3_factors(scaling: dict, rope_theta: float, head_dim: int) -> torch.Ten
 
 
 # ---- tensors -------------------------------------------------------------------------------------
-def _hf_name(gguf_name: str, path: str) -> str:
+def _hf_name(gguf_name: str, arch, path: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     hf = None
     if base.startswith("blk."):
         _, index, part = base.split(".", 2)
-        if part in _LAYER_NAMES and index.isdigit():
-            hf = f"model.layers.{index}.{_LAYER_NAMES[part]}"
+        if part in arch.layer_names and index.isdigit():
+            hf = f"model.layers.{index}.{arch.layer_names[part]}"
     else:
         hf = _TOP_NAMES.get(base)
     if hf is None or suffix not in ("weight", "bias"):
-        raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} (not a Llama-family decoder?)")
+        raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} for a {arch.model_type} model")
     return f"{hf}.{suffix}"
 
 
@@ -258,7 +264,8 @@ def gguf_tensor_types(gguf_path: str) -> dict[str, str]:
     """Hugging Face tensor name -> the GGUF type it is stored as ("Q4_1", "Q8_0", "F32", ...):
     how the engine keeps each weight quantized (EngineConfig.weights = "auto")."""
     reader = open_gguf(gguf_path)
-    return {_hf_name(t.name, gguf_path): t.tensor_type.name for t in reader.tensors if t.name not in _SKIPPED}
+    arch = ARCHS.get(_meta(reader, gguf_path, "general.architecture"), ARCHS["llama"])
+    return {_hf_name(t.name, arch, gguf_path): t.tensor_type.name for t in reader.tensors if t.name not in _SKIPPED}
 
 
 def _output_dtype(t) -> torch.dtype:
@@ -270,11 +277,13 @@ def _output_dtype(t) -> torch.dtype:
     )
 
 
-def _to_hf_tensor(t, hf_name: str, config: ModelConfig, path: str) -> torch.Tensor:
+def _to_hf_tensor(t, hf_name: str, config: ModelConfig, arch, path: str) -> torch.Tensor:
     tensor = _dequantize(t, path).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+    if arch.permuted_qk and (".q_proj." in hf_name or ".k_proj." in hf_name):
         heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
         tensor = unpermute_rotary(tensor, heads)
+    if arch.norm_offset and hf_name.endswith("norm.weight"):
+        tensor = tensor - arch.norm_offset
     return tensor
 
 

@@ -25,7 +25,7 @@ from disagg.config import DEFAULT_MODEL
 from disagg.engine.gguf_convert import cached_hf_dir, gguf_tensor_types
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.model_shapes import named_shapes
-from disagg.engine.model_specs import RANDOM_PREFIX, SUPPORTED_HF_MODEL_TYPES
+from disagg.engine.model_specs import RANDOM_PREFIX, hf_config_error
 from disagg.engine.models import checkpoint_weight_shapes, config_from_hf, expected_weight_shapes
 from disagg.errors import ModelLoadError
 
@@ -137,15 +137,15 @@ def read_hf_config(hf_dir: str, name: str = "") -> ModelConfig:
             d = json.load(f)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: unreadable: {exc}") from exc
-    model_type = d.get("model_type") if isinstance(d, dict) else None
-    if model_type not in SUPPORTED_HF_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_HF_MODEL_TYPES)})"
-        )
+    error = hf_config_error(d) if isinstance(d, dict) else "not a JSON object"
+    if error:
+        raise ModelLoadError(f"{path}: {error}")
     try:
         config = config_from_hf(d, name)
     except KeyError as exc:
         raise ModelLoadError(f"{path}: missing field {exc.args[0]}") from exc
+    except ValueError as exc:  # what ModelConfig or the family refuses (a RoPE scaling, an activation, ...)
+        raise ModelLoadError(f"{path}: {exc}") from exc
     if config.num_attention_heads % config.num_key_value_heads:
         raise ModelLoadError(
             f"{path}: num_attention_heads ({config.num_attention_heads}) is not a multiple of num_key_value_heads ({config.num_key_value_heads})"

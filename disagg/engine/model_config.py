@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 HIDDEN_ACTS = ("silu", "gelu_pytorch_tanh")  # the MLP gate's activations the layers compute
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # the RoPE scalings layers/rotary.py computes
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,11 @@ class ModelConfig:
     mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        rope_type = (self.rope_scaling or {}).get("rope_type", "default")
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling: rope_type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            )
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported (supported: {', '.join(HIDDEN_ACTS)})")
         if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
@@ -230,9 +236,23 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "hidden_act": self.hidden_act,
         }
-        if self.architecture in ("llama", "qwen3"):
+        if self.architecture in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
-        return {**d, **self._hf_window_fields(), **self._hf_gemma_fields()}
+        return {**d, **self._hf_window_fields(), **self._hf_gemma_fields(), **self._hf_moe_fields()}
+
+    def _hf_moe_fields(self) -> dict:
+        if self.architecture == "mixtral":  # its experts are intermediate_size wide
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if self.architecture != "qwen3_moe":
+            return {}
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+        }
 
     def _hf_window_fields(self) -> dict:
         if SLIDING_ATTENTION not in self.layer_types:
@@ -263,6 +283,8 @@ _HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 
@@ -274,7 +296,8 @@ def rope_scaling_from_hf(d: dict) -> dict | None:
     rope_type = scaling.get("rope_type") or scaling.get("type")
     if rope_type in (None, "default"):
         return None
-    scaling = dict(scaling, rope_type=rope_type)
+    scaling = {key: value for key, value in scaling.items() if key != "rope_theta"}  # (rope_parameters holds it)
+    scaling["rope_type"] = rope_type
     if rope_type == "yarn":  # as transformers does when the config leaves it out
         scaling.setdefault("original_max_position_embeddings", d.get("max_position_embeddings", 4096))
     return scaling

@@ -7,7 +7,7 @@ implies are its family's (disagg.engine.models.expected_weight_shapes).
 
 from __future__ import annotations
 
-from disagg.engine.model_config import ModelConfig
+from disagg.engine.model_config import FULL_ATTENTION, SLIDING_ATTENTION, ModelConfig
 
 _LLAMA3_ROPE_SCALING = {
     "rope_type": "llama3",
@@ -55,6 +55,61 @@ def named_shapes() -> dict[str, ModelConfig]:
         "smollm2-135m": _config(
             "llama", 49152, 576, 1536, 30, 9, 3, 8192, rope_theta=100000.0, tie_word_embeddings=True
         ),
+        # Qwen/Qwen3-8B's config.json: head_dim 128, q/k norms, untied, no sliding window.
+        "qwen3-8b": _config(
+            "qwen3",
+            151936,
+            4096,
+            12288,
+            36,
+            32,
+            8,
+            40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            qk_norm=True,
+            bos_token_id=151643,
+            eos_token_ids=(151645,),
+        ),
+        # mistralai/Mistral-7B-v0.1's config.json: a 4,096-token window on every layer.
+        "mistral-7b-v0.1": _config(
+            "mistral",
+            32000,
+            4096,
+            14336,
+            32,
+            32,
+            8,
+            32768,
+            sliding_window=4096,
+            layer_types=(SLIDING_ATTENTION,) * 32,
+        ),
+        # google/gemma-3-12b's text_config: 48 layers, every 6th global, the others 1,024-token local
+        # windows; head_dim 256 over hidden 3,840 and 16 heads; linear RoPE scaling 8 on the global layers.
+        "gemma3-12b": _config(
+            "gemma3_text",
+            262208,
+            3840,
+            15360,
+            48,
+            16,
+            8,
+            131072,
+            head_dim=256,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            rope_scaling={"rope_type": "linear", "factor": 8.0},
+            rope_local_theta=10000.0,
+            tie_word_embeddings=True,
+            hidden_act="gelu_pytorch_tanh",
+            qk_norm=True,
+            norms_per_layer=4,
+            query_pre_attn_scalar=256,
+            sliding_window=1024,
+            layer_types=every_nth_global(48, 6),
+            bos_token_id=2,
+            eos_token_ids=(1,),
+        ),
         "tiny": _config("llama", 512, 64, 128, 2, 4, 2, 2048),
         # Mixtures of experts. Qwen3-30B-A3B: 128 experts of 768, 8 a token (30.5B total, 3.3B active).
         "qwen3-30b-a3b": _config("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 40960, **_QWEN3_MOE),
@@ -87,6 +142,11 @@ _QWEN3_MOE_MINI = dict(
     moe_intermediate_size=384, norm_topk_prob=True,
 )  # fmt: skip
 _TINY_MOE = dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def every_nth_global(layers: int, n: int) -> tuple[str, ...]:
+    """Gemma 3's pattern: layer i global where (i + 1) is a multiple of n, sliding otherwise."""
+    return tuple(SLIDING_ATTENTION if (i + 1) % n else FULL_ATTENTION for i in range(layers))
 
 
 def _config(arch, vocab, hidden, inter, layers, heads, kv_heads, max_pos, **extra) -> ModelConfig:

@@ -72,12 +72,14 @@ def layer_linear_params(config: ModelConfig) -> float:
 
 
 def _layer_small_params(config: ModelConfig) -> int:
-    """Biases and norms of one layer: negligible for time, counted for memory."""
+    """Biases and norms of one layer: negligible for time, counted for memory. Norms: each
+    family's hidden-size ones (Gemma 3 has four) and, where it has them, q's and k's per-head norms."""
     h = config.hidden_size
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     if _is_opt(config):  # every linear has a bias; two LayerNorms with weight and bias
         return q + 2 * kv + h + config.intermediate_size + h + 4 * h
-    return 2 * h + ((q + 2 * kv) if config.attention_bias else 0)
+    qk_norms = 2 * config.head_dim if config.qk_norm else 0
+    return config.norms_per_layer * h + qk_norms + ((q + 2 * kv) if config.attention_bias else 0)
 
 
 def embedding_params(config: ModelConfig) -> int:

@@ -48,6 +48,16 @@ def test_cuda_equals_cpu_on_tiny_checkpoints(request, kind, budget):
     assert cuda == cpu, f"{kind}, budget {budget}:\n" + describe_mismatches(prompts, cpu, cuda)
 
 
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen3", "gemma3"])
+def test_cuda_equals_cpu_on_the_new_families(family_dir, kind):
+    """Sliding windows (32 and 48 tokens) through the Triton decode kernel and chunked prefills."""
+    prompts = random_prompts(PROMPT_LENGTHS, 512, seed=7)
+    engine_args = dict(max_num_batched_tokens=64, num_kv_blocks=256)
+    cpu = _greedy_tokens(family_dir(kind), "cpu", prompts, MAX_TOKENS, **engine_args)
+    cuda = _greedy_tokens(family_dir(kind), "cuda", prompts, MAX_TOKENS, **engine_args)
+    assert cuda == cpu, f"{kind}:\n" + describe_mismatches(prompts, cpu, cuda)
+
+
 @pytest.mark.slow
 def test_cuda_equals_cpu_on_the_default_model():
     try:

@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from disagg.engine.model_config import ROPE_TYPES
+
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1's rule: keep high frequencies, divide low ones by `factor`, blend between."""
@@ -63,9 +65,6 @@ def rope_attention_factor(scaling: dict | None) -> float:
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

@@ -19,7 +19,15 @@ A family is a module here that ends with a `FAMILY = ModelFamily(...)` (models/f
 
 To add a family: write its module, add its FAMILY to `FAMILIES` below, and its model types to
 model_specs.SUPPORTED_HF_MODEL_TYPES (the torch-free list `disagg plan` and `disagg serve` check
-before anything loads; a unit test keeps the two equal).
+before anything loads; a unit test keeps the two equal). A GGUF architecture it reads goes in
+gguf_archs.ARCHS (tensor names, metadata).
+
+What a family's layers may read from ModelConfig, shared: the sliding window of each layer
+(`attention_window(layer)`, None = global; `layer_groups`: layers by window, what a block manager
+frees per group), `qk_norm`, `hidden_act`, `query_pre_attn_scalar`, `rope_local_theta`,
+`final_logit_softcapping`. A built model tells its stage's windows by local layer index
+(`CausalLM.local_attention_windows`, the KV cache's layer slots). Attention with a window reads
+no block before the window's first position (layers/attention.py).
 """
 
 from __future__ import annotations
