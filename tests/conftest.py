@@ -231,15 +231,15 @@ TINY_MOE_SHAPES = {
 }  # fmt: skip
 
 
-def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0):
-    """Write a random Qwen3MoeForCausalLM / MixtralForCausalLM of shape `kind` to `path`
-    (transformers' save_pretrained: one tensor per expert matrix)."""
+def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0, **overrides):
+    """Write a random Qwen3MoeForCausalLM / MixtralForCausalLM of shape `kind` (with `overrides`
+    of its config fields) to `path` (transformers' save_pretrained: one tensor per expert matrix)."""
     from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     qwen = kind.startswith("qwen3_moe")
     config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if qwen else (MixtralConfig, MixtralForCausalLM)
     torch.manual_seed(seed)
-    model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind]}))
+    model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind], **overrides}))
     with torch.no_grad():
         for layer in model.model.layers:  # as make_tiny_checkpoint, for the same reason
             layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)

@@ -9,7 +9,13 @@ from __future__ import annotations
 from disagg.engine.layers.moe_routing import RoutingRule
 from disagg.engine.model_config import SLIDING_ATTENTION, ModelConfig
 from disagg.engine.models.family import ModelFamily
-from disagg.engine.models.moe_lm import ExpertNames, MoECausalLM, fused_moe_weight_shapes, moe_weight_shapes
+from disagg.engine.models.moe_lm import (
+    ExpertNames,
+    MoECausalLM,
+    fused_moe_weight_shapes,
+    gguf_moe_weight_shapes,
+    moe_weight_shapes,
+)
 
 NAMES = ExpertNames("block_sparse_moe", "w1", "w3", "w2")
 
@@ -44,5 +50,5 @@ FAMILY = ModelFamily(
     config_from_hf=config_from_hf,
     model_class=MixtralForCausalLM,
     weight_shapes=lambda config: moe_weight_shapes(config, NAMES),
-    other_layouts=(fused_moe_weight_shapes,),
+    other_layouts=(fused_moe_weight_shapes, gguf_moe_weight_shapes),
 )

@@ -2,13 +2,15 @@
 in the layers the config keeps dense, a dense MLP), the experts' checkpoint names, and the
 stack's extra duties (loading, packing and quantizing the experts; their per-expert load).
 
-Checkpoints name experts one of two ways, and both load:
+Checkpoints name experts one of three ways, and all load:
 - one tensor per expert matrix (what transformers 5 writes with save_pretrained, and the hub's
   checkpoints): `<moe>.experts.<e>.<gate|up|down>.weight` under the family's names (`ExpertNames`:
   Qwen3-MoE `mlp` and gate_proj/up_proj/down_proj, Mixtral `block_sparse_moe` and w1/w3/w2);
 - fused 3-D tensors, as transformers 5 holds them in memory: `mlp.experts.gate_up_proj`
   [experts, 2 * intermediate, hidden] (gate rows, then up rows) and `mlp.experts.down_proj`
-  [experts, hidden, intermediate], with the router at `mlp.gate.weight`.
+  [experts, hidden, intermediate], with the router at `mlp.gate.weight`;
+- GGUF's layout (a converted GGUF, disagg/engine/gguf_archs.py): one 3-D tensor per matrix,
+  `mlp.experts.<gate_proj|up_proj|down_proj>.weight` [experts, out, in], router `mlp.gate.weight`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from disagg.engine.models.llama import LlamaAttention, LlamaMLP
 from disagg.engine.models.weights import decoder_weight_shapes
 
 FUSED_GATE_UP, FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+# GGUF's layout: a 3-D tensor per matrix, by layer-relative name, and the part each one is.
+STACKED = {
+    "mlp.experts.gate_proj.weight": "gate",
+    "mlp.experts.up_proj.weight": "up",
+    "mlp.experts.down_proj.weight": "down",
+}
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,11 @@ class MoECausalLM(CausalLM):
         if rest in (FUSED_GATE_UP, FUSED_DOWN):
             self._load_fused(self.get_submodule(f"{prefix}.mlp"), rest == FUSED_DOWN, tensor)
             return f"{prefix}.{rest}"
+        if rest in STACKED:
+            moe, part = self.get_submodule(f"{prefix}.mlp"), STACKED[rest]
+            for expert in range(moe.first_local_expert, moe.first_local_expert + moe.experts.num_local_experts):
+                self._load_expert(moe, expert, part, tensor[expert])
+            return f"{prefix}.{FUSED_DOWN if part == 'down' else FUSED_GATE_UP}"
         match = self.EXPERT_NAMES.pattern().fullmatch(rest)
         if match is None:
             return super()._load_layer_tensor(prefix, rest, tensor)
@@ -145,10 +158,15 @@ class MoECausalLM(CausalLM):
         kernels = cpu_ops(self._device(), self.backends.attention)
         for layer, moe in self.moe_layers():
             first, count = moe.first_local_expert, moe.experts.num_local_experts
-            names = [self.EXPERT_NAMES.expert(layer, first + e) for e in range(count)]
-            moe.experts.quantize(
-                setting, [[gguf_types.get(n) for n in expert] for expert in names], kernels, wide_dtype
-            )
+            types = [self._expert_types(gguf_types, layer, first + e) for e in range(count)]
+            moe.experts.quantize(setting, types, kernels, wide_dtype)
+
+    def _expert_types(self, gguf_types: dict[str, str], layer: int, expert: int) -> list[str | None]:
+        """The GGUF types of one expert's gate, up and down matrices: its own tensors', or, in
+        GGUF's layout, those of the 3-D tensors that hold them."""
+        own = self.EXPERT_NAMES.expert(layer, expert)
+        stacked = [f"model.layers.{layer}.{name}" for name in STACKED]
+        return [gguf_types.get(name, gguf_types.get(stack)) for name, stack in zip(own, stacked)]
 
     def every_row_quantized(self) -> None:
         super().every_row_quantized()
@@ -193,3 +211,18 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.")
 def _layer_of(name: str) -> int | None:
     match = _LAYER_NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def gguf_moe_weight_shapes(config: ModelConfig) -> WeightShapes:
+    """The same in GGUF's layout (a converted GGUF): a 3-D tensor per expert matrix."""
+    h, i, e = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    shapes: WeightShapes = []
+    for name, shape in decoder_weight_shapes(config):
+        layer = _layer_of(name)
+        if layer is None or not config.is_moe_layer(layer) or ".mlp." not in name:
+            shapes.append((name, shape))
+        elif name.endswith("mlp.gate_proj.weight"):
+            p = f"model.layers.{layer}."
+            shapes.append((p + "mlp.gate.weight", (e, h)))
+            shapes += [(p + stacked, (e, h, i) if part == "down" else (e, i, h)) for stacked, part in STACKED.items()]
+    return shapes
