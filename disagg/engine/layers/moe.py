@@ -12,7 +12,7 @@ whole experts are split over the same ranks and tokens travel to them by all-to-
 (layers/expert_parallel.py).
 
 Each layer counts the tokens routed to each of its experts (`expert_tokens`): the per-expert load
-the worker reports (`disagg:moe_expert_tokens`).
+the worker reports (`disagg:moe_expert_tokens_total`).
 """
 
 from __future__ import annotations
