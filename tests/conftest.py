@@ -263,3 +263,14 @@ def tiny_mixtral_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_mixtral_window_dir(tmp_path_factory) -> str:
     return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral_window"), "mixtral_window", seed=13)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """(kind, seed, **config overrides) -> the directory of a new make_tiny_moe_checkpoint (a
+    fixture, so that test modules need not import conftest: several exist)."""
+
+    def make(kind: str, seed: int = 0, **overrides) -> str:
+        return make_tiny_moe_checkpoint(tmp_path_factory.mktemp(f"moe_{kind}"), kind, seed, **overrides)
+
+    return make

@@ -10,7 +10,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_tiny_moe_checkpoint
 from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
@@ -97,7 +96,7 @@ def write_metadata(writer, config, kind: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
+def hf_models(tiny_moe_checkpoint):
     """kind -> a tiny transformers model (Qwen3-MoE with every layer sparse, as a GGUF has it)."""
     from transformers import AutoModelForCausalLM
 
@@ -106,7 +105,7 @@ def hf_models(tmp_path_factory):
     def get(kind: str):
         if kind not in cache:
             overrides = {"mlp_only_layers": []} if kind == "qwen3_moe" else {}
-            path = make_tiny_moe_checkpoint(tmp_path_factory.mktemp(f"gguf_{kind}"), kind, seed=31, **overrides)
+            path = tiny_moe_checkpoint(kind, seed=31, **overrides)
             cache[kind] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         return cache[kind]
 
