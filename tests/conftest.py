@@ -209,3 +209,68 @@ def family_dir(tmp_path_factory):
         return dirs[kind]
 
     return get
+
+
+# Mixture-of-experts checkpoints: 8 experts, 2 a token, expert matrices of 32 (a whole block of
+# the quantized kernels). Qwen3-MoE: per-head q/k norms, head_dim 32 (not hidden / heads), layer
+# 1 kept dense (mlp_only_layers), weights not renormalised; Mixtral: renormalised, every layer sparse.
+TINY_MOE_SHAPES = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        rope_theta=1000000.0,
+    ),
+    "mixtral": dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=None,
+    ),
+    "mixtral_window": dict(  # every layer slides over 32 tokens, as Mistral-7B-v0.1's 4,096
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=32,
+    ),
+}  # fmt: skip
+
+
+def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0, **overrides):
+    """Write a random Qwen3MoeForCausalLM / MixtralForCausalLM of shape `kind` (with `overrides`
+    of its config fields) to `path` (transformers' save_pretrained: one tensor per expert matrix)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    qwen = kind.startswith("qwen3_moe")
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if qwen else (MixtralConfig, MixtralForCausalLM)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind], **overrides}))
+    with torch.no_grad():
+        for layer in model.model.layers:  # as make_tiny_checkpoint, for the same reason
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            down = getattr(layer.mlp, "experts", layer.mlp).down_proj
+            (down if isinstance(down, torch.nn.Parameter) else down.weight).mul_(RESIDUAL_GAIN)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=12)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_window_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral_window"), "mixtral_window", seed=13)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """(kind, seed, **config overrides) -> the directory of a new make_tiny_moe_checkpoint (a
+    fixture, so that test modules need not import conftest: several exist)."""
+
+    def make(kind: str, seed: int = 0, **overrides) -> str:
+        return make_tiny_moe_checkpoint(tmp_path_factory.mktemp(f"moe_{kind}"), kind, seed, **overrides)
+
+    return make

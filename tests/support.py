@@ -214,3 +214,49 @@ def distserve_data(name: str) -> Path:
     if not path.exists():
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"DistServe's data is not at {path}")
     return path
+
+
+# ---- a mixture-of-experts layer and its per-token reference (tests/unit/test_moe_layer.py, tests/gpu) ----
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 2
+
+
+def expert_weights(seed: int = 0, experts: int = EXPERTS):
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(experts, HIDDEN, generator=g) * 0.3
+    gate = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
+    up = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
+    down = torch.randn(experts, HIDDEN, INTER, generator=g) * 0.1
+    return router, gate, up, down
+
+
+def build_moe(rule, weights, tp=None, expert_parallel: bool = False, gemm="onednn", prepare=True):
+    """A MoE layer (disagg/engine/layers/moe.py) holding `weights` (expert_weights'); `tp`: a TPGroup."""
+    from disagg.engine.layers.moe import MoE
+    from disagg.engine.layers.parallel import SINGLE
+
+    router, gate, up, down = weights
+    tp = SINGLE if tp is None else tp
+    moe = MoE(HIDDEN, INTER, rule, tp=tp, expert_parallel=expert_parallel, gemm=gemm)
+    moe.gate.weight.data.copy_(router)
+    first = moe.first_local_expert
+    for local in range(moe.experts.num_local_experts):
+        for part, full in (("gate", gate), ("up", up), ("down", down)):
+            moe.experts.load(local, part, full[first + local])
+    if prepare:  # (not before quantizing: packing frees the float stacks)
+        moe.experts.prepare()
+    return moe.eval()
+
+
+def naive_moe(x, rule, weights) -> torch.Tensor:
+    """Token by token, expert by expert, in float64: what the layer must compute (`rule`: a RoutingRule)."""
+    import torch.nn.functional as F
+
+    router, gate, up, down = (w.double() for w in weights)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, row in enumerate(x.double()):
+        probs = torch.softmax(router @ row, dim=-1)
+        top = torch.topk(probs, rule.top_k)
+        scale = top.values.sum() if rule.renormalize else 1.0
+        for w, e in zip(top.values, top.indices):
+            out[t] += (w / scale) * (down[e] @ (F.silu(gate[e] @ row) * (up[e] @ row)))
+    return out
