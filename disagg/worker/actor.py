@@ -286,6 +286,7 @@ class WorkerActor(WorkerService):
             p.pipeline_parallel_size,
             kv_ranks=layout.to_list() if layout else [],
             rpc_address=self.rpc.address,
+            expert_parallel_size=p.expert_parallel_size,
         )
 
     def kv_layout(self) -> KVLayout | None:

@@ -104,6 +104,7 @@ def engine_load(engine: LLMEngine) -> LoadReport:
         kv_cache_usage=1.0 - free / total,
         updated_at=time.time(),
         decode_context_tokens=context,
+        expert_tokens=engine.expert_tokens(),
     )
 
 

@@ -6,6 +6,8 @@ import statistics
 
 import pytest
 
+from support import distserve_data
+
 from disagg.placement.profile import Profile, load_profile
 from disagg.planner import memory, models
 from disagg.planner.hardware import hardware_spec
@@ -19,7 +21,6 @@ from disagg.planner.roofline import (
     step_errors,
 )
 
-DISTSERVE = "/work/shared/data/distserve/profiler-a100-80g.distserve.json"
 # The figures reported for the calibration (roofline vs DistServe's A100 profile, held-out grid).
 OPT13B_MEDIAN, OPT13B_MAX = 0.10, 0.25
 OPT66B_MEDIAN = 0.12  # all of OPT-66B's shapes together, with factors fitted on OPT-13B only
@@ -30,10 +31,8 @@ def step(model: str, hardware: str, tp: int = 1, pp: int = 1):
 
 
 def distserve(model: str) -> Profile:
-    try:
-        return load_profile(DISTSERVE, model, served=False)  # the forward pass, as the roofline models it
-    except ValueError:
-        pytest.skip(f"DistServe's profiles are not at {DISTSERVE}")
+    path = distserve_data("profiler-a100-80g.distserve.json")
+    return load_profile(str(path), model, served=False)  # the forward pass, as the roofline models it
 
 
 # ---- models and hardware -------------------------------------------------------------------------
