@@ -254,6 +254,10 @@ class Request:
     prompt: str | None = None
     detokenizer: Any = None
     num_reported: int = 0
+    # The chained hashes of its full blocks so far (disagg.engine.block_manager), and a structured
+    # request's grammar state (disagg.engine.guided_decoding; None until its first masked step).
+    block_hashes: list[int] = field(default_factory=list)
+    guide: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -343,11 +343,7 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.finish_request(str(request_id), RequestStatus.FINISHED_ABORTED)
-        self._forget(str(request_id))
         return request is not None
-
-    def _forget(self, request_id: str) -> None:
-        self.guided.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -424,7 +420,6 @@ class LLMEngine:
         """End a request that failed in a step; its output carries the error."""
         logger.error("request %s failed in a step: %s: %s", request.request_id, type(exc).__name__, exc)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-        self._forget(request.request_id)
         out = RequestOutput(
             request.request_id,
             None,
@@ -469,8 +464,6 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
         )
-        if request.is_finished:
-            self._forget(rid)
         return out
 
     def _detokenize(self, request: Request, new_ids: list[int]) -> str:
@@ -500,7 +493,6 @@ class LLMEngine:
     # ---- disaggregation: KV export (PREFILL) and import (DECODE) -----------------------------
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release(request_id)
-        self._forget(request_id)
 
     def reserve_for_remote_prefill(
         self,
@@ -553,7 +545,6 @@ class LLMEngine:
         """It runs elsewhere now: free its blocks, with no output (its stream goes on there)."""
         if request_id in self.scheduler.paused:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            self._forget(request_id)
 
     def reserve_for_migration(
         self,
