@@ -55,7 +55,8 @@ class Deployment:
             self._sliding_window(),
         )
 
-    def simulator(self) -> Simulator:
+    def simulator(self, on_arrive=None) -> Simulator:
+        """`on_arrive`: told of each request as it arrives (Simulator.on_arrive)."""
         profile = self.any_profile
         return Simulator(
             self.pools(),
@@ -69,6 +70,7 @@ class Deployment:
             max_inflight=self.config.inflight_limit(),
             slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
             host_sharing=self._host_sharing(),
+            on_arrive=on_arrive,
         )
 
     def _host_sharing(self):

@@ -51,13 +51,15 @@ def simulate_replanning(
     **replanner_args,
 ) -> ReplanRun:
     """Serve `requests` on `config` (disaggregated) with the re-planner switching instances."""
-    sim = Deployment(config, profiles).simulator()
+    window = TrafficWindow(window_s)
+    sim = Deployment(config, profiles).simulator(
+        on_arrive=lambda r: window.add(r.arrival_s, r.prompt_len, r.output_len)
+    )
     total = config.prefill.num_instances + config.decode.num_instances
     planner = Replanner(
         split_simulator(config, profiles), total, config.slo.ttft_ms, config.slo.tpot_ms, **replanner_args
     )
-    driver = _Driver(sim, planner, TrafficWindow(window_s), switch_s)
-    sim.on_arrive = lambda r: driver.window.add(r.arrival_s, r.prompt_len, r.output_len)
+    driver = _Driver(sim, planner, window, switch_s)
     end = max((r.arrival_s for r in requests), default=0.0)
     t = interval_s
     while t < end:
