@@ -10,8 +10,9 @@ import pytest
 from disagg.bench.metrics import RequestRecord, summarize
 from disagg.bench.openai_stream import ChatStreamTimer
 from disagg.bench.slo_tally import FIGURE_FIELDS, SloBoard, SloTally
+from disagg.slo import SLO
 
-SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0}
+SLO_ = SLO(ttft_ms=200.0, tpot_ms=50.0)
 
 
 def ok(ttft: float, e2el: float, output_len: int) -> RequestRecord:
@@ -33,11 +34,11 @@ RECORDS = [
 
 
 def test_figures_equal_summarize_of_the_same_requests():
-    tally = SloTally(SLO)
+    tally = SloTally(SLO_)
     for record in RECORDS:
         tally.add(record)
     figures = tally.figures(duration_s=4.0)
-    summary = summarize(RECORDS, 4.0, SLO)
+    summary = summarize(RECORDS, 4.0, SLO_)
     assert set(figures) == set(FIGURE_FIELDS)
     assert figures["requests"] == 6 and figures["succeeded"] == 5 and figures["good"] == 3
     assert figures["attainment_pct"] == pytest.approx(summary["slo_attainment_pct"]) == pytest.approx(50.0)
@@ -50,36 +51,36 @@ def test_figures_equal_summarize_of_the_same_requests():
 
 
 def test_an_empty_tally_and_a_zero_duration_give_zeros():
-    figures = SloTally(SLO).figures(0.0)
+    figures = SloTally(SLO_).figures(0.0)
     assert all(figures[key] == 0 for key in FIGURE_FIELDS)
 
 
 def test_without_targets_only_failures_miss():
-    tally = SloTally({})
+    tally = SloTally()
     for record in RECORDS:
         tally.add(record)
     assert tally.figures(1.0)["attainment_pct"] == pytest.approx(500 / 6)
 
 
 def test_reports_taken_on_workers_add_up_to_one_tally_on_the_master():
-    workers = [SloBoard(SLO), SloBoard(SLO)]
+    workers = [SloBoard(SLO_), SloBoard(SLO_)]
     for i, record in enumerate(RECORDS):
         workers[i % 2].add("grpc" if i < 4 else "http", record)
-    master = SloBoard({})
+    master = SloBoard(SLO())
     for worker in workers:
         master.merge(json.loads(json.dumps(worker.take())))  # as Locust sends it: plain data
     assert all(not tally.requests for worker in workers for tally in worker.tallies.values())
     assert [worker.take() for worker in workers] == [{}, {}]  # nothing new: nothing sent
     rows = {row["name"]: row for row in master.rows(4.0)}
-    assert master.slo == SLO and set(rows) == {"grpc", "http", "Aggregated"}
+    assert master.slo == SLO_ and set(rows) == {"grpc", "http", "Aggregated"}
     assert rows["grpc"]["requests"] == 4 and rows["http"]["requests"] == 2
-    expected = summarize(RECORDS, 4.0, SLO)
+    expected = summarize(RECORDS, 4.0, SLO_)
     assert rows["Aggregated"]["attainment_pct"] == pytest.approx(expected["slo_attainment_pct"])
     assert rows["Aggregated"]["ttft_p90_ms"] == pytest.approx(expected["ttft_ms"]["p90"])
 
 
 def test_one_api_has_one_row_and_a_reset_empties_the_board():
-    board = SloBoard(SLO)
+    board = SloBoard(SLO_)
     board.add("grpc", RECORDS[0])
     assert [row["name"] for row in board.rows(1.0)] == ["grpc"]
     board.reset()
@@ -88,7 +89,7 @@ def test_one_api_has_one_row_and_a_reset_empties_the_board():
 
 def test_tallies_judged_by_different_slos_do_not_merge():
     with pytest.raises(ValueError, match="cannot merge"):
-        SloTally(SLO).merge(SloTally({"ttft_ms": 1.0}))
+        SloTally(SLO_).merge(SloTally(SLO(ttft_ms=1.0)))
 
 
 # ---- a streamed chat completion ----------------------------------------------------------------
