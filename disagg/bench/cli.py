@@ -152,6 +152,10 @@ def _add_experiment(sub) -> None:
         help="one workload across rates: disaggregated vs colocated (chunked) vs colocated (prefill-first)",
     )
     p.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s)")
+    p.add_argument(
+        "--loads",
+        help="instead of --rates: comma-separated fractions of the first mode's capacity, measured first (e.g. 0.5,0.8,1)",
+    )
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
     p.add_argument("--modes", default=",".join(MODE_CONFIGS), help=f"comma-separated, from {', '.join(MODE_CONFIGS)}")
     p.add_argument("--config-dir", default="deploy/configs", help="where the modes' serving configs are")
@@ -174,12 +178,9 @@ def _add_experiment(sub) -> None:
 def experiment_command(args) -> int:
     from disagg.bench.experiment import ExperimentConfig, run_experiment, workload_size
 
-    try:
-        rates = tuple(float(r) for r in args.rates.split(","))
-    except ValueError:
-        raise ValueError(f"rates: {args.rates!r} is not a comma-separated list of numbers") from None
+    levels = _numbers("loads", args.loads) if args.loads else _numbers("rates", args.rates)
     exp = ExperimentConfig(
-        rates,
+        () if args.loads else levels,
         args.num_requests,
         args.out_dir,
         tuple(m.strip() for m in args.modes.split(",")),
@@ -190,6 +191,7 @@ def experiment_command(args) -> int:
         seed=args.seed,
         max_concurrency=args.max_concurrency,
         interleave=not args.one_server_at_a_time,
+        loads=levels if args.loads else (),
     )
     requests, workload = _workload(args, workload_size(exp))
     started = time.monotonic()
@@ -199,3 +201,10 @@ def experiment_command(args) -> int:
         print(f"{name}: {path}")
     print(f"experiment took {time.monotonic() - started:.0f}s", file=sys.stderr)
     return 0
+
+
+def _numbers(name: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name}: {text!r} is not a comma-separated list of numbers") from None

@@ -25,6 +25,7 @@ import numpy as np
 from disagg.slo import SLO, met, missed, tpot_s
 
 DEFAULT_PERCENTILES = (50, 90, 99)
+UNSAVED_FIELDS = ("token_ids", "text", "token_times")
 
 
 @dataclass
@@ -43,13 +44,20 @@ class RequestRecord:
     error: str = ""
     finish_reason: str = ""
     server: dict = field(default_factory=dict)  # the final message's usage and timings
+    # What came back, for the scripts that check it (not saved by to_dict): the tokens (gRPC),
+    # the text, and when each streamed piece arrived (a gRPC token; an HTTP chunk that carried
+    # text), in seconds since the benchmark started.
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    text: str = field(default="", repr=False)
+    token_times: list[float] = field(default_factory=list, repr=False)
 
     @property
     def tpot(self) -> float:
         return tpot_s(self.e2el, self.ttft, self.output_len)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tpot": self.tpot}
+        saved = {k: v for k, v in asdict(self).items() if k not in UNSAVED_FIELDS}
+        return {**saved, "tpot": self.tpot}
 
     @classmethod
     def from_dict(cls, data: dict) -> "RequestRecord":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.experiment import free_port
+from disagg.bench.launcher import free_port
 from disagg.bench.metrics import read_rows, slo_misses, summarize
 from disagg.cli import main as disagg_main
 from disagg.server import Server

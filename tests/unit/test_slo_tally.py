@@ -8,7 +8,7 @@ import json
 import pytest
 
 from disagg.bench.metrics import RequestRecord, summarize
-from disagg.bench.openai_stream import ChatStreamTimer
+from disagg.bench.openai_stream import StreamTimer
 from disagg.bench.slo_tally import FIGURE_FIELDS, SloBoard, SloTally
 from disagg.slo import SLO
 
@@ -99,7 +99,7 @@ def chunk(content: str | None = None, finish: str | None = None, usage: dict | N
 
 
 def test_chat_stream_times_each_content_chunk_and_takes_counts_from_usage():
-    timer = ChatStreamTimer(started=10.0)
+    timer = StreamTimer(started=10.0)
     lines = [
         (chunk(), 10.1),  # the role alone: no token yet
         ("", 10.1),
@@ -120,7 +120,7 @@ def test_chat_stream_times_each_content_chunk_and_takes_counts_from_usage():
 
 
 def test_usage_corrects_tokens_that_came_without_a_chunk_of_their_own():
-    timer = ChatStreamTimer(started=0.0)
+    timer = StreamTimer(started=0.0)
     for line, at in [(chunk("ab"), 0.5), (chunk("c", "length"), 1.5), (chunk(usage={"completion_tokens": 5}), 1.5)]:
         timer.on_line(line, at)
     timer.on_line("data: [DONE]", 1.5)
@@ -129,14 +129,14 @@ def test_usage_corrects_tokens_that_came_without_a_chunk_of_their_own():
 
 
 def test_an_error_event_or_a_cut_stream_is_a_failure():
-    timer = ChatStreamTimer(started=0.0)
+    timer = StreamTimer(started=0.0)
     timer.on_line(chunk("a"), 0.1)
     timer.on_line('data: {"error": {"message": "no decode instance", "code": "unavailable"}}', 0.2)
     timer.on_line("data: [DONE]", 0.2)
     record = timer.finish(RequestRecord(0, 5, 5), now=0.2)
     assert not record.success and record.error_code == "UNAVAILABLE" and "no decode" in record.error
 
-    cut = ChatStreamTimer(started=0.0)
+    cut = StreamTimer(started=0.0)
     cut.on_line(chunk("a"), 0.1)
     record = cut.finish(RequestRecord(0, 5, 5), now=0.3)
     assert not record.success and record.error_code == "UNKNOWN"
