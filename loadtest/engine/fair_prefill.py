@@ -3,8 +3,8 @@ engine's fair prefill on (`long_prefill_token_threshold` at its default, a quart
 budget; its caps counting work, `long_prefill_by_work`, the default), on with caps by tokens
 only (`fair-tokens`), and off (0: the prompt that came first takes every step's whole budget).
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_fair_prefill.py [--json FILE]
-    PYTHONPATH=. .venv/bin/python loadtest/bench_fair_prefill.py --smoke     # random weights, seconds
+    .venv/bin/python -m loadtest.engine.fair_prefill [--json FILE]
+    .venv/bin/python -m loadtest.engine.fair_prefill --smoke     # random weights, seconds
 
 The real engine (the default model, SmolLM2-135M, on CPU) in this process, stepped in a thread of
 its own that takes new requests between steps, as a worker does. One long prompt (8,000 tokens
@@ -23,15 +23,14 @@ only), `long ttft ratio fair/off` (and fair-tokens/off).
 from __future__ import annotations
 
 import argparse
-import json
 import queue
 import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from disagg.bench.results import host_line, write_results
 from disagg.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.request import SamplingParams
@@ -191,6 +190,7 @@ def engine_for(args, threshold: int | None) -> LLMEngine:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    print(host_line(), flush=True)
     # One engine (one load of the weights); the setting is the scheduler's, switched between runs.
     engine = engine_for(args, None)
     fair_threshold = engine.scheduler.long_prefill_token_threshold
@@ -247,9 +247,7 @@ def report(args, long_tokens: int, cap: int, alone: list[float], runs: dict[str,
     )
     print(f"long ttft ratio fair/off: {ratios['fair']:.3f} (by tokens only: {ratios['fair-tokens']:.3f})")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(figures, indent=1) + "\n")
-        print(f"wrote {args.json}")
+        write_results(args.json, figures, args)
 
 
 if __name__ == "__main__":

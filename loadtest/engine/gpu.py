@@ -7,24 +7,22 @@ bandwidth, prefill against matrix FLOP/s, at a real model's shape with random we
 - prefill: one prompt of T tokens in one step: FLOP utilisation = the step's matrix FLOPs
   (2 per weight per token, plus causal attention) / step time / the datasheet's dense peak.
 
-    python loadtest/bench_gpu_engine.py                               # random:llama3-8b, bf16, on cuda
-    python loadtest/bench_gpu_engine.py --device cpu --model random:tiny --dtype float32 --batches 1,4 --prompt-tokens 64 --context 32
+    python -m loadtest.engine.gpu                               # random:llama3-8b, bf16, on cuda
+    python -m loadtest.engine.gpu --device cpu --model random:tiny --dtype float32 --batches 1,4 --prompt-tokens 64 --context 32
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from disagg import EngineConfig, SamplingParams  # noqa: E402
-from disagg.engine.engine import LLMEngine  # noqa: E402
+from disagg import EngineConfig, SamplingParams
+from disagg.bench.results import host_line, write_results
+from disagg.engine.engine import LLMEngine
 
 # Datasheet peaks (SXM parts): HBM bytes/s and dense bf16 FLOP/s.
 PEAKS = {"h100": (3.35e12, 989e12), "h200": (4.8e12, 989e12), "a100": (2.04e12, 312e12)}
@@ -212,12 +210,17 @@ def parse_args(argv=None):
     return args
 
 
-if __name__ == "__main__":
-    parsed = parse_args()
-    if parsed.device == "cpu":
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.device == "cpu":
         torch.set_num_threads(2)
-    results = run(parsed)
+    print(host_line(), flush=True)
+    results = run(args)
     report(results)
-    if parsed.out:
-        with open(parsed.out, "w") as f:
-            json.dump(results, f, indent=2)
+    if args.out:
+        write_results(args.out, results, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,7 +11,7 @@ random lengths, prefill only (one output token), one at a time, after a warm-up.
 capacity, the RSS the workload added, the mean and p50 prefill time, and the first-time and
 repeat prefill times of lengths met more than once; ratios against oneDNN's default.
 
-    .venv/bin/python loadtest/bench_onednn_cache.py [--prompts 300] [--max-len 512] [--capacities default,256,128]
+    .venv/bin/python -m loadtest.engine.onednn_cache [--prompts 300] [--max-len 512] [--capacities default,256,128]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from disagg.bench.results import host_line, write_results
 
 ONEDNN_DEFAULT = "1024"  # both caches' size when nothing sets them
 
@@ -93,21 +95,25 @@ def child(capacity: str, prompts: int, max_len: int, seed: int) -> None:
     )
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=300)
     parser.add_argument("--max-len", type=int, default=512, help="the default per-step token budget")
     parser.add_argument("--capacities", default="default,256,128", help="'default' is oneDNN's own (1024 each)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the figures here too")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
-        return child(args.child, args.prompts, args.max_len, args.seed)
+        child(args.child, args.prompts, args.max_len, args.seed)
+        return 0
+    print(host_line(), flush=True)
     results = []
     for capacity in args.capacities.split(","):
         command = [
             sys.executable,
-            __file__,
+            "-m",
+            __spec__.name,
             "--child",
             capacity,
             "--prompts",
@@ -130,7 +136,10 @@ def main() -> None:
         print(
             f"{r['capacity']:>10} {r['rss_added_mb']:10.0f} {r['mean_ms']:9.1f} {r['p50_ms']:9.1f} {r['first_ms'] or 0:9.1f} {r['repeat_ms'] or 0:9.1f} {r['mean_ms'] / base['mean_ms']:11.3f} {r['rss_added_mb'] / max(base['rss_added_mb'], 1):10.2f}"
         )
+    if args.json:
+        write_results(args.json, {"capacities": results}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -7,9 +7,9 @@ through each path a token can take: whole windows as prefill steps (the wide bfl
 one position per step (the decode path: the int4/int8 kernels and decode attention); and dense
 float32 (the GGUF dequantized). Target: within 1% of llama.cpp's.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_perplexity.py [--llamacpp] [--text FILE]
+    .venv/bin/python -m loadtest.engine.perplexity [--llamacpp] [--text FILE]
 
-`--llamacpp` builds llama.cpp once (minutes, cached: loadtest/llamacpp.py) and runs its tool in
+`--llamacpp` builds llama.cpp once (minutes, cached: loadtest/peers/llamacpp.py) and runs its tool in
 the same run; without it the reference is LLAMACPP_PPL, measured so (RESULTS.md says when).
 `--windows N` scores only the first N windows (a quick run; not comparable with llama.cpp's).
 """
@@ -23,7 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-TEXT = Path(__file__).with_name("data") / "perplexity_pydoc.txt"
+from disagg.bench.results import host_line, write_results
+
+TEXT = Path(__file__).resolve().parents[1] / "data" / "perplexity_pydoc.txt"
 CONTEXT = 512
 LLAMACPP_PPL = 13.1431  # llama-perplexity -c 512 -t 2 on TEXT, llama.cpp of llama-cpp-python 0.3.36
 SIDES = {"auto, prefill path": ("auto", None), "auto, decode path": ("auto", 1), "fp32": ("fp32", None)}
@@ -49,7 +51,7 @@ def side(weights: str, step_tokens: int | None, text: str, windows: int | None) 
 
 def run_side(weights: str, step_tokens: int | None, text: Path, windows: int | None) -> dict:
     code = (
-        "import json, loadtest.bench_perplexity as b; "
+        f"import json, {__spec__.name} as b; "
         f"print(json.dumps(b.side({weights!r}, {step_tokens!r}, {str(text)!r}, {windows!r})))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
@@ -60,14 +62,14 @@ def run_side(weights: str, step_tokens: int | None, text: Path, windows: int | N
 
 def llamacpp_reference(text: Path) -> float:
     from disagg.engine.loader import default_gguf_path
-    from loadtest import llamacpp
+    from loadtest.peers import llamacpp
 
     ppl, command = llamacpp.perplexity(llamacpp.binaries()["llama-perplexity"], default_gguf_path(), text, CONTEXT)
     print(f"llama.cpp: {command}", flush=True)
     return ppl
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--llamacpp", action="store_true", help="run llama-perplexity now (builds llama.cpp once)")
@@ -75,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sides", nargs="+", choices=list(SIDES), default=list(SIDES))
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
+    print(host_line(), flush=True)
     reference = llamacpp_reference(args.text) if args.llamacpp else LLAMACPP_PPL
     print(f"llama.cpp PPL {reference:.4f}{'' if args.llamacpp else ' (recorded)'}", flush=True)
     figures = {"llamacpp_ppl": reference}
@@ -85,8 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: PPL {found['ppl']:.4f} +/- {found['stderr']:.4f} over {found['windows']} windows, "
               f"ratio to llama.cpp {found['ratio']:.4f} ({found['seconds']:.0f} s)", flush=True)  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        write_results(args.json, figures, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,7 @@ greedy requests (windows of Python's documentation, 100 tokens, EOS ignored) at 
 prefill of 16 prompts of 512 tokens. Then the greedy outputs of a prompt set are compared with
 float32's: the share of prompts whose first 32 tokens agree, and the mean agreeing prefix.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_quantized.py [--sides fp32 auto] [--json PATH] [--smoke]
+    .venv/bin/python -m loadtest.engine.quantized [--sides fp32 auto] [--json PATH] [--smoke]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from disagg.bench.results import host_line, write_results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def _rss_mib() -> float:
 
 
 def run_side(weights: str, smoke: bool) -> dict:
-    code = f"import json, loadtest.bench_quantized as b; print(json.dumps(b.side({weights!r}, {smoke!r})))"
+    code = f"import json, {__spec__.name} as b; print(json.dumps(b.side({weights!r}, {smoke!r})))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -100,13 +101,14 @@ def agreement(reference: list[list[int]], got: list[list[int]]) -> tuple[float, 
     return sum(p == len(r) for p, r in zip(prefixes, reference)) / len(reference), sum(prefixes) / len(prefixes)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sides", nargs="+", default=["fp32", "auto"])
     p.add_argument("--json")
     p.add_argument("--smoke", action="store_true", help="a few short requests at batch 1 and 2: runs, no figures")
     args = p.parse_args(argv)
     sizes = SMOKE if args.smoke else FULL
+    print(host_line(), flush=True)
     results = {weights: run_side(weights, args.smoke) for weights in args.sides}
     base = results[args.sides[0]]
     for weights, figures in results.items():
@@ -126,10 +128,9 @@ def main(argv: list[str] | None = None) -> None:
             f"mean prefix {prefix:.1f}/{sizes.agreement_tokens}"
         )
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        slim = {w: {k: v for k, v in f.items() if k != "outputs"} for w, f in results.items()}
-        Path(args.json).write_text(json.dumps(slim, indent=2))
+        write_results(args.json, {w: {k: v for k, v in f.items() if k != "outputs"} for w, f in results.items()}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -10,10 +10,10 @@ Only the tokens each request asked for count as useful output. Each side runs in
 subprocess, so peak RSS (ru_maxrss) is measured per side; with --repeats the sides alternate
 and the medians are reported (the machine is noisy).
 
-    python loadtest/bench_engine.py                       # 64 requests, SmolLM2-135M as its GGUF keeps it (Q4_1), fp32 activations
-    python loadtest/bench_engine.py --quick               # smoke run
-    python loadtest/bench_engine.py --model random:llama2-7b --dtype bfloat16 --skip-hf
-    python loadtest/bench_engine.py --weights fp32 --skip-hf     # the quantized engine against float32
+    python -m loadtest.engine.throughput                  # 64 requests, SmolLM2-135M as its GGUF keeps it (Q4_1), fp32 activations
+    python -m loadtest.engine.throughput --quick          # smoke run
+    python -m loadtest.engine.throughput --model random:llama2-7b --dtype bfloat16 --skip-hf
+    python -m loadtest.engine.throughput --weights fp32 --skip-hf     # the quantized engine against float32
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from disagg.bench.results import host_line, write_results
 
 RANDOM_PREFIX = "random:"
 
@@ -293,7 +295,7 @@ def run_side(side: str, job_path: str) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         result_path = f.name
     try:
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", side, "--job", job_path, "--result", result_path]
+        cmd = [sys.executable, "-m", __spec__.name, "--worker", side, "--job", job_path, "--result", result_path]
         proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
         if proc.returncode != 0:
             raise SystemExit(f"{side} side failed (exit {proc.returncode})")
@@ -403,7 +405,7 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         with open(args.job) as f:
@@ -411,7 +413,8 @@ def main(argv=None) -> None:
         result = (run_ours if args.worker == "ours" else run_hf)(job)
         with open(args.result, "w") as f:
             json.dump(result, f)
-        return
+        return 0
+    print(host_line(), flush=True)
 
     requests = build_workload(args)
     workload = {
@@ -468,11 +471,9 @@ def main(argv=None) -> None:
         summary["ratio"] = summary["ours"]["output_tok_s"] / summary["hf"]["output_tok_s"]
     print_table(summary)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=2)
-        print(f"results written to {args.out}")
+        write_results(args.out, summary, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -11,7 +11,7 @@ stream latency, refusals during the storm, KV blocks still held on each pool, an
 are refused (RESOURCE_EXHAUSTED or "already in flight/use": nothing is in flight any more, so
 none should be). Table: `pre-token` counts requests that ended before their first token.
 
-    PYTHONPATH=. .venv/bin/python loadtest/cancel_storm.py --total 1000 --concurrency 16
+    .venv/bin/python -m loadtest.faults.cancel_storm --total 1000 --concurrency 16
 
 The last lines are `ended: N`, `leaked blocks: N`, `abort to end p50 ms: X`, `refused after: N`.
 """
@@ -19,20 +19,18 @@ The last lines are `ended: N`, `leaked blocks: N`, `abort to end p50 ms: X`, `re
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import grpc
 
+from disagg.bench.launcher import Deployment, add_config_argument, held_blocks, leaked_blocks
+from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
-from served import Deployment, add_config_argument, leaked_blocks
 
 WAYS = ("cancel", "deadline", "abort")
 INTENDED = {"cancel": "CANCELLED", "deadline": "DEADLINE_EXCEEDED", "abort": "abort"}
@@ -146,29 +144,20 @@ def check_admission(client: DisaggClient, args, ids: list[str]) -> Counter:
 
 def seconds_to_zero(client: DisaggClient, since: float, limit_s: float = 120) -> float | None:
     """Seconds from `since` until no block is held anywhere (None: not within `limit_s`)."""
-    while sum(held_per_pool(client).values()):
+    while sum(held_blocks(client).values()):
         if time.monotonic() - since > limit_s:
             return None
         time.sleep(0.5)
     return round(time.monotonic() - since, 1)
 
 
-def held_per_pool(client: DisaggClient) -> dict[str, int]:
-    return {
-        pool.role: sum(i.num_total_blocks - i.num_free_blocks for i in pool.instances)
-        for pool in client.cluster_status().pools
-    }
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="disagg-cancel-") as tmp:
-        dep = Deployment(Path(tmp), args.config, max_inflight_requests=args.max_inflight or args.concurrency)
-        try:
-            with DisaggClient(dep.address) as client, DisaggClient(dep.address) as aborter:
-                result = run(args, client, aborter)
-        finally:
-            dep.stop()
+    print(host_line(), flush=True)
+    settings = {"max_inflight_requests": args.max_inflight or args.concurrency}
+    with Deployment(settings, base=args.config, name="cancel-storm") as dep:
+        with DisaggClient(dep.address) as client, DisaggClient(dep.address) as aborter:
+            result = run(args, client, aborter)
     report(args, result)
     return 0
 
@@ -183,14 +172,14 @@ def run(args, client: DisaggClient, aborter: DisaggClient) -> dict:
         t.start()
     for t in threads:
         t.join()
-    storm_s, held_at_end = time.monotonic() - started, held_per_pool(client)  # no wait: what cleanup is left
+    storm_s, held_at_end = time.monotonic() - started, held_blocks(client)  # no wait: what cleanup is left
     ended = [r for r in storm.records if r["outcome"] == INTENDED[r["way"]]]
     check = check_admission(client, args, [r["id"] for r in ended[-args.concurrency :]])
     leaked = leaked_blocks(client)  # the shared measure (chaos.py too): still held after waiting up to 30 s
     return {
         "args": vars(args), "ttft_s": ttft, "itl_s": itl, "storm_s": round(storm_s, 1),
         "ended": len(ended), "refused_during": dict(storm.refused), "held_at_end": held_at_end,
-        "check": dict(check), "leaked_blocks": leaked, "leaked_per_pool": held_per_pool(client),
+        "check": dict(check), "leaked_blocks": leaked, "leaked_per_pool": held_blocks(client),
         "zero_after_s": seconds_to_zero(client, started + storm_s), "records": storm.records,
     }  # fmt: skip
 
@@ -204,8 +193,7 @@ def report(args, result: dict) -> None:
         result["abort_ms"] = {
             k: round(v, 1) for k, v in (("p50", statistics.median(abort_ms)), ("p90", p90), ("max", abort_ms[-1]))
         }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     print(f"{'way':9} {'n':>5} {'pre-token':>9}  outcomes (code or finish_reason)")
     for way in WAYS:
         mine = [r for r in records if r["way"] == way]
@@ -224,7 +212,6 @@ def report(args, result: dict) -> None:
     print(f"blocks held right after the storm: {result['held_at_end']}; after up to 30 s: {result['leaked_per_pool']}")
     print(f"all blocks free {result['zero_after_s']} s after the storm (None: not within 120 s)")
     print(f"admission check after ({args.concurrency} at once, reused ids): {result['check']}")
-    print(f"wrote {args.out}")
     print(f"ended: {result['ended']}")
     print(f"leaked blocks: {result['leaked_blocks']}")
     print(f"abort to end p50 ms: {result['abort_ms']['p50'] if abort_ms else None}")

@@ -9,7 +9,7 @@ that an output does not depend on how many requests decode beside it). After the
 still allocated on every instance, RSS of each process after the warm-up and at the end,
 recovery time per kill (kill -> the process back, every instance listed and a request served).
 
-    PYTHONPATH=. .venv/bin/python loadtest/chaos.py --minutes 5 --kill-every 30
+    .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30
 
 The last lines are `lost: N`, `wrong outputs: N`, `leaked blocks: N`, `recovery p50 s: X`,
 `rss drift %: X` (the largest growth of a process's RSS from the warm-up's end to the end).
@@ -20,28 +20,26 @@ a request that fails is sent once more through the next frontend, and counts as 
 fails too. `--kill-frontend-every S` SIGKILLs a random frontend replica (frontends 1..N-1: frontend
 0 is `disagg serve` itself, which holds Ray and Redis) every S seconds, beside the worker kills.
 
-    PYTHONPATH=. .venv/bin/python loadtest/chaos.py --minutes 5 --kill-every 30 --frontends 2 --kill-frontend-every 60
+    .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30 --frontends 2 --kill-frontend-every 60
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import grpc
 
+from disagg.bench.launcher import Deployment, add_config_argument, leaked_blocks, listed
+from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
-from served import Deployment, add_config_argument, leaked_blocks, listed
 
 PROMPTS = [
     "Write a story about a dragon.",
@@ -211,15 +209,12 @@ def rss_drift_pct(start: dict[str, float], end: dict[str, float], min_mb: float 
 def main(argv=None) -> int:
     args = parse_args(argv)
     rng = random.Random(args.seed)
-    with tempfile.TemporaryDirectory(prefix="disagg-chaos-") as tmp:
-        # Every output is compared with the fault-free one: it must not depend on how many
-        # requests decode beside it (the recovery probes add to the clients' load).
-        settings = {"engine": {"batch_invariant": True}, "frontends": args.frontends}
-        dep = Deployment(Path(tmp), args.config, **settings)
-        try:
-            return run(args, dep, rng)
-        finally:
-            dep.stop()
+    print(host_line(), flush=True)
+    # Every output is compared with the fault-free one: it must not depend on how many requests
+    # decode beside it (the recovery probes add to the clients' load).
+    settings = {"engine": {"batch_invariant": True}, "frontends": args.frontends}
+    with Deployment(settings, base=args.config, name="chaos") as dep:
+        return run(args, dep, rng)
 
 
 def run(args, dep: Deployment, rng: random.Random) -> int:
@@ -253,7 +248,7 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         load.stop.set()
         for t in threads:
             t.join(timeout=320)
-        leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.migrations()
+        leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.metric("disagg:request_migrations_total{")
     finally:
         for c in clients:
             c.close()
@@ -270,8 +265,7 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     print(f"sent {load.sent}, completed {load.completed}, failed {dict(load.failed) or 0}, migrated {migrated:.0f}")
     if args.frontends > 1:
         print(f"frontends {args.frontends}: {len(frontend_kills)} killed, {load.retried} requests retried on another")
@@ -279,7 +273,6 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         print(f"RSS start {mb:7.0f} MB  {name}")
     for name, mb in rss_end.items():
         print(f"RSS end   {mb:7.0f} MB  {name}")
-    print(f"wrote {args.out}")
     print(f"lost: {sum(load.failed.values())}")
     print(f"wrong outputs: {load.wrong}")
     print(f"leaked blocks: {leaked}")

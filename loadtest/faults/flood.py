@@ -18,7 +18,7 @@ own), the flood that was already answered fast. `--frontends N`: the deployment 
 (ServingConfig.frontends), each admitting its share of the bound, and the gRPC connections are
 spread over them.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_flood.py [--clients 768] [--limit 256] [--http]
+    .venv/bin/python -m loadtest.faults.flood [--clients 768] [--limit 256] [--http]
 
 The last lines are `clients: N`, `limit: L`, `refused: R`, `refusal p50 ms: X`,
 `refusal p99 ms: X`, `refusal max ms: X`, `target p99 <= 100 ms: met|missed`.
@@ -28,21 +28,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
 import grpc
 
-from disagg.bench.experiment import free_port
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.results import host_line, write_results
 from disagg.client import api_key_metadata, generate_request
 from disagg.v1 import serving_pb2_grpc
-from served import Deployment, add_config_argument
 
 PROMPT = "Tell me a long story about a lighthouse keeper and the sea."
 MODEL = "smollm2-135m-instruct"
@@ -202,23 +199,16 @@ async def serves_after(address: str) -> str:
 
 # ---- a run: a deployment, its flood, the check after -----------------------------------------------
 def run(args, clients: int, limit: int) -> dict:
-    http_port = free_port() if args.http else 0
-    with tempfile.TemporaryDirectory(prefix="disagg-flood-") as tmp:
-        dep = Deployment(
-            Path(tmp), args.config, max_inflight_requests=limit, http_port=http_port, frontends=args.frontends
-        )
-        try:
-            if args.http:
-                url = f"http://127.0.0.1:{http_port}"
-                flood = asyncio.run(http_flood(url, clients, args.max_tokens, args.hold_s))
-            else:
-                flood = asyncio.run(
-                    grpc_flood(dep.frontend_addresses, clients, args.max_tokens, args.hold_s, args.channels)
-                )
-            time.sleep(2)  # the cancelled streams' cleanup on the workers
-            serving = asyncio.run(serves_after(dep.address))
-        finally:
-            dep.stop()
+    settings = {"max_inflight_requests": limit, "frontends": args.frontends}
+    with Deployment(settings, base=args.config, name="flood", http=args.http) as dep:
+        if args.http:
+            flood = asyncio.run(http_flood(dep.http_url, clients, args.max_tokens, args.hold_s))
+        else:
+            flood = asyncio.run(
+                grpc_flood(dep.frontend_addresses, clients, args.max_tokens, args.hold_s, args.channels)
+            )
+        time.sleep(2)  # the cancelled streams' cleanup on the workers
+        serving = asyncio.run(serves_after(dep.address))
     return summary(clients, limit, flood, serving)
 
 
@@ -260,13 +250,13 @@ def report(result: dict, prefix: str = "") -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    print(host_line(), flush=True)
     api = "HTTP" if args.http else "gRPC"
     print(f"baseline: {args.baseline_clients} {api} clients against {args.baseline_limit}", flush=True)
     baseline = run(args, args.baseline_clients, args.baseline_limit)
     print(f"flood: {args.clients} {api} clients against {args.limit}", flush=True)
     flood = run(args, args.clients, args.limit)
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"args": vars(args), "baseline": baseline, "flood": flood}, indent=1) + "\n")
+    write_results(args.json, {"baseline": baseline, "flood": flood}, args)
     report(baseline, "baseline ")
     report(flood)
     met = flood["p99_ms"] is not None and flood["p99_ms"] <= TARGET_P99_MS

@@ -9,8 +9,8 @@ Innocent streams: failures, wrong outputs, the largest gap between two streamed 
 stall; the time to the first one is TTFT, reported apart). After: a good request answered, KV
 blocks leaked, the serve process alive.
 
-    PYTHONPATH=. .venv/bin/python loadtest/fuzz.py --requests 10000
-    PYTHONPATH=. .venv/bin/python loadtest/fuzz.py --requests 50 --cases 'slo|~1'   # a repro
+    .venv/bin/python -m loadtest.faults.fuzz --requests 10000
+    .venv/bin/python -m loadtest.faults.fuzz --requests 50 --cases 'slo|~1'   # a repro
 
 The json has each case's codes and its first unexpected answers; the serve log lands beside it.
 
@@ -24,12 +24,10 @@ at any time between its sending and its first token; `--at-limit` sets how many 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import re
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -40,10 +38,11 @@ from typing import Callable, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
+from disagg.bench.launcher import Deployment, add_config_argument, leaked_blocks
+from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
 from disagg.v1 import serving_pb2 as pb
 from disagg.v1 import serving_pb2_grpc
-from served import Deployment, add_config_argument, leaked_blocks
 
 PROMPTS = ["Write a story about a dragon.", "Why is the sky blue?"]
 BAD, OK = {"INVALID_ARGUMENT"}, {"OK"}
@@ -335,8 +334,8 @@ def probe_limits(client: DisaggClient) -> tuple[int, int]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="disagg-fuzz-") as tmp:
-        dep = Deployment(Path(tmp), args.config)
+    print(host_line(), flush=True)
+    with Deployment({}, base=args.config, name="fuzz") as dep:
         try:
             run(args, dep)
         finally:
@@ -388,7 +387,7 @@ def run(args, dep: Deployment) -> None:
         answers = False
     # A decode instance may keep a cancelled request's blocks until its KV wait times out (30 s):
     # held now, and leaked (still held a minute on).
-    held, alive = leaked_blocks(c.client, 0), dep.proc.poll() is None and sorted(dep.workers()) == workers_before
+    held, alive = leaked_blocks(c.client, 0), dep.process.poll() is None and sorted(dep.workers()) == workers_before
     behind = ttfts_behind(innocent.ttfts, c.long_spans)
     report(args, seen, examples, innocent, answers, (held, leaked_blocks(c.client, 60)), alive, fuzz_s, behind)
 
@@ -437,8 +436,7 @@ def report(
         "innocent_ttft_p99_s_without": round(p99(behind["without"]), 3),
         "answers_after": answers, "blocks_held_after": blocks[0], "leaked_blocks": blocks[1], "serve_alive": alive,
     }  # fmt: skip
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_results(args.out, result)
     print(f"fuzz took {fuzz_s:.0f} s; innocent: {innocent.completed} completed, {innocent.wrong} wrong,")
     print(
         f"  {innocent.stalled} streams stalled over {STALL_S} s (the longest after message {innocent.max_stall_after}),"
@@ -447,7 +445,6 @@ def report(
     print(
         f"KV blocks held after: {blocks[0]}, a minute on (leaked): {blocks[1]}; serve alive: {'yes' if alive else 'no'}"
     )
-    print(f"wrote {args.out}")
     print(f"fuzz requests: {sent}")
     print(f"unexpected codes: {unexpected}")
     print(f"innocent failed: {sum(innocent.failed.values())}")

@@ -9,7 +9,7 @@ Prints JSON: CPU model and flags of note, float32 and bfloat16 matmul GFLOP/s at
 arrays far larger than the caches). Best-of, not median: the roofline wants the ceiling, and the
 machine is shared.
 
-    PYTHONPATH=. .venv/bin/python loadtest/measure_cpu.py [--size 2048] [--repeats 5]
+    .venv/bin/python -m loadtest.host.cpu [--size 2048] [--repeats 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -17,21 +17,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import sys
 import time
 
 import torch
 
-
-def cpu_model() -> tuple[str, list[str]]:
-    name, flags = "unknown", []
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and name == "unknown":
-                name = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = [fl for fl in value.split() if fl.startswith(("avx512f", "avx512_bf16", "amx", "avx2"))]
-    return name, flags
+from disagg.bench.results import cpu_flags, cpu_model, write_results
 
 
 def best_seconds(fn, repeats: int) -> float:
@@ -60,20 +51,24 @@ def copy_gb_s(num_bytes: int, threads: int, repeats: int) -> float:
     return 2 * num_bytes / seconds / 1e9  # each byte read once and written once
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--copy-mb", type=int, default=1024)
-    args = parser.parse_args()
-    name, flags = cpu_model()
-    result = {"date": datetime.date.today().isoformat(), "cpu": name, "flags": flags, "torch": torch.__version__}
+    parser.add_argument("--json", help="write the figures here too (with the host and commit)")
+    args = parser.parse_args(argv)
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2")))
+    result = {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "flags": flags, "torch": torch.__version__}
     for threads in (1, 2):
         for label, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
             result[f"{label}_gflops_{threads}t"] = round(matmul_gflops(args.size, dtype, threads, args.repeats), 1)
         result[f"copy_gb_s_{threads}t"] = round(copy_gb_s(args.copy_mb * 2**20, threads, args.repeats), 1)
     print(json.dumps(result, indent=1))
+    if args.json:
+        write_results(args.json, result, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -9,7 +9,7 @@ while a second engine process (same threads) runs steps without pause, for each 
 (prompt chunks, decodes) and each kind of step there: slowdown[here][there] is the median step
 beside the busy partner over the median alone just before, the median of a few such rounds.
 
-    PYTHONPATH=. .venv/bin/python loadtest/measure_host_sharing.py [--threads 1] [--write-profile P]
+    .venv/bin/python -m loadtest.host.sharing [--threads 1] [--write-profile P]
 
 `--write-profile` stores the factors as the profile's `host_sharing` (run it on the machine and
 day the profile was measured: both describe the same host). Run it on a quiet machine.
@@ -25,6 +25,8 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+from disagg.bench.results import host_line
 
 PROMPT_LEN = 128
 DECODE_BATCH = 8
@@ -118,15 +120,16 @@ def measure(threads: int, count: int, rounds: int) -> dict:
     return out
 
 
-def main() -> int:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=1, help="torch threads of each engine")
     p.add_argument("--steps", type=int, default=7, help="timed steps per median")
     p.add_argument("--rounds", type=int, default=3, help="alone / beside rounds per partner kind")
     p.add_argument("--write-profile", help="store the slowdowns as this profile's host_sharing")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     result = measure(args.threads, args.steps, args.rounds)
     result["date"] = time.strftime("%Y-%m-%d")
+    result["host"] = host_line()
     print(json.dumps(result, indent=1))
     if args.write_profile:
         path = Path(args.write_profile)

@@ -9,14 +9,13 @@ cache into the receiver's (NCCL refuses two ranks on one GPU, and needs no copy 
 Prints the protocol's GB/s against a raw copy of the same bytes on the same device, and with
 --check verifies every block (exit 1 on a mismatch): tests/gpu runs it that way.
 
-    python loadtest/bench_kv_ipc.py --device cuda                      # Llama-3-8B KV of 1024 tokens
-    python loadtest/bench_kv_ipc.py --device cuda --tokens 64 --layers 2 --check
+    python -m loadtest.kv.ipc --device cuda                      # Llama-3-8B KV of 1024 tokens
+    python -m loadtest.kv.ipc --device cuda --tokens 64 --layers 2 --check
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -25,14 +24,14 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from disagg.auth import new_key  # noqa: E402
-from disagg.engine.kv_cache import KVCache  # noqa: E402
-from disagg.kv_transfer.layout import KVTarget  # noqa: E402
-from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
-from disagg.kv_transfer.sender import KVSender  # noqa: E402
-from disagg.config import DEFAULT_KV_TRANSPORT  # noqa: E402
-from disagg.kv_transfer.factory import make_transport  # noqa: E402
+from disagg.auth import new_key
+from disagg.bench.results import host_line
+from disagg.config import DEFAULT_KV_TRANSPORT
+from disagg.engine.kv_cache import KVCache
+from disagg.kv_transfer.factory import make_transport
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.receiver import KVReceiver
+from disagg.kv_transfer.sender import KVSender
 
 TIMEOUT_S = 60.0
 
@@ -112,7 +111,8 @@ def run(args) -> int:
     child = subprocess.Popen(
         [
             sys.executable,
-            os.path.abspath(__file__),
+            "-m",
+            __spec__.name,
             "--role",
             "prefill",
             "--key",
@@ -224,10 +224,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     torch.set_num_threads(1)
-    parsed = parse_args()
-    if parsed.role == "prefill":
-        run_sender(parsed)
-    else:
-        sys.exit(run(parsed))
+    args = parse_args(argv)
+    if args.role == "prefill":
+        run_sender(args)
+        return 0
+    print(host_line(), flush=True)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,7 +12,7 @@ downtime) and the decode step (the client's median gap between tokens outside th
 runs twice: the first move between two instances maps the peer's cache, the second finds it
 mapped.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_live_migration.py [--requests 6] [--max-tokens 96]
+    .venv/bin/python -m loadtest.kv.live_migration [--requests 6] [--max-tokens 96]
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import statistics
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
 
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.results import host_line
 from disagg.client import DisaggClient, generate_request
-from disagg.config import ServingConfig
-from disagg.server import Server
 
 QUESTIONS = [
     "Write a story about a dragon.",
@@ -53,11 +52,6 @@ def wait_listed(client, instance_id: str, present: bool, timeout_s: float = 20) 
         if time.monotonic() > deadline:
             raise SystemExit(f"{instance_id} {'never came back' if present else 'is still listed'}")
         time.sleep(0.1)
-
-
-def metric(server, prefix: str) -> float:
-    text = urllib.request.urlopen(f"{server.metrics_url}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
 
 
 def stream_all(client, requests, on_all_started=None, after_tokens: int = 0):
@@ -93,22 +87,20 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--move-after", type=int, default=24, help="tokens each request streams before the drain")
+    add_config_argument(p)
     args = p.parse_args(argv)
     if not 2 <= args.move_after < args.max_tokens:
         p.error("need 2 <= --move-after < --max-tokens (a decode step before the drain, and tokens left to move)")
-    config = ServingConfig.from_dict(
-        {
-            "engine": {"num_kv_blocks": 600, "max_num_batched_tokens": 256},
-            "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
-            "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
-            "port": 0,
-            "metrics_port": 0,
-            "heartbeat_interval_s": 0.3,
-            "heartbeat_ttl_s": 1.0,
-            "calibration_s": 0,
-            "replan": False,  # the drain is what is measured, not switches
-        }
-    )
+    settings = {
+        "engine": {"num_kv_blocks": 600, "max_num_batched_tokens": 256},
+        "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
+        "decode": {"num_instances": 2, "num_cpus_per_worker": 0.5},
+        "heartbeat_interval_s": 0.3,
+        "heartbeat_ttl_s": 1.0,
+        "calibration_s": 0,
+        "replan": False,  # the drain is what is measured, not switches
+    }
+    print(host_line(), flush=True)
     questions = (QUESTIONS * 4)[: args.requests]
     requests = [
         generate_request(
@@ -116,10 +108,12 @@ def main(argv=None) -> int:
         )
         for q in questions
     ]
-    with Server(config) as server, DisaggClient(server.address) as client:
+    # In this process: the drain is driven through the server's own actors.
+    with Deployment(settings, base=args.config, in_process=True) as dep, DisaggClient(dep.address) as client:
+        server = dep.server
         a, b = sorted((i for i in server.launcher.instances if i.role == "decode"), key=lambda i: i.instance_id)
         expected, _ = stream_all(client, requests)
-        recomputed_before = metric(server, "disagg:request_migrations_total{")
+        recomputed_before = dep.metric("disagg:request_migrations_total{")
         runs = []
         for label in ("first move between the two", "second move (peer caches mapped)"):
             ray.get(b.actor.set_heartbeat_enabled.remote(False))  # every request starts on A
@@ -137,7 +131,7 @@ def main(argv=None) -> int:
             runs.append((label, got, drained_at, server.live_moves.stats.moved - moved_before))
             ray.get(a.actor.resume_service.remote())
             wait_listed(client, a.instance_id, present=True)
-        recomputed = metric(server, "disagg:request_migrations_total{") - recomputed_before
+        recomputed = dep.metric("disagg:request_migrations_total{") - recomputed_before
     failed = False
     for label, got, drained_at, moved in runs:
         failed |= report(label, requests, expected, got, drained_at, moved, recomputed)

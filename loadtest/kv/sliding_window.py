@@ -16,19 +16,20 @@ this narrow shape's prompt into chunks that do (about a tenth more bytes, on bot
 The ratio is the shape's window against its prompt, so it holds for Mistral-7B-v0.1 itself: its
 KV is 128 KiB a token in bf16, and the script prints what the same prompt moves there.
 
-    .venv/bin/python loadtest/bench_sliding_window.py                 # an 8,000-token prompt
-    .venv/bin/python loadtest/bench_sliding_window.py --smoke         # a check: 5,000 tokens
+    .venv/bin/python -m loadtest.kv.sliding_window                 # an 8,000-token prompt
+    .venv/bin/python -m loadtest.kv.sliding_window --smoke         # a check: 5,000 tokens
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
 
 import torch
 
 from disagg import EngineConfig, SamplingParams
+from disagg.bench.results import host_line, write_results
 from disagg.decode_worker.worker import DecodeWorker
 from disagg.engine.model_shapes import named_shapes
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
@@ -91,17 +92,18 @@ def _run(prefill: PrefillWorker, decode: DecodeWorker, prompt: list[int], max_to
     }
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-tokens", type=int, default=8000)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--by-reference", action="store_true", help="the prefill cache in shared memory (KV_REF)")
     parser.add_argument("--smoke", action="store_true", help="a quick check: a 5,000-token prompt, 4 tokens out")
     parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.prompt_tokens, args.max_tokens = 5000, 4
     torch.set_num_threads(1)
+    print(host_line(), flush=True)
     prompt = torch.randint(3, 512, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
     window = named_shapes()["tiny-mistral"].sliding_window
     windowed, full = (measure(m, prompt, args.max_tokens, args.by_reference) for m in (WINDOWED, GLOBAL))
@@ -120,9 +122,9 @@ def main() -> None:
         f"Mistral-7B-v0.1, bf16, the same prompt: {bytes_ratio * full_mib:.0f} MiB moved instead of {full_mib:.0f} MiB"
     )
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"prompt_tokens": args.prompt_tokens, "windowed": windowed, "full": full}, f, indent=1)
+        write_results(args.json, {"prompt_tokens": args.prompt_tokens, "windowed": windowed, "full": full}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

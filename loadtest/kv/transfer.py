@@ -10,8 +10,8 @@
   (c) a prefill of the default model with layer-wise streaming to a decode actor, against the
       same prefill alone: time ratio, target <= 1.10 (the transfer hides behind compute).
 
-    .venv/bin/python loadtest/bench_kv_transfer.py [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 5]
-    .venv/bin/python loadtest/bench_kv_transfer.py --tokens 32 --layers 2 --heads 2 --head-dim 16 --repeats 1  # a check
+    .venv/bin/python -m loadtest.kv.transfer [--dtype float32|bfloat16] [--device cpu|cuda] [--repeats 5]
+    .venv/bin/python -m loadtest.kv.transfer --tokens 32 --layers 2 --heads 2 --head-dim 16 --repeats 1  # a check
 
 On a GPU machine use --device cuda: the transport then uses NCCL.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import secrets
 import statistics
 import sys
@@ -31,15 +30,14 @@ import ray
 import torch
 from ray import cloudpickle
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kv_bench_actors import measure_raw_bandwidth  # noqa: E402
-
-from disagg.engine.kv_cache import KVCache  # noqa: E402
-from disagg.kv_transfer.receiver import KVReceiver  # noqa: E402
-from disagg.kv_transfer.layout import KVTarget  # noqa: E402
-from disagg.kv_transfer.sender import KVSender  # noqa: E402
-from disagg.config import DEFAULT_KV_TRANSPORT  # noqa: E402
-from disagg.kv_transfer.factory import make_transport  # noqa: E402
+from disagg.bench.results import host_line, write_results
+from disagg.config import DEFAULT_KV_TRANSPORT
+from disagg.engine.kv_cache import KVCache
+from disagg.kv_transfer.factory import make_transport
+from disagg.kv_transfer.layout import KVTarget
+from disagg.kv_transfer.receiver import KVReceiver
+from disagg.kv_transfer.sender import KVSender
+from loadtest.kv.transfer_actors import measure_raw_bandwidth
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -250,7 +248,7 @@ def streaming_overhead(repeats: int, prompt_len: int = 1024) -> tuple[float, flo
     return a, s, s / a, int(statistics.median(messages))
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu")
@@ -268,11 +266,13 @@ def main() -> None:
         help="(b): each layer reaches the sender this long after the previous one, as from a model "
         "(2 ms: a layer of Llama-3-8B's 1,024-token prefill on an H100-class GPU)",
     )
-    args = parser.parse_args()
+    parser.add_argument("--json", help="write the figures here too")
+    args = parser.parse_args(argv)
     if args.repeats < 1 or args.tokens < args.block_size:
         parser.error("need --repeats >= 1 and --tokens >= --block-size")
     geometry = Geometry(args.layers, args.heads, args.head_dim, args.block_size, args.tokens)
     dtype = getattr(torch, args.dtype)
+    print(host_line(), flush=True)
     ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     by_reference = args.device == "cpu"  # a cache on a GPU is never in shared host memory
     gap = args.layer_gap_ms
@@ -299,7 +299,12 @@ def main() -> None:
     print(
         f"(c) default-model prefill of {args.tokens} tokens: alone {alone * 1e3:.0f} ms, streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f} (target <= 1.10); {streamed_messages} messages per prompt"
     )
+    if args.json:
+        protocol = {name: dataclasses.asdict(f) for name, f in (("by_reference", ref), ("packed", packed)) if f}
+        figures = {"raw_gbps": raw_gbps, "protocol": protocol, "prefill_alone_s": alone, "prefill_streamed_s": streamed}
+        write_results(args.json, {**figures, "prefill_ratio": ratio, "streamed_messages": streamed_messages}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

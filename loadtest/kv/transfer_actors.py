@@ -1,6 +1,6 @@
 """Ray actors that measure raw KV-transfer bandwidth over the configured transport (no protocol on top).
 
-    from kv_bench_actors import measure_raw_bandwidth
+    from loadtest.kv.transfer_actors import measure_raw_bandwidth
     gbps = measure_raw_bandwidth(256 * 2**20, torch.float32, repeats=5)
 
 One contiguous tensor goes from one actor to the other per repeat. The sender times
@@ -23,8 +23,8 @@ from ray import cloudpickle
 from disagg.config import DEFAULT_KV_TRANSPORT
 from disagg.kv_transfer.factory import make_transport
 
-# This module is imported from a script's directory, which Ray workers may not have on their
-# path: ship the actor class by value.
+# Ray workers find this module only where they share the driver's working directory (the
+# repository root, under `python -m`): ship the actor class by value, whoever imports it.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 CONNECT_TIMEOUT_S = 60.0
@@ -102,13 +102,18 @@ def measure_raw_bandwidth(
     return (num_bytes // element_size) * element_size / statistics.median(seconds) / 1e9
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="tensor size in MiB (float32)")
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers; the median is printed")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     size = args.mib * 2**20
     gbps = measure_raw_bandwidth(size, torch.float32, args.repeats)
     print(f"raw KV transfer, {args.mib} MiB float32, median of {args.repeats}: {gbps:.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,9 +7,9 @@ model ships as a GGUF; GuideLLM sizes its synthetic prompts with it), then runs 
 its own virtual environment (`make bench-guidellm` makes it: .venv-guidellm) with a scenario of
 constant request rates against `POST /v1/chat/completions`, streamed, and stops the server.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_guidellm.py --guidellm .venv-guidellm/bin/guidellm \\
+    .venv/bin/python -m loadtest.loadgen.guidellm --guidellm .venv-guidellm/bin/guidellm \\
         [--rates 0.5 1 2 3] [--seconds 30] [--prompt-tokens 128] [--output-tokens 32]
-    PYTHONPATH=. .venv/bin/python loadtest/bench_guidellm.py --scenario-only   # the server side, no GuideLLM
+    .venv/bin/python -m loadtest.loadgen.guidellm --scenario-only   # the server side, no GuideLLM
 
 Under --out-dir (default loadtest/results/guidellm): GuideLLM's report (benchmarks.json,
 benchmarks.csv, benchmarks.html) and its console output (guidellm.log, the tables), the scenario
@@ -26,11 +26,10 @@ import sys
 import urllib.request
 from pathlib import Path
 
-from disagg.bench.experiment import ServeProcess, config_without_fixed_ports, free_port
+from disagg.bench.launcher import Deployment
+from disagg.bench.results import REPO, host_line
 from disagg.bench.workloads import load_tokenizer
 from disagg.client import DisaggClient
-
-HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer_dir = _save_tokenizer(out / "tokenizer")
-    config = config_without_fixed_ports(Path(args.config), out / "serving-config.yaml")
-    http_port = free_port()
+    print(host_line(), flush=True)
     print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
-    with ServeProcess(str(config), str(out / "serve.log"), http_port=http_port) as server:
-        url = f"http://127.0.0.1:{http_port}"
+    with Deployment({}, base=args.config, workdir=out, name="serve", http=True) as server:
+        url = server.http_url
         scenario = _scenario(args, url, _served_model(url), str(tokenizer_dir), _server_slo(server.address), out)
         (out / "scenario.json").write_text(json.dumps(scenario, indent=2) + "\n")
         print(
@@ -61,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--guidellm", default=str(HERE.parent / ".venv-guidellm" / "bin" / "guidellm"))
-    p.add_argument("--config", default=str(HERE.parent / "deploy" / "configs" / "disaggregated.yaml"))
+    p.add_argument("--guidellm", default=str(REPO / ".venv-guidellm" / "bin" / "guidellm"))
+    p.add_argument("--config", default=str(REPO / "deploy" / "configs" / "disaggregated.yaml"))
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0, 3.0], help="requests/s")
     p.add_argument("--seconds", type=float, default=30.0, help="of arrivals at each rate")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds the whole sweep may take")
-    p.add_argument("--out-dir", default=str(HERE / "results" / "guidellm"))
+    p.add_argument("--out-dir", default=str(REPO / "loadtest" / "results" / "guidellm"))
     p.add_argument(
         "--scenario-only", action="store_true", help="serve and write the scenario, then stop without running GuideLLM"
     )

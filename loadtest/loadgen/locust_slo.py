@@ -25,8 +25,9 @@ from flask import Response, request
 from locust.runners import MasterRunner, WorkerRunner
 from locust.stats import CSV_STATS_INTERVAL_SEC
 
-from disagg.bench.metrics import RequestRecord
+from disagg.bench.metrics import RequestRecord, slo_targets
 from disagg.bench.slo_tally import FIGURE_FIELDS, SloBoard
+from disagg.slo import SLO
 
 TAB_KEY = "slo"
 REPORT_KEY = "disagg_slo"  # the key of a worker's report to the master
@@ -51,7 +52,7 @@ class SloReport:
 
     def __init__(self, environment):
         self.environment = environment
-        self.board = SloBoard({})
+        self.board = SloBoard(SLO())
         self.started = time.time()
         self.stopped: float | None = None
         self.csv_prefix = getattr(environment.parsed_options, "csv_prefix", None)
@@ -60,7 +61,7 @@ class SloReport:
         self._hook_events()
 
     # ---- counting ----------------------------------------------------------------------------------
-    def judge_by(self, slo: dict[str, float]) -> None:
+    def judge_by(self, slo: SLO) -> None:
         """The SLO requests are judged by, once it is known (at the test's start)."""
         self.board = SloBoard(slo)
 
@@ -69,7 +70,7 @@ class SloReport:
 
     def rows(self) -> list[dict]:
         duration = (self.stopped or time.time()) - self.started
-        slo = ",".join(f"{k}={v:g}" for k, v in self.board.slo.items() if v) or "none"
+        slo = ",".join(f"{k}={v:g}" for k, v in slo_targets(self.board.slo).items()) or "none"
         return [{**row, "duration_s": duration, "slo": slo} for row in self.board.rows(duration)]
 
     # ---- Locust's events ---------------------------------------------------------------------------

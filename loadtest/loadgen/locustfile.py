@@ -1,6 +1,6 @@
 """Locust load test of the server's streams, with seeded real-text workloads: `GenerateUser` speaks
 gRPC (`Generate`), `HttpGenerateUser` the OpenAI-compatible HTTP API (`POST /v1/chat/completions`,
-streamed as server-sent events). Name a class to choose it (`locust -f loadtest/locustfile.py
+streamed as server-sent events). Name a class to choose it (`locust -f loadtest/loadgen/locustfile.py
 HttpGenerateUser --host http://127.0.0.1:8000`); with no class named, GenerateUser alone runs.
 
 Every request is reported to Locust as request events (type "grpc" or "http"), so Locust's
@@ -16,7 +16,7 @@ HTTP has no call that says it, so an HTTP-only run needs the options), or --slo-
 Locust rounds the times it keeps for percentiles, so each request is also written as one exact
 row to --rows-csv (or $DISAGG_LOCUST_ROWS); `disagg report ROWS.csv` reads those rows.
 
-    locust -f loadtest/locustfile.py --headless -u 4 -r 2 -t 60s --host 127.0.0.1:50051 \\
+    locust -f loadtest/loadgen/locustfile.py --headless -u 4 -r 2 -t 60s --host 127.0.0.1:50051 \\
         --csv out/locust --html out/locust.html --rows-csv out/rows.csv --workload chat
 
 Step load: DISAGG_LOCUST_SHAPE=step enables StepLoadShape (--step-users more users every
@@ -44,8 +44,8 @@ from locust import LoadTestShape, User, events, task  # noqa: E402
 from locust.stats import CSV_STATS_INTERVAL_SEC  # noqa: E402
 from locust_slo import SloReport  # noqa: E402  (beside this file: Locust puts its folder on sys.path)
 
-from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row, slo_misses  # noqa: E402
-from disagg.bench.openai_stream import ChatStreamTimer  # noqa: E402
+from disagg.bench.metrics import ROW_FIELDS, RequestRecord, TokenTimer, record_row, slo_misses, slo_targets  # noqa: E402
+from disagg.bench.openai_stream import StreamTimer  # noqa: E402
 from disagg.bench.workloads import (  # noqa: E402
     WORKLOADS,
     WorkloadConfig,
@@ -53,7 +53,7 @@ from disagg.bench.workloads import (  # noqa: E402
     make_workload,
 )
 from disagg.client import DisaggClient, generate_request  # noqa: E402
-from disagg.v1 import serving_pb2  # noqa: E402
+from disagg.slo import SLO  # noqa: E402
 
 
 @events.init_command_line_parser.add_listener
@@ -243,7 +243,7 @@ class HttpGenerateUser(User):
             "ignore_eos": True,
             "stream": True,
             "stream_options": {"include_usage": True},
-            **({"slo": {k: v for k, v in _run.slo.items() if v}} if _run.request_slo else {}),
+            **({"slo": slo_targets(_run.slo)} if _run.request_slo else {}),
         }
         sent = time.perf_counter()
         record.sent_at = sent - _run.started
@@ -266,7 +266,7 @@ class HttpGenerateUser(User):
             record.error_code = str(error.get("code") or f"HTTP_{response.status_code}").upper()
             record.error = error.get("message", "")
             return
-        stream = ChatStreamTimer(sent)
+        stream = StreamTimer(sent)
         while line := response.readline(b"\n"):  # b"": the answer is complete
             stream.on_line(line, time.perf_counter())
         stream.finish(record, time.perf_counter())
@@ -305,7 +305,7 @@ def _report(environment, api: str, record: RequestRecord) -> None:
             context={},
         )
 
-    if any(_run.slo.values()):
+    if _run.slo.any:
         misses = slo_misses(record, _run.slo)
         fire("Generate SLO", record.e2el, record.output_len, SloMissed(", ".join(misses)) if misses else None)
     if not record.success:
@@ -323,22 +323,22 @@ class SloMissed(Exception):
     """A request that missed its SLO (the message says which target, or its error code)."""
 
 
-def _slo(options, speaks_grpc: bool) -> tuple[dict[str, float], serving_pb2.Slo | None]:
+def _slo(options, speaks_grpc: bool) -> tuple[SLO, SLO | None]:
     """The targets requests are judged by, and what each request sends (None: the server's)."""
     if options.slo_ttft_ms is not None or options.slo_tpot_ms is not None:
-        slo = {"ttft_ms": options.slo_ttft_ms or 0.0, "tpot_ms": options.slo_tpot_ms or 0.0}
-        return slo, serving_pb2.Slo(**slo)
+        slo = SLO(options.slo_ttft_ms or 0.0, options.slo_tpot_ms or 0.0)
+        return slo, slo
     if not speaks_grpc:
         print("locustfile: no SLO events (the HTTP API does not say its SLO: give --slo-ttft-ms/--slo-tpot-ms)")
-        return {"ttft_ms": 0.0, "tpot_ms": 0.0}, None
+        return SLO(), None
     host = options.host or GenerateUser.host
     try:
         with DisaggClient(host) as client:
             server = client.cluster_status(timeout=10).default_slo
     except grpc.RpcError as exc:
         print(f"locustfile: no SLO events (ClusterStatus of {host}: {exc.code().name})", flush=True)
-        return {"ttft_ms": 0.0, "tpot_ms": 0.0}, None
-    return {"ttft_ms": server.ttft_ms, "tpot_ms": server.tpot_ms}, None
+        return SLO(), None
+    return SLO.of(server), None
 
 
 class StepLoadShape(LoadTestShape):

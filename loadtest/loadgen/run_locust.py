@@ -1,11 +1,11 @@
 """`make loadtest`: serve the default model (deploy/configs/disaggregated.yaml) on a free port,
 run Locust headless against it for a bounded time, stop the server, write the reports.
 
-    python loadtest/run_locust.py                         # 4 users, 30 s, chat workload
-    python loadtest/run_locust.py --users 8 --run-time 60s --workload code
-    python loadtest/run_locust.py --server 127.0.0.1:50051 # an already running server
-    python loadtest/run_locust.py -- --max-tokens 32      # anything after -- goes to Locust
-    python loadtest/run_locust.py --http                  # HttpGenerateUser: the OpenAI-compatible API
+    python -m loadtest.loadgen.run_locust                         # 4 users, 30 s, chat workload
+    python -m loadtest.loadgen.run_locust --users 8 --run-time 60s --workload code
+    python -m loadtest.loadgen.run_locust --server 127.0.0.1:50051 # an already running server
+    python -m loadtest.loadgen.run_locust -- --max-tokens 32      # anything after -- goes to Locust
+    python -m loadtest.loadgen.run_locust --http                  # HttpGenerateUser: the OpenAI-compatible API
 
 Reports (under --out-dir, default loadtest/results/locust): Locust's CSV (locust_stats.csv, ...)
 with SLO attainment, goodput and TTFT/TPOT percentiles (locust_slo.csv, locust_slo_history.csv),
@@ -23,9 +23,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from disagg.bench.experiment import ServeProcess, config_without_fixed_ports, free_port
+from disagg.bench.launcher import Deployment
 from disagg.bench.metrics import read_rows
 from disagg.bench.report import load_runs, write_report
+from disagg.bench.results import REPO, host_line
 from disagg.client import DisaggClient
 
 HERE = Path(__file__).resolve().parent
@@ -33,7 +34,7 @@ HERE = Path(__file__).resolve().parent
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(HERE.parent / "deploy" / "configs" / "disaggregated.yaml"))
+    parser.add_argument("--config", default=str(REPO / "deploy" / "configs" / "disaggregated.yaml"))
     parser.add_argument("--server", help="HOST:PORT of a running server's gRPC API (then none is started)")
     parser.add_argument("--http", action="store_true", help="HttpGenerateUser instead of the gRPC GenerateUser")
     parser.add_argument("--http-url", help="with --server: its HTTP API (default http://127.0.0.1:8000)")
@@ -41,21 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spawn-rate", type=float, default=2.0)
     parser.add_argument("--run-time", default="30s")
     parser.add_argument("--workload", default="chat")
-    parser.add_argument("--out-dir", default=str(HERE / "results" / "locust"))
+    parser.add_argument("--out-dir", default=str(REPO / "loadtest" / "results" / "locust"))
     parser.add_argument("locust_args", nargs="*", help="after --: more Locust arguments")
     args = parser.parse_args(argv)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    print(host_line(), flush=True)
     with contextlib.ExitStack() as stack:
         address, http_url = args.server, args.http_url or "http://127.0.0.1:8000"
         if address is None:
-            config = config_without_fixed_ports(Path(args.config), out / "serving-config.yaml")
             print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
-            http_port = free_port() if args.http else 0
-            address = stack.enter_context(
-                ServeProcess(str(config), str(out / "serve.log"), http_port=http_port)
-            ).address
-            http_url = f"http://127.0.0.1:{http_port}"
+            server = Deployment({}, base=args.config, workdir=out, name="serve", http=args.http)
+            address, http_url = stack.enter_context(server).address, server.http_url
         users = ["HttpGenerateUser", "--host", http_url, *_server_slo(address)] if args.http else ["--host", address]
         print(f"running Locust for {args.run_time} against {http_url if args.http else address} ...", flush=True)
         code = subprocess.call(

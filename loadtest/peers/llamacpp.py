@@ -6,8 +6,8 @@ fetch it where GitHub cannot be reached). The build is cached per version and pe
 it was built on, and this machine's CPU changes from one session to the next. The compile runs
 under `nice -n 19`: it takes minutes on 2 cores, and must not slow whatever else runs.
 
-    PYTHONPATH=. .venv/bin/python loadtest/llamacpp.py     # build (or find) and print the binaries
-    PYTHONPATH=. .venv/bin/python loadtest/llamacpp.py --perplexity loadtest/data/perplexity_pydoc.txt
+    .venv/bin/python -m loadtest.peers.llamacpp     # build (or find) and print the binaries
+    .venv/bin/python -m loadtest.peers.llamacpp --perplexity loadtest/data/perplexity_pydoc.txt
 
 `--perplexity FILE`: llama.cpp's own perplexity of the default GGUF on FILE (`llama-perplexity
 -c 512`), the reference an engine's perplexity on the same file is checked against.
@@ -29,24 +29,12 @@ import time
 import urllib.request
 from pathlib import Path
 
+from disagg.bench.results import cpu_flags, isa_tag
+
 VERSION = "0.3.36"  # llama-cpp-python's; pinned so that every figure names the llama.cpp it ran
 TARGETS = ("llama-server", "llama-perplexity")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "disagg" / "llama.cpp"
 BUILD_TIMEOUT_S = 3600  # about 4 minutes at full speed; niced behind a test run, far longer
-ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
-
-
-def cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def cpu_tag(flags: set[str]) -> str:
-    """The build's cache key: the vector instructions a native build may use."""
-    return "-".join(f for f in ISA_FLAGS if f in flags) or "generic"
 
 
 def cmake_flags(flags: set[str]) -> list[str]:
@@ -62,7 +50,8 @@ def cmake_flags(flags: set[str]) -> list[str]:
 
 
 def build_dir(version: str = VERSION) -> Path:
-    return CACHE / version / cpu_tag(cpu_flags())
+    """Per version and per the vector instructions a native build may use."""
+    return CACHE / version / isa_tag(cpu_flags())
 
 
 def built_binaries(version: str = VERSION) -> dict[str, Path]:
@@ -84,7 +73,7 @@ def _build(version: str, out: Path) -> None:
     cmake = _cmake()
     build = out / "build"
     started = time.monotonic()
-    print(f"building llama.cpp ({version}, {cpu_tag(cpu_flags())}) in {build} ...", file=sys.stderr, flush=True)
+    print(f"building llama.cpp ({version}, {isa_tag(cpu_flags())}) in {build} ...", file=sys.stderr, flush=True)
     configure = [cmake, "-S", str(source), "-B", str(build), *cmake_flags(cpu_flags())]
     compile_ = [cmake, "--build", str(build), "-j2", "--target", *TARGETS]
     for command in (configure, compile_):
@@ -179,11 +168,11 @@ def perplexity(binary: Path, gguf: str, text: Path, context: int = 512, threads:
     return float(found.group(1)), " ".join(command)
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", default=VERSION, help="of the llama-cpp-python sdist")
     p.add_argument("--perplexity", type=Path, help="a text file: print llama.cpp's perplexity on it")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     found = binaries(args.version)
     for name, path in found.items():
         print(name, path)
@@ -192,7 +181,8 @@ def main() -> None:
 
         ppl, command = perplexity(found["llama-perplexity"], default_gguf_path(), args.perplexity)
         print(f"{command}\nPPL = {ppl:.4f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

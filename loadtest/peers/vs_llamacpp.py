@@ -3,44 +3,43 @@
 What a user on a CPU machine would pick instead of disagg is llama.cpp's `llama-server`, tried
 as a new user would: the default GGUF (SmolLM2-135M-Instruct Q4_1), as many slots as the most
 streams, a context for them all, 2 threads, defaults otherwise. llama.cpp is built once from the
-sources in the `llama-cpp-python` sdist (loadtest/llamacpp.py, cached). Against it, `disagg
+sources in the `llama-cpp-python` sdist (loadtest/peers/llamacpp.py, cached). Against it, `disagg
 serve`'s default deployment (1 prefill + 1 decode worker) over its OpenAI-compatible HTTP API.
 
 One server at a time (2 cores): each is started, warmed up, measured at every number of streams,
-and stopped. The load is closed loop: `streams` clients send streamed `/v1/completions` back to
-back (prose prompts of `--prompt-len` tokens from disagg.bench.workloads, each prompt once per
+and stopped. The load is closed loop (disagg.bench.load_client): `streams` clients send streamed
+`/v1/completions` back to back (prose prompts of `--prompt-len` tokens from disagg.bench.workloads, each prompt once per
 server, `--max-tokens` out, EOS ignored, greedy). Per level: output tokens/s (tokens from each
 stream's usage) and TTFT p50 (first chunk with text). Prints `tok/s ratio @N` (disagg /
 llama.cpp) and both TTFT p50s.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_vs_llamacpp.py [--streams 1 8 32] [--json out.json]
+    .venv/bin/python -m loadtest.peers.vs_llamacpp [--streams 1 8 32] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import aiohttp
 import yaml
 
-from disagg.bench.experiment import ServeProcess, free_port
+from disagg.bench.launcher import Deployment, free_port
+from disagg.bench.load_client import HttpApi, LoadRequest, LoadRun, closed_loop
+from disagg.bench.results import host_line, write_results
 from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload
+from disagg.client import generate_request
 from disagg.engine.loader import default_gguf_path
-from loadtest import llamacpp
+from loadtest.peers import llamacpp
 
-MODEL = "smollm2-135m-instruct"
+MODEL = "smollm2-135m-instruct"  # both servers answer to this name
 REQUEST_TIMEOUT_S = 600  # one request; at 32 streams on 2 cores a request may queue for minutes
 WARM_UP_TOKENS = 16
 SERVERS = ("llama.cpp", "disagg")
@@ -69,69 +68,40 @@ class Level:
         return statistics.median(self.ttfts_s) if self.ttfts_s else float("nan")
 
 
-async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int) -> tuple[float, int]:
-    """(TTFT, output tokens) of one streamed completion; both servers accept this body as it is."""
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    started, first, chunks, usage = time.perf_counter(), None, 0, None
-    async with session.post(f"{url}/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.content:
-            text = line.decode().strip()
-            if not text.startswith("data: ") or text == "data: [DONE]":
-                continue
-            event = json.loads(text[6:])
-            if event.get("error"):
-                raise RuntimeError(f"error event: {event['error']}")
-            usage = event.get("usage") or usage
-            if any(c.get("text") for c in event.get("choices") or ()):
-                first = first or time.perf_counter()
-                chunks += 1
-    if first is None:
-        raise RuntimeError("the stream carried no text")
-    # The usage counts tokens exactly (a chunk may carry several, or none mid-character).
-    return first - started, usage["completion_tokens"] if usage else chunks
-
-
-async def closed_loop(url: str, prompts: list[str], streams: int, max_tokens: int) -> Level:
-    """`streams` clients taking the prompts in turn, each sending its next as its last ends."""
-    level, queue = Level(streams), list(reversed(prompts))
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-
-    async def client(session):
-        while queue:
-            prompt = queue.pop()
-            level.requests += 1
-            try:
-                ttft, tokens = await complete(session, url, prompt, max_tokens)
-            except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, KeyError) as e:
-                level.failures.append(f"{type(e).__name__}: {e}"[:200])
-                continue
-            level.ttfts_s.append(ttft)
-            level.output_tokens += tokens
-            level.short_outputs += tokens < max_tokens
-
-    # A connection per request: llama-server may close a kept-alive one as the next request goes
-    # out on it (seen as ServerDisconnectedError); both servers get the same.
-    connector = aiohttp.TCPConnector(limit=streams, force_close=True)
-    started = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        await asyncio.gather(*(client(session) for _ in range(streams)))
-    level.wall_s = time.perf_counter() - started
-    level.load_avg_1m = os.getloadavg()[0]
+def level_of(run: LoadRun, streams: int, max_tokens: int) -> Level:
+    """One level's figures from its closed loop's records (output tokens as each usage counts them)."""
+    level = Level(streams, requests=len(run.records), wall_s=run.duration_s, load_avg_1m=os.getloadavg()[0])
+    for record in run.records:
+        if not record.success:
+            level.failures.append(f"{record.error_code}: {record.error}"[:200])
+            continue
+        level.ttfts_s.append(record.ttft)
+        level.output_tokens += record.output_len
+        level.short_outputs += record.output_len < max_tokens
     return level
 
 
+async def level(api: HttpApi, prompts: list[str], streams: int, max_tokens: int) -> Level:
+    """`streams` clients taking the prompts in turn, each sending its next as its last ends."""
+    requests = [
+        LoadRequest(generate_request(p, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)) for p in prompts
+    ]
+    return level_of(await closed_loop(api, requests, streams), streams, max_tokens)
+
+
 async def measure(url: str, plan: dict[int, list[str]], warm_up: list[str], max_tokens: int) -> list[Level]:
-    # Warm-up: one request alone, then as many at once as the most streams (buffers for big batches).
-    for warm in (await closed_loop(url, warm_up[:1], 1, WARM_UP_TOKENS),
-                 await closed_loop(url, warm_up[1:], len(warm_up) - 1, WARM_UP_TOKENS)):  # fmt: skip
-        if warm.failures:
-            print(f"  warm-up: {describe(warm)}", flush=True)
-    levels = []
-    for streams, prompts in plan.items():
-        levels.append(await closed_loop(url, prompts, streams, max_tokens))
-        print(f"  {describe(levels[-1])}", flush=True)
+    # A connection per request: llama-server may close a kept-alive one as the next request goes
+    # out on it (seen as ServerDisconnectedError); both servers get the same.
+    async with HttpApi(url, model=MODEL, timeout_s=REQUEST_TIMEOUT_S, connection_per_request=True) as api:
+        # Warm-up: one request alone, then as many at once as the most streams (buffers for big batches).
+        for warm in (await level(api, warm_up[:1], 1, WARM_UP_TOKENS),
+                     await level(api, warm_up[1:], len(warm_up) - 1, WARM_UP_TOKENS)):  # fmt: skip
+            if warm.failures:
+                print(f"  warm-up: {describe(warm)}", flush=True)
+        levels = []
+        for streams, prompts in plan.items():
+            levels.append(await level(api, prompts, streams, max_tokens))
+            print(f"  {describe(levels[-1])}", flush=True)
     return levels
 
 
@@ -182,21 +152,10 @@ def run_llamacpp(args, gguf: str, plan, warm_up, workdir: Path) -> list[Level]:
 
 def run_disagg(args, plan, warm_up, workdir: Path) -> list[Level]:
     # The default deployment; re-planning and the start-up calibration off, to start sooner.
-    config = workdir / "disagg.yaml"
     settings = {"replan": False, "calibration_s": 0, **dict(args.disagg_set)}
-    config.write_text(yaml.safe_dump(settings))
-    print(f"disagg: disagg serve --config {config}: {settings} (defaults otherwise)", flush=True)
-    http_port = free_port()
-    with ServeProcess(str(config), str(workdir / "disagg-serve.log"), http_port=http_port):
-        return asyncio.run(measure(f"http://127.0.0.1:{http_port}", plan, warm_up, args.max_tokens))
-
-
-def git_commit() -> str:
-    def git(*a):
-        here = Path(__file__).resolve().parent
-        return subprocess.run(["git", *a], cwd=here, capture_output=True, text=True, timeout=10).stdout.strip()
-
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--", "disagg") else "")
+    with Deployment(settings, workdir=workdir, name="disagg", http=True) as dep:
+        print(f"disagg: disagg serve --config {dep.config_path}: {settings} (defaults otherwise)", flush=True)
+        return asyncio.run(measure(dep.http_url, plan, warm_up, args.max_tokens))
 
 
 def report(results: dict[str, list[Level]]) -> None:
@@ -209,14 +168,12 @@ def report(results: dict[str, list[Level]]) -> None:
 
 
 def write_json(path: str, args, results: dict[str, list[Level]], quiet: dict[str, bool]) -> None:
-    meta = {"commit": git_commit(), "cpu": platform.processor() or platform.machine(),
-            "cpu_flags": llamacpp.cpu_tag(llamacpp.cpu_flags()), "llamacpp_version": args.llamacpp_version,
-            "load_below_max_at_start": quiet, "args": vars(args)}  # fmt: skip
+    meta = {"llamacpp_version": args.llamacpp_version, "load_below_max_at_start": quiet}
     levels = {
         server: [{**asdict(lv), "tokens_per_s": lv.tokens_per_s, "ttft_p50_s": lv.ttft_p50_s} for lv in found]
         for server, found in results.items()
     }
-    Path(path).write_text(json.dumps({"meta": meta, "levels": levels}, indent=2) + "\n")
+    write_results(path, {"meta": meta, "levels": levels}, args)
 
 
 def parse_args(argv):
@@ -249,7 +206,7 @@ def _setting(text: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (`timeout`, a CI) unwinds like Ctrl-C, so that the server running is stopped too.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -262,7 +219,7 @@ def main(argv: list[str] | None = None) -> None:
     # The servers' logs stay for a post-mortem (loadtest/out/ is git-ignored).
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="vs_llamacpp-", dir=args.out_dir))
-    print(f"commit {git_commit()}, {gguf}, {llamacpp.cpu_tag(llamacpp.cpu_flags())}, logs in {workdir}", flush=True)
+    print(f"{host_line()}; {gguf}; logs in {workdir}", flush=True)
     runs = {"llama.cpp": lambda: run_llamacpp(args, gguf, plan, warm_up, workdir),
             "disagg": lambda: run_disagg(args, plan, warm_up, workdir)}  # fmt: skip
     quiet, results = {}, {}
@@ -274,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
         report(results)
     if args.json:
         write_json(args.json, args, results, quiet)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """The planner against a real GPU system (DistServe's measured A100 runs) and against the clock.
 
-    .venv/bin/python loadtest/bench_planner.py [--data ../shared/data/distserve] [--skip-search]
+    .venv/bin/python -m loadtest.planner.distserve [--data ../shared/data/distserve] [--skip-search]
 
 Prints:
 1. each measured run in the data directory replayed through the simulator as the system that ran
@@ -16,15 +16,8 @@ Prints:
    for one 8-GPU node and for 4 nodes x 8;
 4. the simulator's speed in simulated requests per minute on one core.
 
-With --verify, instead: the planner's choice for this machine's 2 cores against real servers, for
-a prefill-heavy and a decode-heavy workload (loadtest/verify_plan.py says how):
-
-    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify [--out DIR] [--workloads prefill-heavy]
-    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify --reuse DIR    # re-plan, no servers
-    PYTHONPATH=. .venv/bin/python loadtest/bench_planner.py --verify --smoke [--config C]   # the smallest run
-
-It profiles this host first (OUT/profiles/, kept and reused), since the plan must describe the
-machine it is checked on.
+The planner's choice for this machine's cores, against real servers: `python -m
+loadtest.planner.verify`.
 """
 
 from __future__ import annotations
@@ -35,18 +28,20 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from disagg.placement.profile import load_profile  # noqa: E402
-from disagg.planner.deployment import Deployment, trace_config, trace_deployment  # noqa: E402
-from disagg.planner.hardware import hardware_spec  # noqa: E402
-from disagg.planner.models import model_spec  # noqa: E402
-from disagg.planner.search import SLO, NodeKind, Search  # noqa: E402
-from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
-from disagg.planner.reference import parse_reference, reference_candidate  # noqa: E402
-from disagg.planner.workload import SimRequest, load_trace, poisson_arrivals, with_rate  # noqa: E402
+from disagg.bench.results import host_line
+from disagg.placement.profile import load_profile
+from disagg.planner.deployment import Deployment, trace_config, trace_deployment
+from disagg.planner.hardware import hardware_spec
+from disagg.planner.models import model_spec
+from disagg.planner.reference import parse_reference, reference_candidate
+from disagg.planner.search import NodeKind, Search
+from disagg.planner.simulator import percentile, slo_attainment
+from disagg.planner.workload import SimRequest, load_trace, poisson_arrivals, with_rate
+from disagg.slo import SLO, met
+from loadtest.planner import DISTSERVE_DATA
 
 MODEL = "facebook/opt-13b"
+OSDI_SLO = SLO(200.0, 100.0)  # DistServe's runs' SLO
 
 
 def profile_for(data: Path, trace_name: str):
@@ -67,8 +62,8 @@ def replay(data: Path) -> None:
         profile = profile_for(data, path.name)
         records = trace_deployment(trace.config, trace.model, profile).simulator().run(trace.requests)
         slo = trace.slo
-        sim_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
-        real_att = 100 * sum(m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured)
+        sim_att = slo_attainment(records, slo)
+        real_att = 100 * sum(met(slo, m["ttft_ms"], m["tpot_ms"]) for m in trace.measured)
         real_att /= len(trace.measured)
         cells = [f"{sim_att:5.1f} / {real_att:5.1f} ({sim_att - real_att:+5.1f})"]
         for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
@@ -104,7 +99,7 @@ def kept_aside(data: Path) -> None:
         ]
         records = trace_deployment(base.config, base.model, profile).simulator().run(requests)
         print(
-            f"   {rate:4.1f} req/s, {count} requests: simulated {slo_attainment(records, 200, 100):5.1f}% met, measured {measured}%"
+            f"   {rate:4.1f} req/s, {count} requests: simulated {slo_attainment(records, OSDI_SLO):5.1f}% met, measured {measured}%"
         )
 
 
@@ -116,7 +111,7 @@ def distserve_max_rate(data: Path, search: Search) -> float:
 
     def ok(rate: float) -> bool:
         requests = with_rate(search._requests_for(rate), rate, seed=search.seed)
-        return search.slo.met(deployment.simulator().run(requests))
+        return search.holds(deployment.simulator().run(requests))
 
     low, high = 0.5, 16.0
     while high - low > search.rate_tolerance * low:
@@ -130,7 +125,7 @@ def plan_vs_distserve(data: Path, skip_search: bool) -> None:
     profile = load_profile(str(data / "profiler-a100-80g.distserve.json"), model=MODEL)
     for nodes, devices in ((1, 8), (4, 8)):
         kind = NodeKind(hardware_spec("a100-80gb"), profile, nodes, devices)
-        search = Search(model_spec(MODEL), [kind], trace_lengths(data), SLO(200.0, 100.0), max_model_len=2048)
+        search = Search(model_spec(MODEL), [kind], trace_lengths(data), OSDI_SLO, max_model_len=2048)
         if nodes == 1:
             rate = distserve_max_rate(data, search)
             print(f"   DistServe's deployment (prefill TP2 x1, decode TP1 x1, 3 GPUs) as DistServe runs it: "
@@ -165,47 +160,20 @@ def simulator_speed(data: Path, num_requests: int = 100_000) -> None:
     print(
         f"   {num_requests} requests (4 prefill TP2 + 4 decode TP1, 20 req/s, ShareGPT lengths): {elapsed:.1f} s, "
         f"{num_requests / elapsed * 60:,.0f} simulated requests per minute; attainment "
-        f"{slo_attainment(records, 200, 100):.1f}%"
+        f"{slo_attainment(records, OSDI_SLO):.1f}%"
     )
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
+    parser.add_argument("--data", default=str(DISTSERVE_DATA))
     parser.add_argument("--skip-search", action="store_true")
     parser.add_argument("--speed-requests", type=int, default=100_000)
-    parser.add_argument("--verify", action="store_true", help="the plan for this machine's 2 cores, measured")
-    parser.add_argument("--reuse", metavar="DIR", help="--verify against the runs saved in DIR (no servers)")
-    parser.add_argument("--out", default="loadtest/out/planner-verify", help="--verify: where runs are saved")
-    parser.add_argument("--workloads", default="prefill-heavy,decode-heavy", help="--verify: which workloads")
-    parser.add_argument("--profile-1t", help="--verify: a 1-thread profile of this host (default: measured first)")
-    parser.add_argument("--profile-2t", help="--verify: a 2-thread profile of this host (default: measured first)")
     parser.add_argument(
-        "--smoke",
-        action="store_true",
-        help="the smallest sizes (no search, 1,000 requests timed; --verify: a short plan, the pick alone): runs, no figures",
+        "--smoke", action="store_true", help="the smallest sizes (no search, 1,000 requests timed): runs, no figures"
     )
-    parser.add_argument("--config", help="--verify: a serving config each measured plan's config is laid over")
-    args = parser.parse_args()
-    if args.verify:
-        from verify_plan import FULL, SMOKE, profile_host, run
-
-        out = Path(args.reuse or args.out)
-        profile_1t, profile_2t = args.profile_1t, args.profile_2t
-        if not (profile_1t and profile_2t):  # this host's, measured first (or kept from a run before)
-            measured = profile_host(out / "profiles")
-            profile_1t, profile_2t = profile_1t or measured[0], profile_2t or measured[1]
-        effort = SMOKE if args.smoke else FULL
-        run(
-            out,
-            args.workloads.split(","),
-            profile_1t,
-            profile_2t,
-            bool(args.reuse),
-            effort=effort,
-            base_config=args.config,
-        )
-        return 0
+    args = parser.parse_args(argv)
+    print(host_line(), flush=True)
     data = Path(args.data)
     replay(data)
     kept_aside(data)

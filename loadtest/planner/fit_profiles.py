@@ -2,7 +2,7 @@
 
 The fitted values go into disagg/placement/published_profiles.py (FITTED).
 
-    PYTHONPATH=. .venv/bin/python loadtest/fit_published_profiles.py [--data ../shared/data/distserve] [--smoke]
+    .venv/bin/python -m loadtest.planner.fit_profiles [--data ../shared/data/distserve] [--smoke]
 
 For each engine (DistServe, vLLM 0.2), on its runs in the data directory, with everything else as
 `disagg.planner.traced_systems` says (settings from DistServe's launch script, memory rules and
@@ -29,13 +29,14 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from disagg.placement.profile import as_served, load_profile  # noqa: E402
-from disagg.placement.published_profiles import FITTED, ServedStep  # noqa: E402
-from disagg.planner.deployment import trace_deployment  # noqa: E402
-from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
-from disagg.planner.workload import load_trace  # noqa: E402
+from disagg.bench.results import host_line
+from disagg.placement.profile import as_served, load_profile
+from disagg.placement.published_profiles import FITTED, ServedStep
+from disagg.planner.deployment import trace_deployment
+from disagg.planner.simulator import percentile, slo_attainment
+from disagg.planner.workload import load_trace
+from disagg.slo import met
+from loadtest.planner import DISTSERVE_DATA
 
 ISOLATED_GAP_S = 1.0
 FRONTEND_MS = [float(v) for v in range(0, 21)]
@@ -125,8 +126,8 @@ def mean_error(runs, served) -> float:
 def target_errors(trace, records) -> list[float]:
     """|attainment error| / 3 points and |percentile error| / 10% for TTFT and TPOT p50 and p90."""
     slo = trace.slo
-    met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
-    errors = [abs(slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"]) - 100 * sum(met) / len(met)) / 3]
+    measured_met = [met(slo, m["ttft_ms"], m["tpot_ms"]) for m in trace.measured]
+    errors = [abs(slo_attainment(records, slo) - 100 * sum(measured_met) / len(measured_met)) / 3]
     for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
         simulated = [getattr(r, attr) * 1e3 for r in records]
         measured = [m[key] for m in trace.measured]
@@ -140,9 +141,9 @@ def report(runs, served) -> None:
     for path, trace, profile in runs:
         records = simulate(trace, profile, served)
         slo = trace.slo
-        simulated_att = slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])
-        met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
-        cells = [f"attainment {simulated_att:5.1f} / {100 * sum(met) / len(met):5.1f}"]
+        simulated_att = slo_attainment(records, slo)
+        measured_met = [met(slo, m["ttft_ms"], m["tpot_ms"]) for m in trace.measured]
+        cells = [f"attainment {simulated_att:5.1f} / {100 * sum(measured_met) / len(measured_met):5.1f}"]
         for key, attr in (("ttft_ms", "ttft_s"), ("tpot_ms", "tpot_s")):
             simulated = [getattr(r, attr) * 1e3 for r in records]
             measured = [m[key] for m in trace.measured]
@@ -152,11 +153,12 @@ def report(runs, served) -> None:
         print(f"   {path.stem:24} " + "  ".join(cells))
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/distserve"))
+    parser.add_argument("--data", default=str(DISTSERVE_DATA))
     parser.add_argument("--smoke", action="store_true", help="one run per engine, a coarse search: runs, no figures")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(host_line(), flush=True)
     effort = SMOKE if args.smoke else FULL
     for name, served in FITTED.items():
         runs = runs_of(Path(args.data), name)[: effort.max_runs]

@@ -4,9 +4,10 @@ Three instances of the default model, one thread each, on this machine (`disagg 
 process: Ray, redis-server, gRPC on 127.0.0.1). The workload shifts: a prefill-heavy phase (long
 prompts, short outputs), a decode-heavy phase (short prompts, long outputs), the prefill-heavy
 phase again, each `--phase-s` seconds of Poisson arrivals at `--load` (0.8) of the best static
-split's capacity for that phase: measured (`--prefill-capacity`, `--decode-capacity`, req/s), or
-else the simulator's on the measured profile (deploy/profiles/smollm2-135m-cpu-1t.json; each
-split's highest rate at 90% attainment), which is optimistic on this host (RESULTS.md).
+split's capacity for that phase, measured first in the same run (disagg.bench.capacity: each
+static split served, each phase's requests sent by enough closed-loop streams to saturate it, no
+refusals), so that the load means the same on a fast host and a slow one; `--prefill-capacity`,
+`--decode-capacity` (req/s) give an earlier run's instead. Both are printed.
 
 The same requests (random prompt token ids, greedy) run on 2P:1D and 1P:2D with re-planning off,
 on 2P:1D with re-planning on (it must move an instance at each phase change), and on a
@@ -19,83 +20,93 @@ in the new role); the migration pause (a moved request's longest gap between tok
 drain, less its median gap) against the decode step (the median gap between tokens); recomputed
 tokens, lost and wrong outputs; flips; and the simulator's prediction of the same comparison.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_replan.py [--phase-s 60] [--load 0.8]
+    .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import random
 import statistics
 import sys
-import tempfile
-import time
-import urllib.request
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
-import grpc
-
+from disagg.bench.capacity import add_load_argument, measure_capacity
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.load_client import GrpcApi, LoadRequest, open_loop, run_loop
+from disagg.bench.metrics import RequestRecord
+from disagg.bench.results import host_line, write_results
+from disagg.bench.slo_tally import SloTally
 from disagg.client import DisaggClient, generate_request
 from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
-from disagg.planner.deployment import Deployment as PlannedDeployment
-from disagg.planner.deployment import with_split
 from disagg.planner.replan_sim import replan_report
-from disagg.planner.simulator import slo_attainment
 from disagg.planner.workload import SimRequest
-from disagg.v1 import serving_pb2_grpc
-from loadtest.served import Deployment, add_config_argument
+from disagg.slo import SLO, met
 
 PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
 PHASES = {"prefill-heavy": ((700, 900), (4, 8)), "decode-heavy": ((20, 40), (150, 200))}
 ORDER = ("prefill-heavy", "decode-heavy", "prefill-heavy")
-SLO = {"ttft_ms": 3000.0, "tpot_ms": 150.0}
+TARGETS = SLO(ttft_ms=3000.0, tpot_ms=150.0)
 ENGINE = {"num_kv_blocks": 1024, "max_num_batched_tokens": 512}
 REPLAN = {"replan_interval_s": 3.0, "replan_window_s": 15.0, "replan_hold_s": 20.0}
 POOL = {"num_cpus_per_worker": 0.5}
 VOCAB = (1000, 40000)  # prompt token ids are drawn from here
+SPLITS = {"2P:1D": (2, 1), "1P:2D": (1, 2)}  # the static splits of three instances
+# Closed-loop streams that saturate a split on each phase's requests (its batches full), and
+# how many requests the capacity is measured with.
+CAPACITY_STREAMS = {"prefill-heavy": 8, "decode-heavy": 24}
 
 
 @dataclass
 class Sent:
-    """One request of the trace and what came back."""
+    """One request of the trace: when it was due, and what came back (its load-client record)."""
 
     index: int
     arrival_s: float
     prompt: list[int]
     max_tokens: int
-    tokens: list[int] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)  # seconds since the run started, per message
-    counts: list[int] = field(default_factory=list)  # tokens per message
-    error: str = ""
+    record: RequestRecord | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.record.token_ids if self.record else []
+
+    @property
+    def times(self) -> list[float]:
+        """When each token arrived, seconds since the run started."""
+        return self.record.token_times if self.record else []
+
+    @property
+    def error(self) -> str:
+        record = self.record
+        return "" if record is None or record.success else f"{record.error_code}: {record.error}"
 
     @property
     def ok(self) -> bool:
-        return not self.error and len(self.tokens) == self.max_tokens
+        return self.record is not None and self.record.success and len(self.tokens) == self.max_tokens
 
     def ttft_ms(self) -> float:
-        return (self.times[0] - self.arrival_s) * 1e3
+        return self.record.ttft * 1e3
 
     def tpot_ms(self) -> float:
-        return (self.times[-1] - self.times[0]) * 1e3 / max(1, len(self.tokens) - 1)
+        return self.record.tpot * 1e3
 
     def meets(self) -> bool:
-        return self.ok and self.ttft_ms() <= SLO["ttft_ms"] and self.tpot_ms() <= SLO["tpot_ms"]
+        return self.ok and met(TARGETS, self.ttft_ms(), self.tpot_ms())
 
     def gaps(self) -> list[tuple[float, float]]:
         """(when, seconds since the message before) of every message after the first."""
-        return [(t, t - s) for s, t in zip(self.times, self.times[1:])]
+        return [(t, t - s) for s, t in zip(self.times, self.times[1:]) if t > s]
 
 
 # ---- the workload -------------------------------------------------------------------------------
 def config(prefill: int, decode: int, **extra) -> ServingConfig:
     return ServingConfig.from_dict(
         {"mode": "disaggregated", "engine": ENGINE, "prefill": {"num_instances": prefill},
-         "decode": {"num_instances": decode}, "slo": SLO, **extra}
+         "decode": {"num_instances": decode}, "slo": TARGETS.to_dict(), **extra}
     )  # fmt: skip
 
 
@@ -110,31 +121,44 @@ def phase_requests(
     return out
 
 
+def phase_lengths(phase: str, n: int, rng: random.Random, length_scale: float = 1.0) -> list[SimRequest]:
+    """`n` requests of the phase's lengths, all due at once."""
+    (p_lo, p_hi), (o_lo, o_hi) = (scaled(bounds, length_scale) for bounds in PHASES[phase])
+    return [SimRequest(i, 0.0, rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)) for i in range(n)]
+
+
 def scaled(bounds: tuple[int, int], scale: float) -> tuple[int, int]:
     return max(1, round(bounds[0] * scale)), max(1, round(bounds[1] * scale))
 
 
-def capacity(phase: str, prefill: int, decode: int, profile, length_scale: float = 1.0) -> float:
-    """The highest rate this split serves the phase at with 90% attainment, by the simulator."""
-    planned = PlannedDeployment(with_split(config(2, 1), prefill, decode), {"prefill": profile, "decode": profile})
-    low, high = 0.05, 20.0
-    for _ in range(12):
-        mid = math.sqrt(low * high)
-        requests = phase_requests(phase, mid, 60.0, 0.0, random.Random(0), length_scale)
-        attained = slo_attainment(planned.simulator().run(requests), SLO["ttft_ms"], SLO["tpot_ms"])
-        low, high = (mid, high) if attained >= 90 else (low, mid)
-    return low
+def split_settings(prefill: int, decode: int, args, **extra) -> dict:
+    pools = {"prefill": {"num_instances": prefill, **POOL}, "decode": {"num_instances": decode, **POOL}}
+    return {"engine": ENGINE, "slo": TARGETS.to_dict(), "threads_per_worker": 1,
+            "calibration_s": args.calibration_s, **pools, **extra}  # fmt: skip
+
+
+def measured_capacities(phases: list[str], args) -> dict[str, float]:
+    """Each phase's best static capacity (req/s): every split served in turn (refusing nothing,
+    so that what it completes is what it can), each phase's requests (prompts of their own) sent
+    by closed-loop streams enough to saturate it."""
+    best: dict[str, float] = {}
+    for name, (prefill, decode) in SPLITS.items():
+        settings = split_settings(prefill, decode, args, replan=False, slo_admission="best_effort")
+        with Deployment(settings, base=args.config, name="replan-capacity") as dep:
+            for phase in phases:
+                lengths = phase_lengths(phase, args.capacity_requests, random.Random(2), args.length_scale)
+                requests = [LoadRequest(_message(r), len(r.prompt)) for r in fresh(lengths)]
+                found = run_loop(GrpcApi(dep.address), measure_capacity, requests, CAPACITY_STREAMS[phase])
+                print(f"capacity of {name} on {phase}: {found.requests_per_s:.3f} req/s", flush=True)
+                best[phase] = max(best.get(phase, 0.0), found.requests_per_s)
+    return best
 
 
 def trace(
-    phase_s: float, load: float, profile, capacities: dict[str, float | None], length_scale: float = 1.0
+    phase_s: float, load: float, capacities: dict[str, float], length_scale: float = 1.0
 ) -> tuple[list[SimRequest], dict]:
-    """`capacities`: each phase's best static capacity (req/s), measured; None: the simulator's."""
-
-    def best(phase: str) -> float:
-        return max(capacity(phase, 2, 1, profile, length_scale), capacity(phase, 1, 2, profile, length_scale))
-
-    rates = {phase: load * (capacities.get(phase) or best(phase)) for phase in PHASES}
+    """`capacities`: each phase's best static capacity (req/s)."""
+    rates = {phase: load * capacities[phase] for phase in PHASES}
     rng, requests = random.Random(1), []
     for k, phase in enumerate(ORDER):
         requests += phase_requests(phase, rates[phase], phase_s, k * phase_s, rng, length_scale)
@@ -142,63 +166,39 @@ def trace(
 
 
 # ---- a run --------------------------------------------------------------------------------------
-async def replay(address: str, requests: list[Sent], paced: bool) -> float:
+def _message(req):
+    return generate_request(prompt_token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def replay(address: str, requests: list[Sent], paced: bool) -> float:
     """Sends every request at its arrival time (or all at once, `paced` False, at most 24 in
     flight); returns the run's start (time.time())."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        await asyncio.wait_for(channel.channel_ready(), 30)
-        stub = serving_pb2_grpc.ServingStub(channel)
-        started, wall = time.perf_counter(), time.time()
-        slots = asyncio.Semaphore(24 if not paced else 10**6)
-
-        async def one(req: Sent) -> None:
-            if paced:
-                await asyncio.sleep(max(0.0, started + req.arrival_s - time.perf_counter()))
-            async with slots:
-                if not paced:
-                    req.arrival_s = time.perf_counter() - started
-                message = generate_request(
-                    prompt_token_ids=req.prompt, max_tokens=req.max_tokens, temperature=0.0, ignore_eos=True
-                )
-                try:
-                    async for msg in stub.Generate(message, timeout=600):
-                        if msg.token_ids:
-                            req.tokens += msg.token_ids
-                            req.times.append(time.perf_counter() - started)
-                            req.counts.append(len(msg.token_ids))
-                except grpc.aio.AioRpcError as exc:
-                    req.error = f"{exc.code().name}: {exc.details()}"
-
-        await asyncio.gather(*(one(r) for r in requests))
-        return wall
+    sent = [LoadRequest(_message(r), len(r.prompt)) for r in requests]
+    arrivals = [r.arrival_s for r in requests] if paced else [0.0] * len(requests)
+    run = run_loop(GrpcApi(address), open_loop, sent, arrivals, None if paced else 24)
+    for req, record in zip(requests, run.records):
+        req.record = record
+        if not paced:
+            req.arrival_s = record.sent_at
+    return run.started_at
 
 
 def fresh(requests: list[SimRequest]) -> list[Sent]:
+    """The requests with prompts of random token ids (none shares a prefix with another run's)."""
     rng = random.Random(7)
     return [Sent(r.index, r.arrival_s, [rng.randrange(*VOCAB) for _ in range(r.prompt_len)], r.output_len)
             for r in requests]  # fmt: skip
 
 
-def metric(url: str, prefix: str) -> float:
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(prefix))
-
-
-def run(name: str, requests: list[Sent], args, paced: bool = True, **overrides) -> dict:
+def run(name: str, requests: list[Sent], args, paced: bool = True, **settings) -> dict:
     print(f"[{name}] starting", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(
-            Path(tmp), args.config, engine=ENGINE, slo=SLO, threads_per_worker=1, calibration_s=args.calibration_s,
-            **overrides,
-        )  # fmt: skip
-        try:
-            started = asyncio.run(replay(dep.address, requests, paced))
-            with DisaggClient(dep.address) as client:
-                status = client.cluster_status()
-            recomputed = metric(dep.metrics_url, "disagg:request_migrations_total{")
-            moved = metric(dep.metrics_url, 'disagg:live_moves_total{outcome="moved"}')
-        finally:
-            dep.stop()
+    base = {"engine": ENGINE, "slo": TARGETS.to_dict(), "threads_per_worker": 1, "calibration_s": args.calibration_s}
+    with Deployment({**base, **settings}, base=args.config, name="replan") as dep:
+        started = replay(dep.address, requests, paced)
+        with DisaggClient(dep.address) as client:
+            status = client.cluster_status()
+        recomputed = dep.metric("disagg:request_migrations_total{")
+        moved = dep.metric('disagg:live_moves_total{outcome="moved"}')
     decisions = [d for d in status.replan_decisions if d.switched_instance]
     switches = sorted(
         ({"decided": d.unix_time - started, "seconds": d.switch_seconds, "outcome": d.switch_outcome,
@@ -210,12 +210,20 @@ def run(name: str, requests: list[Sent], args, paced: bool = True, **overrides) 
 
 
 # ---- figures ------------------------------------------------------------------------------------
+def tally(requests: list[Sent]) -> SloTally:
+    """The requests judged by the SLO (disagg.slo.met; a failure, or an output cut short, misses)."""
+    counted = SloTally(TARGETS)
+    for r in requests:
+        counted.add(r.record if r.ok else RequestRecord(r.index, len(r.prompt), r.max_tokens, error_code="SHORT"))
+    return counted
+
+
 def goodput(requests: list[Sent], duration: float) -> float:
-    return sum(r.meets() for r in requests) / duration
+    return tally(requests).goodput(duration)
 
 
 def attainment(requests: list[Sent]) -> float:
-    return 100.0 * sum(r.meets() for r in requests) / len(requests) if requests else 100.0
+    return tally(requests).attainment_pct if requests else 100.0
 
 
 def phase_of(arrival_s: float, phase_s: float) -> int:
@@ -246,21 +254,27 @@ def pauses_ms(requests: list[Sent], switches: list[dict]) -> list[float]:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase-s", type=float, default=60.0)
-    p.add_argument("--load", type=float, default=0.8, help="of the best static split's capacity in each phase")
-    p.add_argument("--prefill-capacity", type=float, help="req/s: the prefill-heavy phase's measured best capacity")
-    p.add_argument("--decode-capacity", type=float, help="req/s: the decode-heavy phase's measured best capacity")
+    add_load_argument(p, 0.8, "each phase's rate, of the best static split's capacity in that phase")
+    p.add_argument("--prefill-capacity", type=float, help="req/s: the prefill-heavy phase's (an earlier run's)")
+    p.add_argument("--decode-capacity", type=float, help="req/s: the decode-heavy phase's (an earlier run's)")
+    p.add_argument("--capacity-requests", type=int, default=24, help="requests each capacity is measured with")
     p.add_argument("--length-scale", type=float, default=1.0, help="scales every phase's prompt and output lengths")
     p.add_argument("--calibration-s", type=float, default=30.0, help="each server's start-up calibration (0: none)")
     p.add_argument("--json", help="write every figure here too")
     add_config_argument(p)
     args = p.parse_args(argv)
+    print(host_line(), flush=True)
     profile = load_profile(PROFILE)
-    measured = {"prefill-heavy": args.prefill_capacity, "decode-heavy": args.decode_capacity}
-    workload, rates = trace(args.phase_s, args.load, profile, measured, args.length_scale)
+    capacities = {"prefill-heavy": args.prefill_capacity, "decode-heavy": args.decode_capacity}
+    unknown = [phase for phase, found in capacities.items() if found is None]
+    capacities.update(measured_capacities(unknown, args) if unknown else {})
+    workload, rates = trace(args.phase_s, args.load, capacities, args.length_scale)
     duration = len(ORDER) * args.phase_s
+    for phase, rate in rates.items():
+        print(f"{phase}: load {args.load:g} x capacity {capacities[phase]:.3f} req/s = {rate:.3f} req/s", flush=True)
     print(f"trace: {len(workload)} requests; rates (req/s) {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
     simulated = replan_report(
         config(2, 1), {"prefill": profile, "decode": profile}, workload,
@@ -333,16 +347,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         rows = {name: [_row(r, args.phase_s) for r in run_["requests"]]
                 for name, run_ in {**runs, "replan": replanned}.items()}  # fmt: skip
-        everything = {**figures, "switches": replanned["switches"], "rates": rates, "requests": rows}
-        Path(args.json).write_text(json.dumps(everything))
+        rates = {"rates": rates, "capacities": capacities, "load": args.load}
+        write_results(args.json, {**figures, "switches": replanned["switches"], **rates, "requests": rows}, args)
+    return 0
 
 
 def _row(r: Sent, phase_s: float) -> dict:
-    timed = bool(r.times)
+    timed = bool(r.record and r.record.success)
     return {"arrival_s": round(r.arrival_s, 3), "phase": phase_of(r.arrival_s, phase_s), "ok": r.ok,
             "meets": r.meets(), "error": r.error[:80], "ttft_ms": round(r.ttft_ms(), 1) if timed else None,
             "tpot_ms": round(r.tpot_ms(), 1) if timed else None}  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

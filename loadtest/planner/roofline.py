@@ -3,21 +3,19 @@
 fitted on, and on held-out points between and beyond them, all within the measured range
 (the measured profile's own fit is the reference, so nothing is extrapolated).
 
-    python loadtest/calibrate_roofline.py loadtest/results/gpu-h100/llama3-8b-h100-tp1.json \\
+    python -m loadtest.planner.roofline loadtest/results/gpu-h100/llama3-8b-h100-tp1.json \\
         --model llama3-8b --hardware h100-sxm
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from disagg.placement.profile import load_profile  # noqa: E402
-from disagg.planner.roofline import calibrate, compare, roofline_profile  # noqa: E402
+from disagg.bench.results import write_results
+from disagg.placement.profile import load_profile
+from disagg.planner.roofline import calibrate, compare, roofline_profile
 
 
 def grids(max_prompt: int, max_batch: int, max_context: int) -> tuple[dict, dict]:
@@ -62,8 +60,7 @@ def main(argv=None) -> int:
         for shape, errors in report[key].items():
             print(f"{key:34s} {shape}: median |error| {errors['median']:.1f}%, max {errors['max']:.1f}%")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=2)
+        write_results(args.out, report, args)
     return 0
 
 

@@ -3,7 +3,7 @@ decode-heavy (short prompts, long outputs), then prefill-heavy again, each phase
 seconds of Poisson arrivals. `disagg simulate --trace` replays it; with `--replan` it says what
 re-planning gains over every static split (disagg.planner.replan_sim).
 
-    python loadtest/shifting_trace.py -o /tmp/shift.json
+    python -m loadtest.planner.shifting_trace -o /tmp/shift.json
     disagg simulate --trace /tmp/shift.json --config CONFIG --profile deploy/profiles/smollm2-135m-cpu-1t.json --replan
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 
 
 def shifting_rows(phase_s: float, prefill_rate: float, decode_rate: float, seed: int = 0) -> list[dict]:
@@ -32,19 +33,20 @@ def shifting_rows(phase_s: float, prefill_rate: float, decode_rate: float, seed:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase-s", type=float, default=90.0)
     p.add_argument("--prefill-rate", type=float, default=1.5, help="requests/s in the prefill-heavy phases")
     p.add_argument("--decode-rate", type=float, default=8.0, help="requests/s in the decode-heavy phase")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-o", "--output", required=True)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     rows = shifting_rows(args.phase_s, args.prefill_rate, args.decode_rate, args.seed)
     with open(args.output, "w") as f:
         json.dump({"requests": rows}, f)
     print(f"wrote {args.output}: {len(rows)} requests over {3 * args.phase_s:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -3,7 +3,8 @@
 Repeats the "SLO attainment: disaggregated vs colocated" experiment of loadtest/RESULTS.md
 (summarization, length-scale 0.2, SLO TTFT <= 3000 ms and TPOT <= 300 ms) on real `disagg serve`
 processes (`disagg.bench.experiment.run_experiment`: the same requests for every mode at a rate,
-modes in rotated turns), then replays exactly those requests through `disagg.planner.simulator`:
+modes in rotated turns; the rates `--loads` times the first mode's capacity, measured first, so
+that they bracket where attainment drops on any host; `--rates` names absolute ones instead), then replays exactly those requests through `disagg.planner.simulator`:
 the prompt lengths the server counted, the output lengths asked for, and each request's send time
 as its arrival. The engine's step times come from measured CPU profiles (`disagg profile`): one
 thread for the disaggregated mode's workers, two for the colocated worker.
@@ -17,10 +18,10 @@ Targets (issue 35): simulated attainment within 5 points of the measured one at 
 (above saturation too); where the server is not saturated (measured attainment >= 90%), simulated
 TTFT and TPOT medians within 15%; the rate where attainment drops below 90% within 10%.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --quick          # ~3 minutes
-    PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py                  # 4 rates x 96 requests, ~30 minutes
-    PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --reuse DIR/measured   # simulate old runs again
-    PYTHONPATH=. .venv/bin/python loadtest/bench_simulator.py --reuse D1,D2 --modes A,B   # one experiment dir a mode
+    .venv/bin/python -m loadtest.planner.simulator --quick          # ~3 minutes
+    .venv/bin/python -m loadtest.planner.simulator                  # 4 loads x 96 requests, ~30 minutes
+    .venv/bin/python -m loadtest.planner.simulator --reuse DIR/measured   # simulate old runs again
+    .venv/bin/python -m loadtest.planner.simulator --reuse D1,D2 --modes A,B   # one experiment dir a mode
 
 It also prints, per mode, the rate where attainment drops below 90% (interpolated between the
 rates run), measured and simulated, whether the simulator orders the modes as measured and
@@ -49,17 +50,21 @@ import time
 from pathlib import Path
 
 from disagg.bench.experiment import MODE_CONFIGS, ExperimentConfig, run_experiment, workload_size
-from disagg.bench.metrics import RequestRecord, attainment_crossing, parse_slo
+from disagg.bench.metrics import RequestRecord, attainment_crossing
 from disagg.bench.report import load_runs, write_report
+from disagg.bench.results import host_line, write_results
 from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
 from disagg.planner_cli.bench_records import bench_result
 from disagg.planner.deployment import Deployment
 from disagg.planner.simulator import SimRecord
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO, parse_slo
 
-DEFAULT_RATES = "0.5,0.7,0.9,1.1"  # where the three modes cross 90% on this machine (2026-11-25, AVX2)
-QUICK_RATES = "0.5,1.5"
+# x the first mode's (disaggregated) capacity: on the host of RESULTS.md's figures the three modes
+# crossed 90% between about 0.9 and 1.3 times it (4.2 and 5.7 req/s, capacity about 4.5)
+DEFAULT_LOADS = "0.85,1,1.15,1.3"
+QUICK_LOADS = "0.6,1.2"
 DEFAULT_SLO = "ttft_ms=3000,tpot_ms=300"
 ATTAINMENT_TOLERANCE_PTS = 5.0
 P50_TOLERANCE = 0.15
@@ -70,7 +75,12 @@ SIM_SUFFIX = " (sim)"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rates", help=f"comma-separated req/s (default {DEFAULT_RATES}; --quick {QUICK_RATES})")
+    p.add_argument(
+        "--loads",
+        help=f"comma-separated fractions of the first mode's capacity (default {DEFAULT_LOADS}; --quick {QUICK_LOADS})",
+    )
+    p.add_argument("--rates", help="comma-separated req/s instead of --loads (no capacity measured)")
+    p.add_argument("--capacity-requests", type=int, default=48, help="requests the capacity is measured with")
     p.add_argument(
         "--num-requests",
         type=int,
@@ -93,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "its config, e.g. bench_planner --verify's OUT/WORKLOAD/MODE) instead of running servers",
     )
     args = p.parse_args(argv)
-    args.rates = tuple(float(r) for r in (args.rates or (QUICK_RATES if args.quick else DEFAULT_RATES)).split(","))
+    if args.rates and args.loads:
+        p.error("give --rates or --loads, not both")
+    args.rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else ()
+    loads = () if args.rates else (args.loads or (QUICK_LOADS if args.quick else DEFAULT_LOADS)).split(",")
+    args.loads = tuple(float(load) for load in loads)
     args.num_requests = args.num_requests or (8 if args.quick else 96)
     args.num_unloaded = args.num_unloaded or (3 if args.quick else 4)
     args.modes = tuple(m.strip() for m in args.modes.split(","))
@@ -114,6 +128,8 @@ def run_measured(args: argparse.Namespace, out: Path) -> Path:
         parse_slo(args.slo),
         num_unloaded=args.num_unloaded,
         seed=args.seed,
+        loads=args.loads,
+        capacity_requests=args.capacity_requests,
     )
     tokenizer, context = load_tokenizer(None)  # the configs all serve the default model
     config = WorkloadConfig(args.workload, workload_size(exp), args.seed, context, args.length_scale)
@@ -183,7 +199,7 @@ def _alone(deployment: Deployment, record: RequestRecord) -> SimRecord:
     return sim
 
 
-def simulate_run(deployment: Deployment, mode: str, measured: dict, records: list[RequestRecord], slo: dict) -> dict:
+def simulate_run(deployment: Deployment, mode: str, measured: dict, records: list[RequestRecord], slo: SLO) -> dict:
     """The bench-format result of the simulated twin of one measured run."""
     requests = sim_requests(records)
     sim_records = deployment.simulator().run(requests)
@@ -234,7 +250,7 @@ def drop_rate(points: list[tuple[float, float]]) -> dict:
     return attainment_crossing(points, SATURATED_BELOW_PCT)
 
 
-def compare_mode(measured: Path, sim_dir: Path, mode: str, args: argparse.Namespace, slo: dict) -> dict:
+def compare_mode(measured: Path, sim_dir: Path, mode: str, args: argparse.Namespace, slo: SLO) -> dict:
     """Calibrate one mode on its unloaded requests, simulate each of its runs, compare."""
     deployment = deployment_for(measured, mode, args)
     _, unloaded = load_result(measured / "unloaded" / f"{mode}.json")
@@ -253,7 +269,7 @@ def compare_mode(measured: Path, sim_dir: Path, mode: str, args: argparse.Namesp
     return out
 
 
-def _with_slo(records: list[RequestRecord], data: dict, slo: dict) -> dict:
+def _with_slo(records: list[RequestRecord], data: dict, slo: SLO) -> dict:
     """The measured summary under our SLO (a reused experiment may have run with another)."""
     from disagg.bench.metrics import summarize
 
@@ -349,6 +365,7 @@ def targets_met(results: dict) -> bool:
 # ---- main ----------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    print(host_line(), flush=True)
     for path in (args.profile_1t, args.profile_2t):  # fail before an experiment, not after it
         if not Path(path).is_file():
             sys.exit(f"no profile {path}: measure it with `disagg profile --tp-pp 1x1 --threads N -o {path}`")
@@ -367,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntargets met (attainment at every rate, medians below saturation, drop rates): {'yes' if met else 'no'}")
     write_report(load_runs([*(str(d / "runs") for d in dirs), str(sim_dir)]), str(out / "report"), slo)
     summary = {
-        "args": {k: v for k, v in vars(args).items()},
-        "slo": slo,
+        "slo": slo.to_dict(),
         "measured_dirs": [str(d) for d in dirs],
         "measured_seconds": round(measured_s),
         "tolerances": {"attainment_pts": ATTAINMENT_TOLERANCE_PTS, "p50_rel": P50_TOLERANCE},
@@ -376,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "ranking": planner_ranking(results),
         "modes": results,
     }
-    (out / "comparison.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"wrote {out / 'comparison.json'}, {sim_dir}/, {out / 'report'}/ (measured + simulated plots)")
+    write_results(out / "comparison.json", summary, args)
+    print(f"and {sim_dir}/, {out / 'report'}/ (measured + simulated plots)")
     return 0
 
 

@@ -1,7 +1,11 @@
-"""`bench_planner.py --verify`: the planner's choice for this machine's 2 cores, against real servers.
+"""The planner's choice for this machine's 2 cores, against real servers.
+
+    .venv/bin/python -m loadtest.planner.verify [--out DIR] [--workloads prefill-heavy]
+    .venv/bin/python -m loadtest.planner.verify --reuse DIR    # re-plan, no servers
+    .venv/bin/python -m loadtest.planner.verify --smoke [--config C]   # the smallest run
 
 0. profile this host first (`disagg profile` at 1 and 2 threads, then
-   `measure_host_sharing.py` for the 1-thread one), into OUT/profiles/: this machine's CPU model
+   `loadtest.host.sharing` for the 1-thread one), into OUT/profiles/: this machine's CPU model
    is not fixed from one day to the next (AVX-512 or AVX2), so a plan checked against real servers
    must come from profiles of the same host measured in the same run (kept in OUT/profiles/ for
    the next run; `--profile-1t/--profile-2t` name others).
@@ -30,6 +34,7 @@ rate with a few requests): a check that it runs, not figures.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import subprocess
@@ -39,15 +44,18 @@ from pathlib import Path
 
 import yaml
 
-from disagg.bench.metrics import RequestRecord, attainment_crossing, parse_slo, summarize
+from disagg.bench.launcher import add_config_argument, read_config
+from disagg.bench.metrics import RequestRecord, attainment_crossing, summarize
+from disagg.bench.results import host_line
+from disagg.config import merge_settings
 from disagg.placement.profile import load_profile
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.host_plan import HostPlan, host_plans
 from disagg.planner.models import model_spec
 from disagg.planner.plan_config import serving_config_dict
-from disagg.planner.search import SLO, NodeKind, Search
+from disagg.planner.search import NodeKind, Search
 from disagg.planner.workload import SimRequest
-from served import merged, read_config
+from disagg.slo import SLO, parse_slo
 
 MODEL = "smollm2-135m-instruct"
 HOST_CPUS = 2
@@ -133,9 +141,7 @@ def profile_host(out: Path) -> tuple[str, str]:
             _run(["-m", "disagg.cli", "profile", "--threads", str(threads), "--tp-pp", "1x1", "-o", str(path)])
     if not json.loads(paths[1].read_text()).get("host_sharing"):  # a profile writes {} until measured
         print("  measuring host sharing (two 1-thread engines side by side)", flush=True)
-        _run(
-            [str(Path(__file__).parent / "measure_host_sharing.py"), "--threads", "1", "--write-profile", str(paths[1])]
-        )
+        _run(["-m", "loadtest.host.sharing", "--threads", "1", "--write-profile", str(paths[1])])
     return str(paths[1]), str(paths[2])
 
 
@@ -149,8 +155,7 @@ def plan(
 ) -> list[HostPlan]:
     """Every candidate of both views of the host, filled and simulated whole, best first."""
     config = model_spec(MODEL)
-    slo_ms = parse_slo(workload.slo)
-    slo = SLO(slo_ms["ttft_ms"], slo_ms["tpot_ms"])
+    slo = parse_slo(workload.slo)
     requests = lengths(workload, config.max_position_embeddings, seed, effort.plan_requests)
     searched = []
     for path, devices in ((profile_1t, HOST_CPUS), (profile_2t, 1)):
@@ -196,7 +201,9 @@ def config_for(plan: HostPlan, workload: VerifyWorkload, base_config: str | None
     """The serving config `disagg plan -o` writes for the candidate, on this host's Ray, laid over
     `base_config` (a serving config file; None: the defaults)."""
     kinds = plan.search.kinds
-    return merged(read_config(base_config), serving_config_dict(plan.candidate, MODEL, parse_slo(workload.slo), kinds))
+    return merge_settings(
+        read_config(base_config), serving_config_dict(plan.candidate, MODEL, parse_slo(workload.slo), kinds)
+    )
 
 
 def sweep(predicted_rate: float, effort: Effort = FULL) -> tuple[tuple[float, ...], int]:
@@ -235,7 +242,7 @@ def measure(
     return out
 
 
-def measured_points(out: Path, name: str, slo: dict) -> list[tuple[float, float]]:
+def measured_points(out: Path, name: str, slo: SLO) -> list[tuple[float, float]]:
     """(rate, attainment %) of each saved run of the mode, under the workload's SLO."""
     points = []
     for path in sorted(out.glob(f"runs/{name}_rate*.json")):
@@ -335,3 +342,29 @@ def print_verdict(result: dict) -> None:
         f"{'yes' if result['pick_is_winner'] else 'no'}; pick's prediction within 10%: "
         f"{'yes' if result['pick_within_10pct'] else 'no'}"
     )
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reuse", metavar="DIR", help="against the runs saved in DIR (no servers)")
+    parser.add_argument("--out", default="loadtest/out/planner-verify", help="where runs are saved")
+    parser.add_argument("--workloads", default="prefill-heavy,decode-heavy", help=f"of {', '.join(WORKLOADS)}")
+    parser.add_argument("--profile-1t", help="a 1-thread profile of this host (default: measured first)")
+    parser.add_argument("--profile-2t", help="a 2-thread profile of this host (default: measured first)")
+    parser.add_argument("--smoke", action="store_true", help="a short plan, the pick alone: runs, no figures")
+    add_config_argument(parser)
+    args = parser.parse_args(argv)
+    print(host_line(), flush=True)
+    out = Path(args.reuse or args.out)
+    profile_1t, profile_2t = args.profile_1t, args.profile_2t
+    if not (profile_1t and profile_2t):  # this host's, measured first (or kept from a run before)
+        measured = profile_host(out / "profiles")
+        profile_1t, profile_2t = profile_1t or measured[0], profile_2t or measured[1]
+    effort = SMOKE if args.smoke else FULL
+    workloads = args.workloads.split(",")
+    run(out, workloads, profile_1t, profile_2t, bool(args.reuse), effort=effort, base_config=args.config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

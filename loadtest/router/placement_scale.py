@@ -1,8 +1,8 @@
 """Placement at scale (issue 40): what a goodput placement decision costs at 8x8, 64x64 and
 512x512 (prefill x decode) instances, and what narrowing the instances it predicts loses.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_placement.py            # under a minute on 2 cores
-    PYTHONPATH=. .venv/bin/python loadtest/bench_placement.py --smoke    # seconds: a check, not figures
+    .venv/bin/python -m loadtest.router.placement_scale            # under a minute on 2 cores
+    .venv/bin/python -m loadtest.router.placement_scale --smoke    # seconds: a check, not figures
 
 1. Decision time: `GoodputPolicy.choose_pair` as the server builds it (the config's
    `placement_candidates`, 12 by default) on synthetic instance states: prefill instances with
@@ -34,22 +34,22 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from disagg.config import ServingConfig  # noqa: E402
-from disagg.placement.factory import placement_policy  # noqa: E402
-from disagg.placement.latency_model import StepModel  # noqa: E402
-from disagg.placement.policies import RequestShape, Slo  # noqa: E402
-from disagg.placement.prefill_queue import Decodes, QueuedPrompt  # noqa: E402
-from disagg.planner.deployment import Deployment  # noqa: E402
-from disagg.planner.roofline import roofline_profile  # noqa: E402
-from disagg.planner.simulator import percentile, slo_attainment  # noqa: E402
-from disagg.planner.workload import SimRequest, poisson_arrivals  # noqa: E402
+from disagg.bench.results import host_line
+from disagg.config import ServingConfig
+from disagg.placement.factory import placement_policy
+from disagg.placement.latency_model import StepModel
+from disagg.placement.policies import RequestShape
+from disagg.placement.prefill_queue import Decodes, QueuedPrompt
+from disagg.planner.deployment import Deployment
+from disagg.planner.roofline import roofline_profile
+from disagg.planner.simulator import num_met, percentile
+from disagg.planner.workload import SimRequest, poisson_arrivals
+from disagg.slo import SLO
 
 MODEL, HARDWARE = "llama2-7b", "a100-80gb"
 SLO_TTFT_MS, SLO_TPOT_MS = 250.0, 25.0
+TARGETS = SLO(SLO_TTFT_MS, SLO_TPOT_MS)
 BLOCK = 16
 NUM_PREFIXES = 32  # shared prompt prefixes the synthetic requests draw from
 
@@ -139,7 +139,7 @@ def synthetic_request(rng: random.Random) -> RequestShape:
     prompt = rng.randint(32, 2048)
     shared = rng.randint(1, min(64, prompt // BLOCK)) if prompt >= BLOCK and rng.random() < 0.5 else 0
     hashes = prefix_hashes(rng.randrange(NUM_PREFIXES), shared) + tuple(rng.getrandbits(62) for _ in range(3))
-    slo = Slo(SLO_TTFT_MS * 4, SLO_TPOT_MS * 2)
+    slo = SLO(SLO_TTFT_MS * 4, SLO_TPOT_MS * 2)
     return RequestShape(prompt, rng.randint(16, 512), slo, blocks_needed=-(-prompt // BLOCK), block_hashes=hashes)
 
 
@@ -184,8 +184,7 @@ def simulated_goodput(config: ServingConfig, profile, requests: list[SimRequest]
     start = time.perf_counter()
     records = Deployment(config, {"prefill": profile, "decode": profile}, from_hardware=True).simulator().run(requests)
     duration_s = max(r.arrival_s for r in requests) or 1.0
-    attained = slo_attainment(records, SLO_TTFT_MS, SLO_TPOT_MS) / 100 * len(requests)
-    return attained / duration_s, time.perf_counter() - start
+    return num_met(records, TARGETS) / duration_s, time.perf_counter() - start
 
 
 def goodput_ratios(args, settings: dict, profile) -> None:
@@ -206,7 +205,8 @@ def _sizes(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    settings = {"slo": {"ttft_ms": SLO_TTFT_MS, "tpot_ms": SLO_TPOT_MS}, "ray_address": "auto"}  # not this host's cores
+    print(host_line(), flush=True)
+    settings = {"slo": TARGETS.to_dict(), "ray_address": "auto"}  # not this host's cores
     if args.candidates is not None:
         settings["placement_candidates"] = args.candidates
     candidates = ServingConfig.from_dict(settings).placement_candidates

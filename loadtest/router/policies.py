@@ -4,8 +4,8 @@ Phases, each on a fresh `disagg serve` (the default deployment: 1 prefill + 1 de
 SmolLM2-135M, the chat workload's lengths scaled to this CPU):
 
 1. goodput policy, no SLO: calibrate (the instances' models fit from their own steps), measure
-   the unloaded TTFT/TPOT and the capacity (req/s at saturation), then an open-loop run at half
-   the capacity: predicted (the router's, in each response's Timings) against measured TTFT and
+   the unloaded TTFT/TPOT and the capacity (req/s at saturation: disagg.bench.capacity), then an
+   open-loop run at half the capacity: predicted (the router's, in each response's Timings) against measured TTFT and
    TPOT -> `ttft mape`, `tpot mape`.
 2. the SLO is set from the unloaded figures (TTFT x SLO_TTFT_FACTOR, TPOT x SLO_TPOT_FACTOR);
    each policy on its own server at 2x and 3x the capacity, open loop: goodput (requests meeting
@@ -32,7 +32,7 @@ SmolLM2-135M, the chat workload's lengths scaled to this CPU):
    DistServe's: the highest rate at which at least 90% of requests meet both SLOs (linear between
    the rates swept) -> `heterogeneity goodput ratio` (goodput policy / least work).
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_router.py          # ~45 min on 2 cores
+    .venv/bin/python -m loadtest.router.policies          # ~45 min on 2 cores
 """
 
 from __future__ import annotations
@@ -41,22 +41,24 @@ import argparse
 import json
 import math
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from served import Deployment, add_config_argument  # noqa: E402
-
-from disagg.bench.metrics import meets_slo  # noqa: E402
-from disagg.bench.open_loop import LoadConfig, run_benchmark  # noqa: E402
-from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload  # noqa: E402
-from disagg.config import DEFAULT_MODEL, ServingConfig  # noqa: E402
-from disagg.placement.profile import load_profile  # noqa: E402
-from disagg.planner.deployment import Deployment as PlannedDeployment  # noqa: E402
-from disagg.planner.simulator import slo_attainment  # noqa: E402
-from disagg.planner.workload import SimRequest  # noqa: E402
+from disagg.bench.capacity import measure_capacity
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.load_client import GrpcApi, load_requests, run_loop
+from disagg.bench.metrics import RequestRecord
+from disagg.bench.open_loop import LoadConfig, run_benchmark
+from disagg.bench.results import host_line, write_results
+from disagg.bench.slo_tally import SloTally
+from disagg.bench.workloads import WorkloadConfig, load_tokenizer, make_workload
+from disagg.config import DEFAULT_MODEL, ServingConfig
+from disagg.placement.profile import load_profile
+from disagg.planner.deployment import Deployment as PlannedDeployment
+from disagg.planner.simulator import num_met
+from disagg.planner.workload import SimRequest
+from disagg.slo import SLO, met
 
 SLO_TTFT_FACTOR, SLO_TPOT_FACTOR = 4.0, 2.0
 PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"  # this CPU, one thread per worker
@@ -85,17 +87,23 @@ def mape(pairs: list[tuple[float, float]]) -> float:
     return 100.0 * float(np.median(errors)) if errors else math.nan  # median absolute percentage error
 
 
+def tally(records: list[dict], slo: SLO) -> SloTally:
+    """The requests of a run's result (dicts, as saved) judged by `slo`."""
+    counted = SloTally(slo)
+    for r in records:
+        counted.add(RequestRecord.from_dict(r))
+    return counted
+
+
 def prediction_phase(requests, args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), args.config, replan=False, placement="goodput")
-        try:
-            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
-            base = run(dep.address, requests, math.inf, num=_few(args, 12), concurrency=1)["summary"]
-            sat = run(dep.address, requests, math.inf, num=args.capacity_requests, concurrency=16)["summary"]
-            capacity = sat["request_throughput"]
-            moderate = run(dep.address, requests, capacity / 2, duration_s=args.seconds)
-        finally:
-            dep.stop()
+    with Deployment({"replan": False, "placement": "goodput"}, base=args.config) as dep:
+        run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
+        base = run(dep.address, requests, math.inf, num=_few(args, 12), concurrency=1)["summary"]
+        api = GrpcApi(dep.address, timeout_s=120.0)
+        sat = run_loop(api, measure_capacity, load_requests(requests[: args.capacity_requests]), 16)
+        capacity = sat.requests_per_s
+        print(f"capacity {capacity:.3f} req/s; moderate load 0.5 x capacity = {capacity / 2:.3f} req/s", flush=True)
+        moderate = run(dep.address, requests, capacity / 2, duration_s=args.seconds)
     ok = [r for r in moderate["requests"] if r["success"]]
     ttft = [(r["server"].get("predicted_ttft_s", 0.0), r["ttft"]) for r in ok]
     tpot = [(r["server"].get("predicted_tpot_s", 0.0), r["tpot"]) for r in ok if r["output_len"] > 1]
@@ -121,36 +129,31 @@ def _prediction_row(r: dict) -> list:
             ms(r["ttft"]), ms(server.get("ttft_s", 0.0)), ms(server.get("predicted_tpot_s", 0.0)), ms(r["tpot"])]  # fmt: skip
 
 
-def overload_phase(requests, policy: str, slo_ms: dict, capacity: float, base_ttft_ms: float, args) -> dict:
+def overload_phase(requests, policy: str, slo: SLO, capacity: float, base_ttft_ms: float, args) -> dict:
     results = {}
-    slo = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, slo=slo)
-        try:
-            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration, as above
-            for factor in (2, 3):
-                out = run(dep.address, requests, factor * capacity, duration_s=args.seconds, slo=slo)
-                records = out["requests"]
-                admitted = [r for r in records if r["error_code"] != "RESOURCE_EXHAUSTED"]
-                refused = [r for r in records if r["error_code"] == "RESOURCE_EXHAUSTED"]
-                met = [r for r in admitted if meets_slo(_Record(r), slo)]
-                results[f"{factor}x"] = {
-                    "sent": len(records), "admitted": len(admitted), "refused": len(refused),
-                    "met_slo": len(met), "goodput_rps": out["summary"]["goodput"],
-                    "duration_s": out["summary"]["duration_s"],
-                    "refusal_ms_p50": _p(refused, 50), "refusal_ms_p99": _p(refused, 99),
-                    "failures": out["summary"]["failures_by_code"],
-                    "simulated": simulate(records, policy, slo, base_ttft_ms, args.profile),
-                }  # fmt: skip
-        finally:
-            dep.stop()
+    with Deployment({"replan": False, "placement": policy, "slo": slo.to_dict()}, base=args.config) as dep:
+        run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration, as above
+        for factor in (2, 3):
+            print(f"{policy}: {factor} x capacity = {factor * capacity:.3f} req/s", flush=True)
+            out = run(dep.address, requests, factor * capacity, duration_s=args.seconds, slo=slo)
+            records = out["requests"]
+            admitted = [r for r in records if r["error_code"] != "RESOURCE_EXHAUSTED"]
+            refused = [r for r in records if r["error_code"] == "RESOURCE_EXHAUSTED"]
+            results[f"{factor}x"] = {
+                "sent": len(records), "admitted": len(admitted), "refused": len(refused),
+                "met_slo": tally(admitted, slo).good, "goodput_rps": out["summary"]["goodput"],
+                "duration_s": out["summary"]["duration_s"],
+                "refusal_ms_p50": _p(refused, 50), "refusal_ms_p99": _p(refused, 99),
+                "failures": out["summary"]["failures_by_code"],
+                "simulated": simulate(records, policy, slo, base_ttft_ms, args.profile),
+            }  # fmt: skip
     return results
 
 
-def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float, profile_path: str = PROFILE) -> dict:
+def simulate(records: list[dict], policy: str, slo: SLO, base_ttft_ms: float, profile_path: str = PROFILE) -> dict:
     """The run's twin in the simulator: the same arrivals, lengths, policy class and SLO; the
     router's own time (what a profile of the engine cannot know) from the unloaded TTFT."""
-    config = ServingConfig.from_dict({"slo": slo, "placement": policy})
+    config = ServingConfig.from_dict({"slo": slo.to_dict(), "placement": policy})
     profile = load_profile(profile_path)
     planned = PlannedDeployment(config, {"prefill": profile, "decode": profile})  # its policy: the config's
     start = min(r["sent_at"] for r in records)
@@ -161,8 +164,12 @@ def simulate(records: list[dict], policy: str, slo: dict, base_ttft_ms: float, p
     planned.router_overhead_ms = max(0.0, base_ttft_ms - alone.ttft_s * 1e3)
     sim = planned.simulator().run(requests)
     refused = sum(r.failed.startswith("refused") for r in sim)
-    met = round(slo_attainment(sim, slo["ttft_ms"], slo["tpot_ms"]) * len(sim) / 100)
-    return {"sent": len(sim), "refused": refused, "met_slo": met, "router_overhead_ms": planned.router_overhead_ms}
+    return {
+        "sent": len(sim),
+        "refused": refused,
+        "met_slo": num_met(sim, slo),
+        "router_overhead_ms": planned.router_overhead_ms,
+    }
 
 
 PREFIXES, PREFIX_TOKENS = 16, 400
@@ -188,31 +195,23 @@ def prefix_phase(policy: str, rate: float, args) -> dict:
     pools = {"prefill": {"num_instances": 2, "num_cpus_per_worker": 0.5, "engine": {"num_kv_blocks": blocks}},
              "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
     requests = prefix_workload(200, seed=1)
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, **pools)
-        try:
-            calibration = _few(args, 16)
-            run(dep.address, requests[:calibration], math.inf, num=calibration, concurrency=2)  # calibration
-            out = run(dep.address, requests[calibration:], rate, duration_s=args.seconds)
-        finally:
-            dep.stop()
+    with Deployment({"replan": False, "placement": policy, **pools}, base=args.config) as dep:
+        calibration = _few(args, 16)
+        run(dep.address, requests[:calibration], math.inf, num=calibration, concurrency=2)  # calibration
+        out = run(dep.address, requests[calibration:], rate, duration_s=args.seconds)
     return _latency_summary(out)
 
 
-def conditional_phase(local_tokens: int, rate: float, slo: dict, args) -> dict:
+def conditional_phase(local_tokens: int, rate: float, slo: SLO, args) -> dict:
     requests = workload(200, seed=2)
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(
-            Path(tmp), args.config, replan=False, placement="goodput", local_prefill_max_tokens=local_tokens, slo=slo
-        )
-        try:
-            run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
-            out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
-        finally:
-            dep.stop()
+    settings = {"replan": False, "placement": "goodput", "local_prefill_max_tokens": local_tokens, "slo": slo.to_dict()}
+    with Deployment(settings, base=args.config) as dep:
+        run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=2)  # calibration
+        out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
     ok = [r for r in out["requests"] if r["success"] and r["output_len"] > 1]
     summary = _latency_summary(out)
-    summary["tpot_attainment"] = 100.0 * sum(r["tpot"] * 1e3 <= slo["tpot_ms"] for r in ok) / max(1, len(ok))
+    tpot_only = SLO(tpot_ms=slo.tpot_ms)
+    summary["tpot_attainment"] = 100.0 * sum(met(tpot_only, 0.0, r["tpot"] * 1e3) for r in ok) / max(1, len(ok))
     summary["local"] = sum(r["server"].get("prefill_instance") == r["server"].get("decode_instance") for r in ok)
     return summary
 
@@ -230,36 +229,34 @@ HETEROGENEOUS_PREFILL = {"num_instances": 2, "num_cpus_per_worker": 0.5,
                          "instances": [{"threads_per_worker": 1}, {"threads_per_worker": 2}]}  # fmt: skip
 
 
-def heterogeneity_phase(policy: str, rates: list[float], slo: dict | None, args) -> dict:
+def heterogeneity_phase(policy: str, rates: list[float], slo: SLO | None, args) -> dict:
     """`slo` None: set from this deployment's unloaded requests (sequential, after calibration):
     TTFT x HETEROGENEITY_TTFT_FACTOR at p90 (a long prompt on the slow instance is feasible when
     idle), TPOT x SLO_TPOT_FACTOR at p50."""
     requests = heterogeneous_workload(400, seed=3)
     runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        dep = Deployment(Path(tmp), args.config, replan=False, placement=policy, prefill=HETEROGENEOUS_PREFILL,
-                         decode={"num_instances": 1, "num_cpus_per_worker": 0.5})  # fmt: skip
-        try:
-            run(dep.address, requests, math.inf, num=_few(args, 32), concurrency=2)  # calibration
-            if slo is None:
-                unloaded = run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=1)["summary"]
-                slo = {"ttft_ms": HETEROGENEITY_TTFT_FACTOR * unloaded["ttft_ms"]["p90"],
-                       "tpot_ms": SLO_TPOT_FACTOR * unloaded["tpot_ms"]["p50"]}  # fmt: skip
-            for rate in rates:
-                out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
-                records = out["requests"]
-                met = sum(meets_slo(_Record(r), slo) for r in records)
-                by_instance = {}
-                for r in records:
-                    if r["success"]:
-                        name = r["server"].get("prefill_instance", "?")
-                        by_instance[name] = by_instance.get(name, 0) + 1
-                runs[f"{rate:.2f}"] = {"sent": len(records), "met_slo": met,
-                                       "attainment": 100.0 * met / max(1, len(records)),
-                                       "failures": out["summary"]["failures_by_code"], "by_prefill": by_instance}  # fmt: skip
-        finally:
-            dep.stop()
-    return {"slo": slo, "runs": runs, "goodput_rps": goodput_rate(runs)}
+    settings = {"replan": False, "placement": policy, "prefill": HETEROGENEOUS_PREFILL,
+                "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5}}  # fmt: skip
+    with Deployment(settings, base=args.config) as dep:
+        run(dep.address, requests, math.inf, num=_few(args, 32), concurrency=2)  # calibration
+        if slo is None:
+            unloaded = run(dep.address, requests, math.inf, num=_few(args, 24), concurrency=1)["summary"]
+            slo = SLO(
+                HETEROGENEITY_TTFT_FACTOR * unloaded["ttft_ms"]["p90"], SLO_TPOT_FACTOR * unloaded["tpot_ms"]["p50"]
+            )
+        for rate in rates:
+            out = run(dep.address, requests, rate, duration_s=args.seconds, slo=slo)
+            records = out["requests"]
+            good = tally(records, slo).good
+            by_instance = {}
+            for r in records:
+                if r["success"]:
+                    name = r["server"].get("prefill_instance", "?")
+                    by_instance[name] = by_instance.get(name, 0) + 1
+            runs[f"{rate:.2f}"] = {"sent": len(records), "met_slo": good,
+                                   "attainment": 100.0 * good / max(1, len(records)),
+                                   "failures": out["summary"]["failures_by_code"], "by_prefill": by_instance}  # fmt: skip
+    return {"slo": slo.to_dict(), "runs": runs, "goodput_rps": goodput_rate(runs)}
 
 
 def goodput_rate(runs: dict, target: float = 90.0) -> float:
@@ -286,19 +283,11 @@ def _latency_summary(out: dict) -> dict:
     }  # fmt: skip
 
 
-class _Record:
-    """The fields meets_slo reads, from a record's dict."""
-
-    def __init__(self, r: dict):
-        self.success, self.ttft, self.e2el, self.output_len = r["success"], r["ttft"], r["e2el"], r["output_len"]
-        self.tpot = r["tpot"]
-
-
 def _p(records: list[dict], q: float) -> float:
     return float(np.percentile([r["e2el"] * 1e3 for r in records], q)) if records else math.nan
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=40.0, help="each open-loop run")
     parser.add_argument("--capacity-requests", type=int, default=48)
@@ -316,7 +305,8 @@ def main() -> None:
         help="2 requests in each calibration and unloaded run: a check that it runs, not figures",
     )
     add_config_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    print(host_line(), flush=True)
     phases = set(args.phases.split(","))
     out = Path(args.out)
     record = json.loads(out.read_text()) if out.exists() and "prediction" not in phases else {}
@@ -327,7 +317,7 @@ def main() -> None:
             "ttft_ms": SLO_TTFT_FACTOR * record["prediction"]["base_ttft_ms"],
             "tpot_ms": SLO_TPOT_FACTOR * record["prediction"]["base_tpot_ms"],
         }
-    prediction, slo = record["prediction"], record["slo"]
+    prediction, slo = record["prediction"], SLO.from_dict(record["slo"])
     capacity = prediction["capacity_rps"]
     if "overload" in phases:
         base = prediction["base_ttft_ms"]
@@ -343,12 +333,16 @@ def main() -> None:
         least = heterogeneity_phase("least_work", rates, None, args)  # sets the SLO both are judged by
         record["heterogeneity"] = {
             "least_work": least,
-            "goodput": heterogeneity_phase("goodput", rates, least["slo"], args),
+            "goodput": heterogeneity_phase("goodput", rates, SLO.from_dict(least["slo"]), args),
         }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in record.items() if k != "prediction"}, indent=1), flush=True)
+    for earlier in ("host", "args"):  # an earlier phase's: this run's go in
+        record.pop(earlier, None)
+    write_results(out, record, args)
+    print(
+        json.dumps({k: v for k, v in record.items() if k not in ("prediction", "host", "args")}, indent=1), flush=True
+    )
     print_figures(record)
+    return 0
 
 
 def print_figures(record: dict) -> None:
@@ -391,4 +385,4 @@ def print_figures(record: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,13 +8,13 @@ has answered a few requests:
   (the GGUF's Q4_1 blocks kept as int4, its Q8_0 embedding as int8, shared with the vocabulary
   projection) and then fp32 (the GGUF dequantized); each worker with a KV cache of
   --kv-tokens tokens. The figure is the decode worker's RSS (the prefill worker's is printed too).
-- `llama-server` (built once from source, loadtest/llamacpp.py) with one slot of --kv-tokens
+- `llama-server` (built once from source, loadtest/peers/llamacpp.py) with one slot of --kv-tokens
   tokens of context, 2 threads.
 
 The KV caches hold the same number of tokens, not the same bytes: ours is float32 (the model's
 dtype), llama.cpp's float16; each side's KV bytes are printed next to its RSS.
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_memory.py [--json PATH] [--skip-llamacpp]
+    .venv/bin/python -m loadtest.service.memory [--json PATH] [--skip-llamacpp]
 """
 
 from __future__ import annotations
@@ -23,36 +23,28 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).parent))
-from served import Deployment  # noqa: E402
-
-from disagg.bench.experiment import free_port  # noqa: E402
-from disagg.client import DisaggClient, generate_request  # noqa: E402
-from disagg.engine.loader import default_gguf_path  # noqa: E402
+from disagg.bench.launcher import Deployment, add_config_argument, free_port
+from disagg.bench.results import host_line, write_results
+from disagg.client import DisaggClient, generate_request
+from disagg.engine.loader import default_gguf_path
 
 BLOCK_SIZE = 16
 PROMPT = "Explain, in a few sentences, why the sky is blue during the day and red at sunset."
 
 
-def serve_side(weights: str, kv_tokens: int, requests: int) -> dict:
+def serve_side(weights: str, kv_tokens: int, requests: int, base: str | None = None) -> dict:
     engine = {"weights": weights, "num_kv_blocks": kv_tokens // BLOCK_SIZE}
-    with tempfile.TemporaryDirectory() as tmp:
-        deployment = Deployment(Path(tmp), engine=engine, replan=False, calibration_s=0)
-        try:
-            client = DisaggClient(deployment.address)
+    with Deployment({"engine": engine, "replan": False, "calibration_s": 0}, base=base) as deployment:
+        with DisaggClient(deployment.address) as client:
             for _ in range(requests):
                 request = generate_request(prompt=PROMPT, temperature=0.0, max_tokens=64, ignore_eos=True)
                 client.generate(request, timeout=300)
-            client.close()
-            return {kind: _rss_mib(pid) for pid, kind in _workers(deployment).items()}
-        finally:
-            deployment.stop()
+        return {kind: _rss_mib(pid) for pid, kind in _workers(deployment).items()}
 
 
 def _workers(deployment: Deployment) -> dict[int, str]:
@@ -64,7 +56,7 @@ def _workers(deployment: Deployment) -> dict[int, str]:
 
 
 def llamacpp_side(kv_tokens: int, threads: int, requests: int) -> dict:
-    from loadtest import llamacpp
+    from loadtest.peers import llamacpp
 
     binary = llamacpp.binaries()["llama-server"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -89,17 +81,19 @@ def kv_mib(kv_tokens: int, bytes_per_value: int) -> float:
     return kv_tokens * 30 * 2 * 3 * 64 * bytes_per_value / 2**20
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kv-tokens", type=int, default=8192, help="KV capacity of each side, in tokens")
     p.add_argument("--requests", type=int, default=3, help="answered before RSS is read")
     p.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     p.add_argument("--skip-llamacpp", action="store_true")
     p.add_argument("--json", help="write the figures here")
+    add_config_argument(p)
     args = p.parse_args(argv)
+    print(host_line(), flush=True)
     figures: dict = {"kv_tokens": args.kv_tokens, "kv_mib": {"disagg (float32)": kv_mib(args.kv_tokens, 4)}}
     for weights in ("auto", "fp32"):
-        figures[weights] = serve_side(weights, args.kv_tokens, args.requests)
+        figures[weights] = serve_side(weights, args.kv_tokens, args.requests, args.config)
         print(f"disagg weights={weights}: RSS MiB {figures[weights]}", flush=True)
     if not args.skip_llamacpp:
         figures["kv_mib"]["llama.cpp (float16)"] = kv_mib(args.kv_tokens, 2)
@@ -110,10 +104,10 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_llamacpp:
         print(f"decode worker RSS / llama-server RSS: {decode / figures['llamacpp']['llama-server']:.2f}")
     print(f"KV MiB at {args.kv_tokens} tokens: {figures['kv_mib']}")
-    figures["measured_at"] = time.strftime("%Y-%m-%d %H:%M")
     if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=2))
+        write_results(args.json, figures, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -15,7 +15,7 @@ of its own (no Ray, no service), given the same requests in the same turns. The 
 minus the offline one is what the service makes the compute cost, only insofar as it exceeds this
 twin's minus the offline one (what computing in another process alone makes).
 
-    .venv/bin/python loadtest/bench_service.py [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|on|off|on,off] [--out results.json]
+    .venv/bin/python -m loadtest.service.overhead [--requests 32] [--max-tokens 32] [--runs 1] [--cpu-binding auto|on|off|on,off] [--out results.json]
 
 Where the server binds its prefill engine thread to CPUs of its own (disagg.hosts.cpu_binding;
 by default only with 3 CPUs or more), the offline engine and its twin compute on those CPUs too and the
@@ -34,23 +34,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import multiprocessing
 import os
 import random
 import statistics
-import tempfile
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from pathlib import Path
 
 import torch
 
 from disagg.bench.metrics import median_ci, median_difference_ci
 from disagg.hosts.cpu_binding import bind_this_thread, plan_cpus
 from disagg.config import CPU_BINDINGS
-from served import add_config_argument, merged, read_config
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.results import host_line, write_results
 
 SERVER_SETTINGS = {
     "threads_per_worker": 1,
@@ -180,21 +179,17 @@ class Service:
 
 
 def measure(
-    prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, workdir: Path, settings: dict = SERVER_SETTINGS
+    prompts: list[list[int]], warmup: list[list[int]], max_tokens: int, settings: dict, base: str | None = None
 ):
     """The sides take turns request by request (in every order in turn), so that the machine's
-    drift and background load fall on each alike."""
-    import yaml
-
-    from disagg.bench.experiment import ServeProcess
+    drift and background load fall on each alike. `settings` over the `base` config file: the
+    server's."""
     from disagg.client import DisaggClient
 
-    config = workdir / "serving-config.yaml"
-    config.write_text(yaml.safe_dump(settings))
     results = {"offline": [], "service": [], "twin": []}
     own_cpus = os.sched_getaffinity(0)
-    with ServeProcess(str(config), str(workdir / "serve.log")) as server:
-        plan = _server_cpu_plan(settings, own_cpus)
+    with Deployment(settings, base=base, name="bench-service") as server:
+        plan = _server_cpu_plan(server.config, own_cpus)
         try:
             with ExitStack() as stack:
                 client = stack.enter_context(DisaggClient(server.address))
@@ -278,7 +273,7 @@ def summarize(name: str, results: list[tuple[float, float]]) -> dict:
     }
 
 
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -295,8 +290,9 @@ def main() -> None:
     )
     parser.add_argument("--out")
     add_config_argument(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    print(host_line(), flush=True)
     from disagg.config import EngineConfig
     from disagg.engine.loader import load_model_source
     from disagg.engine.tokenizer import Tokenizer
@@ -313,16 +309,8 @@ def main() -> None:
     for i in range(args.runs):
         # Settings compared take turns, in alternating order, so that the machine's drift falls on each alike.
         for binding in args.cpu_binding[:: 1 if i % 2 == 0 else -1]:
-            with tempfile.TemporaryDirectory(prefix="bench-service-") as workdir:
-                runs[binding].append(
-                    measure(
-                        prompts,
-                        warmup,
-                        args.max_tokens,
-                        Path(workdir),
-                        merged(read_config(args.config), {**SERVER_SETTINGS, "cpu_binding": binding}),
-                    )
-                )
+            settings = {**SERVER_SETTINGS, "cpu_binding": binding}
+            runs[binding].append(measure(prompts, warmup, args.max_tokens, settings, args.config))
     figures = {}
     for binding, its_runs in runs.items():
         print(
@@ -330,8 +318,8 @@ def main() -> None:
         )
         figures[binding] = report(its_runs)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_results(args.out, figures, args)
+    return 0
 
 
 def _bindings(text: str) -> list[str]:
@@ -446,4 +434,4 @@ def _median_with_ci(runs: list[list[float]]) -> tuple[float, float, float]:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,34 +8,32 @@ requests for each plan, and TP2 - TP1 and PP2 - TP1: the second worker's cost pe
 share of the compute saved, the per-step hand-off and the collectives paid).
 
 `--before REV` also serves the code at git revision REV (a temporary worktree, its servers
-started with PYTHONPATH pointing there), so the step channel (this tree) and the Ray call per
+started from there, with it on their PYTHONPATH: disagg.bench.launcher's `code`), so the step channel (this tree) and the Ray call per
 step (the revision before it) are compared in one run. All servers are up at once and take
 turns request by request, every round in another order, so that the machine's drift falls on
 each alike.
 
-    .venv/bin/python loadtest/bench_shard_step.py --before 1285241 --steps 64 --rounds 8
-    .venv/bin/python loadtest/bench_shard_step.py --steps 8 --rounds 1      # a quick check that it runs
+    .venv/bin/python -m loadtest.service.shard_step --before 1285241 --steps 64 --rounds 8
+    .venv/bin/python -m loadtest.service.shard_step --steps 8 --rounds 1      # a quick check that it runs
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
-from disagg.bench.experiment import ServeProcess
+from disagg.bench.launcher import Deployment
+from disagg.bench.results import REPO, host_line, write_results
 from disagg.client import DisaggClient, generate_request
 
 PLANS = {"TP1": (1, 1), "TP2": (2, 1), "PP2": (1, 2)}
 PROMPT = list(range(100, 132))
-REPO = Path(__file__).resolve().parent.parent
 
 
 def serving_config(tp: int, pp: int, args) -> dict:
@@ -48,7 +46,6 @@ def serving_config(tp: int, pp: int, args) -> dict:
         "placement": "least_work",
         "calibration_s": 0,
         "replan": False,
-        "http_port": 0,
         "metrics_port": None,
     }
 
@@ -65,32 +62,14 @@ def code_at(revision: str):
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], check=False)
 
 
-@contextlib.contextmanager
-def serving_code(code: Path):
-    """A server started inside imports `disagg` from `code`: `python -m` looks in its working
-    directory first, then PYTHONPATH (and Ray hands the server's path on to its workers)."""
-    cwd, path = os.getcwd(), os.environ.get("PYTHONPATH")
-    os.chdir(code)
-    os.environ["PYTHONPATH"] = str(code)
-    try:
-        yield
-    finally:
-        os.chdir(cwd)
-        if path is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = path
-
-
 def start_servers(codes: dict[str, Path], args, stack: contextlib.ExitStack) -> dict[tuple[str, str], str]:
     """(code label, plan) -> the server's address; every server stops when `stack` closes."""
     addresses = {}
     for label, code in codes.items():
         for plan, (tp, pp) in PLANS.items():
-            config = args.out / f"{label}-{plan}.yaml"
-            config.write_text(yaml.safe_dump(serving_config(tp, pp, args), sort_keys=False))
-            with serving_code(code):
-                server = stack.enter_context(ServeProcess(str(config), str(args.out / f"{label}-{plan}.log")))
+            settings = serving_config(tp, pp, args)
+            server = Deployment(settings, workdir=args.out, name=f"{label}-{plan}".replace(" ", "-"), code=code)
+            stack.enter_context(server)
             addresses[(label, plan)] = server.address
             print(f"  {label} {plan} serving at {server.address}", flush=True)
     return addresses
@@ -133,19 +112,7 @@ def report(results: dict, labels: list[str]) -> None:
         print(f"{label:<10}" + "".join(f"{v:>10.2f}" for v in row + extra))
 
 
-def cpu_description() -> str:
-    with contextlib.suppress(OSError):
-        info = Path("/proc/cpuinfo").read_text()
-        model = next(
-            (line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?"
-        )
-        flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-        simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
-        return f"{model}, {os.cpu_count()} CPUs, {' '.join(simd) or 'no AVX2'}"
-    return "unknown CPU"
-
-
-def main() -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", help="git revision to compare with (e.g. the commit before the step channel)")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per request")
@@ -155,10 +122,10 @@ def main() -> None:
         "--weights", default="fp32", help="EngineConfig.weights (fp32: dense, as a GPU would hold them)"
     )
     parser.add_argument("--out", type=Path, default=None, help="where configs and server logs go (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.out = (args.out or Path(tempfile.mkdtemp(prefix="bench-shard-step-out-"))).resolve()
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"{cpu_description()}; logs in {args.out}", flush=True)
+    print(f"{host_line()}; logs in {args.out}", flush=True)
     with contextlib.ExitStack() as stack:
         codes = {"this tree": REPO}
         if args.before:
@@ -166,7 +133,10 @@ def main() -> None:
         addresses = start_servers(codes, args, stack)
         results = measure(addresses, args)
     report(results, list(codes))
+    medians = {f"{label} {plan}": statistics.median(values) for (label, plan), values in results.items()}
+    write_results(args.out / "shard_step.json", {"ms_per_step_p50": medians}, args)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

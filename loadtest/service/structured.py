@@ -14,7 +14,7 @@ TPOT is each request's (last token - first token) / (tokens - 1), as the client 
 and `e2e ratio jump-forward/without` for the long-key schema (greedy: the same output both ways,
 checked).
 
-    PYTHONPATH=. .venv/bin/python loadtest/bench_structured.py [--streams 8] [--requests 24] [--rounds 2]
+    .venv/bin/python -m loadtest.service.structured [--streams 8] [--requests 24] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -24,15 +24,13 @@ import asyncio
 import json
 import statistics
 import sys
-import tempfile
-import time
-from pathlib import Path
 
-import grpc
-
+from disagg.bench.launcher import Deployment, add_config_argument
+from disagg.bench.load_client import GrpcApi, LoadRequest, closed_loop
+from disagg.bench.metrics import RequestRecord
+from disagg.bench.results import host_line, write_results
 from disagg.client import generate_request
-from disagg.v1 import serving_pb2, serving_pb2_grpc
-from loadtest.served import Deployment, add_config_argument
+from disagg.v1 import serving_pb2
 
 CITIES = ["Paris", "Tokyo", "Lima", "Cairo", "Oslo", "Delhi", "Quito", "Rome", "Seoul", "Accra", "Hanoi", "Bern"]
 CITY = {
@@ -62,62 +60,48 @@ LONG_KEY_SCHEMA = {
 }
 
 
-def request_of(kind: str, city: str, max_tokens: int) -> serving_pb2.GenerateRequest:
+def request_of(kind: str, city: str, max_tokens: int) -> LoadRequest:
     question = [{"role": "user", "content": f"Describe {city} as JSON."}]
     if kind == "free":
-        return generate_request(chat=question, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return LoadRequest(generate_request(chat=question, temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     schema = CITY if kind == "schema" else LONG_KEY_SCHEMA
     structured = serving_pb2.StructuredOutput(json_schema=json.dumps(schema))
-    return generate_request(chat=question, temperature=0.0, max_tokens=4 * max_tokens, structured=structured)
+    return LoadRequest(
+        generate_request(chat=question, temperature=0.0, max_tokens=4 * max_tokens, structured=structured)
+    )
 
 
-async def one(stub, request: serving_pb2.GenerateRequest) -> dict:
-    started, first, last, tokens, text = time.perf_counter(), None, None, 0, []
-    async for msg in stub.Generate(request, timeout=600):
-        if msg.token_ids:
-            now = time.perf_counter()
-            first, last = first or now, now
-            tokens += len(msg.token_ids)
-        text.append(msg.text)
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"tpot": tpot, "e2e": time.perf_counter() - started, "tokens": tokens, "text": "".join(text)}
-
-
-async def closed_loop(stub, requests: list[serving_pb2.GenerateRequest], streams: int) -> list[dict]:
-    queue = list(enumerate(requests))
-    results: list[dict | None] = [None] * len(requests)
-
-    async def client():
-        while queue:
-            i, request = queue.pop()
-            results[i] = await one(stub, request)
-
-    await asyncio.gather(*(client() for _ in range(streams)))
-    return results
+def outcome(record: RequestRecord) -> dict:
+    """TPOT as the client sees it, (last token - first token) / (tokens - 1); e2e; what came back."""
+    if not record.success:
+        raise RuntimeError(f"a request failed: {record.error_code}: {record.error}")
+    times, tokens = record.token_times, record.output_len
+    tpot = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return {"tpot": tpot, "e2e": record.e2el, "tokens": tokens, "text": record.text}
 
 
 async def measure(address: str, args) -> dict[str, list[dict]]:
     seen: dict[str, list[dict]] = {"free": [], "schema": [], "long keys": []}
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = serving_pb2_grpc.ServingStub(channel)
-        await one(stub, request_of("schema", "Paris", args.max_tokens))  # compile the grammars once
-        await one(stub, request_of("long keys", "Paris", args.max_tokens))
+    async with GrpcApi(address) as api:
+        warm = [request_of("schema", "Paris", args.max_tokens), request_of("long keys", "Paris", args.max_tokens)]
+        await closed_loop(api, warm, streams=1)  # compile the grammars once
         for _ in range(args.rounds):
             for kind in seen:
                 cities = [CITIES[i % len(CITIES)] for i in range(args.requests)]
-                requests = [request_of(kind, city, args.max_tokens) for city in cities]
-                seen[kind].extend(await closed_loop(stub, requests, args.streams))
+                run = await closed_loop(api, [request_of(kind, city, args.max_tokens) for city in cities], args.streams)
+                seen[kind].extend(outcome(r) for r in run.records)
     return seen
 
 
 def serve_and_measure(args, jump_forward: bool) -> dict[str, list[dict]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        overrides = {"calibration_s": 0, "max_inflight_requests": 64, "replan": False}
-        dep = Deployment(Path(tmp), args.config, engine={"jump_forward": jump_forward}, **overrides)
-        try:
-            return asyncio.run(measure(dep.address, args))
-        finally:
-            dep.stop()
+    settings = {
+        "calibration_s": 0,
+        "max_inflight_requests": 64,
+        "replan": False,
+        "engine": {"jump_forward": jump_forward},
+    }
+    with Deployment(settings, base=args.config) as dep:
+        return asyncio.run(measure(dep.address, args))
 
 
 def summary(results: list[dict]) -> dict:
@@ -128,7 +112,7 @@ def summary(results: list[dict]) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--requests", type=int, default=24, help="per kind and round")
@@ -137,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", help="write the figures here too")
     add_config_argument(p)
     args = p.parse_args(argv)
+    print(host_line(), flush=True)
     runs = {jump: serve_and_measure(args, jump) for jump in (False, True)}
     figures = {f"jump_forward={jump}": {k: summary(v) for k, v in seen.items()} for jump, seen in runs.items()}
     for label, kinds in figures.items():
@@ -153,10 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"long-key outputs identical with and without jump-forward: {same}")
     print(f"e2e ratio jump-forward/without (long keys): {on['long keys']['e2e_s'] / off['long keys']['e2e_s']:.3f}")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "figures": figures, "identical": same}, indent=2))
+        write_results(args.json, {"figures": figures, "identical": same}, args)
     sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
