@@ -42,7 +42,7 @@ SMOKE = Sizes(
 
 
 def prompts(llm, count: int, length: int) -> list[list[int]]:
-    """Disjoint windows of real text (Python's own documentation, as bench_engine.py takes)."""
+    """Disjoint windows of real text (Python's own documentation, as loadtest.engine.throughput takes)."""
     import pydoc_data.topics
 
     ids = llm.tokenizer.encode("\n\n".join(pydoc_data.topics.topics.values()))
