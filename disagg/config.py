@@ -143,12 +143,16 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor/pipeline parallel plan of one instance and this process's place in it."""
+    """Tensor/pipeline/expert parallel plan of one instance and this process's place in it."""
 
     tensor_parallel_size: int = 1  # workers the instance's layers are split across
     pipeline_parallel_size: int = 1  # the instance's pipeline stages
     tp_rank: int = 0  # this process's tensor-parallel rank
     pp_rank: int = 0  # this process's pipeline stage
+    # A mixture of experts' experts split whole over a stage's tensor-parallel ranks, tokens sent
+    # to them by all-to-all (vLLM's setting of that name; attention stays split by heads). Off:
+    # each expert split by its intermediate size, as a dense MLP. A dense model ignores it.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require_types(self)
@@ -156,10 +160,16 @@ class ParallelConfig:
             _require(getattr(self, name) >= 1, name, "must be >= 1")
         _require(0 <= self.tp_rank < self.tensor_parallel_size, "tp_rank", "out of range")
         _require(0 <= self.pp_rank < self.pipeline_parallel_size, "pp_rank", "out of range")
+        _require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "must be true or false")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """The ranks a mixture of experts' experts are split over (1: every rank holds every expert)."""
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
 
 
 @dataclass(frozen=True)
@@ -468,6 +478,7 @@ class PoolConfig:
     num_instances: int = 1  # instances in the pool
     tensor_parallel_size: int = 1  # workers an instance's layers are split across (TP)
     pipeline_parallel_size: int = 1  # pipeline stages of an instance (PP); workers per instance: TP x PP
+    enable_expert_parallel: bool = False  # experts split whole over the TP ranks (ParallelConfig's)
     num_cpus_per_worker: float = 1.0  # the CPUs Ray reserves for each worker
     num_gpus_per_worker: float = 0.0  # the GPUs Ray reserves for each worker (a fraction shares one)
     resources: dict = field(default_factory=dict, hash=False)  # extra Ray resources per worker, e.g. {"prefill": 1}
@@ -748,7 +759,9 @@ class ServingConfig:
     def pool_engine_config(self, pool: PoolConfig, index: int = 0) -> EngineConfig:
         """The engine settings of the pool's instance `index` (its rank-0 worker; the others
         differ only in their ranks): the shared ones, the pool's, then the instance's own."""
-        parallel = ParallelConfig(pool.tensor_parallel_size, pool.pipeline_parallel_size)
+        parallel = ParallelConfig(
+            pool.tensor_parallel_size, pool.pipeline_parallel_size, enable_expert_parallel=pool.enable_expert_parallel
+        )
         own = pool.instance_override(index).get("engine") or {}
         engine = self.engine.replace(**{**pool.engine, **own, "parallel": parallel})
         if engine.gpu_memory_utilization is None and 0 < pool.num_gpus_per_worker < 1:

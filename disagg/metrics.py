@@ -18,6 +18,7 @@ from typing import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 # Milliseconds to minutes: a prefill of a short prompt up to a long generation under load.
 LATENCY_BUCKETS = (
@@ -81,6 +82,41 @@ def _bearer_guard(app, api_key: str):
     return guarded
 
 
+class ExpertLoad:
+    """`disagg:moe_expert_tokens_total`: tokens a mixture-of-experts instance routed to each
+    expert since it started, summed over its MoE layers (rank 0's: the first pipeline stage's under
+    PP), as its heartbeats report them. A counter whose value the worker keeps: collected from
+    the latest report rather than incremented here."""
+
+    NAME = "disagg:moe_expert_tokens"
+
+    def __init__(self) -> None:
+        self._reports: dict[tuple[str, str], list[int]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, instance: str, role: str, counts: list[int]) -> None:
+        with self._lock:
+            if counts:
+                self._reports[(instance, role)] = list(counts)
+            else:
+                self._reports.pop((instance, role), None)
+
+    def remove(self, instance: str, role: str) -> None:
+        self.set(instance, role, [])
+
+    def collect(self):
+        family = CounterMetricFamily(
+            self.NAME, "Tokens routed to each expert of a mixture of experts, summed over its MoE layers.",
+            labels=("instance", "role", "expert"),
+        )  # fmt: skip
+        with self._lock:
+            reports = dict(self._reports)
+        for (instance, role), counts in sorted(reports.items()):
+            for expert, count in enumerate(counts):
+                family.add_metric((instance, role, str(expert)), count)
+        yield family
+
+
 class ServingMetrics:
     """The serving metrics of one frontend (request latencies, KV transfers, instance load)."""
 
@@ -89,6 +125,8 @@ class ServingMetrics:
         self._define_request_metrics()
         self._define_transfer_metrics()
         self._define_instance_gauges()
+        self.expert_load = ExpertLoad()
+        self.registry.register(self.expert_load)
         self._define_replan_metrics()
         self._define_slo_metrics()
 
@@ -251,11 +289,16 @@ class ServingMetrics:
         self.num_requests_waiting.labels(instance=instance, role=role).set(waiting)
         self.kv_cache_usage.labels(instance=instance, role=role).set(kv_usage)
 
+    def set_expert_load(self, instance: str, role: str, counts: list[int]) -> None:
+        """A mixture of experts' per-expert load from the instance's report ([]: a dense model)."""
+        self.expert_load.set(instance, role, counts)
+
     def set_model_error(self, instance: str, role: str, error: float) -> None:
         self.latency_model_error.labels(instance=instance, role=role).set(error)
 
     def remove_instance(self, instance: str, role: str) -> None:
         """Drop an instance's series (it left the cluster), so dashboards don't show a stale value."""
+        self.expert_load.remove(instance, role)
         for gauge in (
             self.num_requests_running,
             self.num_requests_waiting,

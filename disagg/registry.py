@@ -43,6 +43,7 @@ class InstanceInfo:
         default_factory=list
     )  # [peer id, address, tp rank, pp rank] of every rank (KVLayout.to_list)
     rpc_address: str = ""  # host:port of the request link (disagg.rpc) on rank 0
+    expert_parallel_size: int = 1  # the ranks a mixture of experts' experts are split over
 
 
 @dataclass
@@ -69,6 +70,9 @@ class LoadReport:
     draining: bool = False
     # Its KV pairs so far: peer worker id -> how KV goes to it (kv_transfer.paths: `disagg status`).
     kv_paths: dict = field(default_factory=dict)
+    # A mixture of experts: tokens routed to each expert since the start, over rank 0's MoE
+    # layers ([] for a dense model): `disagg:moe_expert_tokens_total`.
+    expert_tokens: list = field(default_factory=list)
 
 
 @dataclass

@@ -349,6 +349,7 @@ class Server:
                 metrics.set_instance_load(
                     inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
                 )
+                metrics.set_expert_load(inst.instance_id, inst.role, load.expert_tokens)
                 error = inst.online.recent_error()
                 if error is not None:
                     metrics.set_model_error(inst.instance_id, inst.role, error)

@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 import torch
+from support import _COMMON, FAMILY_SHAPES, FAMILY_WINDOW, RESIDUAL_GAIN, make_family_checkpoint  # noqa: F401
 
 # Tests run the engine with dense float32 weights unless they ask otherwise (weights="auto"):
 # quantized weights load slower (they are packed at load) and change greedy outputs where a
@@ -19,23 +20,6 @@ import torch
 os.environ.setdefault("DISAGG_WEIGHTS", "fp32")
 
 NUM_THREADS = 2
-
-# initializer_range is larger than HF's 0.02 so that the random models have clear top-1 logits:
-# with near-uniform logits a 1e-6 float difference could flip a greedy choice.
-_COMMON = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    max_position_embeddings=1024,
-    rms_norm_eps=1e-6,
-    initializer_range=0.08,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
-
-RESIDUAL_GAIN = 4.0
 
 TINY_SHAPES = {
     # name: (architecture, extra config fields)
@@ -116,87 +100,6 @@ def tiny_qwen2_bias_dir(tmp_path_factory) -> str:
     return _tiny_dir(tmp_path_factory, "qwen2_bias", seed=4)
 
 
-# ---- the families beyond Llama (disagg/engine/models/): small sliding windows, so that prompts ----
-# of a few hundred tokens are several windows long; norms random, so a wrong norm shows.
-FAMILY_WINDOW = 32
-_GEMMA3_ROPE = {
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
-}
-FAMILY_SHAPES = {
-    # name: (HF config class, HF model class, extra config fields)
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=FAMILY_WINDOW, tie_word_embeddings=False),
-    ),
-    "qwen2": (  # YaRN on every layer; layers 1 and 2 slide (max_window_layers 1), layer 0 global
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_hidden_layers=3,
-            tie_word_embeddings=False,
-            use_sliding_window=True,
-            sliding_window=48,
-            max_window_layers=1,
-            rope_parameters={
-                "rope_type": "yarn",
-                "factor": 4.0,
-                "original_max_position_embeddings": 256,
-                "rope_theta": 1000000.0,
-            },
-        ),
-    ),  # fmt: skip
-    "qwen3": (  # head_dim 32 over a hidden size of 64 and 4 heads
-        "Qwen3Config",
-        "Qwen3ForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
-    ),
-    "gemma3": (  # local, local, global, local; every Gemma-specific setting off its default
-        "Gemma3TextConfig",
-        "Gemma3ForCausalLM",
-        dict(
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=32,
-            num_hidden_layers=4,
-            sliding_window=FAMILY_WINDOW,
-            query_pre_attn_scalar=24,
-            final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
-            rope_parameters=_GEMMA3_ROPE,
-            hidden_activation="gelu_pytorch_tanh",
-        ),
-    ),  # fmt: skip
-}
-
-
-def make_family_checkpoint(path, kind: str, seed: int = 0, **overrides) -> str:
-    """Write a random checkpoint of FAMILY_SHAPES[kind] (with `overrides`) with transformers' own class to `path`."""
-    import transformers
-
-    config_name, model_name, extra = FAMILY_SHAPES[kind]
-    torch.manual_seed(seed)
-    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
-    model = getattr(transformers, model_name)(config)
-    gemma = kind == "gemma3"
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
-            layer.mlp.down_proj.weight.mul_(RESIDUAL_GAIN)
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                if proj.bias is not None:
-                    proj.bias.normal_(0.0, 0.1)
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):  # Gemma scales by 1 + weight: random around 0, others around 1
-                param.normal_(0.0 if gemma else 1.0, 0.2)
-    model = model.to(torch.float32).eval()
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
-
-
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory):
     """kind -> the directory of its FAMILY_SHAPES checkpoint, written on first use."""
@@ -209,3 +112,68 @@ def family_dir(tmp_path_factory):
         return dirs[kind]
 
     return get
+
+
+# Mixture-of-experts checkpoints: 8 experts, 2 a token, expert matrices of 32 (a whole block of
+# the quantized kernels). Qwen3-MoE: per-head q/k norms, head_dim 32 (not hidden / heads), layer
+# 1 kept dense (mlp_only_layers), weights not renormalised; Mixtral: renormalised, every layer sparse.
+TINY_MOE_SHAPES = {
+    "qwen3_moe": dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_hidden_layers=3, tie_word_embeddings=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=False, mlp_only_layers=[1],
+        rope_theta=1000000.0,
+    ),
+    "mixtral": dict(
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=None,
+    ),
+    "mixtral_window": dict(  # every layer slides over 32 tokens, as Mistral-7B-v0.1's 4,096
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False, num_local_experts=8,
+        num_experts_per_tok=2, intermediate_size=32, sliding_window=32,
+    ),
+}  # fmt: skip
+
+
+def make_tiny_moe_checkpoint(path, kind: str, seed: int = 0, **overrides):
+    """Write a random Qwen3MoeForCausalLM / MixtralForCausalLM of shape `kind` (with `overrides`
+    of its config fields) to `path` (transformers' save_pretrained: one tensor per expert matrix)."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    qwen = kind.startswith("qwen3_moe")
+    config_cls, model_cls = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if qwen else (MixtralConfig, MixtralForCausalLM)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**_COMMON, **TINY_MOE_SHAPES[kind], **overrides}))
+    with torch.no_grad():
+        for layer in model.model.layers:  # as make_tiny_checkpoint, for the same reason
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            down = getattr(layer.mlp, "experts", layer.mlp).down_proj
+            (down if isinstance(down, torch.nn.Parameter) else down.weight).mul_(RESIDUAL_GAIN)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", seed=11)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral"), "mixtral", seed=12)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_window_dir(tmp_path_factory) -> str:
+    return make_tiny_moe_checkpoint(tmp_path_factory.mktemp("tiny_mixtral_window"), "mixtral_window", seed=13)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    """(kind, seed, **config overrides) -> the directory of a new make_tiny_moe_checkpoint (a
+    fixture, so that test modules need not import conftest: several exist)."""
+
+    def make(kind: str, seed: int = 0, **overrides) -> str:
+        return make_tiny_moe_checkpoint(tmp_path_factory.mktemp(f"moe_{kind}"), kind, seed, **overrides)
+
+    return make

@@ -214,3 +214,149 @@ def distserve_data(name: str) -> Path:
     if not path.exists():
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"DistServe's data is not at {path}")
     return path
+
+
+# ---- a mixture-of-experts layer and its per-token reference (tests/unit/test_moe_layer.py, tests/gpu) ----
+HIDDEN, INTER, EXPERTS, TOP_K = 64, 32, 8, 2
+
+
+def expert_weights(seed: int = 0, experts: int = EXPERTS):
+    g = torch.Generator().manual_seed(seed)
+    router = torch.randn(experts, HIDDEN, generator=g) * 0.3
+    gate = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
+    up = torch.randn(experts, INTER, HIDDEN, generator=g) * 0.1
+    down = torch.randn(experts, HIDDEN, INTER, generator=g) * 0.1
+    return router, gate, up, down
+
+
+def build_moe(rule, weights, tp=None, expert_parallel: bool = False, gemm="onednn", prepare=True):
+    """A MoE layer (disagg/engine/layers/moe.py) holding `weights` (expert_weights'); `tp`: a TPGroup."""
+    from disagg.engine.layers.moe import MoE
+    from disagg.engine.layers.parallel import SINGLE
+
+    router, gate, up, down = weights
+    tp = SINGLE if tp is None else tp
+    moe = MoE(HIDDEN, INTER, rule, tp=tp, expert_parallel=expert_parallel, gemm=gemm)
+    moe.gate.weight.data.copy_(router)
+    first = moe.first_local_expert
+    for local in range(moe.experts.num_local_experts):
+        for part, full in (("gate", gate), ("up", up), ("down", down)):
+            moe.experts.load(local, part, full[first + local])
+    if prepare:  # (not before quantizing: packing frees the float stacks)
+        moe.experts.prepare()
+    return moe.eval()
+
+
+def naive_moe(x, rule, weights) -> torch.Tensor:
+    """Token by token, expert by expert, in float64: what the layer must compute (`rule`: a RoutingRule)."""
+    import torch.nn.functional as F
+
+    router, gate, up, down = (w.double() for w in weights)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t, row in enumerate(x.double()):
+        probs = torch.softmax(router @ row, dim=-1)
+        top = torch.topk(probs, rule.top_k)
+        scale = top.values.sum() if rule.renormalize else 1.0
+        for w, e in zip(top.values, top.indices):
+            out[t] += (w / scale) * (down[e] @ (F.silu(gate[e] @ row) * (up[e] @ row)))
+    return out
+
+
+# ---- tiny random Hugging Face checkpoints (tests/conftest.py's fixtures write them) -------------
+# initializer_range is larger than HF's 0.02 so that the random models have clear top-1 logits:
+# with near-uniform logits a 1e-6 float difference could flip a greedy choice.
+_COMMON = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-6,
+    initializer_range=0.08,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+RESIDUAL_GAIN = 4.0
+
+
+# ---- the families beyond Llama (disagg/engine/models/): small sliding windows, so that prompts ----
+# of a few hundred tokens are several windows long; norms random, so a wrong norm shows.
+FAMILY_WINDOW = 32
+_GEMMA3_ROPE = {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+}
+FAMILY_SHAPES = {
+    # name: (HF config class, HF model class, extra config fields)
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=FAMILY_WINDOW, tie_word_embeddings=False),
+    ),
+    "qwen2": (  # YaRN on every layer; layers 1 and 2 slide (max_window_layers 1), layer 0 global
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_hidden_layers=3,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=48,
+            max_window_layers=1,
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 256,
+                "rope_theta": 1000000.0,
+            },
+        ),
+    ),  # fmt: skip
+    "qwen3": (  # head_dim 32 over a hidden size of 64 and 4 heads
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
+    ),
+    "gemma3": (  # local, local, global, local; every Gemma-specific setting off its default
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_hidden_layers=4,
+            sliding_window=FAMILY_WINDOW,
+            query_pre_attn_scalar=24,
+            final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=_GEMMA3_ROPE,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+    ),  # fmt: skip
+}
+
+
+def make_family_checkpoint(path, kind: str, seed: int = 0, **overrides) -> str:
+    """Write a random checkpoint of FAMILY_SHAPES[kind] (with `overrides`) with transformers' own class to `path`."""
+    import transformers
+
+    config_name, model_name, extra = FAMILY_SHAPES[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**{**_COMMON, **extra, **overrides})
+    model = getattr(transformers, model_name)(config)
+    gemma = kind == "gemma3"
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(RESIDUAL_GAIN)
+            layer.mlp.down_proj.weight.mul_(RESIDUAL_GAIN)
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                if proj.bias is not None:
+                    proj.bias.normal_(0.0, 0.1)
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):  # Gemma scales by 1 + weight: random around 0, others around 1
+                param.normal_(0.0 if gemma else 1.0, 0.2)
+    model = model.to(torch.float32).eval()
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)

@@ -18,7 +18,7 @@ import re
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
-from disagg.config import POOL_LABEL_SLIVER, ParallelConfig, PoolConfig, Role, ServingConfig, WorkerConfig
+from disagg.config import POOL_LABEL_SLIVER, PoolConfig, Role, ServingConfig, WorkerConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import ModelLoadError, UnavailableError
 
@@ -176,7 +176,7 @@ class PoolLauncher:
         shards = []
         for rank in range(1, pool.workers_per_instance):
             place = RankPlace.of_rank(rank, pool.tensor_parallel_size, pool.pipeline_parallel_size)
-            parallel = ParallelConfig(place.tp_size, place.pp_size, place.tp_rank, place.pp_rank)
+            parallel = replace(rank0.engine.parallel, tp_rank=place.tp_rank, pp_rank=place.pp_rank)
             config = rank0.replace(
                 engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None
             )

@@ -198,6 +198,7 @@ class LLMEngine:
                         pp_rank=place.pp_rank,
                         pp_size=place.pp_size,
                         backends=backends,
+                        expert_parallel=self.config.parallel.enable_expert_parallel,
                     )
         finally:
             torch.set_default_dtype(previous)
@@ -225,7 +226,7 @@ class LLMEngine:
             return None
         if self.config.role == Role.PREFILL:  # it samples first tokens only: no decode steps
             return None
-        if self.groups is not None or streams_kv:
+        if self.groups is not None or streams_kv or not self.model.captures_cuda_graphs:
             return None
         graphs = DecodeGraphs(
             self.model,
@@ -587,6 +588,11 @@ class LLMEngine:
         return self._output(request)
 
     # ---- stats -------------------------------------------------------------------------------
+    def expert_tokens(self) -> list[int]:
+        """A mixture of experts' per-expert load: tokens routed to each expert since the start,
+        summed over this rank's MoE layers ([] for a dense model). Read from any thread."""
+        return self.model.expert_tokens()
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks

@@ -31,6 +31,16 @@ _LLAMA_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# A mixture of experts as llama.cpp's converter writes it: the router, and each layer's experts in
+# one 3-D tensor per matrix ([experts, out, in]), which the MoE families load as they are
+# (disagg/engine/models/moe_lm.py, "GGUF's layout"). Per-expert tensors (ffn_gate.<e>, older
+# Mixtral files) are not read.
+_MOE_LAYER_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 _GEMMA3_LAYER_NAMES = {
     **_LLAMA_LAYER_NAMES,
     **_QK_NORM_NAMES,
@@ -56,6 +66,33 @@ def _qwen3_fields(arch: str, meta: Meta, shape: dict) -> dict:
     return {"qk_norm": True}
 
 
+def _llama_fields(arch: str, meta: Meta, shape: dict) -> dict:
+    """A `llama` file with experts is a Mixtral (llama.cpp writes it so): experts as wide as
+    feed_forward_length, the top k renormalised."""
+    experts = int(meta(f"{arch}.expert_count", 0) or 0)
+    if not experts:
+        return {}
+    return {
+        "architecture": "mixtral",
+        "num_experts": experts,
+        "num_experts_per_tok": int(meta(f"{arch}.expert_used_count")),
+        "moe_intermediate_size": shape["intermediate_size"],
+        "norm_topk_prob": True,
+    }
+
+
+def _qwen3moe_fields(arch: str, meta: Meta, shape: dict) -> dict:
+    """Qwen3-MoE: every layer sparse (llama.cpp's rule; the file has no mlp_only_layers), the top k
+    renormalised unless the file says otherwise (llama.cpp renormalises Qwen3-MoE's)."""
+    return {
+        "qk_norm": True,
+        "num_experts": int(meta(f"{arch}.expert_count")),
+        "num_experts_per_tok": int(meta(f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(meta(f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(meta(f"{arch}.expert_weights_norm", True)),
+    }
+
+
 def _gemma3_fields(arch: str, meta: Meta, shape: dict) -> dict:
     """What Gemma 3 reads beyond the shape, with llama.cpp's rules for what the file lacks: the
     score scale is head_dim^-1/2, except for the 27B (62 layers): (hidden / heads)^-1/2."""
@@ -72,10 +109,13 @@ def _gemma3_fields(arch: str, meta: Meta, shape: dict) -> dict:
 
 
 ARCHS = {
-    "llama": GGUFArch("llama", _LLAMA_LAYER_NAMES, permuted_qk=True),
+    "llama": GGUFArch("llama", {**_LLAMA_LAYER_NAMES, **_MOE_LAYER_NAMES}, permuted_qk=True, fields=_llama_fields),
     "qwen2": GGUFArch("qwen2", _LLAMA_LAYER_NAMES),
     "qwen3": GGUFArch("qwen3", {**_LLAMA_LAYER_NAMES, **_QK_NORM_NAMES}, fields=_qwen3_fields),
     "gemma3": GGUFArch("gemma3_text", _GEMMA3_LAYER_NAMES, norm_offset=1.0, default_pattern=6, fields=_gemma3_fields),
+    "qwen3moe": GGUFArch(
+        "qwen3_moe", {**_LLAMA_LAYER_NAMES, **_QK_NORM_NAMES, **_MOE_LAYER_NAMES}, fields=_qwen3moe_fields
+    ),
 }
 
 
@@ -93,10 +133,11 @@ def window_fields(arch: str, meta: Meta, num_layers: int) -> dict:
         "sliding_window": int(window),
         "layer_types": tuple(SLIDING_ATTENTION if w else FULL_ATTENTION for w in windowed),
     }
-    if arch == "llama":  # Mistral's family: a window on every layer
+    if arch == "llama":  # Mistral's family (or Mixtral's, with experts): a window on every layer
         if not all(windowed):
             raise ValueError(
                 "a llama file with both windowed and global layers is not supported (Mistral's window is on every layer)"
             )
-        fields["architecture"] = "mistral"
+        if not meta(f"{arch}.expert_count", 0):
+            fields["architecture"] = "mistral"
     return fields

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from disagg.engine.gguf_archs import ARCHS, window_fields
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.models import expected_weight_shapes
+from disagg.engine.models import checkpoint_weight_shapes
 from disagg.errors import ModelLoadError
 
 # Bump when the conversion changes, so that old cache entries are not reused.
@@ -106,7 +106,7 @@ def convert_gguf(gguf_path: str, out_dir: str) -> ModelConfig:
 def _check_plan(plan, config: ModelConfig, path: str) -> None:
     """Name the GGUF (not the cache copy) when its tensors do not fit its own metadata."""
     shapes = {name: shape for name, _, shape in plan}
-    for name, shape in expected_weight_shapes(config):
+    for name, shape in checkpoint_weight_shapes(config, shapes):
         if name not in shapes:
             raise ModelLoadError(f"{path}: lacks the tensor that becomes {name}")
         if shapes[name] != shape:

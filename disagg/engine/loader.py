@@ -26,7 +26,7 @@ from disagg.engine.gguf_convert import cached_hf_dir, gguf_tensor_types
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.model_shapes import named_shapes
 from disagg.engine.model_specs import RANDOM_PREFIX, hf_config_error
-from disagg.engine.models import config_from_hf, expected_weight_shapes
+from disagg.engine.models import checkpoint_weight_shapes, config_from_hf, expected_weight_shapes
 from disagg.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _index_safetensors(hf_dir: str) -> dict[str, tuple[str, tuple[int, ...]]]:
 def _check_safetensors(hf_dir: str, config: ModelConfig) -> None:
     """Fail at load time, naming the tensor, rather than halfway through building the model."""
     index = _index_safetensors(hf_dir)
-    for name, shape in expected_weight_shapes(config):
+    for name, shape in checkpoint_weight_shapes(config, index):
         if name not in index:
             raise ModelLoadError(f"{hf_dir}: checkpoint lacks tensor {name}")
         if index[name][1] != shape:
@@ -188,7 +188,7 @@ def _safetensors_weights(hf_dir: str, config: ModelConfig) -> Iterator[tuple[str
 
     index = _index_safetensors(hf_dir)
     # Only the tensors the model uses: a tied checkpoint may still carry lm_head, old ones inv_freq.
-    names = [name for name, _ in expected_weight_shapes(config)]
+    names = [name for name, _ in checkpoint_weight_shapes(config, index)]
     with contextlib.ExitStack() as stack:
         handles = {}
         for name in tqdm(names, desc=f"Loading {config.name or hf_dir}", unit="tensor", disable=None, leave=False):

@@ -77,8 +77,14 @@ def activation_bytes(model: ModelConfig, tokens: int, tp: int, dtype_bytes: int)
     """The largest activations of one step of `tokens` tokens: the MLP's input and intermediate
     (twice: before and after the activation function) and a few hidden-sized buffers, split over
     TP. An engine that sizes its cache after a trial step of its token budget (vLLM) keeps this."""
-    per_token = 2 * model.intermediate_size + 4 * model.hidden_size
+    per_token = 2 * _mlp_width(model) + (4 + model.num_experts_per_tok) * model.hidden_size
     return tokens * per_token * dtype_bytes // tp
+
+
+def _mlp_width(model: ModelConfig) -> int:
+    """A token's widest MLP intermediate: a dense layer's, or its k experts' together."""
+    dense = model.intermediate_size if model.num_moe_layers < model.num_hidden_layers else 0
+    return max(dense, model.num_experts_per_tok * model.moe_intermediate_size)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The shape of a decoder-only model, independent of where its weights come from.
+"""The shape of a decoder-only model (dense or mixture-of-experts), independent of where its weights come from.
 
 A family (disagg/engine/models/) maps its Hugging Face config.json onto these fields. Per layer,
 attention is global or sliding-window: `layer_types` names each layer's kind as HF does
@@ -53,6 +53,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power, not head_dim's (Gemma)
     rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled, where not rope_theta (Gemma 3)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma)
+    # Mixture of experts (num_experts 0: dense). A layer's MLP is `num_experts` experts of
+    # `moe_intermediate_size`, each token routed to `num_experts_per_tok` of them, except in the
+    # layers Qwen3-MoE keeps dense: those in `mlp_only_layers`, and all but every
+    # `decoder_sparse_step`-th; a dense layer's MLP has `intermediate_size`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # the k routing weights renormalised to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
@@ -109,13 +119,72 @@ class ModelConfig:
         """K and V of one token across all layers, in elements (multiply by dtype size)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
 
+    # ---- sizes: total (every weight, what memory holds) against active (what a token passes through)
     @property
-    def layer_linear_params(self) -> int:
-        """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether layer `index`'s MLP is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        sparse = (index + 1) % self.decoder_sparse_step == 0 and index not in self.mlp_only_layers
+        return self.is_moe and sparse
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(1 for i in range(self.num_hidden_layers) if self.is_moe_layer(i))
+
+    @property
+    def expert_params(self) -> int:
+        """One expert's gate, up and down matrices."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+    def linear_params(self, active: bool = False) -> int:
+        """Weights of the decoder layers' matrices (attention, MLPs or experts and their
+        routers), without biases, norms or embeddings; `active`: those one token passes through
+        (its k experts of each MoE layer), else all of them."""
+        experts = self.num_experts_per_tok if active else self.num_experts
+        moe = experts * self.expert_params + self.num_experts * self.hidden_size
+        dense_layers = self.num_hidden_layers - self.num_moe_layers
+        return (
+            self.num_hidden_layers * self._attention_params
+            + dense_layers * self._dense_mlp_params
+            + self.num_moe_layers * moe
+        )
+
+    @property
+    def _attention_params(self) -> int:
         h, hd = self.hidden_size, self.head_dim
-        attention = 2 * h * self.num_attention_heads * hd + 2 * h * self.num_key_value_heads * hd
+        return 2 * h * self.num_attention_heads * hd + 2 * h * self.num_key_value_heads * hd
+
+    @property
+    def _dense_mlp_params(self) -> int:
         mlp_matrices = 2 if self.architecture == "opt" else 3  # OPT: fc1, fc2; Llama: gate, up, down
-        return attention + mlp_matrices * h * self.intermediate_size
+        return mlp_matrices * self.hidden_size * self.intermediate_size
+
+    @property
+    def layer_linear_params(self) -> float:
+        """Weights of one decoder layer's matrices that a token passes through (Q, K, V, O and
+        the MLP, or its k experts and the router), without biases or norms; an average over the
+        layers where some are dense and some not. What a token's FLOPs count."""
+        return self.linear_params(active=True) / self.num_hidden_layers
+
+    @property
+    def total_params(self) -> int:
+        """Every weight (embeddings, norms, LM head when untied): what the weights take in memory."""
+        return self.linear_params() + self._other_params
+
+    @property
+    def active_params(self) -> int:
+        """The weights one token's forward pass reads (as "30B-A3B" counts them): total_params
+        with only k experts of each MoE layer."""
+        return self.linear_params(active=True) + self._other_params
+
+    @property
+    def _other_params(self) -> int:
+        h, layers = self.hidden_size, self.num_hidden_layers
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        qk_norms = 2 * layers * self.head_dim if self.qk_norm else 0
+        return self.vocab_size * h + head + (self.norms_per_layer * layers + 1) * h + qk_norms
 
     @property
     def layer_small_params(self) -> int:
@@ -183,9 +252,23 @@ class ModelConfig:
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
             "hidden_act": self.hidden_act,
         }
-        if self.architecture in ("llama", "qwen3"):
+        if self.architecture in ("llama", "qwen3", "qwen3_moe"):
             d["attention_bias"] = self.attention_bias
-        return {**d, **self._hf_window_fields(), **self._hf_gemma_fields()}
+        return {**d, **self._hf_window_fields(), **self._hf_gemma_fields(), **self._hf_moe_fields()}
+
+    def _hf_moe_fields(self) -> dict:
+        if self.architecture == "mixtral":  # its experts are intermediate_size wide
+            return {"num_local_experts": self.num_experts, "num_experts_per_tok": self.num_experts_per_tok}
+        if self.architecture != "qwen3_moe":
+            return {}
+        return {
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+        }
 
     def _hf_window_fields(self) -> dict:
         if SLIDING_ATTENTION not in self.layer_types:
@@ -216,6 +299,8 @@ _HF_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
 
 

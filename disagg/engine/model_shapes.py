@@ -118,7 +118,37 @@ def named_shapes() -> dict[str, ModelConfig]:
             eos_token_ids=(1,),
         ),
         "tiny": _config("llama", 512, 64, 128, 2, 4, 2, 2048),
-    }
+        # Mixtures of experts. Qwen3-30B-A3B: 128 experts of 768, 8 a token (30.5B total, 3.3B active).
+        "qwen3-30b-a3b": _config("qwen3_moe", 151936, 2048, 6144, 48, 32, 4, 40960, **_QWEN3_MOE),
+        # Mixtral-8x7B(-v0.1): 8 experts of 14336, 2 a token (46.7B total, 12.9B active); sliding_window null.
+        "mixtral-8x7b": _config(
+            "mixtral", 32000, 4096, 14336, 32, 32, 8, 32768, rope_theta=1000000.0,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336,
+        ),
+        # For benchmarks on one CPU host, Qwen3-30B-A3B scaled down (it takes 122 GB in float32):
+        # width, heads, expert count and expert size halved, a quarter of the layers, a 32k
+        # vocabulary; 1.0B total, 0.24B active. "-dense": the same model with each MoE layer
+        # replaced by one dense MLP as wide as a token's 8 experts together (the same active parameters).
+        "qwen3-moe-mini": _config("qwen3_moe", 32768, 1024, 3072, 12, 16, 2, 40960, **_QWEN3_MOE_MINI),
+        "qwen3-moe-mini-dense": _config(
+            "qwen3_moe", 32768, 1024, 3072, 12, 16, 2, 40960, **_QWEN3_MOE_MINI, mlp_only_layers=tuple(range(12))
+        ),
+        # The same in miniature, for tests and smoke runs: 8 experts of 32, 2 a token.
+        "tiny-moe": _config("qwen3_moe", 512, 64, 64, 2, 4, 2, 2048, **_TINY_MOE),
+        "tiny-moe-dense": _config("qwen3_moe", 512, 64, 64, 2, 4, 2, 2048, **_TINY_MOE, mlp_only_layers=(0, 1)),
+    }  # fmt: skip
+
+
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): head_dim 128, norm_topk_prob true, every layer sparse.
+_QWEN3_MOE = dict(
+    head_dim=128, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, bos_token_id=151643, eos_token_ids=(151645,),
+)  # fmt: skip
+_QWEN3_MOE_MINI = dict(
+    head_dim=128, qk_norm=True, rms_norm_eps=1e-6, rope_theta=1000000.0, num_experts=64, num_experts_per_tok=8,
+    moe_intermediate_size=384, norm_topk_prob=True,
+)  # fmt: skip
+_TINY_MOE = dict(qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
 
 
 def every_nth_global(layers: int, n: int) -> tuple[str, ...]:

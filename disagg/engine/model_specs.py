@@ -18,7 +18,7 @@ from disagg.engine.model_shapes import named_shapes
 RANDOM_PREFIX = "random:"
 # What the model families run (disagg.engine.models.supported_model_types(), kept equal by a unit test;
 # this list is torch-free, for the tools that check a spec without loading it).
-SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "qwen3_moe", "mixtral")
 _MLA = (
     "multi-latent attention (DeepSeek-V2/V3's compressed KV: a latent vector and a decoupled RoPE key "
     "per token instead of per-head K and V) is not implemented: neither the paged cache's layout nor "

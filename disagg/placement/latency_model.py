@@ -12,6 +12,12 @@ One `StepModel` describes one instance shape (model, hardware, TP, PP); all time
   [1, new tokens, chunk attention, decode context, decodes], whichever predicted better where it
   was measured (`mixed_form`).
 
+A mixture-of-experts model adds one term that is not linear (`ExpertReads`): each step reads the
+weights of the experts its tokens touch, the k a token is routed to at one token, all of them once
+the step has enough tokens: E * (1 - (1 - k/E)^tokens) experts expected (routes taken as
+independent and uniform). It applies to every kind of step, with the step's tokens (a decode
+step's batch, a prefill's prompt tokens, a mixed step's both).
+
 A step's work is a `disagg.step_work.StepWork`: its prompt chunks and its decodes. A chunk of n
 tokens starting at position s has attention work n * (2s + n) (`Chunk.attention`); for a whole
 prompt (s = 0) that is l^2, DistServe's term, so a chunk after cached or earlier tokens is a
@@ -24,13 +30,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disagg.step_work import Chunk, StepWork
 
 __all__ = [
     "Chunk",
     "Coefficients",
+    "ExpertReads",
     "HostSharing",
     "StepModel",
     "TransferModel",
@@ -60,6 +67,42 @@ class Coefficients:
         return cls(*(float(v) for v in values))
 
 
+def expected_experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """How many distinct experts `tokens` tokens are routed to, each to `top_k` of `num_experts`
+    (uniform, independent routes): k at one token, E as tokens grow."""
+    if tokens <= 0 or num_experts <= 0:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+@dataclass(frozen=True)
+class ExpertReads:
+    """A mixture-of-experts step's expert weights: `ms_per_expert` to read one expert's weights
+    in every MoE layer, times the experts a step's tokens are expected to touch."""
+
+    ms_per_expert: float
+    num_experts: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if not (self.ms_per_expert >= 0 and math.isfinite(self.ms_per_expert)):
+            raise ValueError(f"expert reads: ms_per_expert must be finite and >= 0, got {self.ms_per_expert}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"expert reads: need 1 <= top_k <= num_experts, got {self.top_k} of {self.num_experts}")
+
+    def ms(self, tokens: int) -> float:
+        return self.ms_per_expert * expected_experts_touched(self.num_experts, self.top_k, tokens)
+
+    def to_dict(self) -> dict:
+        return {"ms_per_expert": self.ms_per_expert, "num_experts": self.num_experts, "top_k": self.top_k}
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "ExpertReads | None":
+        if not data:
+            return None
+        return cls(float(data["ms_per_expert"]), int(data["num_experts"]), int(data["top_k"]))
+
+
 @dataclass(frozen=True)
 class StepModel:
     prefill: Coefficients
@@ -68,6 +111,7 @@ class StepModel:
     decode_threshold: int = 95  # the large-batch triple applies from this batch size on
     mixed_form: str = "sum"
     mixed: tuple[float, ...] = ()  # "fit": [intercept, new tokens, chunk attention, decode context, decodes]
+    experts: ExpertReads | None = None  # a mixture of experts' expert weights read per step
 
     def __post_init__(self) -> None:
         if self.mixed_form not in MIXED_FORMS:
@@ -90,13 +134,17 @@ class StepModel:
         """A batch of whole prompts."""
         if not lengths:
             return 0.0
-        return self.prefill(sum(lengths), sum(n * n for n in lengths))
+        return self.prefill(sum(lengths), sum(n * n for n in lengths)) + self.expert_ms(sum(lengths))
 
     def decode_ms(self, batch: int, context_sum: int) -> float:
         """One decode step of `batch` requests whose contexts add up to `context_sum`."""
         if batch <= 0:
             return 0.0
         return self._decode_triple(batch)(context_sum, batch)
+
+    def expert_ms(self, tokens: int) -> float:
+        """A step's expert weight reads (`ExpertReads`; 0 for a dense model)."""
+        return 0.0 if self.experts is None else self.experts.ms(tokens)
 
     def decode_steps_ms(self, batch: int, context_sum: int, steps: int) -> float:
         """`steps` decode steps of the same batch, every context growing by one token a step."""
@@ -128,6 +176,10 @@ class StepModel:
         """Any step: prompt chunks and decodes together (either may be empty)."""
         if work.kind == "decode":
             return self.decode_ms(work.num_decodes, work.decode_context_sum)
+        return self.linear_step_ms(work) + self.expert_ms(work.prefill_tokens + work.num_decodes)
+
+    def linear_step_ms(self, work: StepWork) -> float:
+        """A step with prompt chunks, without its expert reads: the terms a fit learns."""
         tokens, attention = work.prefill_tokens, work.prefill_attention
         if work.kind == "prefill":
             return self.prefill(tokens, attention)
@@ -139,7 +191,12 @@ class StepModel:
         return self.prefill(tokens, attention) + decode.b * context + decode.c * batch
 
     def _decode_triple(self, batch: int) -> Coefficients:
-        return self.decode_small if batch < self.decode_threshold else self.decode_large
+        """The decode form at this batch, the batch's expert reads in its intercept (a decode
+        batch's steps all read the same expected number of experts)."""
+        triple = self.decode_small if batch < self.decode_threshold else self.decode_large
+        if self.experts is None:
+            return triple
+        return Coefficients(triple.a + self.experts.ms(batch), triple.b, triple.c)
 
     # ---- files -------------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -152,6 +209,8 @@ class StepModel:
         }
         if self.mixed:
             data["mixed"] = list(self.mixed)
+        if self.experts is not None:
+            data["moe_expert_reads"] = self.experts.to_dict()
         return data
 
     @classmethod
@@ -165,6 +224,7 @@ class StepModel:
                 decode_threshold=int(data.get("decoding_large_small_bs_threshold", 95)),
                 mixed_form=data.get("mixed_form", "sum"),
                 mixed=tuple(float(v) for v in data.get("mixed", ())),
+                experts=ExpertReads.from_dict(data.get("moe_expert_reads")),
             )
         except KeyError as exc:
             raise ValueError(f"profile entry: missing {exc.args[0]!r}") from None
@@ -179,6 +239,7 @@ class StepModel:
             self.decode_threshold,
             self.mixed_form,
             tuple(w * factor for w in self.mixed),
+            None if self.experts is None else replace(self.experts, ms_per_expert=self.experts.ms_per_expert * factor),
         )
 
 

@@ -98,7 +98,7 @@ class OnlineStepModel:
         fits["mixed"] = fits["prefill"] and fits["decode"]
         # A kind not fitted yet keeps its terms: the steps that carry its work wait in the window.
         steps = [step for kind in KINDS if fits[kind] for step in self._steps[kind]]
-        weights = _fit_joint(steps)
+        weights = _fit_joint(steps, self.model)
         if weights is None or not all(math.isfinite(w) for w in weights.values()):
             return self.model  # (an ill-conditioned window can overflow: such a fit predicts nothing)
         fitted = _joint_model(self.model, weights, fits)
@@ -107,16 +107,18 @@ class OnlineStepModel:
         return fitted
 
 
-def _fit_joint(steps: list[MeasuredStep]) -> dict[int, float] | None:
+def _fit_joint(steps: list[MeasuredStep], current: StepModel) -> dict[int, float] | None:
     """{index in JOINT_TERMS: coefficient} of the terms some step has (the others cannot be
-    fitted), or None when the steps are too few to determine them."""
+    fitted), or None when the steps are too few to determine them. A mixture of experts' expert
+    reads (`current.experts`, not linear in the tokens) are taken out of each step's time first
+    and kept as they are."""
     rows = [joint_row(step.work) for step in steps]
     terms = [j for j in range(len(JOINT_TERMS)) if any(row[j] for row in rows)]
     if not steps or len(steps) < len(terms):
         return None
     solved = nonnegative_least_squares(
         [[row[j] for j in terms] for row in rows],
-        [step.ms for step in steps],
+        [step.ms - current.expert_ms(step.work.prefill_tokens + step.work.num_decodes) for step in steps],
         free=[i for i, j in enumerate(terms) if j in JOINT_INTERCEPTS],
     )
     return dict(zip(terms, solved))
@@ -130,9 +132,11 @@ def _joint_model(current: StepModel, w: dict[int, float], fits: dict[str, bool])
     prefill, decode = joint_coefficients([w.get(j, 0.0) for j in range(len(JOINT_TERMS))])
     prefill = prefill if fits["prefill"] else current.prefill
     if not fits["decode"]:
-        return StepModel(prefill, current.decode_small, current.decode_large, current.decode_threshold)
+        return StepModel(
+            prefill, current.decode_small, current.decode_large, current.decode_threshold, experts=current.experts
+        )
     # One decode triple online: the batches one instance runs rarely span DistServe's split.
-    return StepModel(prefill, decode, decode, current.decode_threshold)
+    return StepModel(prefill, decode, decode, current.decode_threshold, experts=current.experts)
 
 
 def _median_error(model: StepModel, steps: list[MeasuredStep]) -> float:

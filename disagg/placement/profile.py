@@ -164,4 +164,5 @@ def _with_intercept(model: StepModel, extra_ms: float) -> StepModel:
         model.decode_threshold,
         model.mixed_form,
         mixed,
+        model.experts,
     )

@@ -1,6 +1,7 @@
 """Whether a model fits on a TP x PP group of devices, and how many KV tokens are left room for.
 
-Weights split evenly over the TP ranks (heads, MLP columns and the vocabulary alike); PP stages hold
+Weights split evenly over the TP ranks (heads, MLP columns, a mixture of experts' experts, every
+one of them resident, and the vocabulary alike); PP stages hold
 whole layers, the first stage the embeddings and the last the LM head (both when tied). The KV of
 a token splits the same way, by heads over TP and by layers over PP. The most loaded device decides.
 `utilization` (vLLM's gpu_memory_utilization) leaves the rest for activations and the runtime.

@@ -65,9 +65,10 @@ def _is_opt(config: ModelConfig) -> bool:
     return config.architecture == "opt"
 
 
-def layer_linear_params(config: ModelConfig) -> int:
-    """Weights of one decoder layer's matrices (Q, K, V, O and the MLP), without biases or norms."""
-    return config.layer_linear_params
+def layer_linear_params(config: ModelConfig) -> float:
+    """Weights of one decoder layer's matrices (Q, K, V, O and the MLP, or all its experts and
+    the router), without biases or norms: what memory holds (an average over the layers)."""
+    return config.linear_params() / config.num_hidden_layers
 
 
 def _layer_small_params(config: ModelConfig) -> int:
@@ -93,17 +94,30 @@ def lm_head_params(config: ModelConfig) -> int:
     return config.vocab_size * config.hidden_size
 
 
-def layer_params(config: ModelConfig) -> int:
+def layer_params(config: ModelConfig) -> float:
     return layer_linear_params(config) + _layer_small_params(config)
 
 
 def param_count(config: ModelConfig) -> int:
+    """Every weight: what memory holds (a mixture of experts' experts all resident)."""
     tied = 0 if config.tie_word_embeddings else lm_head_params(config)
-    return config.num_hidden_layers * layer_params(config) + embedding_params(config) + tied
+    layers = config.linear_params() + config.num_hidden_layers * _layer_small_params(config)
+    return layers + embedding_params(config) + tied
 
 
 def weight_bytes(config: ModelConfig, dtype_bytes: int = 2) -> int:
     return param_count(config) * dtype_bytes
+
+
+def expert_bytes(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """One expert's weights in every MoE layer (0 for a dense model): what each expert a step's
+    tokens touch adds to the weights it reads."""
+    return config.expert_params * config.num_moe_layers * dtype_bytes
+
+
+def dense_weight_bytes(config: ModelConfig, dtype_bytes: int = 2) -> int:
+    """The weights every step reads whatever its tokens: all but the experts."""
+    return weight_bytes(config, dtype_bytes) - config.num_experts * expert_bytes(config, dtype_bytes)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
@@ -112,8 +126,9 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int = 2) -> int:
 
 
 def flops_per_token(config: ModelConfig) -> int:
-    """Multiply-adds of the decoder layers' matrices, for one token (2 FLOPs per weight)."""
-    return 2 * config.num_hidden_layers * layer_linear_params(config)
+    """Multiply-adds of the decoder layers' matrices, for one token (2 FLOPs per weight): of
+    the active ones, its k experts of each MoE layer."""
+    return 2 * config.linear_params(active=True)
 
 
 def lm_head_flops(config: ModelConfig) -> int:

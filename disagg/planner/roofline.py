@@ -14,7 +14,12 @@ Each step model has DistServe's form (see `placement.latency_model`); its coeffi
   bytes to the per-token (prefill) or per-sequence (decode) term. Across nodes when TP exceeds a node;
 - PP as our engine runs it: stages one after another, so a step takes the TP-only time plus one
   activation hand-off per stage boundary (`Profile.pp_handoff_ms` is its fixed part);
-- a fixed per-step overhead (launches, scheduling, sampling).
+- a fixed per-step overhead (launches, scheduling, sampling);
+- a mixture of experts: the weights above are all but the experts, which every step reads; the
+  experts a step's tokens touch are read on top (`ExpertReads`: the k of one token at batch 1, up
+  to all of them as the batch grows), and FLOPs count a token's k experts only (active, not
+  total, parameters). Memory holds every expert (planner/memory.py). Experts split over TP as the
+  dense MLP does; expert parallelism's all-to-all is not priced (the MLP's all-reduce is).
 
 Real kernels reach a fraction of the datasheet: `Efficiency`, fitted by `calibrate` against a
 measured or published profile. Pure Python: the planner runs on any laptop.
@@ -28,7 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 from disagg.engine.model_config import ModelConfig
-from disagg.placement.latency_model import Coefficients, StepModel
+from disagg.placement.latency_model import Coefficients, ExpertReads, StepModel
 from disagg.placement.profile import Profile
 from disagg.planner import models
 from disagg.planner.hardware import Hardware, hardware_spec
@@ -61,7 +66,8 @@ class Efficiency:
 class _Costs:
     """The roofline's unit costs for one TP x PP, in milliseconds."""
 
-    weights: float  # reading every weight once (all stages, one after another)
+    weights: float  # reading every weight once (all stages, one after another), experts aside
+    expert: float  # reading one expert's weights in every MoE layer (0: dense)
     per_token: float  # linear layers for one token
     lm_head: float  # the LM head for one sequence
     attention: float  # prefill attention per unit of l^2
@@ -77,7 +83,8 @@ def _unit_costs(config: ModelConfig, hw: Hardware, tp: int, pp: int, dtype_bytes
     reduce_fixed, reduce_per_token = _all_reduce_ms(config, hw, tp, hidden_bytes, eff)
     handoff_fixed, handoff_per_token = _handoff_ms(hw, tp, pp, hidden_bytes, eff)
     return _Costs(
-        weights=models.weight_bytes(config, dtype_bytes) * bytes_ms,
+        weights=models.dense_weight_bytes(config, dtype_bytes) * bytes_ms,
+        expert=models.expert_bytes(config, dtype_bytes) * bytes_ms,
         per_token=models.flops_per_token(config) * flops_ms,
         lm_head=models.lm_head_flops(config) * flops_ms,
         attention=models.attention_flops_per_pair(config) / 2 * flops_ms * eff.compute / eff.attention,
@@ -103,7 +110,7 @@ def _handoff_ms(hw: Hardware, tp: int, pp: int, hidden_bytes: int, eff: Efficien
     return latency_ms, hidden_bytes / (bandwidth * eff.link) * 1e3
 
 
-def _step_model(costs: _Costs, overlap: float) -> StepModel:
+def _step_model(costs: _Costs, overlap: float, config: ModelConfig) -> StepModel:
     per_sequence = costs.per_token + costs.lm_head
     prefill = Coefficients(
         costs.step_fixed + costs.weights + costs.lm_head, costs.per_token + costs.per_token_comm, costs.attention
@@ -111,12 +118,14 @@ def _step_model(costs: _Costs, overlap: float) -> StepModel:
     small = Coefficients(
         costs.step_fixed + costs.weights, costs.kv_read, (1 - overlap) * per_sequence + costs.per_token_comm
     )
-    # From the ridge on, compute no longer hides: the large triple meets the small one there.
-    ridge = costs.weights / per_sequence
+    # From the ridge on, compute no longer hides: the large triple meets the small one there
+    # (for a mixture of experts, where every expert is read).
+    ridge = (costs.weights + config.num_experts * costs.expert) / per_sequence
     large = Coefficients(
         costs.step_fixed + (1 - overlap) * costs.weights, costs.kv_read, per_sequence + costs.per_token_comm
     )
-    return StepModel(prefill, small, large, decode_threshold=max(1, math.ceil(ridge)))
+    experts = ExpertReads(costs.expert, config.num_experts, config.num_experts_per_tok) if config.is_moe else None
+    return StepModel(prefill, small, large, decode_threshold=max(1, math.ceil(ridge)), experts=experts)
 
 
 def _resolve(model: str | ModelConfig, hardware: str | Hardware) -> tuple[ModelConfig, Hardware]:
@@ -138,7 +147,7 @@ def roofline_profile(
     entries = {}
     for tp, pp in shapes:
         check_shape(config, tp, pp)
-        entries[(tp, pp)] = _step_model(_unit_costs(config, hw, tp, pp, dtype_bytes, eff), eff.decode_overlap)
+        entries[(tp, pp)] = _step_model(_unit_costs(config, hw, tp, pp, dtype_bytes, eff), eff.decode_overlap, config)
     handoff_fixed, _ = _handoff_ms(hw, 1, 2, config.hidden_size * dtype_bytes, eff)
     return Profile(
         model=config.name or str(model),

@@ -73,7 +73,7 @@ def live_profile(base: Profile | None, directory: InstanceDirectory, model: str,
     decode = fitted["decode"][0].online.model if fitted["decode"] else seed
     if prefill is None or decode is None:
         return None
-    step = StepModel(prefill, decode.decode_small, decode.decode_large, decode.decode_threshold)
+    step = StepModel(prefill, decode.decode_small, decode.decode_large, decode.decode_threshold, experts=decode.experts)
     if base is not None:
         return replace(base, entries={(1, 1): step})
     return Profile(model, "this host (fitted online)", "measured", {(1, 1): step}, kv_bytes_per_token, num_layers)

@@ -139,6 +139,7 @@ class WorkerActorBase:
             p.pipeline_parallel_size,
             kv_ranks=layout.to_list() if layout else [],
             rpc_address=self.rpc.address,
+            expert_parallel_size=p.expert_parallel_size,
         )
 
     def model_card(self) -> ModelCard:
@@ -266,4 +267,5 @@ def engine_load(engine, num_waiting_for_kv: int = 0) -> LoadReport:
         kv_cache_usage=1.0 - free / total,
         updated_at=time.time(),
         decode_context_tokens=context,
+        expert_tokens=engine.expert_tokens(),
     )

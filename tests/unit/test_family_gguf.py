@@ -9,7 +9,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import _COMMON, FAMILY_SHAPES, make_family_checkpoint
+from support import _COMMON, FAMILY_SHAPES, make_family_checkpoint
 from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams

@@ -43,7 +43,7 @@ class _Pending:
         return next((x for x in logits if x is not None), None)
 
 
-def sharded_engines(config: EngineConfig, tp: int, pp: int) -> list[LLMEngine]:
+def sharded_engines(config: EngineConfig, tp: int, pp: int, enable_expert_parallel: bool = False) -> list[LLMEngine]:
     """Rank 0 serves the instance's world (as a worker does); the other ranks, threads here,
     connect to it with the key."""
     key = new_key()
@@ -52,7 +52,7 @@ def sharded_engines(config: EngineConfig, tp: int, pp: int) -> list[LLMEngine]:
 
     def build(rank: int) -> LLMEngine:
         place = RankPlace.of_rank(rank, tp, pp)
-        parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank)
+        parallel = ParallelConfig(tp, pp, place.tp_rank, place.pp_rank, enable_expert_parallel)
         store = world.store() if rank == 0 else connect_world(world.address, key)
         groups = join_instance(place, store, torch.device("cpu"), "127.0.0.1")
         return LLMEngine(config.replace(parallel=parallel), groups=groups, followers=followers if rank == 0 else None)

@@ -383,3 +383,8 @@ def weight_format(setting: str, gguf_types: list[str | None]) -> str | None:
     if setting != "auto" or not gguf_types or any(t is None or t in _GGUF_FLOAT for t in gguf_types):
         return None
     return "int4" if all(t in _GGUF_INT4 for t in gguf_types) else "int8"
+
+
+def step_decode_rows() -> int | None:
+    """The running engine step's leading decode rows (`step_rows`); None outside a step."""
+    return getattr(_step, "decode_rows", None)

@@ -12,7 +12,8 @@ A family is a module here that ends with a `FAMILY = ModelFamily(...)` (models/f
   (h, residual, cos, sin, kv_cache, meta) and returns (h, residual), and builds its attention and
   MLP from the shared layers (layers/, and the Llama family's LlamaAttention and LlamaMLP);
 - `weight_shapes(config)`: every tensor a checkpoint of that config holds, by Hugging Face name, in
-  load order (models/weights.py builds a dense decoder's). Checkpoint names map onto the module
+  load order (models/weights.py builds a dense decoder's); `other_layouts`, other sets of names
+  the family also loads (a checkpoint in one of them is read by its names). Checkpoint names map onto the module
   tree by name: `model.layers.3.mlp.down_proj.weight` loads into `layers.3.mlp.down_proj`, and
   CausalLM._SHARDS lists the linears loaded as shards of one fused linear of ours.
 
@@ -31,14 +32,24 @@ no block before the window's first position (layers/attention.py).
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from disagg.engine.model_config import ModelConfig
-from disagg.engine.models import gemma3, llama, mistral, qwen2, qwen3
+from disagg.engine.models import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from disagg.engine.models.causal_lm import Backends, CausalLM
 from disagg.engine.models.family import ModelFamily, WeightShapes
 from disagg.engine.layers.parallel import SINGLE, TPGroup
 from disagg.errors import ModelLoadError
 
-FAMILIES: tuple[ModelFamily, ...] = (llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, gemma3.FAMILY)
+FAMILIES: tuple[ModelFamily, ...] = (
+    llama.FAMILY,
+    mistral.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    gemma3.FAMILY,
+    qwen3_moe.FAMILY,
+    mixtral.FAMILY,
+)
 
 
 def family_of(model_type: str) -> ModelFamily:
@@ -65,6 +76,18 @@ def expected_weight_shapes(config: ModelConfig) -> WeightShapes:
     return family_of(config.architecture).weight_shapes(config)
 
 
+def checkpoint_weight_shapes(config: ModelConfig, names: Collection[str]) -> WeightShapes:
+    """The tensors of the layout a checkpoint holding `names` is written in: the family's
+    own (`weight_shapes`), or another it also loads (`other_layouts`) when that one's tensors
+    are all there (e.g. transformers 5's experts fused into 3-D tensors)."""
+    family = family_of(config.architecture)
+    for layout in family.other_layouts:
+        shapes = layout(config)
+        if all(name in names for name, _ in shapes):
+            return shapes
+    return family.weight_shapes(config)
+
+
 def build_model(
     config: ModelConfig,
     max_model_len: int,
@@ -72,7 +95,16 @@ def build_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     backends: Backends = Backends(),
+    expert_parallel: bool = False,
 ) -> CausalLM:
     """This stage's (and TP rank's) model for `config`, weights not loaded yet."""
     model_class = family_of(config.architecture).model_class
-    return model_class(config, max_model_len, tp=tp, pp_rank=pp_rank, pp_size=pp_size, backends=backends)
+    return model_class(
+        config,
+        max_model_len,
+        tp=tp,
+        pp_rank=pp_rank,
+        pp_size=pp_size,
+        backends=backends,
+        expert_parallel=expert_parallel,
+    )

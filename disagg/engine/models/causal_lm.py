@@ -42,6 +42,8 @@ class Backends:
 
 
 class CausalLM(nn.Module):
+    captures_cuda_graphs = True  # decode steps may be replayed from CUDA graphs (cuda_graphs.py)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -50,10 +52,14 @@ class CausalLM(nn.Module):
         pp_rank: int = 0,
         pp_size: int = 1,
         backends: Backends = Backends(),
+        expert_parallel: bool = False,
     ):
+        """`expert_parallel`: a mixture of experts' experts split over `tp`'s ranks
+        (ParallelConfig.enable_expert_parallel; a dense family ignores it)."""
         super().__init__()
         self.config = cfg
         self.backends = backends
+        self.expert_parallel = expert_parallel
         self.start_layer, self.end_layer = layer_range(cfg.num_hidden_layers, pp_rank, pp_size)
         self.is_first_stage, self.is_last_stage = pp_rank == 0, pp_rank == pp_size - 1
         # The vocabulary projections are replicated across TP ranks (simple, and small next to the layers).
@@ -97,6 +103,10 @@ class CausalLM(nn.Module):
         """Each of this stage's layers' sliding window (None: global), by local index (the
         KV cache's layer slots); ModelConfig.layer_groups has the whole model's."""
         return [self.config.attention_window(i) for i in range(self.start_layer, self.end_layer)]
+
+    def expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert so far, over this stage's layers ([] for a dense model)."""
+        return []
 
     def forward(
         self,

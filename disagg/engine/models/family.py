@@ -17,3 +17,5 @@ class ModelFamily:
     config_from_hf: Callable[[dict, str], ModelConfig]  # (config.json dict, model name) -> ModelConfig
     model_class: type  # a CausalLM subclass (models/causal_lm.py): the decoder layer it stacks
     weight_shapes: Callable[[ModelConfig], WeightShapes]  # checkpoint tensors by HF name, in load order
+    # Other checkpoint layouts the family loads, tried first (e.g. experts fused into 3-D tensors).
+    other_layouts: tuple[Callable[[ModelConfig], WeightShapes], ...] = ()
