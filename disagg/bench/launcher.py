@@ -8,7 +8,8 @@ that reaches into its launcher and actors.
 
 The config is the benchmark's settings laid over a base config file (`--config`, the same way
 in every script), over the defaults, as `disagg serve --config BASE --SETTING VALUE` would lay
-them (disagg.config.merge_settings).
+them (disagg.config.merge_settings); its ports (free ones) go on the command line, so that the
+config file it writes holds only what the benchmark chose.
 """
 
 from __future__ import annotations
@@ -57,8 +58,11 @@ class Deployment:
         on exit). `name`: of its config and log files (`log`: the log elsewhere). `http`: serve the OpenAI-compatible API
         too, on a free port. `code`: a checkout of this repository whose `disagg` the server runs
         (another revision's; it runs from there, with that on its PYTHONPATH)."""
-        ports = {"port": free_port(), "metrics_port": free_port(), "http_port": free_port() if http else 0}
-        self.config = merge_settings(read_config(base), {**ports, **(settings or {})})
+        own = settings or {}
+        free = {"port": free_port(), "metrics_port": free_port(), "http_port": free_port() if http else 0}
+        self.ports = {name: own.get(name, port) for name, port in free.items()}  # never a base config's
+        self.settings = merge_settings(read_config(base), {k: v for k, v in own.items() if k not in self.ports})
+        self.config = merge_settings(self.settings, self.ports)
         self.in_process = in_process
         self.code = Path(code).resolve() if code else None
         self.start_timeout_s, self.stop_timeout_s = start_timeout_s, stop_timeout_s
@@ -100,13 +104,15 @@ class Deployment:
 
     def start(self) -> None:
         """Begin bringing it up (`wait_ready` waits for it)."""
-        self.config_path.write_text(yaml.safe_dump(self.config, sort_keys=False))
+        self.config_path.write_text(yaml.safe_dump(self.settings, sort_keys=False))
         self._started_at = time.monotonic()
         if self.in_process:
             self._start_in_process()
             return
         self._ready.unlink(missing_ok=True)
         command = [sys.executable, "-m", "disagg.cli", "serve", "--config", str(self.config_path)]
+        for name, value in self.ports.items():  # the benchmark's own where it set one, else a free one
+            command += [f"--{name.replace('_', '-')}", "null" if value is None else str(value)]
         command += ["--ready-file", str(self._ready)]
         env = {**os.environ, "PYTHONPATH": str(self.code)} if self.code else None
         self.log.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +141,7 @@ class Deployment:
                 self.stop()
                 raise TimeoutError(f"`disagg serve` not ready after {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
         lines = self._ready.read_text().split()
+        self._ready.unlink()
         self.address = lines[0]
         self.frontend_addresses = lines[1].split(",") if len(lines) > 1 else [self.address]
         return self.address

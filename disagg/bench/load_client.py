@@ -69,7 +69,9 @@ class LoadRun:
 # ---- the two APIs ---------------------------------------------------------------------------------
 class GrpcApi:
     """`Generate` over `connections` channels to one frontend or several (client lane k sends
-    through channel k mod N, channel i to address i mod the addresses)."""
+    through channel k mod N, channel i to address i mod the addresses). With `failover`, a
+    request that fails is sent once more through the next channel (another frontend, where there
+    are several), as a client of a replicated deployment would."""
 
     name = "grpc"
 
@@ -81,14 +83,17 @@ class GrpcApi:
         tls_ca: str | None = None,
         connections: int = 1,
         timeout_s: float = 600.0,
+        failover: bool = False,
     ):
         self.addresses = [addresses] if isinstance(addresses, str) else list(addresses)
+        self.failover = failover
         self.metadata = api_key_metadata(api_key)
         self.credentials = tls_credentials(tls_ca)
         self.connections = max(connections, len(self.addresses))
         self.timeout_s = timeout_s
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[serving_pb2_grpc.ServingStub] = []
+        self._targets: list[str] = []  # each channel's address
 
     async def __aenter__(self) -> GrpcApi:
         options = [("grpc.max_receive_message_length", 64 << 20)]
@@ -96,6 +101,7 @@ class GrpcApi:
             options.append(("grpc.use_local_subchannel_pool", 1))
         for i in range(self.connections):
             address = self.addresses[i % len(self.addresses)]
+            self._targets.append(address)
             self._channels.append(
                 grpc.aio.insecure_channel(address, options=options)
                 if self.credentials is None
@@ -112,7 +118,15 @@ class GrpcApi:
     async def send(self, request: LoadRequest, record: RequestRecord, zero: float, lane: int = 0) -> RequestRecord:
         """Stream one request; its record filled (a failure is a record too, never an exception).
         `zero`: the loop's start (perf_counter), which `sent_at` and `token_times` count from."""
-        stub = self._stubs[lane % len(self._stubs)]
+        record = await self._send(request, record, zero, lane)
+        if record.success or not self.failover or len(self._stubs) < 2:
+            return record
+        again = await self._send(request, new_record(record.index, request), zero, lane + 1)
+        again.retried = True
+        return again
+
+    async def _send(self, request: LoadRequest, record: RequestRecord, zero: float, lane: int) -> RequestRecord:
+        stub, target = self._stubs[lane % len(self._stubs)], self._targets[lane % len(self._stubs)]
         sent = time.perf_counter()
         record.sent_at = sent - zero
         timer = TokenTimer(sent)
@@ -122,6 +136,7 @@ class GrpcApi:
                 timer.on_message(len(msg.token_ids), now)
                 _received(record, msg, now - zero)
             if record.finish_reason:
+                record.server["frontend"] = target  # which of a deployment's frontends answered
                 return timer.finish(record, time.perf_counter())
             record.error_code, record.error = "UNKNOWN", "the stream ended without a final message"
         except grpc.aio.AioRpcError as exc:
@@ -271,15 +286,18 @@ async def open_loop(
 
 
 async def closed_loop(
-    api, requests: list[LoadRequest], streams: int, until: Callable[[], bool] | None = None
+    api, requests: list[LoadRequest], streams: int, until: Callable[[], bool] | None = None, zero: float | None = None
 ) -> LoadRun:
-    """`streams` clients taking the requests in order, each sending its next as its last ends,
-    until every request was sent once; with `until`, cycling through them until it says so."""
+    """`streams` clients taking the requests in order (client k on lane k), each sending its next
+    as its last ends, until every request was sent once; with `until`, cycling through them until
+    it says so. `zero`: the perf_counter the records' times count from (None: the loop's start),
+    for a caller that relates them to what else it timed."""
     if streams < 1 or not requests:
         raise ValueError("a closed loop needs at least one stream and one request")
     records: list[RequestRecord] = []
     cursor = iter(range(10**12) if until else range(len(requests)))
-    zero, wall = time.perf_counter(), time.time()
+    start, wall = time.perf_counter(), time.time()
+    zero = start if zero is None else zero
 
     async def client(lane: int) -> None:
         for i in cursor:
@@ -289,7 +307,7 @@ async def closed_loop(
             records.append(await api.send(request, new_record(i, request), zero, lane))
 
     await asyncio.gather(*(client(lane) for lane in range(streams)))
-    return LoadRun(sorted(records, key=lambda r: r.index), time.perf_counter() - zero, wall)
+    return LoadRun(sorted(records, key=lambda r: r.index), time.perf_counter() - start, wall)
 
 
 def run_loop(api, loop: Callable, *args, **kwargs):

@@ -25,7 +25,7 @@ import numpy as np
 from disagg.slo import SLO, met, missed, tpot_s
 
 DEFAULT_PERCENTILES = (50, 90, 99)
-UNSAVED_FIELDS = ("token_ids", "text", "token_times")
+UNSAVED_FIELDS = ("token_ids", "text", "token_times", "retried")
 
 
 @dataclass
@@ -50,6 +50,7 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list, repr=False)
     text: str = field(default="", repr=False)
     token_times: list[float] = field(default_factory=list, repr=False)
+    retried: bool = field(default=False, repr=False)  # sent once more, through another frontend, after a failure
 
     @property
     def tpot(self) -> float:

@@ -38,6 +38,7 @@ from collections import Counter
 import grpc
 
 from disagg.bench.launcher import Deployment, add_config_argument, leaked_blocks, listed
+from disagg.bench.load_client import GrpcApi, LoadRequest, LoadRun, closed_loop, run_loop
 from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
 
@@ -83,55 +84,37 @@ def request(i: int, max_tokens: int):
 
 
 class Load:
-    """Closed-loop clients; every outcome counted, every output checked. With several frontends,
-    client w sends through frontend w mod N, and a failed request once more through the next."""
+    """The closed loop (disagg.bench.load_client) in a thread of its own until stopped: with
+    several frontends client w sends through frontend w mod N, and a failed request once more
+    through the next. Every output is checked against the fault-free one once it is stopped."""
 
-    def __init__(self, clients: list[DisaggClient], reference: list[list[int]], args):
-        self.clients, self.reference, self.args = clients, reference, args
+    def __init__(self, addresses: list[str], args):
         self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.sent, self.completed, self.wrong, self.retried = 0, 0, 0, 0
-        self.failed: Counter[str] = Counter()
-        self.messages: dict[str, int] = {}  # error details -> count
-        self.wrong_ones: list[dict] = []  # when, through which frontend, the first differing token
-        self.started = time.monotonic()
+        self.started, self.zero = time.monotonic(), time.perf_counter()  # the same moment on both clocks
+        self.run: LoadRun | None = None
+        requests = [LoadRequest(request(i, args.max_tokens)) for i in range(len(PROMPTS))]
+        api = GrpcApi(addresses, timeout_s=300, failover=True)
+        loop = lambda: run_loop(api, closed_loop, requests, args.concurrency, self.stop.is_set, self.zero)  # noqa: E731
+        self.thread = threading.Thread(target=lambda: setattr(self, "run", loop()), daemon=True)
 
-    def run(self, worker: int) -> None:
-        i = worker
-        while not self.stop.is_set():
-            with self.lock:
-                self.sent += 1
-            try:
-                tokens = self._generate(i, worker)
-            except grpc.RpcError as exc:
-                with self.lock:
-                    self.failed[exc.code().name] += 1
-                    self.messages.setdefault(exc.details()[:160], 0)
-                    self.messages[exc.details()[:160]] += 1
-            else:
-                expected = self.reference[i % len(PROMPTS)]
-                with self.lock:
-                    self.completed += 1
-                    self.wrong += tokens != expected
-                    if tokens != expected:
-                        first = next((k for k, (x, y) in enumerate(zip(tokens, expected)) if x != y), None)
-                        when = round(time.monotonic() - self.started, 1)
-                        self.wrong_ones.append({"at_s": when, "client": worker, "prompt": i % len(PROMPTS),
-                                                "first_wrong_token": first, "length": len(tokens)})  # fmt: skip
-            i += self.args.concurrency
-
-    def _generate(self, i: int, worker: int) -> list[int]:
-        frontend = worker % len(self.clients)
-        try:
-            return self.clients[frontend].generate(request(i, self.args.max_tokens), timeout=300)[0]
-        except grpc.RpcError:
-            if len(self.clients) == 1:
-                raise
-        with self.lock:
-            self.retried += 1
-        return self.clients[(frontend + 1) % len(self.clients)].generate(request(i, self.args.max_tokens), timeout=300)[
-            0
-        ]
+    def outcome(self, reference: list[list[int]]) -> dict:
+        """Sent, completed, failed (by code), retried, wrong (and when and where), error details."""
+        records = self.run.records if self.run else []
+        failed, messages, wrong = Counter(), Counter(), []
+        for r in records:
+            if not r.success:
+                failed[r.error_code] += 1
+                messages[r.error[:160]] += 1
+            elif r.token_ids != reference[r.index % len(PROMPTS)]:
+                expected = reference[r.index % len(PROMPTS)]
+                first = next((k for k, (x, y) in enumerate(zip(r.token_ids, expected)) if x != y), None)
+                wrong.append({"at_s": round(r.sent_at + r.e2el, 1), "frontend": r.server.get("frontend"),
+                              "prompt": r.index % len(PROMPTS), "first_wrong_token": first,
+                              "length": len(r.token_ids)})  # fmt: skip
+        return {
+            "sent": len(records), "completed": sum(r.success for r in records), "failed": dict(failed),
+            "retried": sum(r.retried for r in records), "wrong": wrong, "messages": dict(messages),
+        }  # fmt: skip
 
 
 def kill_on_schedule(args, dep: Deployment, client: DisaggClient, rng, expected: int, started: float, end: float):
@@ -218,15 +201,11 @@ def main(argv=None) -> int:
 
 
 def run(args, dep: Deployment, rng: random.Random) -> int:
-    clients = [DisaggClient(address) for address in dep.frontend_addresses]
-    client = clients[0]
-    try:
+    with DisaggClient(dep.address) as client:
         expected = listed(client)
         reference = [client.generate(request(i, args.max_tokens), timeout=300)[0] for i in range(len(PROMPTS))]
-        load = Load(clients, reference, args)
-        threads = [threading.Thread(target=load.run, args=(w,), daemon=True) for w in range(args.concurrency)]
-        for t in threads:
-            t.start()
+        load = Load(dep.frontend_addresses, args)
+        load.thread.start()
         started = time.monotonic()
         end = started + args.minutes * 60
         time.sleep(min(args.warm_up, args.minutes * 60))
@@ -246,41 +225,40 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         if killer is not None:
             killer.join(timeout=320)
         load.stop.set()
-        for t in threads:
-            t.join(timeout=320)
+        load.thread.join(timeout=320)
         leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.metric("disagg:request_migrations_total{")
-    finally:
-        for c in clients:
-            c.close()
+    outcome = load.outcome(reference)
     for kill in kills + frontend_kills:  # seconds into the load, as the wrong outputs' times
         kill["at_s"] = round(kill.pop("killed_at") - load.started, 1)
     recoveries = [k["recovery_s"] for k in kills + frontend_kills]
     frontend_recoveries = [k["recovery_s"] for k in frontend_kills]
+    failed, wrong = outcome["failed"], outcome["wrong"]
     result = {
-        "args": vars(args), "sent": load.sent, "completed": load.completed, "failed": dict(load.failed),
-        "migrated": migrated, "wrong_outputs": load.wrong, "errors": load.messages, "leaked_blocks": leaked, "kills": kills,
-        "frontend_kills": frontend_kills, "wrong": load.wrong_ones, "retried_on_another_frontend": load.retried,
+        "args": vars(args), "sent": outcome["sent"], "completed": outcome["completed"], "failed": failed,
+        "migrated": migrated, "wrong_outputs": len(wrong), "errors": outcome["messages"], "leaked_blocks": leaked,
+        "kills": kills, "frontend_kills": frontend_kills, "wrong": wrong, "retried_on_another_frontend": outcome["retried"],
         "frontend_recovery_p50_s": statistics.median(frontend_recoveries) if frontend_recoveries else None,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
     }  # fmt: skip
     write_results(args.out, result)
-    print(f"sent {load.sent}, completed {load.completed}, failed {dict(load.failed) or 0}, migrated {migrated:.0f}")
+    print(f"sent {outcome['sent']}, completed {outcome['completed']}, failed {failed or 0}, migrated {migrated:.0f}")
     if args.frontends > 1:
-        print(f"frontends {args.frontends}: {len(frontend_kills)} killed, {load.retried} requests retried on another")
+        retried = outcome["retried"]
+        print(f"frontends {args.frontends}: {len(frontend_kills)} killed, {retried} requests retried on another")
     for name, mb in rss_start.items():
         print(f"RSS start {mb:7.0f} MB  {name}")
     for name, mb in rss_end.items():
         print(f"RSS end   {mb:7.0f} MB  {name}")
-    print(f"lost: {sum(load.failed.values())}")
-    print(f"wrong outputs: {load.wrong}")
+    print(f"lost: {sum(failed.values())}")
+    print(f"wrong outputs: {len(wrong)}")
     print(f"leaked blocks: {leaked}")
     print(f"recovery p50 s: {result['recovery_p50_s']}")
     if frontend_kills:
         print(f"frontend recovery p50 s: {result['frontend_recovery_p50_s']}")
     print(f"rss drift %: {result['rss_drift_pct']:.1f}")
-    return 0 if not load.failed and not load.wrong and not leaked else 1
+    return 0 if not failed and not wrong and not leaked else 1
 
 
 if __name__ == "__main__":

@@ -39,10 +39,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from disagg.bench.launcher import Deployment, add_config_argument, leaked_blocks
+from disagg.bench.load_client import GrpcApi, LoadRequest, closed_loop, run_loop
 from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
 from disagg.v1 import serving_pb2 as pb
-from disagg.v1 import serving_pb2_grpc
 
 PROMPTS = ["Write a story about a dragon.", "Why is the sky blue?"]
 BAD, OK = {"INVALID_ARGUMENT"}, {"OK"}
@@ -99,7 +99,7 @@ class Ctx:
         self.raw_generate = channel.unary_stream("/disagg.v1.Serving/Generate", same, pb.GenerateResponse.FromString)
         self.raw_abort = channel.unary_unary("/disagg.v1.Serving/Abort", same, pb.AbortResponse.FromString)
         self.unknown_method = channel.unary_unary("/disagg.v1.Serving/Nope", same)
-        self.long_spans: list[tuple[float, float]] = []  # (sent, answered) of each max-length prompt, monotonic s
+        self.long_spans: list[tuple[float, float]] = []  # (sent, answered) of each max-length prompt, perf_counter s
         self.long_lock = threading.Lock()
 
     def gen(self, request, timeout=30.0):
@@ -167,12 +167,12 @@ def at_limit(c: Ctx, rng) -> None:
     """max_len - 1 prompt tokens + 1: exactly the context. Random ids: no prefix cache hit.
     Its time in flight is kept: the innocent requests sent meanwhile are behind it."""
     ids = [rng.randrange(c.vocab) for _ in range(c.max_len - 1)]
-    sent = time.monotonic()
+    sent = time.perf_counter()
     try:
         c.gen(req(prompt_token_ids=ids, max_tokens=1), timeout=180)
     finally:
         with c.long_lock:
-            c.long_spans.append((sent, time.monotonic()))
+            c.long_spans.append((sent, time.perf_counter()))
 
 
 class Case(NamedTuple):
@@ -275,46 +275,42 @@ def call(case: Case, c: Ctx, rng: random.Random) -> tuple[str, str]:
 
 # ---- innocent traffic -------------------------------------------------------------------------
 class Innocent:
-    """Closed-loop greedy streams, each on a connection of its own (fuzz traffic cannot block it
-    client-side); every output checked, every gap between streamed messages measured."""
+    """The closed loop (disagg.bench.load_client) of greedy streams, each on a connection of its
+    own (fuzz traffic cannot block it client-side), in a thread of its own until stopped; then
+    every output checked, every gap between streamed messages measured (`tally`)."""
 
-    def __init__(self, address: str, reference: list[list[int]], max_tokens: int):
-        self.address, self.reference, self.max_tokens = address, reference, max_tokens
-        self.stop, self.lock = threading.Event(), threading.Lock()
-        self.completed, self.wrong, self.stalled = 0, 0, 0
-        self.failed: Counter[str] = Counter()
-        self.examples: list[str] = []  # the first few failures' details
-        self.max_stall, self.max_ttft = 0.0, 0.0
-        self.max_stall_after = 0  # how many messages the stream had had before its longest stall
-        self.ttfts: list[tuple[float, float]] = []  # (sent, first message), monotonic s, of each completed request
+    def __init__(self, address: str, max_tokens: int, clients: int):
+        self.stop, self.zero, self.run = threading.Event(), time.perf_counter(), None
+        requests = [LoadRequest(innocent_request(p, max_tokens)) for p in PROMPTS]
+        api = GrpcApi(address, connections=clients, timeout_s=300)
+        loop = lambda: run_loop(api, closed_loop, requests, clients, self.stop.is_set, self.zero)  # noqa: E731
+        self.thread = threading.Thread(target=lambda: setattr(self, "run", loop()), daemon=True)
 
-    def run(self, worker: int) -> None:
-        channel = grpc.insecure_channel(self.address, options=[("grpc.use_local_subchannel_pool", 1)])
-        stub, i = serving_pb2_grpc.ServingStub(channel), worker
-        while not self.stop.is_set():
-            request = generate_request(PROMPTS[i % 2], temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True)
-            tokens, stamps = [], [time.monotonic()]
-            try:
-                for msg in stub.Generate(request, timeout=300):
-                    stamps.append(time.monotonic())
-                    tokens += msg.token_ids
-            except grpc.RpcError as exc:
-                with self.lock:
-                    self.failed[exc.code().name] += 1
-                    if len(self.examples) < 5:
-                        self.examples.append(f"after {time.monotonic() - stamps[0]:.1f} s: {exc.details()}")
+    def tally(self, reference: list[list[int]]) -> None:
+        """completed, wrong, failed (by code) and the first failures' details; the longest gap
+        between two streamed messages (a stall) and how many messages came before it, the streams
+        that stalled over STALL_S, the longest TTFT; (sent, first token) of each, perf_counter s."""
+        self.completed = self.wrong = self.stalled = self.max_stall_after = 0
+        self.failed, self.examples, self.max_stall, self.max_ttft, self.ttfts = Counter(), [], 0.0, 0.0, []
+        for r in self.run.records if self.run else []:
+            if not r.success:
+                self.failed[r.error_code] += 1
+                if len(self.examples) < 5:
+                    self.examples.append(f"after {r.e2el:.1f} s: {r.error}")
                 continue
-            gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]
-            with self.lock:
-                self.completed += 1
-                self.wrong += tokens != self.reference[i % 2]
-                self.max_ttft = max(self.max_ttft, stamps[1] - stamps[0])
-                self.ttfts.append((stamps[0], stamps[1]))
-                if gaps and max(gaps) > self.max_stall:
-                    self.max_stall, self.max_stall_after = max(gaps), 1 + gaps.index(max(gaps))
-                self.stalled += any(g > STALL_S for g in gaps)
-            i += 1
-        channel.close()
+            times = sorted(set(r.token_times))  # one per message that carried tokens
+            gaps = [b - a for a, b in zip(times, times[1:])]
+            self.completed += 1
+            self.wrong += r.token_ids != reference[r.index % len(PROMPTS)]
+            self.max_ttft = max(self.max_ttft, r.ttft)
+            self.ttfts.append((self.zero + r.sent_at, self.zero + r.sent_at + r.ttft))
+            if gaps and max(gaps) > self.max_stall:
+                self.max_stall, self.max_stall_after = max(gaps), 1 + gaps.index(max(gaps))
+            self.stalled += any(g > STALL_S for g in gaps)
+
+
+def innocent_request(prompt: str, max_tokens: int):
+    return generate_request(prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
 def probe_limits(client: DisaggClient) -> tuple[int, int]:
@@ -347,11 +343,10 @@ def main(argv=None) -> int:
 
 def run(args, dep: Deployment) -> None:
     c = Ctx(dep.address, *probe_limits(DisaggClient(dep.address)))
-    ref_req = lambda p: generate_request(p, temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)  # noqa: E731
-    reference = [c.client.generate(ref_req(p), timeout=300)[0] for p in PROMPTS]
+    reference = [c.client.generate(innocent_request(p, args.max_tokens), timeout=300)[0] for p in PROMPTS]
     workers_before = sorted(dep.workers())
-    innocent = Innocent(dep.address, reference, args.max_tokens)
-    threads = [threading.Thread(target=innocent.run, args=(w,), daemon=True) for w in range(args.innocent_clients)]
+    innocent = Innocent(dep.address, args.max_tokens, args.innocent_clients)
+    threads = [innocent.thread]
     seen: dict[str, Counter] = defaultdict(Counter)
     lock, started = threading.Lock(), time.monotonic()
     deadline = started + args.max_minutes * 60
@@ -375,14 +370,14 @@ def run(args, dep: Deployment) -> None:
     threads += [threading.Thread(target=fuzz, args=(k,), daemon=True) for k in range(args.fuzz_clients)]
     for t in threads:
         t.start()
-    for t in threads[args.innocent_clients :]:
+    for t in threads[1:]:
         t.join()
     fuzz_s = time.monotonic() - started
     innocent.stop.set()
-    for t in threads[: args.innocent_clients]:
-        t.join(timeout=320)
+    innocent.thread.join(timeout=320)
+    innocent.tally(reference)
     try:
-        answers = c.client.generate(ref_req(PROMPTS[0]), timeout=60)[0] == reference[0]
+        answers = c.client.generate(innocent_request(PROMPTS[0], args.max_tokens), timeout=60)[0] == reference[0]
     except grpc.RpcError:
         answers = False
     # A decode instance may keep a cancelled request's blocks until its KV wait times out (30 s):

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_dir = _save_tokenizer(out / "tokenizer")
     print(host_line(), flush=True)
     print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
-    with Deployment({}, base=args.config, workdir=out, name="serve", http=True) as server:
+    with Deployment(
+        {}, base=args.config, workdir=out, name="serving-config", log=out / "serve.log", http=True
+    ) as server:
         url = server.http_url
         scenario = _scenario(args, url, _served_model(url), str(tokenizer_dir), _server_slo(server.address), out)
         (out / "scenario.json").write_text(json.dumps(scenario, indent=2) + "\n")

@@ -52,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
         address, http_url = args.server, args.http_url or "http://127.0.0.1:8000"
         if address is None:
             print(f"starting `disagg serve --config {args.config}` (log: {out / 'serve.log'}) ...", flush=True)
-            server = Deployment({}, base=args.config, workdir=out, name="serve", http=args.http)
+            server = Deployment(
+                {}, base=args.config, workdir=out, name="serving-config", log=out / "serve.log", http=args.http
+            )
             address, http_url = stack.enter_context(server).address, server.http_url
         users = ["HttpGenerateUser", "--host", http_url, *_server_slo(address)] if args.http else ["--host", address]
         print(f"running Locust for {args.run_time} against {http_url if args.http else address} ...", flush=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import grpc
 import pytest
@@ -33,13 +34,14 @@ TOKEN_S = 0.01
 class StandIn(serving_pb2_grpc.ServingServicer):
     """Streams tokens 100, 101, ... one a message; refuses a prompt "refuse"; counts who is in flight."""
 
-    def __init__(self):
+    def __init__(self, refuse_all: bool = False):
         self.in_flight = self.most_in_flight = 0
         self.seen: list[serving_pb2.GenerateRequest] = []
+        self.refuse_all = refuse_all
 
     async def Generate(self, request, context):
         self.seen.append(request)
-        if request.prompt == "refuse":
+        if request.prompt == "refuse" or self.refuse_all:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many")
         self.in_flight += 1
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
@@ -135,6 +137,30 @@ def test_the_capacity_is_the_completion_rate_at_saturation():
         assert "load 0.5 x capacity" in capacity.describe(0.5)
 
     asyncio.run(with_grpc(test))
+
+
+def test_failover_sends_a_failed_request_once_more_through_the_next_frontend():
+    async def test():
+        servers, stand_ins, addresses = [], [StandIn(refuse_all=True), StandIn()], []
+        for stand_in in stand_ins:
+            server = grpc.aio.server()
+            serving_pb2_grpc.add_ServingServicer_to_server(stand_in, server)
+            addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+            await server.start()
+            servers.append(server)
+        try:
+            async with GrpcApi(addresses, failover=True) as api:
+                zero = time.perf_counter() - 5.0  # the caller's clock: times count from it
+                run = await closed_loop(api, requests(2), streams=2, zero=zero)
+        finally:
+            for server in servers:
+                await server.stop(None)
+        first, second = run.records  # lane 0 through the refusing frontend, lane 1 through the other
+        assert first.success and first.retried and first.server["frontend"] == addresses[1]
+        assert second.success and not second.retried and second.server["frontend"] == addresses[1]
+        assert len(stand_ins[0].seen) == 1 and first.sent_at >= 5.0
+
+    asyncio.run(test())
 
 
 # ---- the OpenAI-compatible API --------------------------------------------------------------------
