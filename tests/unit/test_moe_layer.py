@@ -146,7 +146,9 @@ def _rank_main(rank: int, store_path: str, mode: str, x: torch.Tensor, out_queue
         moe = build_moe(RoutingRule(EXPERTS, TOP_K, True), expert_weights(7), tp=group, expert_parallel=mode == "ep")
         with torch.no_grad():
             outs = [moe(x), moe(x[:1]), moe(x[:0])]  # many tokens; one (rank 1 dispatches none); none
-        out_queue.put((rank, [o.clone() for o in outs], moe.experts.num_local_experts))
+        # As bytes, not tensors: a tensor crosses by a shared-memory descriptor that this process
+        # must still hold when the parent reads it, and it may have exited by then.
+        out_queue.put((rank, [(o.numpy().tobytes(), tuple(o.shape)) for o in outs], moe.experts.num_local_experts))
     except Exception as exc:  # the parent names it rather than waiting on a queue that stays empty
         out_queue.put((rank, repr(exc), 0))
 
@@ -172,7 +174,8 @@ def test_two_ranks_equal_one(mode, tmp_path):
         outs, local = results[rank]
         assert isinstance(outs, list), f"rank {rank} failed: {outs}"
         assert local == (EXPERTS // 2 if mode == "ep" else EXPERTS)
-        for got, want in zip(outs, expected):
+        for (data, shape), want in zip(outs, expected):
+            got = torch.frombuffer(bytearray(data), dtype=want.dtype).view(shape) if data else torch.empty(shape)
             if mode == "ep":
                 assert torch.equal(got, want)
             else:
