@@ -108,7 +108,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()],
             model=self.model_name,
             mode=self.orchestrator.config.mode,
-            default_slo=serving_pb2.Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms),
+            default_slo=serving_pb2.Slo(**slo.to_dict()),
             replan=self.replanning is not None,
             replan_decisions=[_replan_decision(e) for e in reversed(self.replanning.log)] if self.replanning else [],
         )

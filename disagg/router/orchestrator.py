@@ -36,7 +36,7 @@ from disagg.errors import (
     WorkerLinkError,
 )
 from disagg.engine.block_manager import BlockManager, num_held, out_of_window_blocks
-from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
+from disagg.placement.policies import Choice, PlacementPolicy, RequestShape
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.decode_admission import DecodeAdmission
@@ -46,6 +46,7 @@ from disagg.router.output_lengths import OutputLengths
 from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
+from disagg.slo import SLO
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -136,7 +137,7 @@ class Orchestrator:
         who hears each request as it arrives (None: nobody)."""
         self.config = config
         self.sliding_window = sliding_window
-        self.default_slo = Slo(config.slo.ttft_ms, config.slo.tpot_ms)
+        self.default_slo = config.slo
         self.on_migration = on_migration  # a request moved on after a failure (a metric counts them)
         self.directory = directory
         self.policy = policy
@@ -159,7 +160,7 @@ class Orchestrator:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        slo: Slo | None = None,
+        slo: SLO | None = None,
         priority: str = "standard",
         received_at: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
@@ -216,7 +217,7 @@ class Orchestrator:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
-        demand: tuple[Slo, str],
+        demand: tuple[SLO, str],
         started: float,
         expected_output: int | None = None,
     ) -> AsyncIterator[TokenDelta]:

@@ -103,7 +103,7 @@ class ReplanLoop:
         self.window = TrafficWindow(config.replan_window_s)
         self.total = config.prefill.num_instances + config.decode.num_instances
         self.replanner = Replanner(
-            self._simulate, self.total, config.slo.ttft_ms, config.slo.tpot_ms,
+            self._simulate, self.total, config.slo,
             min_gain=config.replan_min_gain, hold_s=config.replan_hold_s,
         )  # fmt: skip
         self.log: deque[LoggedDecision] = deque(maxlen=64)  # the latest decisions, for `disagg status`
