@@ -20,7 +20,7 @@ time limit, while the budget lasts:
 
 $OUT gets summary.json (each stage's status and figures, rewritten after each stage),
 stages.log (every command's output), the profile, and work.tar.gz (configs, logs, the
-benchmarks' JSON). On the GPU machine, from the repository root (README: "On a lent GPU machine"):
+benchmarks' JSON). On the GPU machine, from the repository root (docs/deploy.md: "On a GPU"):
 
     python3 deploy/gpu/run_all.py
     .venv/bin/python deploy/gpu/run_all.py --dry-run --kit DIR --out DIR   # the same on a CPU, small (tests/benchmarks)
