@@ -129,3 +129,14 @@ def test_every_link_of_a_page_leads_somewhere():
         if not target.startswith(("http://", "https://")) and not ((ROOT / name).parent / target).exists()
     }
     assert missing == set()
+
+
+def test_every_dotted_name_a_page_gives_exists():
+    missing = []
+    for name in PAGES:
+        for dotted in SYMBOL.findall(page(name)):
+            try:
+                resolve(dotted)
+            except (AttributeError, ModuleNotFoundError):
+                missing.append((name, dotted))
+    assert missing == []
