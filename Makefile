@@ -60,10 +60,10 @@ serve: setup
 	$(VENV)/bin/disagg serve
 
 bench: setup
-	$(PY) loadtest/bench_engine.py
+	$(PY) -m loadtest.engine.throughput
 
 loadtest: setup
-	$(PY) loadtest/run_locust.py
+	$(PY) -m loadtest.loadgen.run_locust
 
 # GuideLLM in a virtual environment of its own (its pins stay apart from ours); it wants torch,
 # so it gets the same CPU wheel as .venv on a machine without CUDA.
@@ -78,12 +78,12 @@ $(GUIDELLM_STAMP): Makefile
 
 # A rate sweep of GuideLLM against a fresh `disagg serve`; its report in loadtest/results/guidellm/.
 bench-guidellm: setup $(GUIDELLM_STAMP)
-	PYTHONPATH=. $(PY) loadtest/bench_guidellm.py --guidellm $(GUIDELLM_VENV)/bin/guidellm
+	$(PY) -m loadtest.loadgen.guidellm --guidellm $(GUIDELLM_VENV)/bin/guidellm
 
 # disagg against llama.cpp's llama-server on this CPU (issue 38); llama.cpp is built once, niced,
 # under ~/.cache/disagg/llama.cpp/ (cmake and a C++ compiler needed).
 bench-llamacpp: setup
-	PYTHONPATH=. $(PY) loadtest/bench_vs_llamacpp.py --json loadtest/out/bench_vs_llamacpp.json
+	$(PY) -m loadtest.peers.vs_llamacpp --json loadtest/out/bench_vs_llamacpp.json
 
 # What a lent GPU machine (no package registry) lacks for `disagg serve` and deploy/gpu/run_all.py,
 # in git-ignored parts .gpu/a, .gpu/b, ... that one device call each carries (README: "On a lent GPU machine").

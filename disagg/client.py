@@ -12,6 +12,7 @@ import grpc
 import grpc.experimental
 
 from disagg.config import API_KEY_ENV, env
+from disagg.slo import SLO
 from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 
@@ -30,15 +31,16 @@ def generate_request(
     chat: list[dict] | None = None,
     prompt_token_ids: list[int] | None = None,
     request_id: str = "",
-    slo: serving_pb2.Slo | None = None,
+    slo: SLO | serving_pb2.Slo | None = None,
     priority: str = "standard",
     **sampling,
 ) -> serving_pb2.GenerateRequest:
-    """`priority`: critical | standard | sheddable (who is refused first under pressure)."""
+    """`priority`: critical | standard | sheddable (who is refused first under pressure); `slo`:
+    the request's own targets (the wire's `Slo` as it is, e.g. a malformed one to test the server)."""
     request = serving_pb2.GenerateRequest(
         request_id=request_id,
         sampling=sampling_proto(**sampling),
-        slo=slo,
+        slo=serving_pb2.Slo(**slo.to_dict()) if isinstance(slo, SLO) else slo,
         priority=serving_pb2.Priority.Value(f"PRIORITY_{priority.upper()}"),
     )
     if chat is not None:

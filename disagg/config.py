@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.errors import InvalidRequestError
+from disagg.slo import SLO
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 GiB = 1 << 30
@@ -520,17 +521,6 @@ class PoolConfig:
 INSTANCE_OVERRIDES = {"threads_per_worker", "engine"}
 
 
-@dataclass(frozen=True)
-class SLOConfig:
-    ttft_ms: float = 0.0  # time to first token target, in ms; 0: no target
-    tpot_ms: float = 0.0  # time per output token target, in ms; 0: no target
-
-    def __post_init__(self) -> None:
-        _require_types(self)
-        _require(self.ttft_ms >= 0, "ttft_ms", "must be >= 0 (0: no target)")
-        _require(self.tpot_ms >= 0, "tpot_ms", "must be >= 0 (0: no target)")
-
-
 # What each worker takes of its node's pool label (a custom Ray resource named after the pool):
 # a sliver, so that a labelled node holds any number of workers.
 POOL_LABEL_SLIVER = 0.001
@@ -558,7 +548,7 @@ class ServingConfig:
     metrics_port: int | None = None  # the port of Prometheus /metrics; None: off
     redis_url: str | None = None  # the Redis holding the cluster's metadata; None: start a local redis-server
     ray_address: str | None = None  # the Ray cluster to join ("auto": the one on this node); None: start a local Ray
-    slo: SLOConfig = field(default_factory=SLOConfig)  # every request's targets unless it sets its own
+    slo: SLO = field(default_factory=SLO)  # every request's targets unless it sets its own
     placement: str = "goodput"  # goodput: by predicted TTFT/TPOT against the SLO; least_work (disagg.placement)
     slo_admission: str = "reject"  # a request no instance is predicted to serve in time: reject | best_effort
     # What the router expects a request to write, for its TPOT prediction: max_tokens, or the
@@ -799,8 +789,8 @@ class ServingConfig:
                 _no_unknown(PoolConfig, data[pool] or {}, pool)
                 kwargs[pool] = PoolConfig(**(data[pool] or {}))
         if "slo" in data:
-            _no_unknown(SLOConfig, data["slo"] or {}, "slo")
-            kwargs["slo"] = SLOConfig(**(data["slo"] or {}))
+            _no_unknown(SLO, data["slo"] or {}, "slo")
+            kwargs["slo"] = SLO(**(data["slo"] or {}))
         return cls(engine=EngineConfig(**engine), **kwargs)
 
     @classmethod

@@ -9,6 +9,7 @@ import enum
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.errors import InvalidRequestError
 
@@ -247,6 +248,16 @@ class Request:
     # The priority it holds its batch slot at: its own, raised by what it had waited when it got
     # the slot (disagg.engine.queue_order.held_priority). None while it holds none.
     held_priority: float | None = None
+    # What the engine's outputs need of it (disagg.engine.engine): the text it came as (None: token
+    # ids), its incremental detokenizer (None: the model has no tokenizer), and how many of its
+    # output tokens earlier outputs carried.
+    prompt: str | None = None
+    detokenizer: Any = None
+    num_reported: int = 0
+    # The chained hashes of its full blocks so far (disagg.engine.block_manager), and a structured
+    # request's grammar state (disagg.engine.guided_decoding; None until its first masked step).
+    block_hashes: list[int] = field(default_factory=list)
+    guide: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -229,10 +229,12 @@ class Server:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
+        streams = DecodeStreams()
         directory = InstanceDirectory(
             registry,
             NAMESPACE,
             self._link_key,
+            streams,
             heartbeat_ttl_s=config.heartbeat_ttl_s,
             recovery_timeout_s=config.recovery_timeout_s,
             profile=load_profile(config.profile) if config.profile else None,
@@ -246,8 +248,12 @@ class Server:
         hf_tokenizer = card.tokenizer()
         tokenizer = Tokenizer(hf_tokenizer) if hf_tokenizer is not None else None
         limits = await _model_limits(config, card, directory)
-        streams = DecodeStreams(on_lost=directory.mark_failed)
         metrics = ServingMetrics()
+        replanning, arrival_feed = None, None
+        if self.index == 0:
+            replanning = self._replanning(directory, card, metrics, registry)
+        elif _replans(config):  # frontend 0's re-planner plans for this frontend's traffic too
+            arrival_feed = ArrivalFeed(registry, config.replan_window_s)
         orchestrator = Orchestrator(
             config,
             directory,
@@ -256,6 +262,7 @@ class Server:
             config.engine.block_size,
             on_migration=metrics.observe_migration,
             sliding_window=limits.sliding_window,
+            arrivals=replanning or arrival_feed,
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
@@ -263,7 +270,7 @@ class Server:
             self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
         self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records)
-        self.servicer = ServingServicer(self.request_path, directory, config.engine.model)
+        self.servicer = ServingServicer(self.request_path, directory, config.engine.model, replanning)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
         try:
             http = await _start_http(config, self.request_path, directory)
@@ -281,12 +288,8 @@ class Server:
         ]
         # Every frontend moves its own requests off a leaving instance; the rest runs once.
         tasks.append(asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains"))
-        arrival_feed = None
         if self.index == 0:
-            tasks += self._control_loops(directory, card, metrics, orchestrator, registry)
-        elif _replans(config):  # frontend 0's re-planner plans for this frontend's traffic too
-            arrival_feed = ArrivalFeed(registry, config.replan_window_s)
-            orchestrator.on_arrival = arrival_feed.arrived
+            tasks += self._control_loops(replanning, metrics)
         _freeze_startup_heap()
         self._started.set()
         await self._stop.wait()
@@ -306,10 +309,9 @@ class Server:
             metrics_server.stop()
         registry.close()
 
-    def _control_loops(self, directory, card, metrics, orchestrator, registry) -> list[asyncio.Task]:
+    def _control_loops(self, replanning: ReplanLoop | None, metrics) -> list[asyncio.Task]:
         """Where instances may switch: re-planning and rebalancing (frontend 0's requests only)."""
         tasks = []
-        replanning = self._replanning(directory, card, metrics, orchestrator, registry)
         if replanning is not None:
             tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
         if self.config.switchable():
@@ -317,7 +319,7 @@ class Server:
             tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
         return tasks
 
-    def _replanning(self, directory, card: ModelCard, metrics, orchestrator, registry) -> ReplanLoop | None:
+    def _replanning(self, directory, card: ModelCard, metrics, registry) -> ReplanLoop | None:
         """The closed loop, where instances may switch and there is a split to choose (_replans),
         fed every frontend's arrivals."""
         config = self.config
@@ -333,10 +335,8 @@ class Server:
 
         on_switched = self.launcher.switched if self.launcher is not None else (lambda instance_id, role: None)
         shared = (lambda: take_shared_arrivals(registry)) if config.frontends > 1 else None
-        loop = ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared)
-        orchestrator.on_arrival = loop.arrived
-        self.replanning = self.servicer.replanning = loop
-        return loop
+        self.replanning = ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared)
+        return self.replanning
 
     @staticmethod
     async def _refresh_gauges(directory: InstanceDirectory, metrics: ServingMetrics, interval_s: float = 1.0) -> None:

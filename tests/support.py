@@ -135,7 +135,7 @@ def submit_transfer(prefill, decode, request_id: str, prompt: list[int], params)
     are in force from the first layer of its first step on)."""
     reservation = decode.reserve(request_id, prompt, params, prefill.kv_layout())
     assert reservation is not None
-    prefill.add_request(request_id, prompt, params)
+    prefill.prefill(request_id, prompt, params)
     prefill.set_kv_targets(request_id, reservation)
 
 

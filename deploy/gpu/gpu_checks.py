@@ -110,7 +110,7 @@ def paris(ctx: Context) -> dict:
 
 # ---- KV between two processes -------------------------------------------------------------------
 def kv_ipc(ctx: Context) -> dict:
-    argv = [ctx.python, "loadtest/bench_kv_ipc.py", *ctx.settings.kv_ipc_args, "--check"]
+    argv = [ctx.python, "-m", "loadtest.kv.ipc", *ctx.settings.kv_ipc_args, "--check"]
     output = ctx.command("bench_kv_ipc", argv)
     ratio = _number(r"^protocol/raw bandwidth: ([\d.]+)$", output)
     figures = {
@@ -127,11 +127,10 @@ def kv_ipc(ctx: Context) -> dict:
 
 STREAMING_ONLY = """
 import sys
-sys.path.insert(0, "loadtest")
 import ray
-import bench_kv_transfer
+from loadtest.kv.transfer import streaming_overhead
 ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-alone, streamed, ratio = bench_kv_transfer.streaming_overhead(int(sys.argv[1]), int(sys.argv[2]))
+alone, streamed, ratio, _ = streaming_overhead(int(sys.argv[1]), int(sys.argv[2]))
 print(f"(c) default-model prefill of {sys.argv[2]} tokens: alone {alone * 1e3:.0f} ms, "
       f"streaming its KV {streamed * 1e3:.0f} ms   ratio {ratio:.3f}")
 """
@@ -144,7 +143,7 @@ def kv_transfer(ctx: Context) -> dict:
     if ctx.settings.kv_transfer_args is None:
         raise Skipped("not in this run's settings")
     require_default_model(ctx)
-    script = [ctx.python, "loadtest/bench_kv_transfer.py", *ctx.settings.kv_transfer_args]
+    script = [ctx.python, "-m", "loadtest.kv.transfer", *ctx.settings.kv_transfer_args]
     try:
         output, figures = ctx.command("bench_kv_transfer", script), {}
     except Failed as exc:
@@ -327,9 +326,9 @@ def _pick(figures: dict) -> dict:
 
 # ---- the engine alone ---------------------------------------------------------------------------
 def gpu_engine(ctx: Context) -> dict:
-    """Decode bandwidth and prefill FLOP use of one engine (loadtest/bench_gpu_engine.py)."""
+    """Decode bandwidth and prefill FLOP use of one engine (loadtest.engine.gpu)."""
     result = ctx.work / "gpu_engine.json"
-    ctx.command("bench_gpu_engine", [ctx.python, "loadtest/bench_gpu_engine.py", "--out", str(result)])
+    ctx.command("bench_gpu_engine", [ctx.python, "-m", "loadtest.engine.gpu", "--out", str(result)])
     data = json.loads(result.read_text())
     decode = {f"batch{d['batch']}_step_ms": round(d["step_ms"], 2) for d in data.get("decode", [])}
     return {**decode, "prefill_step_ms": round(data.get("prefill", {}).get("step_ms", 0.0), 1)}

@@ -6,9 +6,9 @@ time limit, while the budget lasts:
   gpu_tests          tests/gpu (not the slow ones)
   paris              `disagg serve` (the default model, the default config, on the GPU) answers
                      "What is the capital of France?" through `disagg generate --server`: Paris
-  kv_ipc             KV between two processes on one GPU (loadtest/bench_kv_ipc.py): its
+  kv_ipc             KV between two processes on one GPU (loadtest.kv.ipc): its
                      bandwidth against one contiguous copy (target >= 0.8)
-  kv_transfer        loadtest/bench_kv_transfer.py: raw, the protocol, and the streaming
+  kv_transfer        loadtest.kv.transfer: raw, the protocol, and the streaming
                      overhead on a prefill (target <= 1.05)
   service_disagg     deploy/configs/gpu-one.yaml (1 prefill + 1 decode on the GPU) and
   service_colocated  gpu-one-colocated.yaml (1 instance): `disagg bench` at three rates each
@@ -16,7 +16,7 @@ time limit, while the budget lasts:
   profile            `disagg profile` of random:llama3-8b on the GPU, into $OUT (for deploy/profiles/)
   planner            `disagg simulate` of both configs at the same rates with that profile:
                      predicted attainment and goodput beside the measured ones
-  gpu_engine         loadtest/bench_gpu_engine.py (decode bandwidth, prefill FLOP use)
+  gpu_engine         loadtest.engine.gpu (decode bandwidth, prefill FLOP use)
 
 $OUT gets summary.json (each stage's status and figures, rewritten after each stage),
 stages.log (every command's output), the profile, and work.tar.gz (configs, logs, the

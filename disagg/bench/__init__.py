@@ -1,2 +1,5 @@
-"""Load testing: seeded workloads, an open-loop gRPC benchmark, vLLM-style metrics, SLO
-attainment and goodput, reports with plots, and the disaggregated-vs-colocated experiment."""
+"""The benchmarks' library (loadtest/ holds thin mains over it): one deployment launcher
+(launcher), one load client for closed and open loops over gRPC and HTTP (load_client), load
+levels relative to a measured capacity (capacity), one SLO tally (slo_tally), one results writer
+(results); seeded workloads, vLLM-style metrics, reports with plots, and `disagg bench |
+report | experiment`."""

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from disagg.bench.workloads import WORKLOADS
+from disagg.slo import parse_slo
 
 
 def add_commands(sub) -> None:
@@ -73,9 +74,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-requests", "--num-prompts", type=int, help="requests to send (default 100)")
     p.add_argument("--duration", type=float, help="seconds of arrivals instead of a count")
     p.add_argument("--max-concurrency", type=int, help="cap on requests in flight (due requests wait for a slot)")
-    p.add_argument(
-        "--slo", help="e.g. ttft_ms=500,tpot_ms=100 (also e2el_ms): attainment and goodput count requests meeting all"
-    )
+    p.add_argument("--slo", help="e.g. ttft_ms=500,tpot_ms=100: attainment and goodput count the requests that met it")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     p.add_argument("--tls-ca", help="PEM CA file: connect with TLS (the API key comes from $DISAGG_API_KEY)")
@@ -86,7 +85,7 @@ def _add_bench(sub) -> None:
 
 
 def bench_command(args) -> int:
-    from disagg.bench.metrics import format_summary, parse_slo
+    from disagg.bench.metrics import format_summary
     from disagg.bench.open_loop import LoadConfig, arrival_times, run_benchmark
 
     num_requests = args.num_requests if args.num_requests is not None or args.duration is not None else 100
@@ -135,7 +134,6 @@ def _add_report(sub) -> None:
 
 
 def report_command(args) -> int:
-    from disagg.bench.metrics import parse_slo
     from disagg.bench.report import load_runs, write_report
 
     paths = write_report(load_runs(args.results), args.out_dir, parse_slo(args.slo) if args.slo else None)
@@ -154,6 +152,10 @@ def _add_experiment(sub) -> None:
         help="one workload across rates: disaggregated vs colocated (chunked) vs colocated (prefill-first)",
     )
     p.add_argument("--rates", default="0.5,1,2", help="comma-separated request rates (req/s)")
+    p.add_argument(
+        "--loads",
+        help="instead of --rates: comma-separated fractions of the first mode's capacity, measured first (e.g. 0.5,0.8,1)",
+    )
     p.add_argument("--num-requests", type=int, default=40, help="requests per rate")
     p.add_argument("--modes", default=",".join(MODE_CONFIGS), help=f"comma-separated, from {', '.join(MODE_CONFIGS)}")
     p.add_argument("--config-dir", default="deploy/configs", help="where the modes' serving configs are")
@@ -175,24 +177,21 @@ def _add_experiment(sub) -> None:
 
 def experiment_command(args) -> int:
     from disagg.bench.experiment import ExperimentConfig, run_experiment, workload_size
-    from disagg.bench.metrics import parse_slo
 
-    try:
-        rates = tuple(float(r) for r in args.rates.split(","))
-    except ValueError:
-        raise ValueError(f"rates: {args.rates!r} is not a comma-separated list of numbers") from None
+    levels = _numbers("loads", args.loads) if args.loads else _numbers("rates", args.rates)
     exp = ExperimentConfig(
-        rates,
+        () if args.loads else levels,
         args.num_requests,
         args.out_dir,
         tuple(m.strip() for m in args.modes.split(",")),
         args.config_dir,
-        parse_slo(args.slo) or None,
+        parse_slo(args.slo) if args.slo else None,
         args.slo_factor,
         burstiness=args.burstiness,
         seed=args.seed,
         max_concurrency=args.max_concurrency,
         interleave=not args.one_server_at_a_time,
+        loads=levels if args.loads else (),
     )
     requests, workload = _workload(args, workload_size(exp))
     started = time.monotonic()
@@ -202,3 +201,10 @@ def experiment_command(args) -> int:
         print(f"{name}: {path}")
     print(f"experiment took {time.monotonic() - started:.0f}s", file=sys.stderr)
     return 0
+
+
+def _numbers(name: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise ValueError(f"{name}: {text!r} is not a comma-separated list of numbers") from None

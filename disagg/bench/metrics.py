@@ -8,8 +8,8 @@ Definitions (as vLLM's benchmark_serving):
   message have gap 0).
 - E2EL: request sent to the last message.
 - Statistics: mean, median, std, and percentiles by linear interpolation (numpy's default).
-- SLO attainment: percent of ALL requests sent (failures count as misses) that met every SLO given.
-- Goodput: requests per second (over the benchmark's duration) that met every SLO given.
+- SLO attainment: percent of ALL requests sent (failures count as misses) that met the SLO (disagg.slo.met).
+- Goodput: requests per second (over the benchmark's duration) that met the SLO.
 Times are kept in seconds, reported in milliseconds.
 """
 
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import csv
 import json
-import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-SLO_KEYS = ("ttft_ms", "tpot_ms", "e2el_ms")
+from disagg.slo import SLO, met, missed, tpot_s
+
 DEFAULT_PERCENTILES = (50, 90, 99)
+UNSAVED_FIELDS = ("token_ids", "text", "token_times", "retried")
 
 
 @dataclass
@@ -43,13 +44,21 @@ class RequestRecord:
     error: str = ""
     finish_reason: str = ""
     server: dict = field(default_factory=dict)  # the final message's usage and timings
+    # What came back, for the scripts that check it (not saved by to_dict): the tokens (gRPC),
+    # the text, and when each streamed piece arrived (a gRPC token; an HTTP chunk that carried
+    # text), in seconds since the benchmark started.
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    text: str = field(default="", repr=False)
+    token_times: list[float] = field(default_factory=list, repr=False)
+    retried: bool = field(default=False, repr=False)  # sent once more, through another frontend, after a failure
 
     @property
     def tpot(self) -> float:
-        return (self.e2el - self.ttft) / (self.output_len - 1) if self.output_len > 1 else 0.0
+        return tpot_s(self.e2el, self.ttft, self.output_len)
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tpot": self.tpot}
+        saved = {k: v for k, v in asdict(self).items() if k not in UNSAVED_FIELDS}
+        return {**saved, "tpot": self.tpot}
 
     @classmethod
     def from_dict(cls, data: dict) -> "RequestRecord":
@@ -88,36 +97,22 @@ class TokenTimer:
 
 
 # ---- SLOs --------------------------------------------------------------------------------------
-def parse_slo(text: str | None) -> dict[str, float]:
-    """'ttft_ms=500,tpot_ms=100' (or vLLM's 'ttft:500 tpot:100') -> {'ttft_ms': 500.0, ...}."""
-    slo: dict[str, float] = {}
-    for item in (text or "").replace(",", " ").split():
-        key, sep, value = item.replace(":", "=").partition("=")
-        key = key if key.endswith("_ms") else f"{key}_ms"
-        try:
-            number = float(value)
-        except ValueError:
-            number = math.nan
-        if not sep or key not in SLO_KEYS or not number > 0:
-            raise ValueError(
-                f"slo: {item!r} is not KEY=MILLISECONDS with KEY one of {', '.join(SLO_KEYS)} and a positive value"
-            )
-        slo[key] = number
-    return slo
+def meets_slo(record: RequestRecord, slo: SLO) -> bool:
+    """It succeeded and met `slo` (disagg.slo.met)."""
+    return record.success and met(slo, record.ttft * 1e3, record.tpot * 1e3)
 
 
-def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
-    return record.success and not slo_misses(record, slo)
-
-
-def slo_misses(record: RequestRecord, slo: dict[str, float]) -> list[str]:
-    """What a request missed, e.g. ["TTFT > 500 ms"] (the same text for every miss of a target,
-    so that reports group them): its error code if it failed (a refusal too), else each target
-    ("ttft_ms", "tpot_ms", "e2el_ms"; 0: none) it exceeded."""
+def slo_misses(record: RequestRecord, slo: SLO) -> list[str]:
+    """What a request missed, e.g. ["TTFT > 500 ms"]: its error code if it failed (a refusal too),
+    else each target it exceeded (disagg.slo.missed); [] exactly when `meets_slo`."""
     if not record.success:
         return [record.error_code or "FAILED"]
-    measured = {"ttft_ms": record.ttft * 1e3, "tpot_ms": record.tpot * 1e3, "e2el_ms": record.e2el * 1e3}
-    return [f"{key[:-3].upper()} > {limit:g} ms" for key, limit in slo.items() if limit > 0 and measured[key] > limit]
+    return missed(slo, record.ttft * 1e3, record.tpot * 1e3)
+
+
+def slo_targets(slo: SLO | None) -> dict[str, float]:
+    """The targets a result file records: those given (a target of 0 is none)."""
+    return {key: value for key, value in (slo or SLO()).to_dict().items() if value > 0}
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -179,11 +174,11 @@ def bootstrap_ci(
 def summarize(
     records: list[RequestRecord],
     duration_s: float,
-    slo: dict[str, float] | None = None,
+    slo: SLO | None = None,
     percentiles=DEFAULT_PERCENTILES,
 ) -> dict:
     ok = [r for r in records if r.success]
-    good = [r for r in records if meets_slo(r, slo or {})]
+    good = [r for r in records if meets_slo(r, slo or SLO())]
     input_tokens = sum(r.prompt_len for r in ok)
     output_tokens = sum(r.output_len for r in ok)
     per_s = (lambda n: n / duration_s) if duration_s > 0 else (lambda n: 0.0)
@@ -202,7 +197,7 @@ def summarize(
         "tpot_ms": distribution_ms([r.tpot for r in ok if r.output_len > 1], percentiles),
         "itl_ms": distribution_ms([gap for r in ok for gap in r.itl], percentiles),
         "e2el_ms": distribution_ms([r.e2el for r in ok], percentiles),
-        "slo": dict(slo or {}),
+        "slo": slo_targets(slo),
         "num_good": len(good),
         "slo_attainment_pct": 100.0 * len(good) / len(records) if records else 0.0,
         "goodput": per_s(len(good)),

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from disagg.bench.metrics import RequestRecord, read_rows, summarize
+from disagg.bench.metrics import RequestRecord, read_rows, slo_targets, summarize
+from disagg.slo import SLO
 
 
 @dataclass
@@ -27,7 +28,7 @@ class Run:
     rate: float  # requests/s offered; inf for all-at-once or closed-loop (Locust)
     records: list[RequestRecord]
     duration_s: float
-    slo: dict[str, float]
+    slo: SLO
     summary: dict | None = None
 
     @property
@@ -54,7 +55,7 @@ def _load_json(path: Path) -> Run:
         float(rate),
         [RequestRecord.from_dict(r) for r in data["requests"]],
         data["summary"]["duration_s"],
-        data["summary"]["slo"],
+        SLO.from_dict(data["summary"]["slo"]),
     )
 
 
@@ -63,16 +64,16 @@ def _load_csv(path: Path) -> Run:
     # Closed loop: the duration is from the first send to the last completion.
     end = max((r.sent_at + r.e2el for r in records), default=0.0)
     start = min((r.sent_at for r in records), default=0.0)
-    return Run(path.stem, math.inf, records, end - start, {})
+    return Run(path.stem, math.inf, records, end - start, SLO())
 
 
-def write_report(runs: list[Run], out_dir: str, slo: dict[str, float] | None = None) -> dict[str, str]:
+def write_report(runs: list[Run], out_dir: str, slo: SLO | None = None) -> dict[str, str]:
     """Summaries (with `slo` if given, else each run's own), table and plots; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for run in runs:
         if slo is not None:
-            run.slo = dict(slo)
+            run.slo = slo
         run.summary = summarize(run.records, run.duration_s, run.slo)
     runs = sorted(runs, key=lambda r: (r.label, r.rate))
     paths = {"table": str(out / "table.md"), "csv": str(out / "summary.csv")}
@@ -92,13 +93,13 @@ TABLE_COLUMNS = (
     ("TPOT p50 / p90 (ms)", lambda r: f"{r.summary['tpot_ms']['median']:.0f} / {r.summary['tpot_ms']['p90']:.0f}"),
     ("ITL p50 (ms)", lambda r: f"{r.summary['itl_ms']['median']:.0f}"),
     ("E2EL p50 (ms)", lambda r: f"{r.summary['e2el_ms']['median']:.0f}"),
-    ("SLO attainment (%)", lambda r: f"{r.summary['slo_attainment_pct']:.1f}" if r.slo else "-"),
-    ("goodput (req/s)", lambda r: f"{r.summary['goodput']:.2f}" if r.slo else "-"),
+    ("SLO attainment (%)", lambda r: f"{r.summary['slo_attainment_pct']:.1f}" if r.slo.any else "-"),
+    ("goodput (req/s)", lambda r: f"{r.summary['goodput']:.2f}" if r.slo.any else "-"),
 )
 
 
 def markdown_table(runs: list[Run]) -> str:
-    slos = {json.dumps(r.slo, sort_keys=True) for r in runs if r.slo}
+    slos = {json.dumps(slo_targets(r.slo), sort_keys=True) for r in runs if r.slo.any}
     lines = ["| " + " | ".join(name for name, _ in TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     lines += ["| " + " | ".join(cell(r) for _, cell in TABLE_COLUMNS) + " |" for r in runs]
     if slos:
@@ -146,7 +147,7 @@ def _write_csv(runs: list[Run], path: str) -> None:
                         for m in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
                         for st in ("mean", "median", "p90", "p99")
                     ),
-                    json.dumps(r.slo),
+                    json.dumps(slo_targets(r.slo)),
                 ]
             )
 
@@ -163,7 +164,7 @@ def _plots(runs: list[Run], out: Path) -> dict[str, str]:
     for metric, attr, slo_key in (("ttft", lambda r: r.ttft, "ttft_ms"), ("tpot", lambda r: r.tpot, "tpot_ms")):
         paths[f"{metric}_cdf"] = str(out / f"{metric}_cdf.png")
         _cdf_figure(plt, ticker, runs, metric.upper(), attr, slo_key, paths[f"{metric}_cdf"])
-    rated = [r for r in runs if math.isfinite(r.rate) and r.slo]
+    rated = [r for r in runs if math.isfinite(r.rate) and r.slo.any]
     if rated:
         paths["attainment_vs_rate"] = str(out / "attainment_vs_rate.png")
         _rate_figure(plt, rated, "slo_attainment_pct", "SLO attainment (%)", paths["attainment_vs_rate"])
@@ -204,7 +205,7 @@ def _cdf_figure(plt, ticker, runs: list[Run], metric: str, value_of, slo_key: st
                     where="post",
                     label=f"{run.rate:g} req/s" if math.isfinite(run.rate) else run.label,
                 )
-        limit = group[0].slo.get(slo_key)
+        limit = getattr(group[0].slo, slo_key)
         if limit:
             ax.axvline(limit, color="grey", linestyle="--", linewidth=1, label=f"SLO {limit:g} ms")
         ax.set_title(label, fontsize=10)
@@ -228,7 +229,7 @@ def _rate_figure(plt, runs: list[Run], key: str, ylabel: str, path: str) -> None
         ax.plot(rates, rates, color="grey", linestyle=":", linewidth=1, label="offered rate")
     else:
         ax.set_ylim(-2, 102)
-    slo = runs[0].slo
+    slo = slo_targets(runs[0].slo)
     ax.set_title(f"{ylabel}\nSLO: " + ", ".join(f"{k} <= {v:g}" for k, v in slo.items()), fontsize=10)
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel(ylabel)

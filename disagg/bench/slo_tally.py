@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.bench.metrics import RequestRecord, distribution_ms, meets_slo
+from disagg.slo import SLO
 
 FIGURE_FIELDS = (
     "requests",
@@ -31,9 +32,9 @@ FIGURE_FIELDS = (
 
 @dataclass
 class SloTally:
-    """What the requests judged by `slo` came to ({}: no target, then only failures miss)."""
+    """What the requests judged by `slo` came to (no target: only failures miss)."""
 
-    slo: dict[str, float] = field(default_factory=dict)
+    slo: SLO = field(default_factory=SLO)
     requests: int = 0
     succeeded: int = 0
     good: int = 0
@@ -51,9 +52,9 @@ class SloTally:
             self.tpot_s.append(record.tpot)
 
     def merge(self, other: SloTally) -> None:
-        if other.slo and self.slo and other.slo != self.slo:
+        if other.slo.any and self.slo.any and other.slo != self.slo:
             raise ValueError(f"slo tally: cannot merge requests judged by {other.slo} into {self.slo}")
-        self.slo = self.slo or dict(other.slo)
+        self.slo = self.slo if self.slo.any else other.slo
         self.requests += other.requests
         self.succeeded += other.succeeded
         self.good += other.good
@@ -62,10 +63,19 @@ class SloTally:
 
     def take(self) -> SloTally:
         """What was counted so far, leaving this tally empty (a worker's report to its master)."""
-        taken = SloTally(dict(self.slo), self.requests, self.succeeded, self.good, self.ttft_s, self.tpot_s)
+        taken = SloTally(self.slo, self.requests, self.succeeded, self.good, self.ttft_s, self.tpot_s)
         self.requests = self.succeeded = self.good = 0
         self.ttft_s, self.tpot_s = [], []
         return taken
+
+    @property
+    def attainment_pct(self) -> float:
+        """Percent of the requests that met the SLO (a failure is a miss); 0 without requests."""
+        return 100.0 * self.good / self.requests if self.requests else 0.0
+
+    def goodput(self, duration_s: float) -> float:
+        """Requests per second of a run of `duration_s` that met the SLO."""
+        return self.good / duration_s if duration_s > 0 else 0.0
 
     def figures(self, duration_s: float) -> dict[str, float]:
         """FIGURE_FIELDS over a run of `duration_s` seconds (the rates are per second of it)."""
@@ -75,8 +85,8 @@ class SloTally:
             "requests": self.requests,
             "succeeded": self.succeeded,
             "good": self.good,
-            "attainment_pct": 100.0 * self.good / self.requests if self.requests else 0.0,
-            "goodput_rps": per_s(self.good),
+            "attainment_pct": self.attainment_pct,
+            "goodput_rps": self.goodput(duration_s),
             "throughput_rps": per_s(self.succeeded),
             **{f"ttft_{p}_ms": ttft[p] for p in ("p50", "p90", "p99")},
             **{f"tpot_{p}_ms": tpot[p] for p in ("p50", "p90", "p99")},
@@ -84,7 +94,7 @@ class SloTally:
 
     def to_dict(self) -> dict:
         return {
-            "slo": dict(self.slo),
+            "slo": self.slo.to_dict(),
             "requests": self.requests,
             "succeeded": self.succeeded,
             "good": self.good,
@@ -94,14 +104,15 @@ class SloTally:
 
     @classmethod
     def from_dict(cls, data: dict) -> SloTally:
-        return cls(dict(data["slo"]), data["requests"], data["succeeded"], data["good"], data["ttft_s"], data["tpot_s"])
+        slo = SLO.from_dict(data["slo"])
+        return cls(slo, data["requests"], data["succeeded"], data["good"], data["ttft_s"], data["tpot_s"])
 
 
 class SloBoard:
     """One tally per API the requests went through ("grpc", "http"), all judged by one SLO."""
 
-    def __init__(self, slo: dict[str, float]):
-        self.slo = dict(slo)
+    def __init__(self, slo: SLO):
+        self.slo = slo
         self.tallies: dict[str, SloTally] = {}
 
     def add(self, api: str, record: RequestRecord) -> None:
@@ -112,7 +123,7 @@ class SloBoard:
         master learns the SLO from its workers' reports)."""
         for api, data in reports.items():
             tally = SloTally.from_dict(data)
-            self.slo = self.slo or dict(tally.slo)
+            self.slo = self.slo if self.slo.any else tally.slo
             self._tally(api).merge(tally)
 
     def take(self) -> dict[str, dict]:
@@ -123,7 +134,7 @@ class SloBoard:
         them where there are several."""
         rows = [{"name": api, **tally.figures(duration_s)} for api, tally in sorted(self.tallies.items())]
         if len(self.tallies) > 1:
-            total = SloTally(dict(self.slo))
+            total = SloTally(self.slo)
             for tally in self.tallies.values():
                 total.merge(tally)
             rows.append({"name": "Aggregated", **total.figures(duration_s)})
@@ -134,5 +145,5 @@ class SloBoard:
 
     def _tally(self, api: str) -> SloTally:
         if api not in self.tallies:
-            self.tallies[api] = SloTally(dict(self.slo))
+            self.tallies[api] = SloTally(self.slo)
         return self.tallies[api]

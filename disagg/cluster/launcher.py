@@ -151,18 +151,9 @@ class PoolLauncher:
             relaunched=relaunched,
         )
         shards = self._launch_shards(pool, group, config)
-        if self.config.switchable():
-            from disagg.instance.actor import InstanceActor
+        from disagg.worker.actor import WorkerActor
 
-            actor = ray.remote(InstanceActor).options(**options).remote(config)
-        elif role == "prefill":
-            from disagg.prefill_worker.actor import PrefillActor
-
-            actor = ray.remote(PrefillActor).options(**options).remote(config, followers=shards or None)
-        else:
-            from disagg.decode_worker.actor import DecodeActor
-
-            actor = ray.remote(DecodeActor).options(**options).remote(config, followers=shards or None)
+        actor = ray.remote(WorkerActor).options(**options).remote(config, followers=shards or None)
         logger.info("launched %s (%d workers)", instance_id, pool.workers_per_instance)
         return LaunchedInstance(
             instance_id, role, actor_name, actor, group, [handle for _, handle in shards], pool, index
@@ -170,8 +161,8 @@ class PoolLauncher:
 
     def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig) -> list:
         """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
-        prefill or decode actor) makes them all join its process groups."""
-        from disagg.shard_worker.actor import ShardActor
+        worker actor) makes them all join its process groups."""
+        from disagg.worker.shard import ShardActor
 
         shards = []
         for rank in range(1, pool.workers_per_instance):

@@ -1,7 +1,8 @@
 """Live migration: a decoding request moves to another decode instance with its KV, and its
 stream goes on there with no token repeated, missing or different (Llumnix's pre-copy).
 
-Source side (`MigrationSource`, on the engine thread of the instance that decodes it):
+Source side (`MigrationSource`, on the engine thread of the instance that decodes it; each move
+is held by its request's record in the decode role):
 
     PRECOPY -> AWAITING_ACK -> DONE | FAILED
 
@@ -13,7 +14,7 @@ DONE carries the last sampled token. The pause lasts from there to the target's 
 acknowledgement the blocks here are freed (DONE); if the transfer fails, the request resumes
 here from where it paused (FAILED): a move that fails loses nothing.
 
-Target side (`MigrationTarget`): blocks are reserved for the tokens known when the move starts
+Target side (`reserve_arrival`, `finish_arrival`): blocks are reserved for the tokens known when the move starts
 plus room for those the source adds before it pauses; the request joins the batch at the first
 step boundary after its KV and tokens are in, with no other party's word needed.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -58,32 +60,34 @@ class Outgoing:
 
 
 class MigrationSource:
-    """Moves requests out of this engine (engine thread only, except the futures)."""
+    """Moves requests out of this engine (engine thread only, except the futures). Each move
+    lives in its request's record (disagg.decode_worker.role); this counts those under way."""
 
     def __init__(self, engine: LLMEngine, sender: KVSender, precopy_steps: int = PRECOPY_STEPS):
         self.engine = engine
         self.sender = sender
         self.precopy_steps = precopy_steps
-        self._moves: dict[str, Outgoing] = {}
+        self.num_moving = 0
 
     @property
     def active(self) -> bool:
-        return bool(self._moves)
+        return self.num_moving > 0
 
     def start(self, request_id: str, targets: list[KVTarget]) -> Outgoing:
         """Begin moving a decoding request to `targets` (the target's reservation, per rank)."""
         request = self.engine.scheduler.requests.get(request_id)
-        if request is None or request not in self.engine.scheduler.running or request_id in self._moves:
+        if request is None or request not in self.engine.scheduler.running:
             raise ValueError(f"migrate: {request_id!r} is not decoding here")
-        move = self._moves[request_id] = Outgoing(request_id, self.precopy_steps)
+        move = Outgoing(request_id, self.precopy_steps)
+        self.num_moving += 1
         self.sender.add(request_id, targets)
         self.sender.catch_up(request_id, request.block_ids, request.num_computed_tokens)
         return move
 
-    def before_step(self) -> None:
+    def before_step(self, moves: Iterable[Outgoing]) -> None:
         """Between steps: moves whose pre-copy is over pause now; a request that ended or was
         preempted here meanwhile has nothing left to move."""
-        for move in [m for m in self._moves.values() if m.state is MigrationState.PRECOPY]:
+        for move in [m for m in moves if m.state is MigrationState.PRECOPY]:
             request = self.engine.scheduler.requests.get(move.request_id)
             if request is None or request not in self.engine.scheduler.running:
                 self._fail(move, "the request ended or was preempted before it could move")
@@ -96,19 +100,19 @@ class MigrationSource:
             else:
                 self._pause(move)
 
-    def after_step(self) -> None:
-        """Transfers that ended: free what moved, resume what could not."""
+    def after_step(self, move_of: Callable[[str], Outgoing | None]) -> None:
+        """Transfers that ended: free what moved, resume what could not (`move_of`: a request's
+        move under way, or None)."""
         for result in self.sender.poll():
-            move = self._moves.get(result.request_id)
+            move = move_of(result.request_id)
             if move is not None:
                 self._settle(move, result)
 
-    def abort(self, request_id: str) -> None:
-        """The request is being aborted here: stop moving it (its blocks go with the abort)."""
-        move = self._moves.pop(request_id, None)
-        if move is not None:
-            self.sender.abort(request_id)
-            _resolve(move, "aborted", resumed=False)
+    def abort(self, move: Outgoing) -> None:
+        """Its request is being aborted here: stop moving it (its blocks go with the abort)."""
+        self._end(move, MigrationState.FAILED)
+        self.sender.abort(move.request_id)
+        _resolve(move, "aborted", resumed=False)
 
     def _pause(self, move: Outgoing) -> None:
         tokens = self.engine.pause_request(move.request_id)
@@ -120,24 +124,26 @@ class MigrationSource:
         move.paused.set_result(tokens)
 
     def _settle(self, move: Outgoing, result: TransferResult) -> None:
-        del self._moves[move.request_id]
         if result.ok and move.state is MigrationState.AWAITING_ACK:
             self.engine.release_paused(move.request_id)
-            move.state = MigrationState.DONE
+            self._end(move, MigrationState.DONE)
             move.done.set_result(True)
             return
         logger.warning("request %s could not move: %s", move.request_id, result.error)
         resumed = move.state is MigrationState.AWAITING_ACK
         if resumed:
             self.engine.resume_request(move.request_id)
-        move.state = MigrationState.FAILED
+        self._end(move, MigrationState.FAILED)
         _resolve(move, result.error or "the transfer failed", resumed)
 
     def _fail(self, move: Outgoing, reason: str) -> None:
-        del self._moves[move.request_id]
+        self._end(move, MigrationState.FAILED)
         self.sender.abort(move.request_id)
-        move.state = MigrationState.FAILED
         _resolve(move, reason, resumed=False)
+
+    def _end(self, move: Outgoing, state: MigrationState) -> None:
+        move.state = state
+        self.num_moving -= 1
 
 
 def _resolve(move: Outgoing, reason: str, resumed: bool) -> None:
@@ -167,65 +173,40 @@ def continued_params(params: SamplingParams, num_prompt_tokens: int, num_tokens:
 
 
 @dataclass
-class _Incoming:
+class Incoming:
+    """A request moving here, until its KV and tokens are in (held by its record)."""
+
     num_prompt_tokens: int
     params: SamplingParams  # its attempt's
     kv: TransferResult | None = None
 
 
-class MigrationTarget:
-    """Requests arriving with their KV (engine thread only)."""
+def reserve_arrival(
+    engine: LLMEngine,
+    request_id: str,
+    token_ids: list[int],
+    params: SamplingParams,
+    num_prompt_tokens: int,
+    capacity_tokens: int,
+    priority: int = 0,
+) -> tuple[list[int], Incoming] | None:
+    """Blocks for a request whose attempt (`params`, a prompt of `num_prompt_tokens`) has
+    `token_ids` with KV so far, and what its arrival needs; None when there is no room. It keeps
+    its `priority` here (the request object made now is the one that decodes:
+    finish_migration_import keeps it)."""
+    known = continued_params(params, num_prompt_tokens, len(token_ids) + 1)
+    block_ids = engine.reserve_for_migration(request_id, token_ids, known, capacity_tokens, priority)
+    if block_ids is None:
+        return None
+    return block_ids, Incoming(num_prompt_tokens, params)
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
-        self._arriving: dict[str, _Incoming] = {}
 
-    def reserve(
-        self,
-        request_id: str,
-        token_ids: list[int],
-        params: SamplingParams,
-        num_prompt_tokens: int,
-        capacity_tokens: int,
-        priority: int = 0,
-    ) -> list[int] | None:
-        """Blocks for a request whose attempt (`params`, a prompt of `num_prompt_tokens`) has
-        `token_ids` with KV so far; None when there is no room. It keeps its `priority` here (the
-        request object made now is the one that decodes: finish_migration_import keeps it)."""
-        known = continued_params(params, num_prompt_tokens, len(token_ids) + 1)
-        block_ids = self.engine.reserve_for_migration(request_id, token_ids, known, capacity_tokens, priority)
-        if block_ids is not None:
-            self._arriving[request_id] = _Incoming(num_prompt_tokens, params)
-        return block_ids
-
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._arriving
-
-    def kv_arrived(self, result: TransferResult) -> None:
-        self._arriving[result.request_id].kv = result
-
-    def has_ready(self) -> bool:
-        return any(i.kv is not None for i in self._arriving.values())
-
-    def forget(self, request_id: str) -> None:
-        self._arriving.pop(request_id, None)
-
-    def ready(self) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
-        """Requests whose KV and tokens are in, now decoding (their first outputs carry the last
-        token the source sampled, which the client already has); and (request id, error) of
-        those that cannot go on (aborted here)."""
-        outputs, failed = [], []
-        for request_id, incoming in list(self._arriving.items()):
-            if incoming.kv is None:
-                continue
-            del self._arriving[request_id]
-            tokens = incoming.kv.token_ids
-            try:
-                if not tokens or incoming.kv.first_token != tokens[-1]:
-                    raise ValueError(f"migration of {request_id}: its tokens did not come with its KV")
-                params = continued_params(incoming.params, incoming.num_prompt_tokens, len(tokens))
-                outputs.append(self.engine.finish_migration_import(request_id, tokens[:-1], tokens[-1], params))
-            except ValueError as exc:
-                self.engine.abort_request(request_id)
-                failed.append((request_id, str(exc)))
-        return outputs, failed
+def finish_arrival(engine: LLMEngine, request_id: str, incoming: Incoming) -> RequestOutput:
+    """Its KV and tokens are in: it decodes here from now on (its first output carries the last
+    token the source sampled, which the client already has). ValueError (the caller aborts it)
+    when its tokens did not come with its KV."""
+    tokens = incoming.kv.token_ids
+    if not tokens or incoming.kv.first_token != tokens[-1]:
+        raise ValueError(f"migration of {request_id}: its tokens did not come with its KV")
+    params = continued_params(incoming.params, incoming.num_prompt_tokens, len(tokens))
+    return engine.finish_migration_import(request_id, tokens[:-1], tokens[-1], params)

@@ -94,7 +94,6 @@ class BlockManager:
         # Free blocks in eviction order: plain blocks at the front (used first),
         # cached ones at the back (least recently freed evicted first).
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self._request_hashes: dict[str, list[int]] = {}
         self.peak_num_used_blocks = 0
 
     # ---- queries -------------------------------------------------------------------------
@@ -181,7 +180,7 @@ class BlockManager:
             self._cached[h] = block_id
 
     def _hashes_of(self, request: Request, num_blocks: int) -> list[int]:
-        hashes = self._request_hashes.setdefault(request.request_id, [])
+        hashes = request.block_hashes
         bs = self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
@@ -238,7 +237,7 @@ class BlockManager:
             self._drop(block_id)
         request.block_ids.clear()
         request.num_released_blocks = 0
-        self._request_hashes.pop(request.request_id, None)
+        request.block_hashes.clear()
 
     def _drop(self, block_id: int) -> None:
         self._ref_counts[block_id] -= 1

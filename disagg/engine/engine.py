@@ -129,9 +129,6 @@ class LLMEngine:
         )
         self.guided = GuidedDecoding(self._grammar_compiler, config.jump_forward)
         self._compiler: GrammarCompiler | None = None
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
-        self._prompts: dict[str, str | None] = {}
-        self._num_reported: dict[str, int] = {}
         self.last_step_seconds = 0.0
         # The latest steps, for the worker's reports (appended here, read from another thread).
         self.step_stats: deque[MeasuredStep] = deque(maxlen=STEP_STATS_KEPT)
@@ -338,21 +335,15 @@ class LLMEngine:
         return ids
 
     def _track(self, request: Request, prompt: str | None) -> None:
-        rid = request.request_id
-        self._prompts[rid] = prompt
-        self._num_reported[rid] = 0
+        """What its outputs need, held by the request itself (its text, its detokenizer)."""
+        request.prompt = prompt
+        request.num_reported = 0
         if self.tokenizer is not None:
-            self._detokenizers[rid] = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
 
     def abort_request(self, request_id: str) -> bool:
         request = self.scheduler.finish_request(str(request_id), RequestStatus.FINISHED_ABORTED)
-        self._forget(str(request_id))
         return request is not None
-
-    def _forget(self, request_id: str) -> None:
-        for table in (self._detokenizers, self._prompts, self._num_reported):
-            table.pop(request_id, None)
-        self.guided.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -429,7 +420,6 @@ class LLMEngine:
         """End a request that failed in a step; its output carries the error."""
         logger.error("request %s failed in a step: %s: %s", request.request_id, type(exc).__name__, exc)
         self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_ABORTED)
-        self._forget(request.request_id)
         out = RequestOutput(
             request.request_id,
             None,
@@ -448,14 +438,14 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         rid = request.request_id
-        new_ids = request.output_token_ids[self._num_reported.get(rid, 0) :]
-        self._num_reported[rid] = request.num_output_tokens
+        new_ids = request.output_token_ids[request.num_reported :]
+        request.num_reported = request.num_output_tokens
         new_text = self._detokenize(request, new_ids)
-        detok = self._detokenizers.get(rid)
+        detok = request.detokenizer
         finished = request.is_finished or rid in self.scheduler.held_for_export
         out = RequestOutput(
             request_id=rid,
-            prompt=self._prompts.get(rid),
+            prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             outputs=[
                 CompletionOutput(
@@ -474,13 +464,11 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             num_preemptions=request.num_preemptions,
         )
-        if request.is_finished:
-            self._forget(rid)
         return out
 
     def _detokenize(self, request: Request, new_ids: list[int]) -> str:
         """Text delta of the new tokens; finishes the request when a stop string appears."""
-        detok = self._detokenizers.get(request.request_id)
+        detok = request.detokenizer
         if detok is None or not new_ids:
             return ""
         before = len(detok.text)
@@ -505,7 +493,6 @@ class LLMEngine:
     # ---- disaggregation: KV export (PREFILL) and import (DECODE) -----------------------------
     def release_kv(self, request_id: str) -> None:
         self.scheduler.release(request_id)
-        self._forget(request_id)
 
     def reserve_for_remote_prefill(
         self,
@@ -527,7 +514,7 @@ class LLMEngine:
         request = self.scheduler.finish_kv_import(request_id, first_token_id)
         return self._output(request)
 
-    # ---- role switch: the same weights serve another pool (disagg.worker.role_switch) ---------
+    # ---- role switch: the same weights serve another pool (disagg.worker.actor.switch_role) ---
     def switch_role(self, role: Role, kv_connector: KVConnector | None) -> None:
         """Serve as `role` from now on, with `kv_connector` moving its KV: the scheduler, block
         table and connector are made anew; the weights and the KV memory stay. Only an engine
@@ -558,7 +545,6 @@ class LLMEngine:
         """It runs elsewhere now: free its blocks, with no output (its stream goes on there)."""
         if request_id in self.scheduler.paused:
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
-            self._forget(request_id)
 
     def reserve_for_migration(
         self,
@@ -584,7 +570,6 @@ class LLMEngine:
         sampling_params.validate()
         request = self.scheduler.finish_migration_import(request_id, token_ids, last_token, sampling_params)
         self._track(request, None)  # the detokenizer starts from the final prompt
-        self._num_reported[request_id] = 0
         return self._output(request)
 
     # ---- stats -------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ class GuidedDecoding:
     def __init__(self, compiler: Callable[[], GrammarCompiler], jump_forward: bool = True):
         self._compiler = compiler  # built on first use: it costs ~0.5 s per tokenizer
         self.jump_forward = jump_forward
-        self._guides: dict[str, _Guide] = {}
 
     def mask(self, requests: list[Request], logits: torch.Tensor) -> None:
         """Make the tokens each structured request's grammar forbids impossible (-inf), in place.
@@ -72,15 +71,11 @@ class GuidedDecoding:
             guide.consumed += len(forced)
         return forced, guide.matcher.is_stopped()
 
-    def forget(self, request_id: str) -> None:
-        self._guides.pop(request_id, None)
-
     def _caught_up(self, request: Request) -> _Guide:
-        guide = self._guides.get(request.request_id)
+        """The request's grammar state (held by the request), caught up with its tokens."""
+        guide = request.guide
         if guide is None:
-            guide = self._guides[request.request_id] = _Guide(
-                self._compiler().matcher(request.sampling_params.structured)
-            )
+            guide = request.guide = _Guide(self._compiler().matcher(request.sampling_params.structured))
         new = generated_tokens(request, guide.consumed)
         if new and not guide.matcher.consume_tokens(new):
             raise GrammarError(f"its generated tokens break the grammar: {guide.matcher.get_error()}")

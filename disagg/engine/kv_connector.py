@@ -10,7 +10,7 @@ imports no transfer code; the data plane (disagg.kv_transfer) provides the imple
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,10 +31,6 @@ class TransferResult:
 
 
 class KVConnector(abc.ABC):
-    # Set once by the worker before serving: called (from any thread) when a transfer finishes,
-    # to wake the loop that polls.
-    on_finished: Callable[[], None] | None = None
-
     # ---- worker side: the model runner ---------------------------------------------------------
     @abc.abstractmethod
     def register_kv_cache(self, kv_cache: KVCache) -> None:

@@ -18,7 +18,6 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from disagg.engine.layers.cpu_kernels import DecodeKernel
-from disagg.engine.layers.quantized import step_rows
 from disagg.engine.sampler import Sampler
 from disagg.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from disagg.request import Request
@@ -102,16 +101,14 @@ class ModelRunner:
         if self.followers is not None or not (self.model.is_first_stage and self.model.is_last_stage):
             raise ValueError("scoring needs a single-worker engine")
         input_ids, positions, meta = self._prepare([chunk])
-        with step_rows(_generated_decodes([chunk])):
-            hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            return self.model.compute_logits(hidden)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        return self.model.compute_logits(hidden, meta.decode_rows)
 
     def _forward_logits(self, chunks) -> torch.Tensor | None:
         if self._replays(chunks):
             return self._replay(chunks)
         input_ids, positions, meta = self._prepare(chunks)
-        with step_rows(_generated_decodes(chunks)):  # quantized GEMMs take their path by row
-            return self._forward_prepared(chunks, input_ids, positions, meta)
+        return self._forward_prepared(chunks, input_ids, positions, meta)
 
     def _replays(self, chunks) -> bool:
         """Whether a captured graph runs this step: decodes of generated tokens alone, as many
@@ -149,9 +146,16 @@ class ModelRunner:
             return None
         ends = list(itertools.accumulate(c.num_new_tokens for c in chunks))
         last_rows = torch.tensor([ends[i] - 1 for i, c in enumerate(chunks) if c.samples], device=self.device)
-        return self.model.compute_logits(out.index_select(0, last_rows))
+        return self.model.compute_logits(out.index_select(0, last_rows), meta.decode_rows)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The step's inputs, and what its layers need to know of it (its quantized GEMMs take
+        their path by row: `decode_rows`)."""
+        input_ids, positions, meta = self._prepare_rows(chunks)
+        meta.decode_rows = _generated_decodes(chunks)
+        return input_ids, positions, meta
+
+    def _prepare_rows(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         if self.rows_as_decodes:
             return self._prepare_as_decodes(chunks)
         num_decodes = sum(1 for c in chunks if is_decode(c))

@@ -1,12 +1,12 @@
-"""Runs an engine's steps on one thread; other threads hand it commands to apply between steps.
+"""Runs an engine's steps on one thread; other threads hand it calls to run between steps.
 
 The engine is not thread-safe, so everything that touches it (adding, aborting, reserving)
-is a command: a plain dataclass that `submit()` queues, applied on the loop thread by the
-handler its type is declared with (SGLang's scheduler dispatches its requests by type the same
-way), so the table of handlers is the list of what other threads may ask of the engine. When
-there is nothing to compute the loop sleeps on a condition until a command arrives or someone
-`wake()`s it (e.g. a KV transfer finished), so an idle worker costs nothing and a busy one never
-polls.
+is a call that `submit(method, *args)` queues and the loop thread runs before its next step:
+the caller names the method, so reading the caller leads to it (vLLM's engine core runs its
+clients' requests between steps the same way). When there is nothing to compute the loop
+sleeps on a condition until a call arrives or someone `wake()`s it (e.g. a KV transfer
+finished: the loop then polls its state), so an idle worker costs nothing and a busy one never
+sleeps on a timer.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 
 from disagg.errors import OverloadedError
@@ -28,19 +28,16 @@ class StepLoop:
         self,
         step: Callable[[], None],
         has_work: Callable[[], bool],
-        commands: Mapping[type, Callable],
         name: str,
         max_pending_calls: int = 4096,
         idle_timeout: float = 1.0,
         cpus: Iterable[int] | None = None,
     ):
-        """`commands`: command type -> its handler, run on the loop thread with the command.
-        `cpus`: the CPUs the loop's thread (and the torch threads it starts) runs on; None: the
+        """`step`: one engine step; `has_work`: whether one is due. `cpus`: the CPUs the loop's thread (and the torch threads it starts) runs on; None: the
         process's (disagg.hosts.cpu_binding says why an engine may want its own)."""
         self._step = step
         self._has_work = has_work
-        self._handlers = dict(commands)
-        self._calls: deque[tuple[Callable, object, Future]] = deque()
+        self._calls: deque[tuple[Callable, tuple, Future]] = deque()
         self._max_pending = max_pending_calls
         self._idle_timeout = idle_timeout  # bounds each idle wait (so stop() is always noticed)
         self._cpus = set(cpus) if cpus is not None else None
@@ -58,11 +55,8 @@ class StepLoop:
         """The loop thread's OS id, once started."""
         return self._thread.native_id
 
-    def submit(self, command) -> Future:
-        """Apply the command on the loop thread before its next step; the Future is its handler's result."""
-        handler = self._handlers.get(type(command))
-        if handler is None:
-            raise TypeError(f"{type(command).__name__} is not a command of this loop")
+    def submit(self, method: Callable, *args) -> Future:
+        """Run `method(*args)` on the loop thread before its next step; the Future is its result."""
         future: Future = Future()
         with self._cond:
             if self._stopped:
@@ -70,7 +64,7 @@ class StepLoop:
                 return future
             if len(self._calls) >= self._max_pending:
                 raise OverloadedError(f"worker call queue is full ({self._max_pending})")
-            self._calls.append((handler, command, future))
+            self._calls.append((method, args, future))
             self._cond.notify()
         return future
 
@@ -97,8 +91,8 @@ class StepLoop:
                     break
                 self._woken = False
                 calls, self._calls = list(self._calls), deque()
-            for handler, command, future in calls:
-                _apply(handler, command, future)
+            for method, args, future in calls:
+                _apply(method, args, future)
             if self._has_work():
                 try:
                     self._step()
@@ -109,10 +103,10 @@ class StepLoop:
             future.set_exception(RuntimeError("worker stopped"))
 
 
-def _apply(handler: Callable, command, future: Future) -> None:
+def _apply(method: Callable, args: tuple, future: Future) -> None:
     if not future.set_running_or_notify_cancel():
         return
     try:
-        future.set_result(handler(command))
+        future.set_result(method(*args))
     except BaseException as exc:  # noqa: BLE001 - handed to the caller
         future.set_exception(exc)

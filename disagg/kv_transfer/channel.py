@@ -63,7 +63,7 @@ class PeerChannel:
         self._receiver: threading.Thread | None = None
         self._closed = False
         # Protocol messages (a header and its payload count as one) each way: what a transfer
-        # costs in rendezvous and thread hand-offs, whatever its bytes (bench_kv_transfer.py).
+        # costs in rendezvous and thread hand-offs, whatever its bytes (loadtest.kv.transfer).
         self.messages_sent = 0
         self.messages_received = 0
         self._sender = threading.Thread(target=self._send_loop, name=f"kv-send-{peer_id}", daemon=True)

@@ -27,7 +27,11 @@ class TransferState(enum.Enum):
 
 
 class KVEndpoint(KVConnector):
-    def __init__(self, transport: Transport, timeout: float, max_queued_messages: int):
+    def __init__(
+        self, transport: Transport, timeout: float, max_queued_messages: int, wake: Callable[[], None] | None = None
+    ):
+        """`wake`: called (from a channel thread, lock held) when a transfer finishes, so that the
+        loop of the worker that polls this endpoint runs its next poll now rather than idle."""
         self.kv_cache: KVCache | None = None  # this rank's, once the engine registers it
         self.transport = transport
         self.timeout = timeout
@@ -37,8 +41,7 @@ class KVEndpoint(KVConnector):
         self._channels_lock = threading.Lock()  # channels are looked up from several threads
         self._finished: list[TransferResult] = []
         self.num_bytes_total = 0  # KV payload bytes sent or received (a Prometheus counter's source)
-        # Called (from a channel thread, lock held) when a transfer finishes: wakes the worker's loop.
-        self.on_finished: Callable[[], None] | None = None
+        self._wake = wake
 
     def register_kv_cache(self, kv_cache: KVCache) -> None:
         self.kv_cache = kv_cache
@@ -81,8 +84,8 @@ class KVEndpoint(KVConnector):
 
     def _report(self, result: TransferResult) -> None:
         self._finished.append(result)
-        if self.on_finished is not None:
-            self.on_finished()
+        if self._wake is not None:
+            self._wake()
 
     def poll(self) -> list[TransferResult]:
         """Transfers that finished (either way) since the last poll; also enforces deadlines."""

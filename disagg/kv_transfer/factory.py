@@ -1,6 +1,7 @@
 """From the config's `kv_transport` name to the transport a worker sends and receives KV over: the
 one place that names an implementation, so workers, shards and the transfer benchmarks build
-the same thing from the same setting.
+the same thing from the same setting; and, from a rank's role, which transports it has
+(`role_transports`).
 
 The in-process transport (disagg.kv_transfer.inproc) is not here: it needs a hub shared by both
 sides, which only tests that run both in one process have.
@@ -9,9 +10,11 @@ sides, which only tests that run both in one process have.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from disagg.config import Role
 from disagg.engine.engine import resolve_device
 from disagg.kv_transfer.torch_dist import TorchDistTransport
 from disagg.kv_transfer.transport import Transport
@@ -40,3 +43,36 @@ def make_transport(
         known = ", ".join(KV_TRANSPORT_CLASSES)
         raise ValueError(f"kv_transport: unknown transport {name!r} (known: {known})")
     return build(worker_id, key, host, resolve_device(str(device)))
+
+
+@dataclass
+class RoleTransports:
+    """What a rank of a role moves KV over: `kv` (None: COLOCATED, which moves none) and, on a
+    one-rank DECODE instance, `moves`, which requests moving out go over."""
+
+    kv: Transport | None = None
+    moves: Transport | None = None
+
+    def close(self) -> None:
+        for transport in (self.kv, self.moves):
+            if transport is not None:
+                transport.close()
+
+
+def role_transports(
+    name: str, role: Role, transport_id: str, key: bytes, host: str, device: str, *, one_rank: bool
+) -> RoleTransports:
+    """The transports of a rank in `role`, made by `name` (a config's `kv_transport`): its KV's,
+    named `transport_id` (a KV peer id), except for COLOCATED; and for DECODE on an instance of
+    `one_rank`, one for moving requests out (`<transport_id>-move`). The one place that says which
+    role moves what (rank 0 at its start and at a role switch, and the other ranks)."""
+    if role is Role.COLOCATED:
+        return RoleTransports()
+    kv = make_transport(name, transport_id, key, host, device)
+    if role is not Role.DECODE or not one_rank:
+        return RoleTransports(kv)
+    try:
+        return RoleTransports(kv, make_transport(name, f"{transport_id}-move", key, host, device))
+    except BaseException:
+        kv.close()
+        raise

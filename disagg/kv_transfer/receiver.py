@@ -23,6 +23,7 @@ import itertools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -62,11 +63,18 @@ class _Incoming:
 
 class KVReceiver(KVEndpoint):
     def __init__(
-        self, transport: Transport, *, timeout: float, attention_backend: str = "auto", max_queued_messages: int = 32
+        self,
+        transport: Transport,
+        *,
+        timeout: float,
+        attention_backend: str = "auto",
+        max_queued_messages: int = 32,
+        wake: Callable[[], None] | None = None,
     ):
         """The engine hands it its cache (`register_kv_cache`) when it has allocated it.
-        `attention_backend` (EngineConfig's): whether the block copy may use the C++ kernel."""
-        super().__init__(transport, timeout, max_queued_messages)
+        `attention_backend` (EngineConfig's): whether the block copy may use the C++ kernel.
+        `wake`: see KVEndpoint."""
+        super().__init__(transport, timeout, max_queued_messages, wake)
         self.attention_backend = attention_backend
         self._copy_ops = None  # the C++ block copy for the cache's device, or None: torch
         self._copy_stream: CopyStream | None = None  # where copies out of peers' caches run

@@ -77,9 +77,17 @@ class _LayerBatch:
 
 
 class KVSender(KVEndpoint):
-    def __init__(self, transport: Transport, *, timeout: float, max_queued_messages: int = 32):
-        """The engine hands it its cache (`register_kv_cache`) when it has allocated it."""
-        super().__init__(transport, timeout, max_queued_messages)
+    def __init__(
+        self,
+        transport: Transport,
+        *,
+        timeout: float,
+        max_queued_messages: int = 32,
+        wake: Callable[[], None] | None = None,
+    ):
+        """The engine hands it its cache (`register_kv_cache`) when it has allocated it. `wake`:
+        see KVEndpoint."""
+        super().__init__(transport, timeout, max_queued_messages, wake)
         self._by_request: dict[str, list[_Outgoing]] = {}
         self._by_key: dict[tuple[str, int], _Outgoing] = {}
         # The first layer of this step at which `save_kv_layer` has something to do. Between layers

@@ -39,8 +39,9 @@ from functools import cached_property
 from typing import TypeVar
 
 from disagg.placement.narrowing import Narrowing, colocated_load, decode_load, prefill_load
-from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape, Slo
+from disagg.placement.policies import Choice, LeastOutstandingWork, RequestShape
 from disagg.placement.predictor import DecodeSide, Predicted, PrefillSide, prefill_forecast, tpot, ttft
+from disagg.slo import SLO
 
 SHEDDABLE_MARGIN = 0.2
 TIE = 0.02
@@ -254,7 +255,7 @@ class _Option:
     decode: object
     ttft: Predicted
     tpot: Predicted
-    slo: Slo
+    slo: SLO
     cached_tokens: int
     calibrated: bool  # both predictions from fitted models (else a guess)
     local: bool = False

@@ -294,7 +294,7 @@ class HostSharing:
     core's cycles; decodes, bound by weight reads, far fewer) and a little on what it computes
     itself. `slowdown[own][other]` for a step of kind `own` ("prefill": with prompt chunks;
     "decode": decodes only) beside one of kind `other`. Measured by
-    `loadtest/measure_host_sharing.py`; 1 everywhere (nothing shared) for separate devices such as GPUs.
+    `loadtest/host/sharing.py`; 1 everywhere (nothing shared) for separate devices such as GPUs.
     """
 
     slowdown: dict = field(default_factory=dict, hash=False)  # {own: {other: factor}}; missing: 1

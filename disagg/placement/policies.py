@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from disagg.slo import SLO
+
 
 class InstanceLoad(Protocol):
     instance_id: str
@@ -34,31 +36,10 @@ PRIORITIES = ("critical", "standard", "sheddable")
 
 
 @dataclass(frozen=True)
-class Slo:
-    ttft_ms: float = 0.0  # 0: no target
-    tpot_ms: float = 0.0
-
-    def headroom(self, ttft: float, tpot: float) -> float:
-        return min(self.ttft_room(ttft), self.tpot_room(tpot))
-
-    def ttft_room(self, ttft: float) -> float:
-        """(target - predicted) / target; inf without a target. A pair's headroom is the smaller
-        of its prefill instance's TTFT room and its decode instance's TPOT room."""
-        return _room(self.ttft_ms, ttft)
-
-    def tpot_room(self, tpot: float) -> float:
-        return _room(self.tpot_ms, tpot)
-
-
-def _room(target: float, predicted: float) -> float:
-    return math.inf if target <= 0 else (target - predicted) / target
-
-
-@dataclass(frozen=True)
 class RequestShape:
     prompt_tokens: int
     max_tokens: int
-    slo: Slo
+    slo: SLO
     priority: str = "standard"
     blocks_needed: int = 0  # KV blocks its prompt takes on the decode side
     block_hashes: tuple[int, ...] = ()  # its prompt's chained block hashes (prefix-cache lookups)
@@ -95,7 +76,7 @@ class Choice:
     ttft_model_ms: float = math.nan
     tpot_model_ms: float = math.nan
 
-    def refusal(self, slo: Slo) -> str:
+    def refusal(self, slo: SLO) -> str:
         return (
             f"no instance is predicted to meet the SLO (TTFT {slo.ttft_ms:.0f} ms, TPOT {slo.tpot_ms:.0f} ms): "
             f"best predicted TTFT {self.ttft_ms:.0f} ms, TPOT {self.tpot_ms:.0f} ms"

@@ -4,7 +4,7 @@ Those files (../shared/data/distserve/profiler-a100-80g.{distserve,vllm}.json) t
 forward pass. A served step costs more: the engine's loop schedules, samples, detokenizes and
 returns every request's token, and takes in migrated KV; each request also spends time in the
 frontend (API server, tokenizer, queues) before its prefill starts. None of that is in the
-files. It was fitted on the measured runs beside them (loadtest/fit_published_profiles.py, which
+files. It was fitted on the measured runs beside them (loadtest/planner/fit_profiles.py, which
 prints how well every run is then replayed); runs kept aside check it:
 
 - `frontend_ms`: per request, outside the engine, before its prefill;
@@ -47,7 +47,7 @@ class ServedStep:
         return Coefficients(c.a + self.decode_per_step_ms, c.b, c.c + self.decode_per_request_ms)
 
 
-# Fitted 2026-11-25 on the six given runs (loadtest/fit_published_profiles.py): mean error 0.36
+# Fitted 2026-11-25 on the six given runs (loadtest/planner/fit_profiles.py): mean error 0.36
 # of the targets for DistServe's three runs; vLLM's fit is loosely determined (other starting
 # points end at 12-26 ms frontend, 0.8-0.95 prefill scale with errors within 5%: loadtest/RESULTS.md).
 FITTED = {

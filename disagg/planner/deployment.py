@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from disagg.config import PoolConfig, ServingConfig
 from disagg.placement.factory import placement_policy
-from disagg.placement.policies import PlacementPolicy, Slo
+from disagg.placement.policies import PlacementPolicy
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import known_hardware
@@ -55,7 +55,8 @@ class Deployment:
             self._sliding_window(),
         )
 
-    def simulator(self) -> Simulator:
+    def simulator(self, on_arrive=None) -> Simulator:
+        """`on_arrive`: told of each request as it arrives (Simulator.on_arrive)."""
         profile = self.any_profile
         return Simulator(
             self.pools(),
@@ -67,8 +68,9 @@ class Deployment:
             admission_timeout_s=TRACE_ADMISSION_TIMEOUT_S if self.system else self.config.admission_timeout_s,
             decode_admission=self.system.decode_admission if self.system else "retry",
             max_inflight=self.config.inflight_limit(),
-            slo=Slo(self.config.slo.ttft_ms, self.config.slo.tpot_ms),
+            slo=self.config.slo,
             host_sharing=self._host_sharing(),
+            on_arrive=on_arrive,
         )
 
     def _host_sharing(self):

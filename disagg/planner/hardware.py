@@ -67,7 +67,7 @@ _CATALOGUE = (
     Hardware("l40s", 362.05e12, 864 * GB, 48 * GB, 8, 32 * GB, 0.02, 25 * GB, 0.01),
     # This development machine, one core per device (the engine runs one thread per worker).
     # Measured 2026-11-24, "AMD EPYC" (KVM, avx2 avx512f avx512_bf16), torch 2.13.0+cpu, three runs of
-    #   PYTHONPATH=. .venv/bin/python loadtest/measure_cpu.py
+    #   .venv/bin/python -m loadtest.host.cpu
     # bf16 2048^3 matmul, best of 5: 483-505 GFLOP/s on 1 thread (median 492), 915-961 on 2;
     # fp32: 115-116 / 224-235. 1 GiB array copy (read + write bytes): 40-42 GB/s on 1 thread,
     # 46 GB/s on 2 (median; one run 77). Both cores stream at once when both workers run, so a

@@ -8,11 +8,12 @@ from disagg.config import POOL_LABEL_SLIVER
 from disagg.planner.hardware import threads_per_rank
 from disagg.planner.memory import kv_bytes_per_token_per_device
 from disagg.planner.models import model_spec
+from disagg.slo import SLO
 
 BLOCK_SIZE = 16
 
 
-def serving_config_dict(candidate, model: str, slo_ms: dict, kinds, serve_model: str | None = None) -> dict:
+def serving_config_dict(candidate, model: str, slo: SLO, kinds, serve_model: str | None = None) -> dict:
     """Mode, model, each pool's shape, instance count, devices, scheduler and KV memory, and the SLO.
     `model` is the shape planned for, `serve_model` the spec the engine loads (default: `model`).
     On a cluster of several node kinds each pool is pinned to its hardware's label and the config
@@ -26,7 +27,7 @@ def serving_config_dict(candidate, model: str, slo_ms: dict, kinds, serve_model:
     _add_threads(plan, candidate)
     if is_mixed(kinds):
         plan["ray_address"] = "auto"
-    plan["slo"] = {"ttft_ms": slo_ms["ttft_ms"], "tpot_ms": slo_ms["tpot_ms"]}
+    plan["slo"] = slo.to_dict()
     return plan
 
 

@@ -18,8 +18,9 @@ from disagg.config import ServingConfig
 from disagg.placement.profile import Profile
 from disagg.planner.deployment import Deployment, with_split
 from disagg.planner.replanner import Decision, Replanner, Split, TrafficWindow, reachable_splits, split_simulator
-from disagg.planner.simulator import SimInstance, SimRecord, Simulator
+from disagg.planner.simulator import SimInstance, SimRecord, Simulator, num_met
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO
 
 SWITCH_S = 2.0  # an idle instance to serving in its new role (bench_replan's `switch p50 s` measures it)
 IDLE_POLL_S = 0.05
@@ -51,13 +52,13 @@ def simulate_replanning(
     **replanner_args,
 ) -> ReplanRun:
     """Serve `requests` on `config` (disaggregated) with the re-planner switching instances."""
-    sim = Deployment(config, profiles).simulator()
-    total = config.prefill.num_instances + config.decode.num_instances
-    planner = Replanner(
-        split_simulator(config, profiles), total, config.slo.ttft_ms, config.slo.tpot_ms, **replanner_args
+    window = TrafficWindow(window_s)
+    sim = Deployment(config, profiles).simulator(
+        on_arrive=lambda r: window.add(r.arrival_s, r.prompt_len, r.output_len)
     )
-    driver = _Driver(sim, planner, TrafficWindow(window_s), switch_s)
-    sim.on_arrive = lambda r: driver.window.add(r.arrival_s, r.prompt_len, r.output_len)
+    total = config.prefill.num_instances + config.decode.num_instances
+    planner = Replanner(split_simulator(config, profiles), total, config.slo, **replanner_args)
+    driver = _Driver(sim, planner, window, switch_s)
     end = max((r.arrival_s for r in requests), default=0.0)
     t = interval_s
     while t < end:
@@ -101,28 +102,25 @@ class _Driver:
         switch.done_s = now
 
 
-def goodput(records: list[SimRecord], ttft_ms: float, tpot_ms: float, duration_s: float) -> float:
-    """Requests per second that met both SLOs, over `duration_s`."""
-    good = sum(1 for r in records if r.success and r.ttft_s * 1e3 <= ttft_ms and r.tpot_s * 1e3 <= tpot_ms)
-    return good / duration_s if duration_s > 0 else 0.0
+def goodput(records: list[SimRecord], slo: SLO, duration_s: float) -> float:
+    """Requests per second that met the SLO, over `duration_s`."""
+    return num_met(records, slo) / duration_s if duration_s > 0 else 0.0
 
 
 def replan_report(config: ServingConfig, profiles: dict[str, Profile], requests: list[SimRequest], **kwargs) -> dict:
     """Every static split's goodput on `requests`, the re-planning run's, and their ratio."""
-    ttft, tpot = config.slo.ttft_ms, config.slo.tpot_ms
     duration = max((r.arrival_s for r in requests), default=0.0)
     total = config.prefill.num_instances + config.decode.num_instances
     static = {
         str(split): goodput(
             Deployment(with_split(config, split.prefill, split.decode), profiles).simulator().run(requests),
-            ttft,
-            tpot,
+            config.slo,
             duration,
         )
         for split in reachable_splits(total)
     }
     run = simulate_replanning(config, profiles, requests, **kwargs)
-    replanned = goodput(run.records, ttft, tpot, duration)
+    replanned = goodput(run.records, config.slo, duration)
     best = max(static.values())
     return {
         "static_goodput": static,

@@ -28,6 +28,7 @@ from disagg.config import ServingConfig
 from disagg.placement.profile import Profile
 from disagg.planner.deployment import Deployment, with_split
 from disagg.planner.simulator import slo_attainment
+from disagg.slo import SLO
 from disagg.planner.workload import SimRequest
 
 MIN_WINDOW_REQUESTS = 8  # fewer: too little to tell one split from another
@@ -98,8 +99,7 @@ class Replanner:
 
     simulate: Callable[[Split, list[SimRequest]], list]
     total_instances: int
-    ttft_ms: float
-    tpot_ms: float
+    slo: SLO
     min_gain: float = 5.0  # points of attainment
     confirmations: int = 2
     hold_s: float = 20.0
@@ -109,7 +109,7 @@ class Replanner:
 
     def predict(self, requests: list[SimRequest]) -> dict[Split, float]:
         return {
-            split: slo_attainment(self.simulate(split, requests), self.ttft_ms, self.tpot_ms)
+            split: slo_attainment(self.simulate(split, requests), self.slo)
             for split in reachable_splits(self.total_instances)
         }
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field, replace
 from disagg.config import ServingConfig
 from disagg.placement.factory import placement_policy
 from disagg.placement.latency_model import Coefficients, HostSharing, StepModel, TransferModel
-from disagg.placement.policies import Slo
 from disagg.placement.profile import Profile
 from disagg.planner import memory
 from disagg.planner.hardware import Hardware
@@ -36,6 +35,7 @@ from disagg.planner.models import kv_bytes_per_token
 from disagg.planner.segments import SegmentUnit, node_ratios, segments_fit_node
 from disagg.planner.simulator import SimPool, Simulator, percentile, slo_attainment
 from disagg.planner.workload import SimRequest, with_rate
+from disagg.slo import SLO, met
 
 CPU_KV_CAP_BYTES = 1 << 30  # a CPU worker's KV stays at the engine's default: its RAM is the host's
 INSTANT = StepModel(Coefficients(0, 0, 0), Coefficients(0, 0, 0), Coefficients(0, 0, 0))
@@ -43,31 +43,6 @@ CHUNKED_BUDGETS = (512, 2048)
 STEADY_TAIL = 3  # the SLO must hold over the last 1/STEADY_TAIL of each simulated run too
 SEGMENT_PAIRS = 2  # Algorithm 2: segment pairs simulated whole, the best by their phases' rates
 SEGMENT_RATIOS = 3  # and P:D ratios per pair
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_ms: float
-    tpot_ms: float
-    percentile: float = 90.0
-    attainment: float = 90.0
-
-    def met(self, records, check_ttft: bool = True, check_tpot: bool = True) -> bool:
-        """Over the whole run and over its last third: a queue that grows (a rate the deployment
-        cannot sustain) shows at the end of a run first, however well its start went."""
-        tail = records[-max(1, len(records) // STEADY_TAIL) :]
-        return all(self._met(part, check_ttft, check_tpot) for part in (records, tail))
-
-    def _met(self, records, check_ttft: bool, check_tpot: bool) -> bool:
-        ttft = self.ttft_ms if check_ttft else 0.0
-        tpot = self.tpot_ms if check_tpot else 0.0
-        if slo_attainment(records, ttft, tpot) < self.attainment:
-            return False
-        ok = [r for r in records if r.success]
-        if check_ttft and percentile([r.ttft_s * 1e3 for r in records], self.percentile) > self.ttft_ms:
-            return False
-        multi = [r.tpot_s * 1e3 for r in ok if r.output_len > 1]
-        return not (check_tpot and multi and percentile(multi, self.percentile) > self.tpot_ms)
 
 
 @dataclass(frozen=True)
@@ -149,7 +124,7 @@ class Search:
     model_config: object  # ModelConfig
     kinds: list[NodeKind]
     requests: list[SimRequest]  # lengths; arrivals are redrawn at each rate tried
-    slo: SLO
+    slo: SLO  # both targets given
     block_size: int = 16
     max_model_len: int = 8192
     rate_tolerance: float = 0.05  # relative precision of each binary search
@@ -162,13 +137,32 @@ class Search:
     # pools: the default placement, goodput with SLO admission): every candidate is simulated
     # with the policy that config runs, admitting by the search's SLO.
     placement_config: ServingConfig = field(default_factory=ServingConfig)
+    percentile: float = 90.0  # the SLO holds at a rate when this percentile's TTFT and TPOT meet it ...
+    attainment: float = 90.0  # ... and at least this percent of the requests meet it
+
+    def holds(self, records, check_ttft: bool = True, check_tpot: bool = True) -> bool:
+        """Whether a simulated run at some rate meets the SLO (only the targets checked), over the
+        whole run and over its last third: a queue that grows (a rate the deployment cannot
+        sustain) shows at the end of a run first, however well its start went."""
+        slo = SLO(self.slo.ttft_ms if check_ttft else 0.0, self.slo.tpot_ms if check_tpot else 0.0)
+        tail = records[-max(1, len(records) // STEADY_TAIL) :]
+        return all(self._holds(slo, part) for part in (records, tail))
+
+    def _holds(self, slo: SLO, records) -> bool:
+        """`attainment`% met, and the `percentile`-th TTFT and TPOT (of the requests of two or
+        more tokens) met too."""
+        if slo_attainment(records, slo) < self.attainment:
+            return False
+        multi = [r.tpot_s * 1e3 for r in records if r.success and r.output_len > 1]
+        ttft = percentile([r.ttft_s * 1e3 for r in records], self.percentile)
+        return met(slo, ttft, percentile(multi, self.percentile) if multi else 0.0)
 
     # ---- the max rate of one deployment ------------------------------------------------------
     def max_rate(self, pools: list[SimPool], transfer: TransferModel, check_ttft=True, check_tpot=True) -> float:
         """Binary search on the rate: the highest at which `pools` meets the SLO (0 if none)."""
 
         def ok(rate: float) -> bool:
-            return self.slo.met(self.simulate(pools, transfer, rate), check_ttft, check_tpot)
+            return self.holds(self.simulate(pools, transfer, rate), check_ttft, check_tpot)
 
         low, high = 0.0, self._first_guess(pools)
         while ok(high):
@@ -198,7 +192,7 @@ class Search:
         sim = Simulator(
             pools,
             policy=placement_policy(self.placement_config),
-            slo=Slo(self.slo.ttft_ms, self.slo.tpot_ms),
+            slo=self.slo,
             transfer=transfer,
             kv_bytes_per_token=profile.kv_bytes_per_token or kv_bytes_per_token(self.model_config),
             num_layers=self.model_config.num_hidden_layers,

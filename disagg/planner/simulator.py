@@ -47,10 +47,11 @@ from disagg.engine.block_manager import BlockManager, max_blocks_held, out_of_wi
 from disagg.engine.scheduler import SampledToken, Scheduler, SchedulerOutput
 from disagg.errors import InvalidRequestError, OverloadedError
 from disagg.placement.latency_model import HostSharing, StepModel, TransferModel, sharing_kind
-from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape, Slo
+from disagg.placement.policies import LeastOutstandingWork, PlacementPolicy, RequestShape
 from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.planner.workload import SimRequest
 from disagg.request import Request, RequestStatus, SamplingParams, check_fits
+from disagg.slo import SLO, met, tpot_s
 
 RESERVE_RETRY_S = 0.02  # the router's back-off while no decode instance has room (doubling to 0.5 s)
 MAX_RESERVE_RETRY_S = 0.5
@@ -89,9 +90,7 @@ class SimRecord:
 
     @property
     def tpot_s(self) -> float:
-        if not self.success:
-            return math.inf
-        return (self.finish_s - self.first_token_s) / (self.output_len - 1) if self.output_len > 1 else 0.0
+        return tpot_s(self.e2el_s, self.ttft_s, self.output_len) if self.success else math.inf
 
     @property
     def e2el_s(self) -> float:
@@ -469,7 +468,7 @@ class _Flight:
 class Simulator:
     pools: list[SimPool]
     policy: PlacementPolicy = field(default_factory=LeastOutstandingWork)
-    slo: Slo = field(default_factory=Slo)  # every request's targets (the goodput policy places and admits by them)
+    slo: SLO = field(default_factory=SLO)  # every request's targets (the goodput policy places and admits by them)
     transfer: TransferModel = field(default_factory=TransferModel)
     kv_bytes_per_token: int = 0
     num_layers: int = 1
@@ -754,13 +753,11 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def slo_attainment(records: list[SimRecord], ttft_ms: float = 0.0, tpot_ms: float = 0.0) -> float:
-    """Percent of all requests (failures count as misses) meeting every SLO given (0: none)."""
-    if not records:
-        return 0.0
-    good = sum(
-        1
-        for r in records
-        if r.success and (not ttft_ms or r.ttft_s * 1e3 <= ttft_ms) and (not tpot_ms or r.tpot_s * 1e3 <= tpot_ms)
-    )
-    return 100.0 * good / len(records)
+def slo_attainment(records: list[SimRecord], slo: SLO = SLO()) -> float:
+    """Percent of all requests (failures count as misses) that met `slo` (disagg.slo.met)."""
+    return 100.0 * num_met(records, slo) / len(records) if records else 0.0
+
+
+def num_met(records: list[SimRecord], slo: SLO) -> int:
+    """How many of `records` succeeded and met `slo` (disagg.slo.met)."""
+    return sum(1 for r in records if r.success and met(slo, r.ttft_s * 1e3, r.tpot_s * 1e3))

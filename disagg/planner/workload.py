@@ -16,6 +16,8 @@ import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from disagg.slo import SLO
+
 
 @dataclass(frozen=True)
 class SimRequest:
@@ -38,7 +40,7 @@ class SimRequest:
 class Trace:
     requests: list[SimRequest]
     config: dict = field(default_factory=dict)  # the serving config it ran under, if recorded
-    slo: dict = field(default_factory=dict)
+    slo: SLO = field(default_factory=SLO)
     model: str | None = None
     measured: list[dict] = field(default_factory=list)  # per request: ttft_ms, tpot_ms where given
 
@@ -60,7 +62,11 @@ def load_trace(path: str) -> Trace:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"trace {path}: request {i}: {exc}") from None
         measured.append({k: float(row[k]) for k in ("ttft_ms", "tpot_ms") if k in row})
-    return Trace(requests, data.get("config") or {}, data.get("slo") or {}, data.get("model"), measured)
+    try:
+        slo = SLO.from_dict(data.get("slo"))
+    except ValueError as exc:
+        raise ValueError(f"trace {path}: {exc}") from None
+    return Trace(requests, data.get("config") or {}, slo, data.get("model"), measured)
 
 
 def poisson_arrivals(num_requests: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:

@@ -8,6 +8,7 @@ import math
 from disagg.bench.metrics import RequestRecord, summarize
 from disagg.planner.simulator import SimRecord
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO
 
 
 def as_request_records(records: list[SimRecord]) -> list[RequestRecord]:
@@ -25,7 +26,7 @@ def as_request_records(records: list[SimRecord]) -> list[RequestRecord]:
 
 
 def bench_result(
-    label: str, requests: list[SimRequest], records: list[SimRecord], rate: float, slo: dict, extra: dict
+    label: str, requests: list[SimRequest], records: list[SimRecord], rate: float, slo: SLO, extra: dict
 ) -> dict:
     """A `disagg bench` result file's content, for a simulated run."""
     bench_records = as_request_records(records)

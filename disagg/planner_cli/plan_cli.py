@@ -50,13 +50,13 @@ def add_arguments(p, argparse) -> None:
 
 
 def main(args) -> int:
-    from disagg.bench.metrics import parse_slo
     from disagg.planner.models import model_spec
     from disagg.planner.reference import check_config_fits, parse_reference, reference_candidate
-    from disagg.planner.search import SLO, Search
+    from disagg.planner.search import Search
+    from disagg.slo import parse_slo
 
-    slo_ms = parse_slo(args.slo)
-    if not {"ttft_ms", "tpot_ms"} <= set(slo_ms):
+    slo = parse_slo(args.slo)
+    if not (slo.ttft_ms and slo.tpot_ms):
         raise ValueError("plan: --slo needs both ttft_ms and tpot_ms")
     config = model_spec(args.model)
     serve_model = check_serve_model(args) if args.output else None
@@ -65,8 +65,10 @@ def main(args) -> int:
     if args.compare and Path(args.compare).is_file():
         check_config_fits(args.compare, config, kinds)
     requests = _lengths(args, config.max_position_embeddings)
-    slo = SLO(slo_ms["ttft_ms"], slo_ms["tpot_ms"], args.percentile, args.attainment)
-    search = Search(config, kinds, requests, slo, max_model_len=config.max_position_embeddings, seed=args.seed)
+    search = Search(
+        config, kinds, requests, slo, max_model_len=config.max_position_embeddings, seed=args.seed,
+        percentile=args.percentile, attainment=args.attainment,
+    )  # fmt: skip
     started = time.perf_counter()
     candidates = search.run(args.rate, progress=lambda line: print(f"  {line}", flush=True))
     elapsed = time.perf_counter() - started
@@ -80,7 +82,7 @@ def main(args) -> int:
     if compared is not None:
         print(comparison(best, compared, args.compare))
     if args.output:
-        plan = serving_config_dict(best, args.model, slo_ms, kinds, serve_model)
+        plan = serving_config_dict(best, args.model, slo, kinds, serve_model)
         header = _plan_header(args, best) + hardware_label_comment(best, kinds)
         Path(args.output).write_text(header + yaml.safe_dump(plan, sort_keys=False))
         print(f"wrote {args.output} (disagg serve --config {args.output})")

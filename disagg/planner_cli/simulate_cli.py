@@ -48,8 +48,9 @@ def _add_simulate(sub) -> None:
 
 
 def simulate_command(args) -> int:
-    from disagg.bench.metrics import format_summary, parse_slo
+    from disagg.bench.metrics import format_summary
     from disagg.planner_cli.bench_records import bench_result
+    from disagg.slo import parse_slo
 
     deployment, requests, slo, rate = _simulation(args)
     slo = parse_slo(args.slo) if args.slo else slo
@@ -103,7 +104,7 @@ def _simulation(args):
         deployment.system = None if args.config else system_of(trace.config)  # replayed as it ran
         deployment.router_overhead_ms = args.router_overhead_ms
         rate = len(trace.requests) / trace.duration_s if trace.duration_s else math.inf
-        return deployment, trace.requests, dict(trace.slo), rate
+        return deployment, trace.requests, trace.slo, rate
     if not args.config:
         raise ValueError("simulate: give --config (with a workload) or --trace")
     config = ServingConfig.from_yaml(args.config)
@@ -111,8 +112,7 @@ def _simulation(args):
     profiles = _profiles(args, config, profile.model)
     deployment = Deployment(config, profiles, from_hardware=args.from_hardware)
     deployment.router_overhead_ms = args.router_overhead_ms
-    slo = {k: v for k, v in (("ttft_ms", config.slo.ttft_ms), ("tpot_ms", config.slo.tpot_ms)) if v}
-    return deployment, synthetic_requests(args, profile.model), slo, args.rate
+    return deployment, synthetic_requests(args, profile.model), config.slo, args.rate
 
 
 def _profiles(args, config, model: str) -> dict:

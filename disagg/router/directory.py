@@ -6,8 +6,10 @@ broken link takes it out of placement at once (`mark_failed`), not a heartbeat T
 returns when it registers at a new link address (relaunched), or when it still heartbeats at the
 old one a TTL after the failure (it was alive: a dead process's key lapses within a TTL). When
 Redis cannot be reached the last view is kept (requests in flight never touch Redis), and an
-instance that comes back simply reappears. Each instance's request link (disagg.rpc) is dialled on first use and kept; its
-Ray actor handle is looked up by name once, for lifecycle calls only.
+instance that comes back simply reappears. Each instance's request link (disagg.rpc) is dialled
+on first use and kept, and the directory hears what it brings besides replies: the token deltas,
+which it hands to the streams, and its loss. Its Ray actor handle is looked up by name once, for
+lifecycle calls only.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.placement.prefill_rate import PrefillRate
 from disagg.registry import InstanceView, LoadReport, Registry
 from disagg.router.prompt_queue import PromptQueue
+from disagg.router.streams import DecodeStreams
 from disagg.rpc.client import RpcClient
+from disagg.rpc.services import TOKENS_TOPIC
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 from disagg.step_work import MeasuredStep
 
@@ -140,9 +144,32 @@ class Instance:
     def ended_since(self, stamp: float) -> int:
         return sum(1 for t in self.ended_at if t > stamp)
 
-    def request_ended(self) -> None:
-        """One of this router's requests here ended: out of its counts."""
+    # ---- the router's own counts of what it sent here (its reports lag by up to a heartbeat) ------
+    def admit_prefill(self, num_tokens: int) -> None:
+        """A prompt of `num_tokens` sent here to prefill, until its first token (`release_prefill`)."""
+        self.outstanding_prefill_tokens += num_tokens
+
+    def release_prefill(self, num_tokens: int) -> None:
+        self.outstanding_prefill_tokens -= num_tokens
+
+    def await_reservation(self) -> None:
+        """Chosen for a request whose reservation has not been answered (concurrent choices see it)."""
+        self.pending_requests += 1
+
+    def reservation_answered(self) -> None:
+        self.pending_requests -= 1
+
+    def admit(self, num_prompt_tokens: int, num_blocks: int = 0) -> None:
+        """A request of `num_prompt_tokens` decodes here from now on (reserving `num_blocks` of
+        its free blocks until the next report counts them), until `release`."""
+        self.outstanding_requests += 1
+        self.outstanding_context_tokens += num_prompt_tokens
+        self.reserved_blocks += num_blocks
+
+    def release(self, num_prompt_tokens: int) -> None:
+        """One of this router's requests here ended (or moved away): out of its counts."""
         self.outstanding_requests = max(0, self.outstanding_requests - 1)
+        self.outstanding_context_tokens = max(0, self.outstanding_context_tokens - num_prompt_tokens)
         self.ended_at.append(time.time())
 
     @property
@@ -196,6 +223,8 @@ class Instance:
         return hits * self.block_size
 
     def learn_report(self, report: LoadReport) -> None:
+        """A new load report: it counts the blocks reserved before it was taken already."""
+        self.reserved_blocks = 0
         self.learn_steps(report)
         self.prefix_hashes = set(report.prefix_hashes)
 
@@ -226,6 +255,7 @@ class InstanceDirectory:
         registry: Registry,
         namespace: str,
         link_key: bytes,
+        streams: DecodeStreams,
         refresh_interval_s: float = 0.5,
         heartbeat_ttl_s: float = 3.0,
         recovery_timeout_s: float = 60.0,
@@ -238,7 +268,8 @@ class InstanceDirectory:
         """`profile`: seeds each instance's latency model (its TP x PP entry) until the
         instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step;
         `prefill_chunk_cap`: their fair prefill cap (None: none); `prefill_by_work`: whether
-        those caps count work (EngineConfig.long_prefill_by_work)."""
+        those caps count work (EngineConfig.long_prefill_by_work). `streams`: where the links'
+        token deltas go."""
         self.profile = profile
         self.prefill_budget = prefill_budget
         self.prefill_chunk_cap = prefill_chunk_cap
@@ -246,6 +277,7 @@ class InstanceDirectory:
         self.block_size = block_size
         self.registry = registry
         self._link_key = link_key  # the deployment's (disagg.auth): every link proves it, both ways
+        self.streams = streams
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.recovery_timeout_s = recovery_timeout_s
         self._failed: dict[str, _Failure] = {}
@@ -290,6 +322,17 @@ class InstanceDirectory:
             self._learnt[instance_id] = inst
             logger.warning("instance %s failed (its link broke, or it said so); out of placement", instance_id)
             self._failed[instance_id] = _Failure(inst.role, inst.view.info.rpc_address, time.monotonic())
+
+    # ---- what the links bring besides replies (disagg.rpc.client.LinkListener) ---------------------
+    def link_event(self, link: str, topic: str, payload) -> None:
+        """A worker's event on the link to instance `link`: a step's token deltas."""
+        if topic == TOKENS_TOPIC:
+            self.streams.deliver(link, payload)
+
+    def link_lost(self, link: str) -> None:
+        """The link to instance `link` broke: it failed, and so did every request streaming from it."""
+        self.mark_failed(link)
+        self.streams.lost(link)
 
     def is_failed(self, instance: Instance) -> bool:
         failed = self._failed.get(instance.instance_id)
@@ -384,7 +427,6 @@ class InstanceDirectory:
         same_role = known is not None and known.role == view.info.role  # else it switched: anew in its pool
         if same_role and known.view.info.rpc_address == view.info.rpc_address:
             if view.load.updated_at != known.view.load.updated_at:
-                known.reserved_blocks = 0  # the new report already counts earlier reservations
                 known.learn_report(view.load)
             known.view = view
             return
@@ -398,7 +440,8 @@ class InstanceDirectory:
         info = view.info
         link = self._links.get(info.rpc_address)
         if link is None:
-            link = self._links[info.rpc_address] = RpcClient(info.rpc_address, self._link_key, name=info.instance_id)
+            link = RpcClient(info.rpc_address, self._link_key, name=info.instance_id, listener=self)
+            self._links[info.rpc_address] = link
         instance = Instance(
             info.instance_id,
             info.role,

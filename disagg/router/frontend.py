@@ -27,13 +27,16 @@ from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
-    def __init__(self, path: RequestPath, directory: InstanceDirectory, model_name: str):
+    def __init__(
+        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanLoop | None = None
+    ):
+        """`replanning`: the closed loop, where this frontend runs one (its decisions are shown)."""
         self.path = path
         self.orchestrator = path.orchestrator
         self.directory = directory
         self.metrics = path.metrics
         self.model_name = model_name
-        self.replanning: ReplanLoop | None = None  # the server sets it when its instances may switch
+        self.replanning = replanning
 
     # ---- Generate --------------------------------------------------------------------------------
     async def Generate(self, request, context):
@@ -105,7 +108,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
             pools=[serving_pb2.Pool(role=r, instances=i) for r, i in pools.items()],
             model=self.model_name,
             mode=self.orchestrator.config.mode,
-            default_slo=serving_pb2.Slo(ttft_ms=slo.ttft_ms, tpot_ms=slo.tpot_ms),
+            default_slo=serving_pb2.Slo(**slo.to_dict()),
             replan=self.replanning is not None,
             replan_decisions=[_replan_decision(e) for e in reversed(self.replanning.log)] if self.replanning else [],
         )

@@ -96,7 +96,7 @@ class LiveMoves:
         if reservation is None:
             return self._failed()
         placement.moving_to = target
-        mailbox = self.orchestrator.streams.open(target, request_id)  # before it can stream anything
+        mailbox = self.orchestrator.streams.open(target.instance_id, request_id)  # before it can stream anything
         try:
             tokens = await source.decode_service.migrate_out(request_id, reservation, timeout_s=CALL_TIMEOUT_S)
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
@@ -105,8 +105,7 @@ class LiveMoves:
             return self._failed()
         if self.orchestrator.live.get(request_id) is not placement:
             return self._failed()  # it ended meanwhile (its end aborted the target too)
-        target.outstanding_requests += 1
-        target.outstanding_context_tokens += placement.num_prompt_tokens
+        target.admit(placement.num_prompt_tokens)
         placement.handover = Handover(target, mailbox, len(tokens) - placement.num_prompt_tokens)
         placement.mailbox.wake()  # its stream may hand over at once
         self.stats.moved += 1

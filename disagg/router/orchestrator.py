@@ -24,6 +24,7 @@ import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from disagg.config import ServingConfig
 from disagg.errors import (
@@ -35,7 +36,7 @@ from disagg.errors import (
     WorkerLinkError,
 )
 from disagg.engine.block_manager import BlockManager, num_held, out_of_window_blocks
-from disagg.placement.policies import Choice, PlacementPolicy, RequestShape, Slo
+from disagg.placement.policies import Choice, PlacementPolicy, RequestShape
 from disagg.request import SamplingParams, priority_value
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.decode_admission import DecodeAdmission
@@ -45,6 +46,7 @@ from disagg.router.output_lengths import OutputLengths
 from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
+from disagg.slo import SLO
 
 logger = logging.getLogger(__name__)
 ABORT_TIMEOUT_S = 5.0
@@ -110,6 +112,14 @@ class Handover:
     at_tokens: int
 
 
+class ArrivalListener(Protocol):
+    """Who hears each request as it arrives: the re-planner's traffic window
+    (disagg.router.replanning.ReplanLoop), or a replica's feed of it (shared_arrivals.ArrivalFeed)."""
+
+    def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
+        """`at`: time.monotonic(); the prompt's tokens, and the output tokens asked for."""
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -120,12 +130,14 @@ class Orchestrator:
         block_size: int,
         on_migration=lambda reason: None,
         sliding_window: int | None = None,
+        arrivals: ArrivalListener | None = None,
     ):
         """`sliding_window`: the window every layer of the model has (ModelConfig.shared_window):
-        a decode instance then reserves only the blocks of a prompt's last window."""
+        a decode instance then reserves only the blocks of a prompt's last window. `arrivals`:
+        who hears each request as it arrives (None: nobody)."""
         self.config = config
         self.sliding_window = sliding_window
-        self.default_slo = Slo(config.slo.ttft_ms, config.slo.tpot_ms)
+        self.default_slo = config.slo
         self.on_migration = on_migration  # a request moved on after a failure (a metric counts them)
         self.directory = directory
         self.policy = policy
@@ -137,9 +149,7 @@ class Orchestrator:
         self.decode_room = DecodeRoom(self.decode_admission)
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
-        # Each request as it arrives: (time.monotonic(), prompt tokens, output tokens asked for);
-        # the re-planner's traffic window listens (disagg.router.replanning).
-        self.on_arrival = lambda at, prompt_tokens, max_tokens: None
+        self.arrivals = arrivals
 
     @property
     def disaggregated(self) -> bool:
@@ -150,7 +160,7 @@ class Orchestrator:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        slo: Slo | None = None,
+        slo: SLO | None = None,
         priority: str = "standard",
         received_at: float | None = None,
     ) -> AsyncIterator[TokenDelta]:
@@ -165,7 +175,8 @@ class Orchestrator:
         # In the engines a request keeps its own priority on every attempt (only admission treats
         # a later attempt as critical): a sheddable one does not pass others because it moved.
         engine_priority = priority_value(priority)
-        self.on_arrival(time.monotonic(), len(prompt_token_ids), params.max_tokens)
+        if self.arrivals is not None:
+            self.arrivals.arrived(time.monotonic(), len(prompt_token_ids), params.max_tokens)
         while True:
             # Once admitted, a request is not refused again: its later attempts are critical.
             demand = (slo, priority if not progress.migrations else "critical")
@@ -206,7 +217,7 @@ class Orchestrator:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int,
-        demand: tuple[Slo, str],
+        demand: tuple[SLO, str],
         started: float,
         expected_output: int | None = None,
     ) -> AsyncIterator[TokenDelta]:
@@ -312,10 +323,10 @@ class Orchestrator:
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
-        prefill.outstanding_prefill_tokens += len(prompt_token_ids)
+        prefill.admit_prefill(len(prompt_token_ids))
         sent = prefill.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
         pending = choice.decode  # counted from the choice on, until its answer: concurrent choices see it
-        pending.pending_requests += 1
+        pending.await_reservation()
         queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()
         # The decode side waits for the first KV as long as the prefill's queue is predicted to take
         # (with margin), on top of the KV timeout; after that, each arrival restarts the wait.
@@ -327,10 +338,10 @@ class Orchestrator:
             decode, reservation = await self._reserve(
                 request_id, prompt_token_ids, params, priority, prefill, kv_wait_s, placement, expected_output
             )
-            pending.pending_requests -= 1  # answered: in the outstanding requests of `decode` from now on
+            pending.reservation_answered()  # answered: in the outstanding requests of `decode` from now on
             pending = None
             placement.decode = decode
-            mailbox = self.streams.open(decode, request_id)  # before the KV lands: no delta can be missed
+            mailbox = self.streams.open(decode.instance_id, request_id)  # before the KV lands: no delta can be missed
             # The first token does not wait for the targets call (which returns only once the
             # prefill step ended and the KV is on its way): it goes to the client as soon as it exists.
             self._background(self._send_targets(prefill, request_id, reservation, mailbox))
@@ -343,10 +354,10 @@ class Orchestrator:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
         finally:
-            prefill.outstanding_prefill_tokens -= len(prompt_token_ids)
+            prefill.release_prefill(len(prompt_token_ids))
             prefill.prompt_queue.remove(sent)
             if pending is not None:  # never answered
-                pending.pending_requests -= 1
+                pending.reservation_answered()
         first = TokenDelta.first(result)
         return placement, mailbox, first
 
@@ -436,9 +447,7 @@ class Orchestrator:
         )
         placement.reserving = None
         if reservation is not None:
-            decode.outstanding_requests += 1
-            decode.outstanding_context_tokens += len(prompt_token_ids)
-            decode.reserved_blocks += num_held(reservation.block_ids)
+            decode.admit(len(prompt_token_ids), num_held(reservation.block_ids))
             if placement.choice is not None and placement.choice.decode is not decode:  # placed elsewhere after all
                 placement.choice = None
         return reservation
@@ -451,9 +460,8 @@ class Orchestrator:
         chose to prefill a short prompt itself (no KV transfer)."""
         instance = choice.decode
         placement = Placement(None, instance, choice=choice, started=started)
-        mailbox = self.streams.open(instance, request_id)
-        instance.outstanding_requests += 1
-        instance.outstanding_context_tokens += len(prompt_token_ids)
+        mailbox = self.streams.open(instance.instance_id, request_id)
+        instance.admit(len(prompt_token_ids))
         placement.queued = instance.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
         instance.prefix_hashes.update(request.block_hashes)  # warm there from now on
         try:
@@ -490,8 +498,7 @@ class Orchestrator:
             return
         source = placement.decode
         self.streams.close(source.instance_id, placement.request_id)
-        source.request_ended()
-        source.outstanding_context_tokens = max(0, source.outstanding_context_tokens - placement.num_prompt_tokens)
+        source.release(placement.num_prompt_tokens)
         placement.decode, placement.mailbox, placement.handover, placement.moving_to = (
             handover.decode, handover.mailbox, None, None
         )  # fmt: skip
@@ -508,17 +515,20 @@ class Orchestrator:
             aborts.append(target.decode_service.abort(placement.request_id, timeout_s=ABORT_TIMEOUT_S))
         if decode is not None:
             self.streams.close(decode.instance_id, request_id)
-            decode.request_ended()
+            decode.release(num_prompt_tokens)
             self.decode_room.freed()
-            decode.outstanding_context_tokens = max(0, decode.outstanding_context_tokens - num_prompt_tokens)
         if placement.finished:
             return
-        holders = ((decode or placement.reserving, "decode_service"), (placement.prefill, "prefill_service"))
-        for instance, service in holders:
-            if instance is not None and not self.directory.is_failed(instance):  # a dead one has nothing to drop
-                aborts.append(getattr(instance, service).abort(request_id, timeout_s=ABORT_TIMEOUT_S))
+        holder = decode or placement.reserving
+        if self._may_hold(holder):  # a dead one has nothing to drop
+            aborts.append(holder.decode_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
+        if self._may_hold(placement.prefill):
+            aborts.append(placement.prefill.prefill_service.abort(request_id, timeout_s=ABORT_TIMEOUT_S))
         if aborts:  # sent now, awaited in the background: the request's end waits for no worker
             self._background(self._await_aborts(request_id, aborts))
+
+    def _may_hold(self, instance: Instance | None) -> bool:
+        return instance is not None and not self.directory.is_failed(instance)
 
     @staticmethod
     async def _await_aborts(request_id: str, aborts: list) -> None:

@@ -8,7 +8,7 @@ says when a switch is worth it, with hysteresis. A switch moves one instance:
 1. out of placement at once (held out here; its report says "draining" a heartbeat later,
    and the server's drain task then moves its decoding requests away with their KV);
 2. once it holds nothing, its engine thread rebuilds it in the other role around the same
-   weights (disagg.instance.actor.InstanceActor.switch_role);
+   weights (disagg.worker.actor.WorkerActor.switch_role);
 3. back into placement; the directory finds it in its new pool with its next heartbeat.
 
 A switch that cannot finish (the instance still held requests at the deadline, or refused)
@@ -103,7 +103,7 @@ class ReplanLoop:
         self.window = TrafficWindow(config.replan_window_s)
         self.total = config.prefill.num_instances + config.decode.num_instances
         self.replanner = Replanner(
-            self._simulate, self.total, config.slo.ttft_ms, config.slo.tpot_ms,
+            self._simulate, self.total, config.slo,
             min_gain=config.replan_min_gain, hold_s=config.replan_hold_s,
         )  # fmt: skip
         self.log: deque[LoggedDecision] = deque(maxlen=64)  # the latest decisions, for `disagg status`
@@ -111,7 +111,7 @@ class ReplanLoop:
         self._profile: Profile | None = None
 
     def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
-        """The orchestrator's `on_arrival`."""
+        """A request arrived (the orchestrator's ArrivalListener)."""
         self.window.add(at, prompt_tokens, max_tokens)
 
     def current_split(self) -> Split | None:

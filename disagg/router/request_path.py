@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Callable
 from disagg.engine.grammar import GrammarCompiler
 from disagg.errors import DisaggError, InvalidRequestError, OverloadedError, UnavailableError, grpc_code_name
 from disagg.metrics import ServingMetrics
-from disagg.placement.policies import Slo
 from disagg.request import SamplingParams
 from disagg.router.arrivals import Arrivals
 from disagg.router.key_guard import key_matches
@@ -38,6 +37,7 @@ from disagg.router.validation import (
     sampling_params,
 )
 from disagg.rpc.messages import TokenDelta
+from disagg.slo import SLO, met, tpot_s
 from disagg.v1 import serving_pb2
 
 logger = logging.getLogger(__name__)
@@ -140,11 +140,10 @@ class RequestPath:
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"sampling.{exc.field}", str(exc).split(": ", 1)[-1]) from None
 
-    def demand(self, request: serving_pb2.GenerateRequest) -> tuple[Slo, str]:
+    def demand(self, request: serving_pb2.GenerateRequest) -> tuple[SLO, str]:
         """The request's SLO (each target 0: the server's) and priority name."""
         default = self.orchestrator.default_slo
-        slo = Slo(request.slo.ttft_ms or default.ttft_ms, request.slo.tpot_ms or default.tpot_ms)
-        return slo, PRIORITY_NAMES.get(request.priority, "standard")
+        return SLO.of(request.slo, default), PRIORITY_NAMES.get(request.priority, "standard")
 
     # ---- the run -----------------------------------------------------------------------------------
     async def stream(
@@ -152,7 +151,7 @@ class RequestPath:
         request_id: str,
         prompt_ids: list[int],
         params: SamplingParams,
-        demand: tuple[Slo, str],
+        demand: tuple[SLO, str],
         received_at: float,
         client_gone: Callable[[], bool],
     ) -> AsyncIterator[tuple[TokenDelta, Outcome | None]]:
@@ -247,10 +246,6 @@ class RequestPath:
             task.cancel()
 
 
-def meets_slo(outcome: Outcome, slo: Slo) -> bool:
-    """Both targets met (a target of 0 is none); an aborted request is judged on what it got."""
-    tpot_s = (
-        (outcome.e2e_s - outcome.ttft_s) / (outcome.completion_tokens - 1) if outcome.completion_tokens > 1 else 0.0
-    )
-    ttft_ok = slo.ttft_ms <= 0 or outcome.ttft_s * 1e3 <= slo.ttft_ms
-    return ttft_ok and (slo.tpot_ms <= 0 or tpot_s * 1e3 <= slo.tpot_ms)
+def meets_slo(outcome: Outcome, slo: SLO) -> bool:
+    """The one rule (disagg.slo.met) on a finished request; an aborted one is judged on what it got."""
+    return met(slo, outcome.ttft_s * 1e3, tpot_s(outcome.e2e_s, outcome.ttft_s, outcome.completion_tokens) * 1e3)

@@ -23,7 +23,7 @@ def _wall_minus_monotonic() -> float:
 
 
 class ArrivalFeed(BatchedWrites):
-    """On a replica: the orchestrator's `on_arrival`, shared."""
+    """On a replica: what the orchestrator's arrivals are handed to, shared (an ArrivalListener)."""
 
     def __init__(self, registry: Registry, window_s: float, interval_s: float = 1.0):
         super().__init__(

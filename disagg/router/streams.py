@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 
-from disagg.router.directory import Instance
 from disagg.rpc.messages import TokenDelta
 
 
@@ -43,18 +42,14 @@ class Mailbox:
 
 
 class DecodeStreams:
-    def __init__(self, on_lost=lambda instance_id: None):
-        self.on_lost = on_lost  # an instance's link broke (the directory takes it out of placement)
-        self._mailboxes: dict[str, dict[str, Mailbox]] = {}  # instance id -> request id -> mailbox
-        self._hooked: dict[str, object] = {}  # instance id -> the link client that delivers into its mailboxes
+    """Every request's mailbox, by instance; the directory, which owns the links, hands each
+    link's deltas here (`deliver`) and its loss (`lost`)."""
 
-    def open(self, instance: Instance, request_id: str) -> Mailbox:
-        boxes = self._mailboxes.setdefault(instance.instance_id, {})
-        if self._hooked.get(instance.instance_id) is not instance.rpc:  # a new instance, or one back at a new address
-            self._hooked[instance.instance_id] = instance.rpc
-            instance.rpc.on_event = lambda topic, deltas: self._deliver(boxes, deltas)
-            instance.rpc.on_disconnect = lambda: self._lost(instance.instance_id, boxes)
-        box = boxes[request_id] = Mailbox(request_id)
+    def __init__(self):
+        self._mailboxes: dict[str, dict[str, Mailbox]] = {}  # instance id -> request id -> mailbox
+
+    def open(self, instance_id: str, request_id: str) -> Mailbox:
+        box = self._mailboxes.setdefault(instance_id, {})[request_id] = Mailbox(request_id)
         return box
 
     def close(self, instance_id: str, request_id: str) -> None:
@@ -64,17 +59,16 @@ class DecodeStreams:
 
     async def stop(self) -> None:
         self._mailboxes.clear()
-        self._hooked.clear()
 
-    @staticmethod
-    def _deliver(boxes: dict[str, Mailbox], deltas: list[TokenDelta]) -> None:
+    def deliver(self, instance_id: str, deltas: list[TokenDelta]) -> None:
+        """A step's deltas from `instance_id`, each into its request's mailbox."""
+        boxes = self._mailboxes.get(instance_id, {})
         for delta in deltas:
             box = boxes.get(delta.request_id)
             if box is not None:  # else the request ended here already
                 box.put(delta)
 
-    def _lost(self, instance_id: str, boxes: dict[str, Mailbox]) -> None:
-        """The link broke (the worker died): every request streaming from it has failed here."""
-        self.on_lost(instance_id)
-        for request_id, box in list(boxes.items()):
+    def lost(self, instance_id: str) -> None:
+        """Its link broke (the worker died): every request streaming from it has failed here."""
+        for request_id, box in list(self._mailboxes.get(instance_id, {}).items()):
             box.put(TokenDelta.failed(request_id, f"instance {instance_id} failed"))

@@ -1,10 +1,11 @@
 """The router's end of a request link to one instance (asyncio, on the frontend's event loop).
 
 Calls name a method of a service class (disagg.rpc.services), never a string; the typed stubs
-(disagg.rpc.stubs) are how the router makes them. `call()` sends a call and awaits its reply; events (token deltas) go to `on_event` as they
-arrive, on the loop itself, so a token is in the gRPC stream's hands without a thread hop.
-The link is dialled on first use and again after it broke; when it breaks, every call waiting
-on it fails with WorkerLinkError and `on_disconnect` runs (the streams end their requests).
+(disagg.rpc.stubs) are how the router makes them. `call()` sends a call and awaits its reply;
+events (token deltas) go to the link's listener (`LinkListener.link_event`) as they arrive, on
+the loop itself, so a token is in the gRPC stream's hands without a thread hop. The link is
+dialled on first use and again after it broke; when it breaks, every call waiting on it fails
+with WorkerLinkError and the listener hears it (`link_lost`: the streams end their requests).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from disagg.auth import NONCE_BYTES, PROOF_BYTES, AuthenticationError, Seals, new_nonce, proof, verify
 from disagg.errors import RemoteError, WorkerLinkError
@@ -22,9 +24,28 @@ logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 5.0
 
 
+class LinkListener(Protocol):
+    """Who hears what a link brings besides replies (disagg.router.directory.InstanceDirectory)."""
+
+    def link_event(self, link: str, topic: str, payload) -> None:
+        """An event the worker sent on link `link` (the client's name), on the event loop."""
+
+    def link_lost(self, link: str) -> None:
+        """Link `link` broke (the worker died, or closed it); calls waiting on it have failed."""
+
+
+class _Deaf:
+    def link_event(self, link: str, topic: str, payload) -> None:
+        pass
+
+    def link_lost(self, link: str) -> None:
+        pass
+
+
 class RpcClient:
-    def __init__(self, address: str, key: bytes, name: str = ""):
-        """`key`: the deployment's (disagg.auth); the worker must prove it holds it too."""
+    def __init__(self, address: str, key: bytes, name: str = "", listener: LinkListener | None = None):
+        """`key`: the deployment's (disagg.auth); the worker must prove it holds it too.
+        `listener`: hears the link's events and its loss, by `name` (default: nobody)."""
         self.address = address
         self.name = name or address
         self._key = key
@@ -34,8 +55,7 @@ class RpcClient:
         self._dialing = asyncio.Lock()
         self._pending: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
-        self.on_event: Callable[[str, object], None] = lambda topic, payload: None
-        self.on_disconnect: Callable[[], None] = lambda: None
+        self.listener = listener if listener is not None else _Deaf()
 
     async def submit(self, method: Callable, *args) -> asyncio.Future:
         """Send a call now; the returned Future is its reply (the handler's return value, its
@@ -108,7 +128,7 @@ class RpcClient:
             while True:
                 kind, key, value = await read_frame(reader, seal)
                 if kind == EVENT:
-                    self.on_event(key, value)
+                    self.listener.link_event(self.name, key, value)
                     continue
                 reply = self._pending.get(key)
                 if reply is None or reply.done():
@@ -133,4 +153,4 @@ class RpcClient:
         for reply in self._pending.values():
             if not reply.done():
                 reply.set_exception(WorkerLinkError(f"link to {self.name} lost: {reason}", self.name))
-        self.on_disconnect()
+        self.listener.link_lost(self.name)

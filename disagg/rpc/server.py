@@ -34,13 +34,14 @@ HELLO_TIMEOUT_S = 5.0
 class Link:
     """One router's connection; `send` may be called from any thread."""
 
-    def __init__(self, sock: socket.socket, peer: str, seal: FrameSeal):
+    def __init__(self, sock: socket.socket, peer: str, seal: FrameSeal, on_close: Callable[["Link"], None]):
+        """`on_close`: called once, with the link, when it closes (from whichever thread closes it)."""
         self.peer = peer
         self._sock = sock
         self._seal = seal  # tags frames in the order they are sent: used under _lock
         self._lock = threading.Lock()
         self.closed = False
-        self.on_close: list[Callable[["Link"], None]] = []
+        self._on_close = on_close
 
     def send(self, message: tuple) -> bool:
         """False if the link is gone (or broke now)."""
@@ -94,8 +95,7 @@ class Link:
             except OSError:
                 pass
             self._sock.close()
-        for callback in self.on_close:
-            callback(self)
+        self._on_close(self)
 
 
 class RpcServer:
@@ -110,8 +110,10 @@ class RpcServer:
         host: str = "127.0.0.1",
         name: str = "",
         send_timeout_s: float = 10.0,
+        on_link_closed: Callable[[Link], None] = lambda link: None,
     ):
-        """`key`: the deployment's (disagg.auth); only a caller that proves it gets a frame read."""
+        """`key`: the deployment's (disagg.auth); only a caller that proves it gets a frame read.
+        `on_link_closed`: called with each link that closes (its router went away, or broke)."""
         self.handlers: dict[str, Callable] = {method: getattr(service, method) for method in method_names(interface)}
         self._calling = threading.local()  # the link whose call runs on this thread
         self._key = key
@@ -122,7 +124,7 @@ class RpcServer:
         self._links: set[Link] = set()
         self._lock = threading.Lock()
         self._stopped = False
-        self.on_link_closed: Callable[[Link], None] | None = None
+        self._on_link_closed = on_link_closed
         threading.Thread(target=self._accept_loop, name=f"rpc-accept-{name}", daemon=True).start()
 
     def caller(self) -> Link:
@@ -160,10 +162,9 @@ class RpcServer:
             sock.close()
             return
         sock.settimeout(self.send_timeout_s)
-        link = Link(sock, peer, seals.outgoing)
+        link = Link(sock, peer, seals.outgoing, on_close=self._forget)
         with self._lock:
             self._links.add(link)
-        link.on_close.append(self._forget)
         try:
             while True:
                 call_id, method, args = recv_frame(sock, seals.incoming, is_open=lambda: not link.closed)
@@ -198,5 +199,4 @@ class RpcServer:
     def _forget(self, link: Link) -> None:
         with self._lock:
             self._links.discard(link)
-        if self.on_link_closed is not None:
-            self.on_link_closed(link)
+        self._on_link_closed(link)

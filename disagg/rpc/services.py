@@ -1,12 +1,13 @@
 """The request path's remote services, declared once: what the router may call on rank 0 of an
 instance, with what, and what comes back.
 
-The worker's actor derives from its service and implements each method (it may return a
-concurrent Future of the reply, completed by the engine thread); the router's stub
-(disagg.rpc.stubs) derives from it too and sends the call over the instance's request link. So
-go-to-definition leads from the orchestrator to the declaration here, and "go to
-implementations" to the worker. On the wire a call names its method; the server dispatches only
-to the methods its service declares (`method_names`).
+The worker (disagg.worker.actor) derives from `WorkerService`, both services, and implements
+each method in one line that runs its role's method (it may return a concurrent Future of the
+reply, completed by the engine thread); the router's stubs (disagg.rpc.stubs) derive from one
+service each and send the call over the instance's request link. So go-to-definition leads from
+the orchestrator to the declaration here, and "go to implementations" to the worker, then to the
+role. On the wire a call names its method; the server dispatches only to the methods its service
+declares (`method_names`).
 
 A request's `priority` is the engine's (disagg.request.PRIORITY_VALUES: lower runs first): it
 orders the instance's queue, batch and preemption (disagg.engine.queue_order).
@@ -100,9 +101,14 @@ class DecodeService:
         raise NotImplementedError
 
 
+class WorkerService(PrefillService, DecodeService):
+    """What every worker serves: both services, whichever role it holds now. A call of the
+    role it does not hold is refused (UNAVAILABLE); `abort` goes to the role held."""
+
+
 def method_names(service: type) -> frozenset[str]:
     """The remote methods a service declares (its public functions, and its bases': a service
-    may be the union of others, as a switchable instance's is)."""
+    may be the union of others, as the worker's is)."""
     return frozenset(
         name
         for cls in service.__mro__

@@ -1,6 +1,6 @@
 """A config dataclass's field docs, read from the comments beside its fields in the source.
 
-The comments in disagg/config.py are the one source of truth: a field's doc is the block of
+The comments in disagg/config.py (and disagg/slo.py, the slo group's) are the one source of truth: a field's doc is the block of
 comment lines right above it plus any comment on its own lines, joined into one paragraph.
 """
 

@@ -4,12 +4,12 @@ Each engine step rank 0 sends every other rank the step's chunks (plain copies) 
 the KV commands queued for each rank since the last step, then runs its own part; the answers
 bring the last stage's logits and each rank's finished transfers. The steps go over rank 0's
 step channel (disagg.worker.step_channel: shared memory on one host), not through Ray, whose
-calls stay for the lifecycle (join, expect, abort_transfers, shutdown).
+calls stay for the lifecycle (join, open_channel, shutdown).
 
 A command always reaches a rank before any later step: the commands ride in the step's own
-order, in the order they were queued, and the calls through Ray return only once the rank has
-run them, all from rank 0's engine thread, which sends a step only between such calls (a rank
-runs a call and a step one at a time: disagg.shard_worker.actor). Every wait has a timeout: a
+order, in the order they were queued. Those whose answer rank 0 needs at once (a decode rank's
+`expect`, every rank's `abort_transfers`) go in an order of their own, sent and answered now,
+between two steps, from rank 0's engine thread like every order. Every wait has a timeout: a
 rank that died fails the step at once, one that hangs at its step timeout, instead of stalling
 the instance.
 """
@@ -27,7 +27,15 @@ from disagg.engine.step_chunks import portable
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVRank, KVTarget
 from disagg.worker.instance_world import WorldAddress
-from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, JoinedRank, ShardCommand
+from disagg.worker.shard_service import (
+    AbortTransfers,
+    AddTargets,
+    CatchUp,
+    Expect,
+    FinishTransfer,
+    JoinedRank,
+    ShardCommand,
+)
 from disagg.worker.step_channel import OPEN_TIMEOUT_S, ChannelOffer, DriverChannel
 from disagg.worker.step_messages import StepAnswer, StepOrder, decode_answer, encode_order
 
@@ -60,6 +68,7 @@ class ShardGroup:
         self._commands: list[list[ShardCommand]] = [[] for _ in self.actors]
         self._results: list[TransferResult] = []
         self._step_number = 0
+        self._answers: list[StepAnswer] = []  # the latest order's, by rank index
         # Set when a call to a rank failed: the ranks may no longer be in lockstep (one may be
         # dead, or stuck in a collective), so nothing more is sent; rank 0 leaves service.
         self.broken: str | None = None
@@ -89,6 +98,12 @@ class ShardGroup:
         wait_s = 0.0 if self.has_commands() else IDLE_POLL_S
         self._collect(self._send(None, wait_s))
 
+    def _round_trip(self) -> list[StepAnswer]:
+        """Deliver the queued commands now, in an order with no step; every rank's answer."""
+        number = self._send(None, 0.0)
+        self._collect(number)
+        return self._answers
+
     def _send(self, chunks, wait_s: float) -> int:
         """Send the step's order (with every rank's queued commands); the step's number."""
         self._check()
@@ -105,6 +120,7 @@ class ShardGroup:
             self._check_answer(place, answer, number)
         for answer in answers:
             self._results.extend(answer.reply.results)
+        self._answers = answers
         return next((a.reply.logits for a in answers if a.reply.logits is not None), None)
 
     def _check_answer(self, place: RankPlace, answer: StepAnswer, number: int) -> None:
@@ -131,19 +147,22 @@ class ShardGroup:
     def has_commands(self) -> bool:
         return any(self._commands)
 
-    # ---- calls that wait for the ranks -------------------------------------------------------------
+    # ---- commands answered now, over the step channel ------------------------------------------------
     def expect(
-        self, rank_index: int, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None
-    ) -> int:
-        """ShardService.expect on one rank now; its transfer id."""
-        self._check()
-        return self._get(self.actors[rank_index].expect.remote(request_id, block_ids, sources, timeout))
+        self, request_id: str, block_ids: list[int], sources: list[dict[str, str]], timeout: float | None
+    ) -> list[int]:
+        """Every other rank listens for its slice of a request's KV (`sources[i]`: rank index i's
+        peers); their transfer ids, by index."""
+        for commands, rank_sources in zip(self._commands, sources):
+            commands.append(Expect(request_id, list(block_ids), rank_sources, timeout))
+        return [answer.reply.transfer_ids[-1] for answer in self._round_trip()]
 
     def abort_transfers(self, request_id: str) -> None:
-        """ShardService.abort_transfers on every other rank now, waiting for all. On a broken
+        """Every other rank gives up on the request's transfers, before this returns. On a broken
         group it does nothing: the instance is leaving service and its ranks are being stopped."""
         if not self.broken:
-            self._get([actor.abort_transfers.remote(request_id) for actor in self.actors])
+            self._command_all(AbortTransfers(request_id))
+            self._round_trip()
 
     def take_results(self) -> list[TransferResult]:
         results, self._results = self._results, []
@@ -164,9 +183,6 @@ class ShardGroup:
     def _check(self) -> None:
         if self.broken:
             raise RuntimeError(f"instance out of service: {self.broken}")
-
-    def _get(self, refs):
-        return self._guarded(lambda: ray.get(refs, timeout=self.timeout_s))
 
     def _guarded(self, call):
         """`call()`; any failure breaks the group."""

@@ -1,10 +1,10 @@
 """What rank 0 of a multi-worker instance calls on its other ranks, and the commands it sends.
 
-`ShardService` declares the ranks' lifecycle, called through Ray (disagg.shard_worker.ShardActor
+`ShardService` declares the ranks' lifecycle, called through Ray (disagg.worker.shard.ShardActor
 implements it; disagg.worker.shard_group.ShardGroup calls it). The steps themselves go over rank
 0's step channel (disagg.worker.step_channel), not through Ray. KV commands are plain frozen
-data: rank 0 queues them and they ride along with the next step, so a rank applies them, in
-order, before it computes that step.
+data: rank 0 queues them and they ride along with the next step (or an order of their own, when
+rank 0 needs their answer now), so a rank applies them, in order, before it computes that step.
 """
 
 from __future__ import annotations
@@ -44,13 +44,31 @@ class FinishTransfer:
     request_id: str
 
 
-ShardCommand = AddTargets | CatchUp | FinishTransfer
+@dataclass(frozen=True)
+class Expect:
+    """Decode rank: listen for this rank's slice of a request's KV (answered with its transfer id)."""
+
+    request_id: str
+    block_ids: list[int]
+    sources: dict[str, str]  # peer id -> address of the prefill ranks holding this rank's slice
+    timeout: float | None
+
+
+@dataclass(frozen=True)
+class AbortTransfers:
+    """Give up on a request's transfers on this rank (a decode rank writes no more into its blocks)."""
+
+    request_id: str
+
+
+ShardCommand = AddTargets | CatchUp | FinishTransfer | Expect | AbortTransfers
 
 
 @dataclass
 class ShardReply:
     logits: torch.Tensor | None = None  # the sampled rows' logits (last stage, TP rank 0)
     results: list[TransferResult] = field(default_factory=list)
+    transfer_ids: list[int] = field(default_factory=list)  # of the order's Expect commands, in order
 
 
 @dataclass(frozen=True)
@@ -74,14 +92,6 @@ class ShardService(abc.ABC):
         """Open this rank's end of rank 0's step channel and start taking steps from it: apply
         rank 0's commands, run this rank's part of each step (none: wait up to the order's
         wait_s for a transfer to finish) and answer with this rank's finished transfers."""
-
-    @abc.abstractmethod
-    def expect(self, request_id: str, block_ids: list[int], sources: dict[str, str], timeout: float | None) -> int:
-        """Decode rank: listen for this rank's slice of a request's KV; returns the transfer id."""
-
-    @abc.abstractmethod
-    def abort_transfers(self, request_id: str) -> None:
-        """Give up on a request's transfers on this rank (a decode rank writes no more into its blocks)."""
 
     @abc.abstractmethod
     def shutdown(self) -> None: ...

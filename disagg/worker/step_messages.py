@@ -2,8 +2,9 @@
 
 An order holds the step's chunks (plain copies: disagg.engine.step_chunks), every follower's KV
 commands since the last step (each follower applies its own, before it computes) and how long an
-idle follower may wait for a transfer. A reply holds a follower's finished transfers, the
-logits if it is the last stage's first TP rank, or the error its step raised. Both carry the
+idle follower may wait for a transfer. A reply holds a follower's finished transfers, the ids of
+the transfers it was told to expect, the logits if it is the last stage's first TP rank, or the
+error its step raised. Both carry the
 step's number, so that a reply to another step is caught, not used. The logits travel as their
 raw bytes after the pickled rest, so that they are neither pickled nor copied again on arrival.
 """
@@ -52,7 +53,10 @@ def encode_answer(answer: StepAnswer) -> bytes:
     logits = answer.reply.logits
     tensor = None if logits is None else logits.detach().to("cpu").contiguous()
     meta = None if tensor is None else (str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
-    head = pickle.dumps((answer.number, answer.reply.results, answer.error, meta), protocol=pickle.HIGHEST_PROTOCOL)
+    reply = answer.reply
+    head = pickle.dumps(
+        (answer.number, reply.results, reply.transfer_ids, answer.error, meta), protocol=pickle.HIGHEST_PROTOCOL
+    )
     offset = -(-(_OFFSET.size + len(head)) // _TENSOR_ALIGN) * _TENSOR_ALIGN
     parts = [_OFFSET.pack(offset), head, bytes(offset - _OFFSET.size - len(head))]
     if tensor is not None:
@@ -63,7 +67,7 @@ def encode_answer(answer: StepAnswer) -> bytes:
 def decode_answer(payload: bytearray, device: torch.device | None = None) -> StepAnswer:
     """`payload` becomes the logits' memory (no copy); `device`: where rank 0 wants them."""
     (offset,) = _OFFSET.unpack_from(payload, 0)
-    number, results, error, meta = pickle.loads(memoryview(payload)[_OFFSET.size : offset])
+    number, results, transfer_ids, error, meta = pickle.loads(memoryview(payload)[_OFFSET.size : offset])
     logits = None
     if meta is not None:
         dtype_name, shape = meta
@@ -74,4 +78,4 @@ def decode_answer(payload: bytearray, device: torch.device | None = None) -> Ste
             logits = torch.frombuffer(payload, dtype=torch.uint8, offset=offset).view(dtype).view(shape)
         if device is not None:
             logits = logits.to(device)
-    return StepAnswer(number, ShardReply(logits, results), error)
+    return StepAnswer(number, ShardReply(logits, results, transfer_ids), error)

@@ -5,16 +5,16 @@ straight out of the sender's cache."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "loadtest", "bench_kv_ipc.py")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,8 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "loadtest", "bench_k
 )
 def test_kv_arrives_exactly_by_cuda_ipc(geometry):
     out = subprocess.run(
-        [sys.executable, BENCH, "--device", "cuda", "--check", "--repeats", "2", *geometry],
+        [sys.executable, "-m", "loadtest.kv.ipc", "--device", "cuda", "--check", "--repeats", "2", *geometry],
+        cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,6 +1,6 @@
 """KV transfer between real Ray actors over torch.distributed (gloo on CPU).
 
-The actors here are thin test wrappers around the real PrefillWorker / DecodeWorker; each runs
+The actors here are thin test wrappers around the real PrefillRole / DecodeRole; each runs
 its own loop (`run_until_idle`) so both sides progress at once, as in the service.
 """
 
@@ -28,9 +28,9 @@ KV_TIMEOUT = 10.0
 class PrefillActor:
     def __init__(self, worker_id: str, model: str, **engine_args):
         torch.set_num_threads(1)
-        from disagg.prefill_worker.worker import PrefillWorker
+        from disagg.prefill_worker.role import PrefillRole
 
-        self.worker = PrefillWorker(
+        self.worker = PrefillRole(
             EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id, LINK_KEY), kv_timeout=KV_TIMEOUT
         )
         self.failures: list[str] = []
@@ -42,7 +42,7 @@ class PrefillActor:
         return self.worker.kv_layout()
 
     def add_request(self, request_id, prompt, params, reservation) -> None:
-        self.worker.add_request(request_id, prompt, params)
+        self.worker.prefill(request_id, prompt, params)
         self.worker.set_kv_targets(request_id, reservation)  # in force from the first layer on
 
     def run_until_idle(self, timeout: float) -> list[str]:
@@ -63,9 +63,9 @@ class PrefillActor:
 class DecodeActor:
     def __init__(self, worker_id: str, model: str, **engine_args):
         torch.set_num_threads(1)
-        from disagg.decode_worker.worker import DecodeWorker
+        from disagg.decode_worker.role import DecodeRole
 
-        self.worker = DecodeWorker(
+        self.worker = DecodeRole(
             EngineConfig(model=model, **engine_args), TorchDistTransport(worker_id, LINK_KEY), kv_timeout=KV_TIMEOUT
         )
         self.received_bytes = 0

@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from disagg.bench.experiment import free_port
+from disagg.bench.launcher import free_port
 from disagg.bench.metrics import read_rows, slo_misses, summarize
 from disagg.cli import main as disagg_main
 from disagg.server import Server
 from disagg.config import ServingConfig
+from disagg.slo import SLO
 
 REPO = Path(__file__).resolve().parents[2]
 NUM_REQUESTS = 12
-SERVER_SLO = {"ttft_ms": 30000.0, "tpot_ms": 1.0}
+SERVER_SLO = SLO(ttft_ms=30000.0, tpot_ms=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def server(ray_session):
             "http_port": free_port(),
             # Locust judges requests by the server's SLO: TTFT met by all, TPOT by none (placed
             # anyway: best effort), so both sides of its SLO events are seen
-            "slo": SERVER_SLO,
+            "slo": SERVER_SLO.to_dict(),
             "slo_admission": "best_effort",
             "calibration_s": 0,  # placement is not what this tests (test_calibration.py is)
         }
@@ -82,7 +83,7 @@ def bench_result(server, out_dir) -> Path:
 def run_locust(prefix: Path, *args: str, run_time: str = "15s") -> None:
     """Locust headless, 2 users, short chat requests, the reports under `prefix`."""
     command = [
-        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), *args,
+        sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "loadgen" / "locustfile.py"), *args,
         "--headless", "--only-summary", "-u", "2", "-r", "2", "-t", run_time, "--stop-timeout", "60",
         "--csv", str(prefix), "--html", f"{prefix}.html", "--rows-csv", f"{prefix}_rows.csv",
         "--workload", "chat", "--length-scale", "0.1", "--max-tokens", "8", "--workload-size", "60",
@@ -103,7 +104,7 @@ def locust_run(server, out_dir) -> Path:
 def locust_http_run(server, out_dir) -> Path:
     """HttpGenerateUser chosen by name; the HTTP API does not say the server's SLO: given here."""
     prefix = out_dir / "locust_http"
-    slo = ["--slo-ttft-ms", f"{SERVER_SLO['ttft_ms']:g}", "--slo-tpot-ms", f"{SERVER_SLO['tpot_ms']:g}"]
+    slo = ["--slo-ttft-ms", f"{SERVER_SLO.ttft_ms:g}", "--slo-tpot-ms", f"{SERVER_SLO.tpot_ms:g}"]
     run_locust(prefix, "HttpGenerateUser", "--host", f"http://{server.http_address}", *slo, run_time="10s")
     return prefix
 
@@ -231,7 +232,7 @@ def test_locust_step_load_shape_adds_users_and_stops_by_itself(server, out_dir):
         "-m",
         "locust",
         "-f",
-        str(REPO / "loadtest" / "locustfile.py"),
+        str(REPO / "loadtest" / "loadgen" / "locustfile.py"),
         "--headless",
         "--only-summary",
         "--host",

@@ -17,7 +17,7 @@ import openai
 import pytest
 import ray
 
-from disagg.bench.experiment import free_port
+from disagg.bench.launcher import free_port
 from disagg.client import DisaggClient, generate_request
 from disagg.cluster.launcher import NAMESPACE
 from disagg.config import ServingConfig

@@ -1,5 +1,5 @@
 """Instances switch between prefill and decode inside a running server (issue 36): real Ray
-actors (InstanceActor), a real redis-server, real gRPC on 127.0.0.1.
+actors (WorkerActor), a real redis-server, real gRPC on 127.0.0.1.
 
 One server for the module: 1 prefill + 2 decode instances of the default model, re-planning on
 but its own rounds far apart, so that the tests drive each switch (the loop's decisions are

@@ -96,7 +96,7 @@ def test_on_two_cpus_the_default_binds_no_thread(default_server):
 def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_thread_of_the_deployment_uses(tmp_path):
     """cpu_binding on: the prefill engine on the last CPU; Ray, Redis, the frontend and the
     workers' other threads on the rest; the decode engine anywhere."""
-    from disagg.bench.experiment import free_port
+    from disagg.bench.launcher import free_port
 
     config = tmp_path / "bound.yaml"
     config.write_text("cpu_binding: on\nmetrics_port: null\ncalibration_s: 0\n")  # (calibration: not what it checks)
@@ -119,7 +119,7 @@ def test_with_binding_on_the_prefill_engine_thread_has_a_cpu_that_no_other_threa
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-    # Both workers' processes are titled ray::InstanceActor (either may switch roles): of their
+    # Both workers' processes are titled ray::WorkerActor (either may switch roles): of their
     # threads, one (the prefill engine's) runs only on that CPU, one (the decode engine's) anywhere.
     workers = [allowed for name, sets in on_it.items() if "Actor" in name for allowed in sets]
     assert sorted(workers, key=len) == [{engine_cpu}, cpus], (
@@ -133,7 +133,7 @@ def test_a_plan_written_by_disagg_plan_starts_under_disagg_serve(tmp_path):
     the planned mode and pools come up and answer."""
     import yaml
 
-    from disagg.bench.experiment import free_port
+    from disagg.bench.launcher import free_port
 
     plan = tmp_path / "plan.yaml"
     planned = subprocess.run(

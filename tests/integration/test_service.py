@@ -510,3 +510,53 @@ def test_a_request_no_instance_can_serve_in_time_is_refused_at_once_with_the_pre
     finally:
         for call in busy:
             call.cancel()
+
+
+def in_pool(client, instance_id: str, role: str, timeout_s: float = 10) -> None:
+    """Until ClusterStatus lists the instance in `role`'s pool."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pools = {i.instance_id: pool.role for pool in client.cluster_status().pools for i in pool.instances}
+        if pools.get(instance_id) == role:
+            return
+        assert time.monotonic() < deadline, f"{instance_id} is not in the {role} pool: {pools}"
+        time.sleep(0.1)
+
+
+def switched(server, client, instance, role: str) -> None:
+    """What the re-planner does to switch an instance, from here: out of placement, drained, the
+    role switched on its engine thread once it holds nothing, back in placement in its new pool."""
+    loop, directory = server._loop, server.directory
+    loop.call_soon_threadsafe(directory.hold_out, instance.instance_id)
+    ray.get(instance.actor.drain.remote())
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            assert ray.get(instance.actor.switch_role.remote(role)) is True
+            break
+        except ray.exceptions.RayTaskError as exc:
+            assert "drain it first" in str(exc) and time.monotonic() < deadline, exc
+            time.sleep(0.1)
+    ray.get(instance.actor.resume_service.remote())
+    loop.call_soon_threadsafe(directory.release, instance.instance_id)
+    server.launcher.switched(instance.instance_id, role)
+    in_pool(client, instance.instance_id, role)
+
+
+def test_a_worker_of_a_deployment_without_replanning_switches_roles_and_back(server, client):
+    """Every worker is the one actor class that holds its role (disagg.worker.actor), not only
+    where re-planning runs: a decode instance of this deployment (replan off) switches to prefill
+    in its own process, prefills requests there, and switches back; requests run throughout."""
+    (prefill,) = [i for i in server.launcher.instances if i.role == "prefill"]
+    _, leaving = decode_instances(server)
+    pid = ray.get(leaving.actor.ready.remote())["pid"]
+    switched(server, client, leaving, "prefill")
+    try:
+        with heartbeat_silenced(client, prefill):  # the switched instance is the only prefill one now
+            finals = [client.generate(chat(q, max_tokens=3), timeout=60)[2] for q in QUESTIONS[:3]]
+        assert {f.timings.prefill_instance for f in finals} == {leaving.instance_id}
+    finally:
+        switched(server, client, leaving, "decode")
+    assert ray.get(leaving.actor.ready.remote())["pid"] == pid, "it switched in place, weights and all"
+    tokens, _, last = client.generate(chat("What is 2 + 2?", max_tokens=4), timeout=60)
+    assert tokens and last.finished

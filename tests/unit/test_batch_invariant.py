@@ -11,7 +11,7 @@ from support import random_prompts
 
 from disagg import LLM, SamplingParams
 from disagg.engine.layers.cpu_kernels import cpu_ops
-from disagg.engine.layers.quantized import Int4Weight, step_rows
+from disagg.engine.layers.quantized import Int4Weight
 
 OUT, IN = 96, 256
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -32,14 +32,11 @@ def test_every_row_takes_the_kernel_only_when_batch_invariant(ops):
     if weight._wide is None:
         pytest.skip("no float copy here (oneDNN off): one path only")
     rows = torch.randn(6, IN)
-    with step_rows(6):
-        default_decodes = weight.linear(rows)
-    with step_rows(0):
-        default_prompt = weight.linear(rows)
-        weight.every_row_narrow = True
-        invariant_prompt = weight.linear(rows)
-    with step_rows(6):
-        invariant_decodes = weight.linear(rows)
+    default_decodes = weight.linear(rows, decode_rows=6)
+    default_prompt = weight.linear(rows, decode_rows=0)
+    weight.every_row_narrow = True
+    invariant_prompt = weight.linear(rows, decode_rows=0)
+    invariant_decodes = weight.linear(rows, decode_rows=6)
     narrow = weight._narrow(rows)
     assert torch.equal(invariant_decodes, narrow) and torch.equal(invariant_prompt, narrow)
     assert torch.equal(narrow[:1], weight._narrow(rows[:1]))  # row by row: the same alone

@@ -84,7 +84,7 @@ def test_the_step_loop_thread_runs_on_the_cpus_it_is_given_and_leaves_the_others
         seen.append(os.sched_getaffinity(0))
         ran.set()
 
-    loop = StepLoop(step, lambda: not ran.is_set(), {}, name="bound", cpus=[cpus[-1]])
+    loop = StepLoop(step, lambda: not ran.is_set(), name="bound", cpus=[cpus[-1]])
     loop.start()
     try:
         assert ran.wait(10)

@@ -91,7 +91,7 @@ def test_a_loaded_model_has_every_gemm_packed_before_its_first_step(request, kin
 @pytest.mark.parametrize("preset", [None, "64"])
 def test_a_cpu_engine_bounds_onednn_caches_unless_the_environment_sets_them(request, monkeypatch, preset):
     """With oneDNN's 1024-entry caches a worker that met many prompt lengths grew by ~1 GB
-    (loadtest/bench_onednn_cache.py)."""
+    (loadtest/engine/onednn_cache.py)."""
     from disagg.config import EngineConfig
     from disagg.engine.engine import LLMEngine
 

@@ -1,5 +1,6 @@
-"""The documents name what exists: every symbol in docs/architecture.md's walk through one request
-resolves to a real function or class, and the README links nothing outside the repository."""
+"""The documents name what exists: every symbol in docs/architecture.md's path of one request
+resolves to a real function or class, the files the page says the path names are those it names,
+and the README links nothing outside the repository."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ SYMBOL = re.compile(r"`(disagg(?:\.\w+)+)`")
 
 def request_walkthrough() -> str:
     text = (ROOT / "docs" / "architecture.md").read_text()
-    start = text.index("## One request, function by function")
+    start = text.index("## One request, hop by hop")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else None]
 
@@ -41,6 +42,34 @@ def test_every_symbol_of_the_request_walkthrough_exists():
         except (AttributeError, ModuleNotFoundError):
             missing.append(name)
     assert missing == []
+
+
+def files_named(text: str) -> set[str]:
+    """The files of the modules `disagg....` names in `text`."""
+    files = set()
+    for dotted in SYMBOL.findall(text):
+        parts = dotted.split(".")
+        found = next(
+            (
+                "/".join(parts[:k]) + ".py"
+                for k in range(len(parts), 0, -1)
+                if (ROOT / "/".join(parts[:k])).with_suffix(".py").exists()
+            ),
+            None,
+        )
+        files.add(found or dotted)
+    return files
+
+
+def test_the_path_names_as_many_files_as_the_page_says_and_at_most_30():
+    path = request_walkthrough()
+    http, summary = path.index("**Over HTTP**"), path.index("**What it takes to follow.**")
+    grpc_files = files_named(path[:http])
+    http_files = (grpc_files - {"disagg/router/frontend.py"}) | files_named(path[http:summary])
+    stated = re.search(r"The gRPC path names (\d+) files.*?over HTTP, (\d+)", path[summary:], re.S)
+    assert stated is not None, "the page states how many files the path names"
+    assert (len(grpc_files), len(http_files)) == (int(stated.group(1)), int(stated.group(2)))
+    assert len(http_files) <= 30
 
 
 def test_the_readme_links_nothing_outside_the_repository():

@@ -21,7 +21,7 @@ import pytest
 
 from disagg.config import ServingConfig
 from disagg.metrics import ServingMetrics
-from disagg.placement.policies import Slo
+from disagg.slo import SLO
 from disagg.router.arrivals import Arrivals
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_service import add_serving_service
@@ -49,7 +49,7 @@ class SlowStartRouter:
 
     def __init__(self, limit: int, start_s: float, token_s: float = 0.005):
         self.config = ServingConfig(max_inflight_requests=limit, http_port=0)
-        self.default_slo = Slo(0.0, 0.0)
+        self.default_slo = SLO(0.0, 0.0)
         self.start_s = start_s
         self.token_s = token_s
 

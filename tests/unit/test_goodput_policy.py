@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import pytest
 
 from disagg.placement.goodput import GoodputPolicy
-from disagg.placement.policies import RequestShape, Slo
+from disagg.placement.policies import RequestShape
+from disagg.slo import SLO
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.online_fit import OnlineStepModel
 from disagg.placement.predictor import Residual, tpot_ms, ttft_ms
@@ -76,7 +77,7 @@ class Inst:
 
 
 def shape(prompt=100, max_tokens=50, ttft=1000.0, tpot=50.0, priority="standard") -> RequestShape:
-    return RequestShape(prompt, max_tokens, Slo(ttft, tpot), priority)
+    return RequestShape(prompt, max_tokens, SLO(ttft, tpot), priority)
 
 
 # ---- predictions ---------------------------------------------------------------------------------
@@ -130,14 +131,14 @@ def test_the_decode_whose_batch_keeps_the_tpot_wins_over_the_less_loaded_prefill
 
 def test_a_decode_without_room_for_the_prompt_is_passed_over():
     full, roomy = Inst("d-full", free_blocks=2), Inst("d-roomy", decode_batch=50, free_blocks=100)
-    request = RequestShape(100, 50, Slo(), blocks_needed=7)
+    request = RequestShape(100, 50, SLO(), blocks_needed=7)
     assert GoodputPolicy().choose_pair([Inst("p0")], [full, roomy], request).decode is roomy
 
 
 def test_without_slos_the_least_loaded_pair_wins():
     prefills = [Inst("p0", queued_prefill_tokens=300), Inst("p1", queued_prefill_tokens=100)]
     decodes = [Inst("d0", decode_batch=5), Inst("d1", decode_batch=2)]
-    choice = GoodputPolicy().choose_pair(prefills, decodes, RequestShape(100, 50, Slo()))
+    choice = GoodputPolicy().choose_pair(prefills, decodes, RequestShape(100, 50, SLO()))
     assert (choice.prefill.instance_id, choice.decode.instance_id) == ("p1", "d1")
 
 
@@ -149,7 +150,7 @@ def test_predictions_within_the_models_error_go_by_load():
     d1_model = StepModel(cheap_prefill, TRUE.decode_small, TRUE.decode_large)
     prefill = [Inst("p0", step_model=d1_model)]
     decodes = [Inst("d0", step_model=d0_model, decode_batch=3), Inst("d1", step_model=d1_model)]
-    request = RequestShape(100, 50, Slo())
+    request = RequestShape(100, 50, SLO())
     assert GoodputPolicy().choose_pair(prefill, decodes, request).decode.instance_id == "d1"
     # faster beyond the error (2.6 ms): it wins, loaded as it is
     decodes[0].step_model = StepModel(cheap_prefill, Coefficients(1.0, 0.001, 0.2), Coefficients(1.0, 0.001, 0.2))
@@ -159,7 +160,7 @@ def test_predictions_within_the_models_error_go_by_load():
 def test_while_an_instance_is_predicted_on_a_guess_placement_goes_by_load():
     guessed_fast = StepModel(TRUE.prefill, Coefficients(0.5, 0.0, 0.0), Coefficients(0.5, 0.0, 0.0))
     decodes = [Inst("d0", step_model=guessed_fast, decode_batch=3, decode_calibrated=False), Inst("d1")]
-    assert GoodputPolicy().choose_pair([Inst("p0")], decodes, RequestShape(100, 50, Slo())).decode.instance_id == "d1"
+    assert GoodputPolicy().choose_pair([Inst("p0")], decodes, RequestShape(100, 50, SLO())).decode.instance_id == "d1"
 
 
 def test_a_new_residual_holds_its_seed_until_its_first_observation():
@@ -183,7 +184,7 @@ def test_what_no_pair_can_serve_in_time_is_refused_with_its_prediction():
     swamped = Inst("p0", queued_prefill_tokens=50_000)
     choice = GoodputPolicy().choose_pair([swamped], [Inst("d0")], shape(ttft=500))
     assert not choice.admitted and choice.headroom < 0
-    assert f"best predicted TTFT {choice.ttft_ms:.0f} ms" in choice.refusal(Slo(500, 50))
+    assert f"best predicted TTFT {choice.ttft_ms:.0f} ms" in choice.refusal(SLO(500, 50))
     assert GoodputPolicy(best_effort=True).choose_pair([swamped], [Inst("d0")], shape(ttft=500)).admitted
     swamped.prefill_calibrated = False  # its model is still a guess: nothing is refused on it
     assert GoodputPolicy().choose_pair([swamped], [Inst("d0")], shape(ttft=500)).admitted
@@ -273,7 +274,7 @@ def test_a_request_goes_where_its_prefix_is_warm_unless_that_instance_is_predict
     prompt_hashes = tuple(range(1, 33))  # 32 blocks: 512 of its 520 tokens cacheable
     warm = Inst("p-warm", warm=prompt_hashes, queued_prefill_tokens=400)
     cold = Inst("p-cold")
-    request = RequestShape(520, 50, Slo(1000, 50), block_hashes=prompt_hashes)
+    request = RequestShape(520, 50, SLO(1000, 50), block_hashes=prompt_hashes)
     choice = GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request)
     assert choice.prefill is warm and choice.cached_tokens == 512
     assert choice.ttft_ms < ttft_ms(cold, 520)
@@ -302,7 +303,7 @@ def test_a_fit_never_says_more_requests_make_faster_steps():
 # ---- conditional disaggregation ------------------------------------------------------------------
 def _conditional(decode: Inst, prompt: int = 64, limit: int = 256, tpot: float = 0.0):
     prefill = Inst("p0", ttft_residual=30.0)  # what a disaggregated TTFT pays beyond compute: hops, KV
-    request = RequestShape(prompt, 20, Slo(0.0, tpot))
+    request = RequestShape(prompt, 20, SLO(0.0, tpot))
     return GoodputPolicy(local_prefill_max_tokens=limit).choose_pair([prefill], [decode], request)
 
 
@@ -335,7 +336,7 @@ def test_no_local_prefill_on_a_guess():
 
 def test_on_a_guessed_model_a_warm_prefix_still_counts_as_less_work():
     cold, warm = Inst("p0", prefill_calibrated=False), Inst("p1", prefill_calibrated=False, warm=(1, 2, 3))
-    request = RequestShape(64, 8, Slo(), block_hashes=(1, 2, 3))
+    request = RequestShape(64, 8, SLO(), block_hashes=(1, 2, 3))
     choice = GoodputPolicy().choose_pair([cold, warm], [Inst("d0")], request)
     assert choice.prefill is warm and choice.cached_tokens == 48
 

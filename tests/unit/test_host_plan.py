@@ -11,8 +11,9 @@ from disagg.planner.hardware import hardware_spec
 from disagg.planner.host_plan import host_plans, on_host, replicas_on_host, replicated_pools
 from disagg.planner.models import model_spec
 from disagg.planner.plan_config import serving_config_dict
-from disagg.planner.search import SLO, Candidate, NodeKind, PoolPlan, Search
+from disagg.planner.search import Candidate, NodeKind, PoolPlan, Search
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO
 
 # prefill: 10 ms + 1 ms per token; decode: 20 ms a step whatever the batch
 STEP = StepModel(Coefficients(10.0, 1.0, 0.0), Coefficients(20.0, 0.0, 0.0), Coefficients(20.0, 0.0, 0.0))
@@ -67,9 +68,9 @@ def test_a_plan_on_two_cores_becomes_the_config_the_server_runs_there():
     plans = host_plans([(one_thread, [colocated("cpu-1t")]), (two_threads, [colocated("cpu-2t")])])
     assert [p.rate for p in plans] == sorted((p.rate for p in plans), reverse=True)
     by_hardware = {p.hardware: p for p in plans}
-    slo = {"ttft_ms": 1000.0, "tpot_ms": 100.0}
+    slo = SLO(ttft_ms=1000.0, tpot_ms=100.0)
     replicas = serving_config_dict(by_hardware["cpu-1t"].candidate, MODEL, slo, one_thread.kinds)
     assert replicas["colocated"]["num_instances"] == 2 and replicas["threads_per_worker"] == 1
     single = serving_config_dict(by_hardware["cpu-2t"].candidate, MODEL, slo, two_threads.kinds)
     assert single["colocated"]["num_instances"] == 1 and single["threads_per_worker"] == 2
-    assert single["slo"] == slo and by_hardware["cpu-1t"].label == "colocated chunked/512 x2 cpu-1t"
+    assert single["slo"] == slo.to_dict() and by_hardware["cpu-1t"].label == "colocated chunked/512 x2 cpu-1t"

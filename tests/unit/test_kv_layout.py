@@ -6,7 +6,7 @@ import pytest
 
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVLayout, KVRank, sources_for, targets_for
-from disagg.kv_transfer.tally import TransferTally
+from disagg.kv_transfer.tally import RankTally
 
 LAYERS, HEADS = 4, 8
 
@@ -52,18 +52,15 @@ def test_layout_round_trips_through_the_registry_form():
 
 
 def test_tally_reports_once_when_every_rank_is_done():
-    tally = TransferTally()
-    tally.expect("a", 3)
-    assert tally.add([TransferResult("a", True, -1, seconds=0.2, num_bytes=10)]) == []
-    assert tally.add([TransferResult("a", True, 42, seconds=0.5, num_bytes=10), TransferResult("zzz", True)]) == []
-    (done,) = tally.add([TransferResult("a", True, -1, seconds=0.1, num_bytes=5)])
+    tally = RankTally(3)
+    assert tally.add(TransferResult("a", True, -1, seconds=0.2, num_bytes=10)) is None
+    assert tally.add(TransferResult("a", True, 42, seconds=0.5, num_bytes=10)) is None
+    done = tally.add(TransferResult("a", True, -1, seconds=0.1, num_bytes=5))
     assert (done.ok, done.first_token, done.seconds, done.num_bytes) == (True, 42, 0.5, 25)
-    assert not tally.has_pending
+    assert tally.remaining == 0
 
 
-def test_tally_fails_at_the_first_failed_rank_and_ignores_the_rest():
-    tally = TransferTally()
-    tally.expect("b", 2)
-    (failed,) = tally.add([TransferResult("b", False, error="peer died")])
+def test_tally_fails_at_the_first_failed_rank():
+    tally = RankTally(2)
+    failed = tally.add(TransferResult("b", False, error="peer died"))
     assert not failed.ok and failed.error == "peer died"
-    assert tally.add([TransferResult("b", True, 1)]) == []

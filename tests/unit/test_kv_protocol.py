@@ -12,10 +12,11 @@ from support import run_transfers as run, submit_transfer as submit
 
 from disagg import LLM, SamplingParams
 from disagg.config import EngineConfig
-from disagg.decode_worker.worker import DecodeWorker
+from disagg.decode_worker.role import DecodeRequest, DecodeRole
 from disagg.engine.block_manager import PLACEHOLDER
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.partition import head_range, layer_range
+from disagg.kv_transfer.tally import RankTally
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.kv_transfer.layout import KVLayout
 from disagg.kv_transfer.messages import HEADER_LEN, MsgType
@@ -23,7 +24,7 @@ from disagg.kv_transfer.receiver import KVReceiver
 from disagg.kv_transfer.resharding import ParallelPlan, plan_kv_routes
 from disagg.kv_transfer.layout import KVTarget
 from disagg.kv_transfer.sender import KVSender
-from disagg.prefill_worker.worker import PrefillWorker
+from disagg.prefill_worker.role import PrefillRole
 from disagg.request import priority_value
 
 MODEL = "random:tiny"
@@ -54,12 +55,12 @@ def pair(request):
     parametrize indirectly with False for packed KV messages."""
     shared = getattr(request, "param", True)
     hub = InProcessHub()
-    prefill = PrefillWorker(
+    prefill = PrefillRole(
         EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128, kv_shared_memory=shared),
         InProcessTransport("prefill-0", hub),
         kv_timeout=5.0,
     )
-    decode = DecodeWorker(
+    decode = DecodeRole(
         EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0
     )
     yield hub, prefill, decode
@@ -157,13 +158,13 @@ def test_a_prefill_step_that_fails_on_one_request_streams_the_others_intact(pair
         assert engine.num_free_blocks == engine.num_total_blocks
 
 
-def late_reservation(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]):
+def late_reservation(prefill: PrefillRole, decode: DecodeRole, request_id: str, prompt: list[int]):
     reservation = decode.reserve(request_id, prompt, greedy(), prefill.kv_layout())
     assert reservation is not None and reservation.layout == KVLayout.single("decode-0", decode.address())
     return reservation
 
 
-def late_targets(prefill: PrefillWorker, decode: DecodeWorker, request_id: str, prompt: list[int]) -> None:
+def late_targets(prefill: PrefillRole, decode: DecodeRole, request_id: str, prompt: list[int]) -> None:
     """The router's handshake answer, arriving after the prefill started: in force after the next step."""
     answered = prefill.set_kv_targets(request_id, late_reservation(prefill, decode, request_id, prompt))
     assert not answered.done()  # resolved on the engine thread
@@ -176,7 +177,7 @@ def test_targets_that_arrive_after_the_prefill_started(pair, colocated_tokens, p
     _, prefill, decode = pair
     index = len(PROMPT_LENGTHS) - 1  # 250 tokens: four chunks at this budget
     prompt = prompts()[index]
-    prefill.add_request("late", prompt, greedy())
+    prefill.prefill("late", prompt, greedy())
     for _ in range(prefill_steps_first):
         prefill.step()
     if prefill_steps_first:  # blocks are allocated when scheduled, and held without targets
@@ -194,7 +195,7 @@ def test_targets_that_overtake_their_request_wait_for_it(pair, colocated_tokens)
     answered = prefill.set_kv_targets("early", late_reservation(prefill, decode, "early", prompt))
     prefill.step()
     assert not answered.done()
-    prefill.add_request("early", prompt, greedy())
+    prefill.prefill("early", prompt, greedy())
     prefill.step()
     assert answered.result(timeout=0) is True
     assert run(prefill, decode)["early"] == colocated_tokens[3]
@@ -219,7 +220,7 @@ def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(
     _, prefill, decode = pair
     index = len(PROMPT_LENGTHS) - 1
     prompt = prompts()[index]
-    prefill.add_request("mid", prompt, greedy())
+    prefill.prefill("mid", prompt, greedy())
     for _ in range(chunk):
         prefill.step()
     reservation = late_reservation(prefill, decode, "mid", prompt)
@@ -244,7 +245,7 @@ def test_targets_that_arrive_during_a_prefill_step_stream_from_the_next_layer(
 def test_targets_that_never_arrive_free_the_blocks(pair):
     _, prefill, _ = pair
     prefill.kv_timeout = 0.3  # how long a request waits for its targets
-    prefill.add_request("orphan", prompts()[2], greedy())
+    prefill.prefill("orphan", prompts()[2], greedy())
     (first,) = prefill.step()
     assert first.finished and prefill.engine.num_free_blocks < prefill.engine.num_total_blocks
     assert not prefill.needs_sync()  # nothing to do until the deadline
@@ -273,12 +274,12 @@ def test_the_layer_hook_does_work_only_at_layers_where_some_is_due(tiny_untied_d
     packed, every layer is copied."""
     monkeypatch.setattr("disagg.kv_transfer.sender.MIN_MESSAGE_BYTES", 1 << 30)  # one message
     hub = InProcessHub()
-    prefill = PrefillWorker(
+    prefill = PrefillRole(
         EngineConfig(model=tiny_untied_dir, num_kv_blocks=32, kv_shared_memory=by_reference),
         InProcessTransport("prefill-0", hub),
         kv_timeout=5.0,
     )
-    decode = DecodeWorker(
+    decode = DecodeRole(
         EngineConfig(model=tiny_untied_dir, num_kv_blocks=32), InProcessTransport("decode-0", hub), kv_timeout=5.0
     )
     visited = []
@@ -472,7 +473,7 @@ def test_resharded_transfer_rebuilds_each_decode_rank(src, dst, by_reference, re
 def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
     _, prefill, _ = pair
     prefill.kv_timeout = 0.2
-    prefill.add_request("alone", prompts()[3], greedy())
+    prefill.prefill("alone", prompts()[3], greedy())
     outputs = []
     deadline = time.monotonic() + 5
     while not prefill.is_idle() and time.monotonic() < deadline:
@@ -486,24 +487,24 @@ def test_prefill_without_targets_frees_its_blocks_after_the_first_token(pair):
 def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
     """A transfer whose KV never comes expires alone; the pair and its other transfers live on."""
     hub = InProcessHub()
-    prefill = PrefillWorker(
+    prefill = PrefillRole(
         EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("prefill-0", hub), kv_timeout=5.0
     )
-    decode = DecodeWorker(
+    decode = DecodeRole(
         EngineConfig(model=MODEL, num_kv_blocks=128), InProcessTransport("decode-0", hub), kv_timeout=5.0
     )
     try:
         # "stale": reserved, but its prefill never comes; it must expire alone (after 1 s, here).
         stale_blocks = decode.engine.reserve_for_remote_prefill("stale", prompts()[1], greedy())
         decode.receiver.expect("stale", stale_blocks, {"prefill-0": prefill.address()}, timeout=1.0)
-        decode.tally.expect("stale", 1)
+        decode.requests["stale"] = DecodeRequest(tally=RankTally(1))
         reservation = decode.reserve("live", prompts()[4], greedy(), prefill.kv_layout())
         failed = []
         while not failed:  # the stale one expires on its own
             failed += [f.request_id for f in decode.step() and [] or decode.failed]
             time.sleep(0.05)
         assert failed == ["stale"]
-        prefill.add_request("live", prompts()[4], greedy())  # only now does its KV flow
+        prefill.prefill("live", prompts()[4], greedy())  # only now does its KV flow
         prefill.set_kv_targets("live", reservation)
         finished = run(prefill, decode, timeout=10)
         assert len(finished["live"]) == 12
@@ -513,9 +514,7 @@ def test_a_stale_expectation_does_not_fail_other_transfers_from_the_same_peer():
         decode.close()
 
 
-def slow_run(
-    prefill: PrefillWorker, decode: DecodeWorker, step_gap_s: float, failed: list, timeout: float = 30.0
-) -> dict:
+def slow_run(prefill: PrefillRole, decode: DecodeRole, step_gap_s: float, failed: list, timeout: float = 30.0) -> dict:
     """`run`, with each prefill step `step_gap_s` apart: a prefill far slower than the kv timeout.
     The decode side's transfer failures go to `failed`."""
     finished: dict[str, list[int]] = {}
@@ -559,7 +558,7 @@ def test_the_first_kv_is_waited_for_as_long_as_the_router_predicts(pair, kv_wait
         decode.step()  # the decode engine polls its transfers meanwhile
         failed += decode.failed
         time.sleep(0.01)
-    prefill.add_request("queued", prompt, greedy())
+    prefill.prefill("queued", prompt, greedy())
     prefill.set_kv_targets("queued", reservation)
     finished = slow_run(prefill, decode, step_gap_s=0.0, failed=failed)
     if kv_wait_s is None:
@@ -579,7 +578,7 @@ def test_a_request_queued_longer_than_the_kv_timeout_lends_its_blocks_for_long_e
     prefill.sender.timeout = decode.receiver.timeout = 0.6
     submit(prefill, decode, "long", prompts()[-1], greedy())  # 250 tokens: 4 steps of 64
     reservation = decode.reserve("queued", prompts()[3], greedy(), prefill.kv_layout(), 5.0)
-    prefill.add_request("queued", prompts()[3], greedy())
+    prefill.prefill("queued", prompts()[3], greedy())
     prefill.set_kv_targets("queued", reservation)
     failed = []
     finished = slow_run(prefill, decode, step_gap_s=0.3, failed=failed)
@@ -605,9 +604,9 @@ def test_both_workers_queue_a_disaggregated_request_by_its_priority(pair, coloca
     _, prefill, decode = pair
     critical = priority_value("critical")
     reservation = decode.reserve("r", prompts()[1], greedy(), prefill.kv_layout(), None, critical)
-    prefill.add_request("r", prompts()[1], greedy(), critical)
+    prefill.prefill("r", prompts()[1], greedy(), critical)
     prefill.set_kv_targets("r", reservation)
-    decode.add_request("local", prompts()[2], greedy(), priority_value("sheddable"))  # prefilled on the decode side
+    decode.submit("local", prompts()[2], greedy(), priority_value("sheddable"))  # prefilled on the decode side
     assert prefill.engine.scheduler.requests["r"].priority == decode.engine.scheduler.requests["r"].priority == critical
     assert decode.engine.scheduler.requests["local"].priority == priority_value("sheddable")
     assert run(prefill, decode) == {"r": colocated_tokens[1], "local": colocated_tokens[2]}

@@ -11,7 +11,7 @@ import pytest
 from support import random_prompts
 
 from disagg import LLM, EngineConfig, SamplingParams
-from disagg.decode_worker.worker import DecodeWorker
+from disagg.decode_worker.role import DecodeRole
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
 from disagg.request import priority_value
 
@@ -20,9 +20,9 @@ MOVE_AFTER = 6  # output tokens before the move starts
 TIMEOUT_S = 60.0
 
 
-def _worker(model_dir: str, hub: InProcessHub, name: str) -> DecodeWorker:
+def _worker(model_dir: str, hub: InProcessHub, name: str) -> DecodeRole:
     config = EngineConfig(model=model_dir, dtype="float32", num_kv_blocks=128, max_num_batched_tokens=256)
-    return DecodeWorker(
+    return DecodeRole(
         config,
         InProcessTransport(f"{name}-kv", hub),
         kv_timeout=10.0,
@@ -44,7 +44,7 @@ def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = Fals
     a, b = _worker(model_dir, hub, "a"), _worker(model_dir, hub, "b")
     streamed: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
     for i, p in enumerate(prompts):
-        a.add_request(f"r{i}", p, params, priority_value("critical"))
+        a.submit(f"r{i}", p, params, priority_value("critical"))
     move, checked, deadline = None, False, time.monotonic() + TIMEOUT_S
     started_at_b: set[str] = set()
     while time.monotonic() < deadline and not (a.is_idle() and b.is_idle()):
@@ -64,7 +64,8 @@ def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = Fals
                 "r0", known, params, len(prompts[0]), a.migration_layout(), len(known) + 32, None, request.priority
             )
             assert reservation is not None
-            move = a.migrate_out("r0", reservation)
+            a.migrate_out("r0", reservation)
+            move = a.requests["r0"].moving
             if break_target:
                 b.abort("r0")  # the target gives up: the move must fail and r0 go on at A
         if move is not None and not checked and move.paused.done() and move.paused.exception() is None:

@@ -153,7 +153,7 @@ def test_expert_load_is_exposed_as_a_counter(tiny_mixtral_dir):
     """The engine's per-expert counts travel in the worker's load report and render as
     `disagg:moe_expert_tokens_total{instance, role, expert}`; a dense instance has none."""
     from disagg.metrics import ServingMetrics
-    from disagg.worker.actor_base import engine_load
+    from disagg.worker.heartbeat import engine_load
 
     engine = LLMEngine(EngineConfig(model=tiny_mixtral_dir, dtype="float32", device="cpu", num_kv_blocks=16))
     greedy_steps(engine, [[5, 6, 7, 8]])

@@ -7,7 +7,8 @@ import pytest
 
 from disagg.config import ServingConfig
 from disagg.placement.goodput import GoodputPolicy
-from disagg.placement.policies import RequestShape, Slo
+from disagg.placement.policies import RequestShape
+from disagg.slo import SLO
 from disagg.ranking.ranker import LengthRanker
 from disagg.router.migration import Progress
 from disagg.router.output_lengths import OutputLengths
@@ -51,7 +52,7 @@ def test_the_ranker_orders_a_one_word_answer_before_an_essay():
 def test_a_shorter_expected_output_predicts_a_lower_tpot_on_a_busy_instance():
     busy = Inst("d0", decode_batch=16, decode_context_tokens=16 * 300)
     policy = GoodputPolicy()
-    slo = Slo(10_000.0, 1_000.0)
+    slo = SLO(10_000.0, 1_000.0)
     by_max = RequestShape(100, CHAT_ASKING_FOR_ROOM, slo)
     by_prediction = RequestShape(100, CHAT_ASKING_FOR_ROOM, slo, expected_output_tokens=60)
     assert by_prediction.output_tokens == 60 and by_max.output_tokens == CHAT_ASKING_FOR_ROOM

@@ -12,12 +12,13 @@ from disagg.config import PLACEMENTS, ServingConfig
 from disagg.placement.factory import PLACEMENT_POLICIES, placement_policy
 from disagg.placement.goodput import GoodputPolicy
 from disagg.placement.latency_model import Coefficients, StepModel
-from disagg.placement.policies import LeastOutstandingWork, Slo
+from disagg.placement.policies import LeastOutstandingWork
+from disagg.slo import SLO
 from disagg.placement.profile import Profile
 from disagg.planner.deployment import Deployment, trace_config
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.models import model_spec
-from disagg.planner.search import SLO, NodeKind, Search
+from disagg.planner.search import NodeKind, Search
 from disagg.planner.simulator import Simulator
 from disagg.planner.workload import SimRequest
 
@@ -99,5 +100,5 @@ def test_the_search_simulates_the_policy_and_slo_the_config_it_writes_runs(monke
     pools = [search.pool("prefill", kind, 1, 1), search.pool("decode", kind, 1, 1)]
     records = search.simulate(pools, kind.hardware.kv_transfer(), rate=20.0)  # twice the prefill's rate
     assert type(built[0].policy) is GoodputPolicy and not built[0].policy.best_effort
-    assert built[0].slo == Slo(500.0, 100.0)
+    assert built[0].slo == SLO(500.0, 100.0)
     assert any(r.error_code == "RESOURCE_EXHAUSTED" for r in records)

@@ -16,7 +16,8 @@ from disagg.placement.factory import placement_policy
 from disagg.placement.goodput import GoodputPolicy, _pick, _Sides
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.narrowing import Narrowing, prefill_load
-from disagg.placement.policies import RequestShape, Slo
+from disagg.placement.policies import RequestShape
+from disagg.slo import SLO
 from disagg.placement.prefill_queue import Decodes
 
 # ms: prefill 5 + 0.1/token + 1e-4 * attention; decode 3 + 0.001/context token + 0.2/request
@@ -101,7 +102,7 @@ def random_pools(rng: random.Random, num_prefill: int, num_decode: int, mixed: b
 
 
 def random_request(rng: random.Random) -> RequestShape:
-    slo = rng.choice([Slo(), Slo(600.0, 0.0), Slo(0.0, 12.0), Slo(400.0, 15.0), Slo(80.0, 6.0)])
+    slo = rng.choice([SLO(), SLO(600.0, 0.0), SLO(0.0, 12.0), SLO(400.0, 15.0), SLO(80.0, 6.0)])
     prompt = rng.randrange(16, 1500)
     hashes = tuple(range(rng.choice([0, 4, 8]))) if prompt >= 128 else ()
     return RequestShape(prompt, rng.randrange(4, 200), slo, rng.choice(["standard", "sheddable"]), 4, hashes)
@@ -156,7 +157,7 @@ def test_the_full_search_of_an_idle_pool_scores_few_pairs(monkeypatch):
     prefills, decodes = random_pools(random.Random(6), 200, 200, mixed=False)
     for inst in prefills + decodes:
         inst.queued_prefill_tokens = inst.decode_batch = inst.decode_context_tokens = 0
-    request = RequestShape(300, 50, Slo(1000.0, 50.0), blocks_needed=4, block_hashes=(7,))
+    request = RequestShape(300, 50, SLO(1000.0, 50.0), blocks_needed=4, block_hashes=(7,))
     choice = GoodputPolicy(narrowing=FULL).choose_pair(prefills, decodes, request)
     assert len(built) <= 4
     reference = every_pair(GoodputPolicy(narrowing=FULL), prefills, decodes, request)
@@ -212,7 +213,7 @@ def test_a_long_cached_prefix_on_a_loaded_instance_wins_among_many():
     prefills, decodes = random_pools(random.Random(3), 128, 128, mixed=False)
     holder = prefills[100]
     holder.warm, holder.queued_prefill_tokens = frozenset(range(100)), 500
-    request = RequestShape(1600, 50, Slo(1000.0, 50.0), blocks_needed=4, block_hashes=tuple(range(100)))
+    request = RequestShape(1600, 50, SLO(1000.0, 50.0), blocks_needed=4, block_hashes=tuple(range(100)))
     choice = GoodputPolicy().choose_pair(prefills, decodes, request)
     assert choice.prefill is holder and choice.cached_tokens == 1600
 
@@ -239,14 +240,14 @@ _real_option = goodput._Option
 
 def test_the_full_search_predicts_every_instance_once():
     prefills, decodes = random_pools(random.Random(5), 64, 64, mixed=False)
-    GoodputPolicy(narrowing=FULL).choose_pair(prefills, decodes, RequestShape(100, 50, Slo(1000.0, 50.0)))
+    GoodputPolicy(narrowing=FULL).choose_pair(prefills, decodes, RequestShape(100, 50, SLO(1000.0, 50.0)))
     assert all(inst.predictions == 1 for inst in prefills + decodes)
 
 
 def test_a_colocated_pool_is_narrowed_too():
     pool = [Inst(f"c{i}", queued_prefill_tokens=100 + i, decode_batch=10) for i in range(300)]
     pool[250].queued_prefill_tokens, pool[250].decode_batch = 0, 0
-    choice = GoodputPolicy().choose_pair(pool, pool, RequestShape(100, 50, Slo(1000.0, 50.0)))
+    choice = GoodputPolicy().choose_pair(pool, pool, RequestShape(100, 50, SLO(1000.0, 50.0)))
     assert choice.prefill is choice.decode is pool[250]
     assert sum(inst.predictions for inst in pool) <= 2 * CANDIDATES
 
@@ -294,7 +295,7 @@ def test_in_an_idle_pool_cold_prefixes_spread_and_each_keeps_its_place():
 
     def place(first: int):
         choice = policy.choose_pair(
-            prefills, decodes, RequestShape(256, 50, Slo(1000.0, 50.0), block_hashes=(first, 7))
+            prefills, decodes, RequestShape(256, 50, SLO(1000.0, 50.0), block_hashes=(first, 7))
         )
         return choice.prefill, choice.decode
 

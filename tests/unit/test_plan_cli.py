@@ -17,10 +17,11 @@ from disagg.planner.models import model_spec
 from disagg.planner_cli.plan_cli import check_serve_model, cluster_kinds, comparison
 from disagg.planner.plan_config import hardware_label_comment, serving_config_dict
 from disagg.planner.reference import ReferencePool, parse_reference, reference_candidate
-from disagg.planner.search import SLO, Candidate, NodeKind, PoolPlan, Search
+from disagg.planner.search import Candidate, NodeKind, PoolPlan, Search
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO
 
-SLO_MS = {"ttft_ms": 200.0, "tpot_ms": 100.0}
+SLO_MS = SLO(ttft_ms=200.0, tpot_ms=100.0)
 
 
 def two_kind_cluster(tmp_path) -> str:

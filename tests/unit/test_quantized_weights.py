@@ -162,32 +162,50 @@ def test_the_default_model_kept_quantized_answers_as_the_reference_and_is_smalle
 def test_within_a_step_a_decode_row_takes_the_same_path_whatever_else_the_step_holds(kernels):
     """A seeded sample must not depend on the batch: a decode's row gives the same numbers alone
     and beside a prefill chunk, though the two paths (quantized kernel, float32 copy) differ."""
-    from disagg.engine.layers.quantized import step_rows
-
     torch.manual_seed(4)
     weight = quantize(_gguf_roundtrip(torch.randn(OUT, IN) * 0.05, "Q4_1"), "int4", ["Q4_1"], kernels)
     if weight._wide is None:
         pytest.skip("no float32 copy here (oneDNN off): one path only")
     decodes, prefill = torch.randn(2, IN), torch.randn(7, IN)
-    with step_rows(2):
-        alone = weight.linear(decodes)
-        beside = weight.linear(torch.cat([decodes, prefill]))
+    alone = weight.linear(decodes, decode_rows=2)
+    beside = weight.linear(torch.cat([decodes, prefill]), decode_rows=2)
     assert torch.equal(beside[:2], alone)
     assert torch.equal(beside[:2], weight._narrow(decodes))  # the quantized kernel
     assert torch.equal(beside[2:], weight._wide_product(prefill))  # prefill rows: the copy
-    with step_rows(0):  # a prefill of few rows takes the copy too, as it would beside others
-        assert torch.equal(weight.linear(prefill[:3]), weight._wide_product(prefill[:3]))
+    # a prefill of few rows takes the copy too, as it would beside others
+    assert torch.equal(weight.linear(prefill[:3], decode_rows=0), weight._wide_product(prefill[:3]))
     if kernels is not None:  # the copy: the dequantized weights' float32 products, the reference's
         reference = prefill @ weight.dequantized().T  # (torch's own dequantizes through bfloat16)
         torch.testing.assert_close(weight._wide_product(prefill), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_step_tells_every_quantized_gemm_its_decode_rows(monkeypatch):
+    """The step passes its layout down to each GEMM (no thread-local): a step of one decode beside
+    a prompt's chunk gives every quantized weight, the vocabulary's too, decode_rows=1."""
+    from disagg.engine.layers import quantized
+
+    llm = LLM(num_kv_blocks=64, weights="auto")
+    engine = llm.engine
+    engine.add_request("decoding", prompt_token_ids=list(range(5, 25)), sampling_params=SamplingParams(max_tokens=8))
+    engine.step()  # its prompt: it decodes from now on
+    seen = []
+    linear = quantized._QuantizedGemm.linear
+    monkeypatch.setattr(
+        quantized._QuantizedGemm,
+        "linear",
+        lambda self, x, _dense=None, bias=None, decode_rows=None: (
+            seen.append(decode_rows) or linear(self, x, _dense, bias, decode_rows)
+        ),
+    )
+    engine.add_request("prompt", prompt_token_ids=list(range(30, 60)), sampling_params=SamplingParams(max_tokens=2))
+    engine.step()
+    assert seen and set(seen) == {1}, f"decode_rows the GEMMs saw: {sorted(set(seen), key=str)}"
 
 
 def test_the_vocabulary_takes_int8_rows_for_decodes_and_exact_ones_for_prompts():
     """The vocabulary projection (no float copy): every decode row on the int8-activation kernel
     however many there are, every prompt row on the float32-activation one, each row's numbers
     the same whatever else the step samples."""
-    from disagg.engine.layers.quantized import step_rows
-
     ops = cpu_ops(torch.device("cpu"), "auto")
     if ops is None:
         pytest.skip("the C++ CPU kernels did not build here")
@@ -195,10 +213,8 @@ def test_the_vocabulary_takes_int8_rows_for_decodes_and_exact_ones_for_prompts()
     vocab = Int8Weight(_gguf_roundtrip(torch.randn(300, IN) * 0.05, "Q8_0"), kernels=ops).without_wide_copy()
     reference = vocab.dequantized()
     decodes, prompts = torch.randn(6, IN), torch.randn(3, IN)
-    with step_rows(6):
-        both = vocab.linear(torch.cat([decodes, prompts]))
-    with step_rows(0):
-        prompts_alone = vocab.linear(prompts[1:2])
+    both = vocab.linear(torch.cat([decodes, prompts]), decode_rows=6)
+    prompts_alone = vocab.linear(prompts[1:2], decode_rows=0)
     assert torch.equal(both[:6], ops.q8_gemv(decodes, vocab.q, vocab.scales))  # 6 > QUANTIZED_MAX_ROWS still
     torch.testing.assert_close(both[6:], prompts @ reference.T, rtol=1e-5, atol=1e-5)  # exact
     assert torch.equal(prompts_alone[0], both[7])
@@ -229,17 +245,14 @@ def test_a_row_s_numbers_are_the_same_in_any_batch_size():
 
 
 def test_a_decode_row_beside_prefill_rows_takes_the_fused_mlp_kernel():
-    from disagg.engine.layers.quantized import step_rows
-
     ops = cpu_ops(torch.device("cpu"), "auto")
     if ops is None:
         pytest.skip("the C++ CPU kernels did not build here")
     torch.manual_seed(7)
     gate_up = Int4Weight(torch.randn(2 * OUT, IN) * 0.05, kernels=ops)
     decode, prefill = torch.randn(1, IN), torch.randn(6, IN)
-    with step_rows(1):
-        alone = gate_up.silu_mul(decode)
-        beside = gate_up.silu_mul(torch.cat([decode, prefill]))
+    alone = gate_up.silu_mul(decode, decode_rows=1)
+    beside = gate_up.silu_mul(torch.cat([decode, prefill]), decode_rows=1)
     assert torch.equal(beside[:1], alone)
     gate, up = gate_up._wide_product(prefill).chunk(2, dim=-1)
     assert torch.equal(beside[1:], torch.nn.functional.silu(gate) * up)

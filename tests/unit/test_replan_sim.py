@@ -56,7 +56,7 @@ def test_replanning_follows_the_shift_without_oscillating(setup):
     assert len(run.switches) <= 6, run.switches  # a few per phase change at most: no back and forth
     static = Deployment(config, profiles).simulator().run(requests)
     duration = max(r.arrival_s for r in requests)
-    assert goodput(run.records, TTFT_MS, TPOT_MS, duration) > goodput(static, TTFT_MS, TPOT_MS, duration)
+    assert goodput(run.records, config.slo, duration) > goodput(static, config.slo, duration)
 
 
 def test_disagg_simulate_replan_reports_the_gain(setup, tmp_path, capsys):

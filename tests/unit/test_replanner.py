@@ -12,9 +12,11 @@ from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
 from disagg.planner.replanner import Replanner, Split, TrafficWindow, reachable_splits, split_simulator
 from disagg.planner.simulator import slo_attainment
+from disagg.slo import SLO
 
 PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
 TTFT_MS, TPOT_MS = 1500.0, 120.0
+SLO_ = SLO(TTFT_MS, TPOT_MS)
 
 
 def _window(prompt: tuple[int, int], output: tuple[int, int], rate: float, seconds: float, seed: int = 0):
@@ -54,8 +56,8 @@ def test_reachable_splits_keep_one_instance_in_each_pool():
 def test_the_replanner_picks_the_split_the_simulator_ranks_first(simulate, prompt, output, rate, expected_side):
     window, now = _window(prompt, output, rate=rate, seconds=30)
     requests = window.requests(now)
-    ranked = {s: slo_attainment(simulate(s, requests), TTFT_MS, TPOT_MS) for s in reachable_splits(4)}
-    planner = Replanner(simulate, 4, TTFT_MS, TPOT_MS, confirmations=1, hold_s=0)
+    ranked = {s: slo_attainment(simulate(s, requests), SLO_) for s in reachable_splits(4)}
+    planner = Replanner(simulate, 4, SLO_, confirmations=1, hold_s=0)
     decision = planner.decide(now, Split(2, 2), window)
     assert decision.predicted == ranked
     assert ranked[decision.best] == max(ranked.values())
@@ -93,7 +95,7 @@ class _Record:
 def test_a_load_that_crosses_the_threshold_back_and_forth_never_switches():
     # The best alternates between the two splits each window, each time by more than min_gain.
     flip = [{Split(1, 2): 90.0, Split(2, 1): 80.0}, {Split(1, 2): 80.0, Split(2, 1): 90.0}] * 10
-    planner = Replanner(_scripted(flip), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=2, hold_s=0)
+    planner = Replanner(_scripted(flip), 3, SLO_, min_gain=5, confirmations=2, hold_s=0)
     current = Split(1, 2)
     for i in range(len(flip)):
         decision = planner.decide(10.0 + i, current, _recent(10.0 + i))
@@ -103,7 +105,7 @@ def test_a_load_that_crosses_the_threshold_back_and_forth_never_switches():
 
 def test_a_sustained_shift_switches_once_one_instance_at_a_time_and_holds():
     shifted = [{Split(1, 2): 60.0, Split(2, 1): 95.0}] * 12
-    planner = Replanner(_scripted(shifted), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=2, hold_s=5)
+    planner = Replanner(_scripted(shifted), 3, SLO_, min_gain=5, confirmations=2, hold_s=5)
     current, switches = Split(1, 2), []
     for i in range(len(shifted)):
         decision = planner.decide(10.0 + i, current, _recent(10.0 + i))
@@ -112,7 +114,7 @@ def test_a_sustained_shift_switches_once_one_instance_at_a_time_and_holds():
             current = decision.switch_to
     assert switches == [(1, Split(2, 1))]  # on the second confirming window; then it holds there
     small = [{Split(1, 2): 90.0, Split(2, 1): 93.0}] * 4  # 3 points: below min_gain, no switch
-    planner = Replanner(_scripted(small), 3, TTFT_MS, TPOT_MS, min_gain=5, confirmations=1, hold_s=0)
+    planner = Replanner(_scripted(small), 3, SLO_, min_gain=5, confirmations=1, hold_s=0)
     assert all(planner.decide(10.0 + i, Split(1, 2), _recent(10.0 + i)).switch_to is None for i in range(4))
 
 

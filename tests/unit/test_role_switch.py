@@ -1,6 +1,7 @@
-"""A worker switches pools with the same weights (disagg.instance.role_switch): a decode worker
-becomes a prefill worker and back, its weights never reloaded, and serves exactly as a fresh one
-of its new role would; a worker that holds requests refuses to switch and keeps serving."""
+"""A role is rebuilt around another role's engine (what a worker's switch_role does,
+disagg.worker.actor): a decode engine serves as prefill and back, its weights never reloaded,
+exactly as a fresh one of its new role would; an engine that holds requests refuses to switch
+and keeps serving."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from test_kv_protocol import MODEL, greedy, prompts
 
 from disagg import LLM, Role
 from disagg.config import EngineConfig
-from disagg.decode_worker.worker import DecodeWorker
-from disagg.instance.role_switch import switch_worker
+from disagg.decode_worker.role import DecodeRole
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
+from disagg.prefill_worker.role import PrefillRole
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +27,26 @@ def _config() -> EngineConfig:
     return EngineConfig(model=MODEL, max_num_batched_tokens=64, num_kv_blocks=128)
 
 
+def switch_worker(old, role: Role, transport, kv_timeout: float):
+    """`old`'s engine in `role`, over `transport`; `old` closed once the new role exists."""
+    new_role = PrefillRole if role is Role.PREFILL else DecodeRole
+    new = new_role(_config(), transport, kv_timeout=kv_timeout, engine=old.engine)
+    old.close()
+    return new
+
+
 def _weights(worker) -> list[int]:
     return [p.data_ptr() for p in worker.engine.model.parameters()]
 
 
 def test_decode_to_prefill_and_back_keeps_the_weights_and_serves_exactly(colocated_tokens):
     hub = InProcessHub()
-    a = DecodeWorker(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
+    a = DecodeRole(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
     weights = _weights(a)
     prefill = switch_worker(a, Role.PREFILL, InProcessTransport("a-kv-2", hub), kv_timeout=5.0)
     assert prefill.engine is a.engine and _weights(prefill) == weights
     assert prefill.engine.config.role is Role.PREFILL and prefill.engine.scheduler.role is Role.PREFILL
-    decode = DecodeWorker(_config(), InProcessTransport("b-kv", hub), kv_timeout=5.0)
+    decode = DecodeRole(_config(), InProcessTransport("b-kv", hub), kv_timeout=5.0)
     for i, p in enumerate(prompts()):
         submit(prefill, decode, f"r{i}", p, greedy())
     finished = run(prefill, decode)
@@ -57,8 +66,8 @@ def test_decode_to_prefill_and_back_keeps_the_weights_and_serves_exactly(colocat
 
 def test_a_worker_with_requests_refuses_to_switch_and_serves_on(colocated_tokens):
     hub = InProcessHub()
-    worker = DecodeWorker(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
-    worker.add_request("r0", prompts()[0], greedy())
+    worker = DecodeRole(_config(), InProcessTransport("a-kv", hub), kv_timeout=5.0)
+    worker.submit("r0", prompts()[0], greedy())
     with pytest.raises(ValueError, match="drain"):
         switch_worker(worker, Role.PREFILL, InProcessTransport("a-kv-2", hub), kv_timeout=5.0)
     assert worker.engine.config.role is Role.DECODE
@@ -66,6 +75,4 @@ def test_a_worker_with_requests_refuses_to_switch_and_serves_on(colocated_tokens
     while not worker.is_idle():
         tokens += [t for out in worker.step() for t in out.new_token_ids]
     assert tokens == colocated_tokens[0]
-    with pytest.raises(ValueError, match="only the prefill and decode"):
-        switch_worker(worker, Role.COLOCATED, InProcessTransport("a-kv-3", hub), kv_timeout=5.0)
     worker.close()

@@ -39,8 +39,13 @@ class FakeInstance:
     async def abort(self, request_id, *, timeout_s):
         return True
 
-    def request_ended(self) -> None:
+    def admit(self, num_prompt_tokens: int, num_blocks: int = 0) -> None:
+        self.outstanding_requests += 1
+        self.outstanding_context_tokens += num_prompt_tokens
+
+    def release(self, num_prompt_tokens: int) -> None:
         self.outstanding_requests -= 1
+        self.outstanding_context_tokens -= num_prompt_tokens
 
 
 def run_one(instance: FakeInstance, priority: str) -> tuple[list[str], list[int]]:

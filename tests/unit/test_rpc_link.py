@@ -61,9 +61,10 @@ class ArithmeticWorker(Arithmetic):
 def server():
     worker = ArithmeticWorker()
     closed_links = []
-    srv = worker.rpc = RpcServer(worker, Arithmetic, LINK_KEY, "127.0.0.1", name="test")
+    srv = worker.rpc = RpcServer(
+        worker, Arithmetic, LINK_KEY, "127.0.0.1", name="test", on_link_closed=closed_links.append
+    )
     srv.pending = worker.pending
-    srv.on_link_closed = closed_links.append
     srv.closed_links = closed_links
     yield srv
     srv.close()
@@ -78,8 +79,21 @@ async def settled(predicate, timeout_s: float = 5.0) -> bool:
     return True
 
 
-def client_of(srv: RpcServer, key: bytes = LINK_KEY) -> RpcClient:
-    return RpcClient(srv.address, key, name="worker")
+class Heard:
+    """A link's listener: its events and its losses, as they came."""
+
+    def __init__(self):
+        self.events, self.lost = [], []
+
+    def link_event(self, link, topic, payload):
+        self.events.append((topic, payload))
+
+    def link_lost(self, link):
+        self.lost.append(link)
+
+
+def client_of(srv: RpcServer, key: bytes = LINK_KEY, listener: Heard | None = None) -> RpcClient:
+    return RpcClient(srv.address, key, name="worker", listener=listener)
 
 
 def test_calls_are_answered_and_replies_do_not_wait_for_each_other(server):
@@ -127,11 +141,10 @@ def test_errors_keep_their_status_code_and_the_link_keeps_serving(server):
 
 def test_events_arrive_in_order_before_the_reply(server):
     async def scenario():
-        client = client_of(server)
-        seen = []
-        client.on_event = lambda topic, payload: seen.append((topic, payload))
+        heard = Heard()
+        client = client_of(server, listener=heard)
         assert await client.call(Arithmetic.stream, 50, timeout_s=5) == 50
-        assert seen == [("tokens", [i]) for i in range(50)]
+        assert heard.events == [("tokens", [i]) for i in range(50)]
         await client.close()
 
     asyncio.run(scenario())
@@ -207,15 +220,14 @@ def test_a_frame_changed_or_replayed_on_the_way_closes_that_link(server, tamper)
 
 def test_a_broken_link_fails_waiting_calls_and_is_dialled_again(server):
     async def scenario():
-        client = client_of(server)
-        disconnects = []
-        client.on_disconnect = lambda: disconnects.append(True)
+        heard = Heard()
+        client = client_of(server, listener=heard)
         waiting = await client.submit(Arithmetic.later, "w")
         with pytest.raises(WorkerLinkError):
             await client.call(Arithmetic.drop, timeout_s=5)  # the worker closes the link mid-call
         with pytest.raises(WorkerLinkError):
             await asyncio.wait_for(waiting, 5)
-        assert disconnects == [True]
+        assert heard.lost == ["worker"]
         assert await settled(
             lambda: len(server.closed_links) == 1
         )  # the worker learns it too (it aborts that router's requests)

@@ -19,6 +19,7 @@ from disagg.planner.simulator import SimPool, Simulator, slo_attainment
 from disagg.placement.published_profiles import FITTED, ServedStep
 from disagg.planner.traced_systems import SYSTEMS, system_of
 from disagg.planner.workload import SimRequest, load_trace
+from disagg.slo import SLO, met
 
 # prefill: 10 ms + 1 ms per token; decode: 5 ms + 2 ms per request in the batch
 MODEL = StepModel(Coefficients(10.0, 1.0, 0.0), Coefficients(5.0, 0.0, 2.0), Coefficients(5.0, 0.0, 2.0))
@@ -50,7 +51,7 @@ def test_a_decode_side_past_its_capacity_loses_attainment_as_the_run_lengthens()
     records = one_pair(decode_blocks=1000, admission="queue", max_num_seqs=4).run(requests)
     assert all(r.success for r in records)
     first, last = records[:8], records[-50:]
-    assert slo_attainment(first, tpot_ms=100) >= 75 and slo_attainment(last, tpot_ms=100) == 0
+    assert slo_attainment(first, SLO(tpot_ms=100)) >= 75 and slo_attainment(last, SLO(tpot_ms=100)) == 0
     assert all(b.tpot_s >= a.tpot_s - 1e-3 for a, b in zip(last, last[1:]))  # each waits longer
 
 
@@ -101,15 +102,15 @@ def replay(name: str):
     profile = load_profile(str(distserve_data(f"profiler-a100-80g.{system}.json")), model=trace.model)
     records = trace_deployment(trace.config, trace.model, profile).simulator().run(trace.requests)
     slo = trace.slo
-    met = [m["ttft_ms"] <= slo["ttft_ms"] and m["tpot_ms"] <= slo["tpot_ms"] for m in trace.measured]
-    return records, met, slo
+    met_slo = [met(slo, m["ttft_ms"], m["tpot_ms"]) for m in trace.measured]
+    return records, met_slo, slo
 
 
 def test_distserve_loses_attainment_as_its_run_lengthens_at_the_same_rate_and_so_does_the_replay():
     # 300 requests at 6 req/s: 90.7% met; twice as long at the same rate: 60.7%
     short, short_met, slo = replay("distserve-c21d11-300-6.json")
     long, long_met, _ = replay("distserve-c21d11-600-6.json")
-    attained = lambda records: slo_attainment(records, slo["ttft_ms"], slo["tpot_ms"])  # noqa: E731
+    attained = lambda records: slo_attainment(records, slo)  # noqa: E731
     assert abs(attained(short) - 100 * sum(short_met) / len(short_met)) <= 5
     assert abs(attained(long) - 100 * sum(long_met) / len(long_met)) <= 5
     assert attained(long[-150:]) < attained(long[:150]) - 40  # the decode side's queue grows

@@ -10,9 +10,10 @@ from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.profile import Profile
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.models import model_spec
-from disagg.planner.search import SLO, NodeKind, PhaseOption, Search
+from disagg.planner.search import NodeKind, PhaseOption, Search
 from disagg.planner.segments import SegmentUnit, node_ratios
 from disagg.planner.workload import SimRequest
+from disagg.slo import SLO
 
 
 def step(prefill_per_token: float, decode_ms: float) -> StepModel:
@@ -68,8 +69,8 @@ def test_the_max_rate_is_where_the_slo_starts_to_fail():
     pools = [search.pool("colocated", kind, 2, 1)]
     rate = search.max_rate(pools, kind.hardware.kv_transfer())
     assert rate > 0
-    assert search.slo.met(search.simulate(pools, kind.hardware.kv_transfer(), rate))
-    assert not search.slo.met(search.simulate(pools, kind.hardware.kv_transfer(), rate * 1.5))
+    assert search.holds(search.simulate(pools, kind.hardware.kv_transfer(), rate))
+    assert not search.holds(search.simulate(pools, kind.hardware.kv_transfer(), rate * 1.5))
 
 
 def test_bad_clusters_and_slos_are_refused():

@@ -1,5 +1,6 @@
-"""A follower rank applies rank 0's KV commands by type, in order, before its part of the step;
-rank 0's ShardGroup queues them per rank and delivers them with the next step."""
+"""A follower rank applies rank 0's KV commands by type, in order, before its part of the step,
+and answers the transfer ids of those it expects; rank 0's ShardGroup queues them per rank and
+delivers them with the next step."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import pytest
 from disagg.config import EngineConfig, ParallelConfig, Role, WorkerConfig
 from disagg.engine.distributed import RankPlace
 from disagg.kv_transfer.layout import KVTarget
-from disagg.shard_worker.actor import ShardActor
 from disagg.worker.shard_group import ShardGroup
-from disagg.worker.shard_service import AddTargets, CatchUp, FinishTransfer, ShardService
+from disagg.worker.shard import ShardActor
+from disagg.worker.shard_service import AbortTransfers, AddTargets, CatchUp, Expect, FinishTransfer, ShardService
 
 
 class RecordingSender:
@@ -34,6 +35,13 @@ class RecordingSender:
     def has_finished(self):
         return False
 
+    def expect(self, request_id, block_ids, sources, timeout):
+        self.calls.append(("expect", request_id, block_ids, sources, timeout))
+        return 40 + len(self.calls)
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+
     def poll(self):
         return []
 
@@ -52,6 +60,16 @@ def test_commands_apply_by_type_in_order():
         None, [AddTargets("r", [target]), CatchUp("r", [4], 9), FinishTransfer("r"), FinishTransfer("unknown")]
     )
     assert sender.calls == [("add", "r", [target]), ("catch_up", "r", [4], 9), ("finish", "r", -1)]
+
+
+def test_a_decode_rank_answers_the_transfer_ids_it_expects_and_aborts_in_order():
+    rank = follower()
+    rank.endpoint = receiver = RecordingSender()
+    reply = rank.run_step(
+        None, [Expect("r", [4], {"p": "a:1"}, 2.0), AbortTransfers("q"), Expect("s", [5], {"p": "a:1"}, None)]
+    )
+    assert reply.transfer_ids == [41, 43]
+    assert [c[0] for c in receiver.calls] == ["expect", "abort", "expect"]
 
 
 def test_an_unknown_command_is_refused():

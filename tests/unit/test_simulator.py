@@ -9,6 +9,7 @@ import pytest
 
 from disagg.placement.latency_model import Coefficients, StepModel, TransferModel
 from disagg.planner.simulator import SimPool, Simulator, percentile, slo_attainment
+from disagg.slo import SLO
 from disagg.planner.workload import SimRequest, poisson_arrivals
 
 # prefill: 10 ms + 1 ms per token; decode: 5 ms + 2 ms per request in the batch (no context term)
@@ -140,7 +141,7 @@ def test_prefill_first_stalls_decodes_while_a_prompt_runs():
 
 def test_attainment_and_percentiles():
     records = colocated().run([SimRequest(0, 0.0, 20, 4), SimRequest(1, 10.0, 200, 4)])
-    assert slo_attainment(records, ttft_ms=100) == 50.0  # 30 ms and 210 ms
+    assert slo_attainment(records, SLO(ttft_ms=100)) == 50.0  # 30 ms and 210 ms
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
     assert percentile([1.0, math.inf], 90) == math.inf
 
@@ -168,12 +169,10 @@ def test_bad_pools_are_refused():
 
 # ---- the goodput-aware policy, run by the simulator ----------------------------------------------
 def _overloaded(policy) -> list:
-    from disagg.placement.policies import Slo
-
     pools = [SimPool("prefill", 1, MODEL, num_kv_blocks=1000), SimPool("decode", 1, MODEL, num_kv_blocks=1000)]
     # each prompt takes 110 ms of the one prefill instance: 20 req/s is twice what it can do
     requests = [SimRequest(i, i * 0.05, 100, 10) for i in range(200)]
-    return Simulator(pools, policy=policy, slo=Slo(ttft_ms=500.0, tpot_ms=100.0)).run(requests)
+    return Simulator(pools, policy=policy, slo=SLO(ttft_ms=500.0, tpot_ms=100.0)).run(requests)
 
 
 def test_the_goodput_policy_refuses_what_would_miss_and_keeps_the_slo_of_what_it_admits():

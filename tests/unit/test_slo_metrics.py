@@ -7,7 +7,7 @@ import prometheus_client
 import pytest
 
 from disagg.metrics import SLO_WINDOW_S, ServingMetrics
-from disagg.placement.policies import Slo
+from disagg.slo import SLO
 from disagg.router.request_path import meets_slo
 from disagg.router.stream_stats import Outcome
 
@@ -17,11 +17,11 @@ def outcome(ttft_s: float, e2e_s: float, tokens: int) -> Outcome:
 
 
 def test_a_request_meets_its_slo_only_within_both_targets():
-    slo = Slo(ttft_ms=500, tpot_ms=50)
+    slo = SLO(ttft_ms=500, tpot_ms=50)
     assert meets_slo(outcome(0.4, 0.4 + 9 * 0.045, 10), slo)
     assert not meets_slo(outcome(0.6, 0.6 + 9 * 0.045, 10), slo)  # TTFT over
     assert not meets_slo(outcome(0.4, 0.4 + 9 * 0.055, 10), slo)  # TPOT over
-    assert meets_slo(outcome(5.0, 50.0, 10), Slo(0, 0))  # no targets: nothing to miss
+    assert meets_slo(outcome(5.0, 50.0, 10), SLO(0, 0))  # no targets: nothing to miss
     assert meets_slo(outcome(0.4, 0.4, 1), slo)  # one token: no TPOT
 
 

@@ -8,10 +8,11 @@ import json
 import pytest
 
 from disagg.bench.metrics import RequestRecord, summarize
-from disagg.bench.openai_stream import ChatStreamTimer
+from disagg.bench.openai_stream import StreamTimer
 from disagg.bench.slo_tally import FIGURE_FIELDS, SloBoard, SloTally
+from disagg.slo import SLO
 
-SLO = {"ttft_ms": 200.0, "tpot_ms": 50.0}
+SLO_ = SLO(ttft_ms=200.0, tpot_ms=50.0)
 
 
 def ok(ttft: float, e2el: float, output_len: int) -> RequestRecord:
@@ -33,11 +34,11 @@ RECORDS = [
 
 
 def test_figures_equal_summarize_of_the_same_requests():
-    tally = SloTally(SLO)
+    tally = SloTally(SLO_)
     for record in RECORDS:
         tally.add(record)
     figures = tally.figures(duration_s=4.0)
-    summary = summarize(RECORDS, 4.0, SLO)
+    summary = summarize(RECORDS, 4.0, SLO_)
     assert set(figures) == set(FIGURE_FIELDS)
     assert figures["requests"] == 6 and figures["succeeded"] == 5 and figures["good"] == 3
     assert figures["attainment_pct"] == pytest.approx(summary["slo_attainment_pct"]) == pytest.approx(50.0)
@@ -50,36 +51,36 @@ def test_figures_equal_summarize_of_the_same_requests():
 
 
 def test_an_empty_tally_and_a_zero_duration_give_zeros():
-    figures = SloTally(SLO).figures(0.0)
+    figures = SloTally(SLO_).figures(0.0)
     assert all(figures[key] == 0 for key in FIGURE_FIELDS)
 
 
 def test_without_targets_only_failures_miss():
-    tally = SloTally({})
+    tally = SloTally()
     for record in RECORDS:
         tally.add(record)
     assert tally.figures(1.0)["attainment_pct"] == pytest.approx(500 / 6)
 
 
 def test_reports_taken_on_workers_add_up_to_one_tally_on_the_master():
-    workers = [SloBoard(SLO), SloBoard(SLO)]
+    workers = [SloBoard(SLO_), SloBoard(SLO_)]
     for i, record in enumerate(RECORDS):
         workers[i % 2].add("grpc" if i < 4 else "http", record)
-    master = SloBoard({})
+    master = SloBoard(SLO())
     for worker in workers:
         master.merge(json.loads(json.dumps(worker.take())))  # as Locust sends it: plain data
     assert all(not tally.requests for worker in workers for tally in worker.tallies.values())
     assert [worker.take() for worker in workers] == [{}, {}]  # nothing new: nothing sent
     rows = {row["name"]: row for row in master.rows(4.0)}
-    assert master.slo == SLO and set(rows) == {"grpc", "http", "Aggregated"}
+    assert master.slo == SLO_ and set(rows) == {"grpc", "http", "Aggregated"}
     assert rows["grpc"]["requests"] == 4 and rows["http"]["requests"] == 2
-    expected = summarize(RECORDS, 4.0, SLO)
+    expected = summarize(RECORDS, 4.0, SLO_)
     assert rows["Aggregated"]["attainment_pct"] == pytest.approx(expected["slo_attainment_pct"])
     assert rows["Aggregated"]["ttft_p90_ms"] == pytest.approx(expected["ttft_ms"]["p90"])
 
 
 def test_one_api_has_one_row_and_a_reset_empties_the_board():
-    board = SloBoard(SLO)
+    board = SloBoard(SLO_)
     board.add("grpc", RECORDS[0])
     assert [row["name"] for row in board.rows(1.0)] == ["grpc"]
     board.reset()
@@ -88,7 +89,7 @@ def test_one_api_has_one_row_and_a_reset_empties_the_board():
 
 def test_tallies_judged_by_different_slos_do_not_merge():
     with pytest.raises(ValueError, match="cannot merge"):
-        SloTally(SLO).merge(SloTally({"ttft_ms": 1.0}))
+        SloTally(SLO_).merge(SloTally(SLO(ttft_ms=1.0)))
 
 
 # ---- a streamed chat completion ----------------------------------------------------------------
@@ -98,7 +99,7 @@ def chunk(content: str | None = None, finish: str | None = None, usage: dict | N
 
 
 def test_chat_stream_times_each_content_chunk_and_takes_counts_from_usage():
-    timer = ChatStreamTimer(started=10.0)
+    timer = StreamTimer(started=10.0)
     lines = [
         (chunk(), 10.1),  # the role alone: no token yet
         ("", 10.1),
@@ -119,7 +120,7 @@ def test_chat_stream_times_each_content_chunk_and_takes_counts_from_usage():
 
 
 def test_usage_corrects_tokens_that_came_without_a_chunk_of_their_own():
-    timer = ChatStreamTimer(started=0.0)
+    timer = StreamTimer(started=0.0)
     for line, at in [(chunk("ab"), 0.5), (chunk("c", "length"), 1.5), (chunk(usage={"completion_tokens": 5}), 1.5)]:
         timer.on_line(line, at)
     timer.on_line("data: [DONE]", 1.5)
@@ -128,14 +129,14 @@ def test_usage_corrects_tokens_that_came_without_a_chunk_of_their_own():
 
 
 def test_an_error_event_or_a_cut_stream_is_a_failure():
-    timer = ChatStreamTimer(started=0.0)
+    timer = StreamTimer(started=0.0)
     timer.on_line(chunk("a"), 0.1)
     timer.on_line('data: {"error": {"message": "no decode instance", "code": "unavailable"}}', 0.2)
     timer.on_line("data: [DONE]", 0.2)
     record = timer.finish(RequestRecord(0, 5, 5), now=0.2)
     assert not record.success and record.error_code == "UNAVAILABLE" and "no decode" in record.error
 
-    cut = ChatStreamTimer(started=0.0)
+    cut = StreamTimer(started=0.0)
     cut.on_line(chunk("a"), 0.1)
     record = cut.finish(RequestRecord(0, 5, 5), now=0.3)
     assert not record.success and record.error_code == "UNKNOWN"

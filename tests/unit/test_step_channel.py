@@ -18,9 +18,9 @@ import torch
 from disagg.engine.distributed import RankPlace
 from disagg.engine.step_chunks import PortableChunk, RequestRef
 from disagg.kv_transfer.endpoint import TransferResult
-from disagg.shard_worker.follower_loop import FollowerLoop
+from disagg.worker.follower_loop import FollowerLoop
 from disagg.worker.shard_group import ShardGroup
-from disagg.worker.shard_service import CatchUp, FinishTransfer, ShardReply
+from disagg.worker.shard_service import AbortTransfers, CatchUp, Expect, FinishTransfer, ShardReply
 from disagg.worker.step_channel import ChannelOffer, channel_key, open_follower_channel
 from disagg.worker.step_messages import StepAnswer, decode_answer, encode_answer
 
@@ -44,8 +44,9 @@ class Follower:
         self.ran.append((chunks, commands, wait_s))
         if chunks and chunks[0].request.request_id == "fail":
             raise ValueError("this rank broke")
+        expected = [100 + self.index for c in commands if isinstance(c, Expect)]  # a receiver's transfer ids
         if self.index != 1 or not chunks:
-            return ShardReply(None, [TransferResult(f"done-{self.index}", True)])
+            return ShardReply(None, [TransferResult(f"done-{self.index}", True)], expected)
         width = 1000 if chunks[0].request.request_id == "wide" else 8
         logits = torch.arange(width * len(chunks), dtype=torch.float32).view(len(chunks), width)
         return ShardReply(logits, [TransferResult(f"done-{self.index}", True)])
@@ -111,6 +112,20 @@ def test_many_steps_and_syncs_go_in_order(driven):
     assert len(group.take_results()) == 3 * 200
 
 
+def test_a_decode_instances_reservation_reaches_every_rank_over_the_channel_not_ray(driven):
+    """The handshake of a TP x PP decode instance: each other rank expects its own slice and
+    answers its transfer id at once, in an order of its own (the group's actor handles here are
+    plain objects: a Ray call would fail); an abort reaches every rank the same way."""
+    group, followers = driven
+    sources = [{"p/rank1": "a:1"}, {"p/rank2": "b:2"}, {"p/rank3": "c:3"}]
+    assert group.expect("r", [4, 5], sources, 2.0) == [100, 101, 102]
+    for index, follower in enumerate(followers):
+        chunks, commands, wait_s = follower.ran[-1]
+        assert chunks is None and wait_s == 0.0 and commands == [Expect("r", [4, 5], sources[index], 2.0)]
+    group.abort_transfers("r")
+    assert all(f.ran[-1][1] == [AbortTransfers("r")] for f in followers)
+
+
 def test_a_sync_without_commands_lets_idle_ranks_wait_for_transfers(driven):
     group, followers = driven
     group.sync()
@@ -152,7 +167,7 @@ def test_answers_carry_logits_of_any_dtype_and_errors():
 # ---- a follower in a process of its own, killed while it runs a step --------------------------------
 FOLLOWER = """
 import pickle, sys, time
-from disagg.shard_worker.follower_loop import FollowerLoop
+from disagg.worker.follower_loop import FollowerLoop
 from disagg.worker.shard_service import ShardReply
 from disagg.worker.step_channel import open_follower_channel
 

@@ -1,19 +1,14 @@
-"""`bench_planner.py --verify`'s own logic: which modes are measured beside the pick, the rates
+"""`loadtest.planner.verify`'s own logic: which modes are measured beside the pick, the rates
 swept around a prediction, and the verdict (is the pick the measured winner, how far off is its
 predicted rate)."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "loadtest"))
-from verify_plan import modes_to_measure, sweep, verdict  # noqa: E402
-
-from disagg.planner.host_plan import HostPlan  # noqa: E402
-from disagg.planner.search import Candidate, PoolPlan  # noqa: E402
+from disagg.planner.host_plan import HostPlan
+from disagg.planner.search import Candidate, PoolPlan
+from loadtest.planner.verify import modes_to_measure, sweep, verdict
 
 
 def plan(mode: str, hardware: str, rate: float, policy: str = "chunked") -> HostPlan:

@@ -13,10 +13,10 @@ from support import run_transfers as run
 from support import submit_transfer as submit
 
 from disagg import LLM, EngineConfig, SamplingParams
-from disagg.decode_worker.worker import DecodeWorker
+from disagg.decode_worker.role import DecodeRole
 from disagg.engine.block_manager import PLACEHOLDER, num_held, out_of_window_blocks
 from disagg.kv_transfer.inproc import InProcessHub, InProcessTransport
-from disagg.prefill_worker.worker import PrefillWorker
+from disagg.prefill_worker.role import PrefillRole
 
 WINDOW, BLOCK = 32, 16
 LENGTHS = [400, 100, 20]  # 12 windows, 3, less than one
@@ -42,8 +42,8 @@ def pair(case, request):
     # twice (a chunk that ends inside a block sends it again with the next chunk).
     config = dict(model=case[0], dtype="float32", max_num_batched_tokens=64, num_kv_blocks=64)
     config_p = dict(config, long_prefill_token_threshold=0, kv_shared_memory=request.param)
-    prefill = PrefillWorker(EngineConfig(**config_p), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
-    decode = DecodeWorker(EngineConfig(**config), InProcessTransport("decode-0", hub), kv_timeout=5.0)
+    prefill = PrefillRole(EngineConfig(**config_p), InProcessTransport("prefill-0", hub), kv_timeout=5.0)
+    decode = DecodeRole(EngineConfig(**config), InProcessTransport("decode-0", hub), kv_timeout=5.0)
     yield prefill, decode
     prefill.close()
     decode.close()
@@ -84,7 +84,7 @@ def test_targets_that_come_after_the_prompt_is_done_get_its_last_window(pair, ca
     catch-up) take the window's blocks from what it still holds."""
     prefill, decode = pair
     _, prompts, expected = case
-    prefill.add_request("late", prompts[0], greedy())
+    prefill.prefill("late", prompts[0], greedy())
     request = prefill.engine.scheduler.requests["late"]
     while not request.num_output_tokens:
         prefill.step()

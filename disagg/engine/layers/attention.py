@@ -92,6 +92,9 @@ class WindowedKeys:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] flat cache slot of every token in the step
     num_decode_tokens: int = 0  # the first tokens of the batch are decodes, one per request
+    # Of those, the leading ones that decode a generated token: a quantized GEMM takes its kernel
+    # for their rows (layers/quantized.py); None outside an engine step (by count).
+    decode_rows: int | None = None
     decode: DecodeBatch | None = None
     prefills: list[PrefillSpan] = field(default_factory=list)
 

@@ -25,7 +25,7 @@ GEMMS = CPU_GEMMS  # onednn, torch
 # oneDNN builds kernels for each input shape (a step's row count is its token count) and keeps
 # them in two caches of 1024 entries each, up to a megabyte an entry. Bounded here unless the
 # environment sets them (to their defaults in disagg.config.ENV_VARS, 256): a worker then grows
-# about half as much, at the same speed (loadtest/bench_onednn_cache.py, RESULTS.md).
+# about half as much, at the same speed (loadtest/engine/onednn_cache.py, RESULTS.md).
 CACHE_CAPACITY_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 # oneDNN picks the packed layout for this many rows; 32 measured best for both decode batches
 # and 512-row prefill steps.
@@ -69,7 +69,11 @@ class PackedWeight:
         if self._applies(weight):
             self._packed_for(weight)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, decode_rows: int | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T + bias. `decode_rows` (the step's leading decode rows) matters only to a
+        quantized weight in this one's place (layers/quantized.py): every row here is alike."""
         if not (self._applies(weight) and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32):
             return F.linear(x, weight, bias)
         packed = self._packed_for(weight)

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from disagg.engine.layers.quantized import step_decode_rows
 
-
-def prompt_flags(num_tokens: int, device: torch.device) -> torch.Tensor | None:
+def prompt_flags(num_tokens: int, device: torch.device, decodes: int | None) -> torch.Tensor | None:
     """[tokens] 1 for a row that is no decode of a generated token (a prompt's), 0 for one that
-    is; None outside an engine step. Quantized experts take their kernel for the decode rows."""
-    decodes = step_decode_rows()
+    is: the step's first `decodes` rows are (AttentionMetadata.decode_rows); None outside an
+    engine step. Quantized experts take their kernel for the decode rows."""
     if decodes is None:
         return None
     return (torch.arange(num_tokens, device=device) >= decodes).long()

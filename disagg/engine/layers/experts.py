@@ -25,7 +25,7 @@ from torch import nn
 
 from disagg.engine.layers.cpu_gemm import PACK_BATCH_HINT, onednn_enabled
 from disagg.engine.layers.parallel import SINGLE, TPGroup
-from disagg.engine.layers.quantized import quantize, step_rows, weight_format
+from disagg.engine.layers.quantized import quantize, weight_format
 
 EXPERT_PARTS = ("gate", "up", "down")
 
@@ -159,5 +159,5 @@ class Experts(nn.Module):
         gate_up, down = self.gemms[expert]
         if not self.quantized or decodes is None:
             return down.linear(gate_up.silu_mul(rows))
-        with step_rows(decodes):  # quantized: this expert's own decode rows lead
-            return down.linear(gate_up.silu_mul(rows))
+        # quantized: this expert's own decode rows lead
+        return down.linear(gate_up.silu_mul(rows, decodes), decode_rows=decodes)

@@ -44,8 +44,10 @@ class ColumnParallelLinear(nn.Module):
         target = self.bias if is_bias else self.weight
         target.data.narrow(0, self.offsets[shard], n).copy_(part)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.packed.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows`: the step's leading rows that decode a generated token (a quantized weight
+        takes its kernel for those: layers/quantized.py); None outside an engine step."""
+        return self.packed.linear(x, self.weight, self.bias, decode_rows)
 
     @property
     def fuses_silu_mul(self) -> bool:
@@ -53,11 +55,11 @@ class ColumnParallelLinear(nn.Module):
         quantized weight, with a kernel for it on CPU)."""
         return hasattr(self.packed, "silu_mul") and self.bias is None
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up of a [gate; up] projection: one kernel where a quantized weight has one."""
         if self.fuses_silu_mul:
-            return self.packed.silu_mul(x)
-        gate, up = self(x).chunk(2, dim=-1)
+            return self.packed.silu_mul(x, decode_rows)
+        gate, up = self(x, decode_rows).chunk(2, dim=-1)
         return F.silu(gate) * up
 
 
@@ -77,6 +79,6 @@ class RowParallelLinear(nn.Module):
     def load(self, full: torch.Tensor) -> None:
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(self.packed.linear(x, self.weight))
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        out = self.tp.all_reduce(self.packed.linear(x, self.weight, None, decode_rows))
         return out if self.bias is None else out + self.bias

@@ -66,10 +66,11 @@ class MoE(nn.Module):
     def first_local_expert(self) -> int:
         return self.dispatch.first if self.dispatch is not None else 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows`: the step's leading rows that decode a generated token (None: outside a step)."""
         routing = route(self.gate(x), self.rule)
         self.expert_tokens += expert_load(routing, self.rule.num_experts)
-        prompt = prompt_flags(x.shape[0], x.device) if self.experts.quantized else None
+        prompt = prompt_flags(x.shape[0], x.device, decode_rows) if self.experts.quantized else None
         if self.dispatch is not None:
             return self.dispatch(x, routing, prompt, self.experts)
         return self.tp.all_reduce(combine_local(x, routing, prompt, self.experts))

@@ -34,9 +34,6 @@ Formats:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
 from disagg.engine.layers.cpu_gemm import onednn_enabled
@@ -71,10 +68,14 @@ class _QuantizedGemm:
     # decode generated (a migration) gets the numbers those tokens were decoded with.
     every_row_narrow: bool = False
 
-    def linear(self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this)."""
+    def linear(
+        self, x: torch.Tensor, _dense=None, bias: torch.Tensor | None = None, decode_rows: int | None = None
+    ) -> torch.Tensor:
+        """As PackedWeight.linear, whose dense weight argument is ignored here (the weight is this).
+        `decode_rows`: within an engine step, how many leading rows decode a generated token (the
+        step's AttentionMetadata.decode_rows); None: outside one."""
         rows = x if x.dim() == 2 else x.reshape(-1, self.shape[1])
-        narrow = self._narrow_rows(rows.shape[0])
+        narrow = self._narrow_rows(rows.shape[0], decode_rows)
         if narrow == rows.shape[0]:
             out = self._narrow(rows)
         elif narrow == 0:
@@ -85,15 +86,15 @@ class _QuantizedGemm:
             out = out.view(*x.shape[:-1], self.shape[0])
         return out if bias is None else out + bias
 
-    def _narrow_rows(self, num_rows: int) -> int:
+    def _narrow_rows(self, num_rows: int, decodes: int | None) -> int:
         """How many of the leading rows take the quantized kernel, the rest the float copy.
 
-        Within an engine step (`step_rows`) prompt rows always take the copy (float32: the first
-        token is the reference's), and a decode's row the kernel while the step has at most
-        `max_narrow_decodes` of them. Outside a step: by count."""
+        Within an engine step (`decodes`: its leading rows that decode a generated token) prompt
+        rows always take the copy (float32: the first token is the reference's), and a decode's
+        row the kernel while the step has at most `max_narrow_decodes` of them. Outside a step
+        (None): by count."""
         if self.every_row_narrow or not self._has_wide_path():
             return num_rows
-        decodes = getattr(_step, "decode_rows", None)
         if decodes is None:
             return num_rows if num_rows <= QUANTIZED_MAX_ROWS else 0
         if self.max_narrow_decodes is not None and decodes > self.max_narrow_decodes:
@@ -112,9 +113,9 @@ class _QuantizedGemm:
             return self._wide_product(wide.expand(2, -1).contiguous())[:1].to(rows.dtype)
         return torch.ops.mkldnn._linear_pointwise(wide, self._wide, None, "none", [], "").to(rows.dtype)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up of a fused [gate; up] weight's product with x."""
-        gate, up = self.linear(x).chunk(2, dim=-1)
+        gate, up = self.linear(x, decode_rows=decode_rows).chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
     def _narrow(self, rows: torch.Tensor) -> torch.Tensor:
@@ -196,9 +197,6 @@ class Int8Weight(_QuantizedGemm):
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-_step = threading.local()  # the engine step running on this thread (its decode rows come first)
-
-
 def wide_dtype_for(prefills: bool, prompt_precision: str = "fp32") -> torch.dtype:
     """The many-row copy's dtype: `prompt_precision` (EngineConfig) on an engine that computes
     prompts (fp32: its first tokens the reference's), bfloat16 on a decode-only one."""
@@ -209,18 +207,6 @@ def _checked_wide_dtype(dtype: torch.dtype) -> torch.dtype:
     if dtype not in _WIDE_DTYPES:
         raise ValueError(f"quantized weights: the many-row copy is float32 or bfloat16, not {dtype}")
     return dtype
-
-
-@contextlib.contextmanager
-def step_rows(decode_rows: int):
-    """Within this, the GEMMs run one engine step whose first `decode_rows` rows are decodes
-    (the model runner's layout; its sampled rows keep that order too)."""
-    previous = getattr(_step, "decode_rows", None)
-    _step.decode_rows = decode_rows
-    try:
-        yield
-    finally:
-        _step.decode_rows = previous
 
 
 def _float(x: torch.Tensor) -> torch.Tensor:
@@ -289,10 +275,10 @@ class Int4Weight(_QuantizedGemm):
         )
         return out.to(rows.dtype)
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        narrow = self._narrow_rows(x.shape[0]) if self.kernels is not None and x.dim() == 2 else 0
+    def silu_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        narrow = self._narrow_rows(x.shape[0], decode_rows) if self.kernels is not None and x.dim() == 2 else 0
         if narrow == 0:
-            return super().silu_mul(x)
+            return super().silu_mul(x, decode_rows)
         # A decode's row takes the fused kernel (its SiLU too) beside prefill rows as well as alone.
         fused = _in_dtype(self.kernels.q4_gemv_silu_mul(_float(x[:narrow]), self.blocks), x.dtype)
         if narrow == x.shape[0]:
@@ -383,8 +369,3 @@ def weight_format(setting: str, gguf_types: list[str | None]) -> str | None:
     if setting != "auto" or not gguf_types or any(t is None or t in _GGUF_FLOAT for t in gguf_types):
         return None
     return "int4" if all(t in _GGUF_INT4 for t in gguf_types) else "int8"
-
-
-def step_decode_rows() -> int | None:
-    """The running engine step's leading decode rows (`step_rows`); None outside a step."""
-    return getattr(_step, "decode_rows", None)

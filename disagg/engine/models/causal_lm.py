@@ -133,10 +133,12 @@ class CausalLM(nn.Module):
             return h, residual
         return self.norm(h, residual)[0]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """The sampled rows' logits; `decode_rows`: how many of them (the first) a step's generated
+        decodes are (AttentionMetadata.decode_rows; None: outside a step)."""
         if not isinstance(self.logits_weight, PackedWeight):  # quantized: it holds the weight itself
-            return self.logits_weight.linear(hidden).float()
-        return self.logits_weight.linear(hidden, self._vocab_weight()).float()
+            return self.logits_weight.linear(hidden, decode_rows=decode_rows).float()
+        return self.logits_weight.linear(hidden, self._vocab_weight(), None, decode_rows).float()
 
     def _vocab_weight(self) -> torch.Tensor:
         return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight

@@ -52,7 +52,7 @@ class Gemma3DecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta))[0]
         h, residual = self.pre_feedforward_layernorm(h, residual)
-        return self.post_feedforward_layernorm(self.mlp(h))[0], residual
+        return self.post_feedforward_layernorm(self.mlp(h, meta.decode_rows))[0], residual
 
 
 class Gemma3ForCausalLM(CausalLM):
@@ -66,8 +66,8 @@ class Gemma3ForCausalLM(CausalLM):
         rows = self.embed_tokens(input_ids)
         return rows * torch.tensor(self.config.hidden_size**0.5, dtype=rows.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, decode_rows)
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

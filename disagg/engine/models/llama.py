@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         q_size = heads * self.head_dim
-        qkv = self.qkv_proj(x).view(n, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, meta.decode_rows).view(n, heads + 2 * kv_heads, self.head_dim)
         v = qkv[:, heads + kv_heads :]
         # q's and k's heads are adjacent: one rotary call for both (a decode step makes 2 per layer
         # fewer), which on CUDA writes k and v to the cache too.
@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
             self._normed_qk(qkv), v, cos, sin, kv_cache, self.cache_index, meta.slot_mapping
         )
         out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale, self.window)
-        return self.o_proj(out.view(n, q_size))
+        return self.o_proj(out.view(n, q_size), meta.decode_rows)
 
     def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
         """q's and k's heads [T, heads + kv_heads, D], each head normalized where the family says so."""
@@ -88,10 +88,11 @@ class LlamaMLP(nn.Module):
         # GeGLU where the family says gelu_pytorch_tanh, else SwiGLU (ModelConfig.HIDDEN_ACTS)
         self.act = GatedActivation(backends.attention, gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
+        """`decode_rows`: the step's (AttentionMetadata.decode_rows)."""
         if not self.act.gelu_tanh and self.gate_up_proj.fuses_silu_mul:  # a quantized weight's own kernel
-            return self.down_proj(self.gate_up_proj.silu_mul(x))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+            return self.down_proj(self.gate_up_proj.silu_mul(x, decode_rows), decode_rows)
+        return self.down_proj(self.act(self.gate_up_proj(x, decode_rows)), decode_rows)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -109,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.decode_rows), residual
 
 
 class LlamaForCausalLM(CausalLM):

@@ -83,7 +83,7 @@ class MoEDecoderLayer(nn.Module):
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return self.mlp(h, meta.decode_rows), residual
 
 
 class MoECausalLM(CausalLM):

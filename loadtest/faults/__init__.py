@@ -1,0 +1,1 @@
+"""Faults: kills, cancels, malformed requests and floods beside steady traffic."""

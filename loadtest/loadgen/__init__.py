@@ -1,0 +1,1 @@
+"""Load generators of others run against disagg: Locust (with its SLO figures) and GuideLLM."""

@@ -1,0 +1,1 @@
+"""The router: the goodput policy against least work on real servers, placement at scale, scheduling."""
