@@ -98,7 +98,8 @@ def engine_side(model: str, weights: str, args) -> dict:
     side = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "first_answer": outs[0].outputs[0].text}
     batch = [prompts[i % len(prompts)] for i in range(args.batch)]
     decode = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in batch], decode, use_tqdm=False)  # warm-up
+    warm_up = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in batch], warm_up, use_tqdm=False)
     torch.cuda.synchronize()
     started = time.perf_counter()
     llm.generate([{"prompt_token_ids": p} for p in batch], decode, use_tqdm=False)
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--model", help=f"default: {DEFAULT_MODEL} where installed, else {FALLBACK_MODEL}")
     p.add_argument("--batch", type=int, default=32, help="requests decoding together for the throughput")
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--decode-tokens", type=int, default=48)
+    p.add_argument("--answer-tokens", type=int, default=24)
     p.add_argument("--skip-engine", action="store_true", help="the GEMMs only")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)

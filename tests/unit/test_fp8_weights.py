@@ -14,6 +14,7 @@ from disagg.config import EngineConfig
 from disagg.engine.engine import LLMEngine
 from disagg.engine.layers.fp8 import (
     FP8_DTYPE,
+    _scaled_mm_fails,
     FP8_MAX,
     Fp8Weight,
     dequantize_rows,
@@ -99,6 +100,7 @@ def test_where_scaled_mm_does_not_apply_it_says_why():
     fp8 = Fp8Weight(torch.randn(32, 32))
     assert not fp8.use_scaled_mm and fp8.fallback_reason == "cpu has no FP8 GEMM"
     assert scaled_mm_unavailable(torch.randn(32, 32), torch.bfloat16) == "cpu has no FP8 GEMM"
+    assert _scaled_mm_fails(torch.device("cpu")) is None  # the probe's call is one torch takes
     line = describe([fp8, Fp8Weight(torch.randn(16, 16), use_scaled_mm=True)])
     assert line.startswith("weights: fp8: 1 of 2 GEMMs through torch._scaled_mm") and "cpu has no FP8 GEMM" in line
     assert fp8.nbytes() == 32 * 32 + 32 * 4  # a byte a weight, a float32 scale a channel

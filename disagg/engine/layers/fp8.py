@@ -17,6 +17,8 @@ model's dtype instead (the same weights, activations unquantized), and the engin
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -53,6 +55,19 @@ def scaled_mm_unavailable(weight: torch.Tensor, dtype: torch.dtype) -> str | Non
         return f"row-wise scaled FP8 GEMMs give bfloat16, the model's dtype is {dtype}"
     if weight.shape[0] % SCALED_MM_ALIGN or weight.shape[1] % SCALED_MM_ALIGN:
         return f"a weight of shape {tuple(weight.shape)} is not in multiples of {SCALED_MM_ALIGN}"
+    return _scaled_mm_fails(weight.device)
+
+
+@functools.cache
+def _scaled_mm_fails(device: torch.device) -> str | None:
+    """What a small row-wise scaled product raises on `device` (a torch build or GPU without
+    that kernel), or None: tried once per device, rather than failing at a model's first step."""
+    ones = torch.ones(SCALED_MM_ALIGN, SCALED_MM_ALIGN, device=device)
+    q, scales = quantize_rows(ones)
+    try:
+        torch._scaled_mm(q, q.t(), scale_a=scales, scale_b=scales.view(1, -1), out_dtype=torch.bfloat16)
+    except RuntimeError as exc:
+        return f"torch._scaled_mm with row-wise scales fails here: {str(exc).splitlines()[0]}"
     return None
 
 
