@@ -13,6 +13,10 @@ multiple of 16, a model dtype other than bfloat16), the weight is multiplied deq
 model's dtype instead (the same weights, activations unquantized), and the engine says so once
 (`describe`). The vocabulary projection, the embedding and the norms stay in the model's dtype
 (as vLLM keeps them), and so do a mixture of experts' experts (layers/experts.py).
+
+The model is built and loaded in bf16 and then converted, layer by layer's GEMMs: loading needs
+the bf16 weights' memory for a moment, though the memory fit counts a byte a weight (the KV
+cache is sized after the conversion, on what it freed).
 """
 
 from __future__ import annotations
