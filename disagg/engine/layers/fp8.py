@@ -14,9 +14,9 @@ model's dtype instead (the same weights, activations unquantized), and the engin
 (`describe`). The vocabulary projection, the embedding and the norms stay in the model's dtype
 (as vLLM keeps them), and so do a mixture of experts' experts (layers/experts.py).
 
-The model is built and loaded in bf16 and then converted, layer by layer's GEMMs: loading needs
-the bf16 weights' memory for a moment, though the memory fit counts a byte a weight (the KV
-cache is sized after the conversion, on what it freed).
+The model is built and loaded in bf16, then its GEMMs converted and the bf16 copies freed
+before the KV cache is allocated: loading needs the bf16 weights' memory for a moment, though
+the memory fit (memory_fit.py) counts a byte a weight.
 """
 
 from __future__ import annotations
