@@ -40,6 +40,7 @@ class RequestStatus(enum.Enum):
     PREEMPTED = enum.auto()  # blocks taken back; recomputed when rescheduled
     PAUSED = enum.auto()  # out of the batch, blocks kept: its KV is moving to another instance
     SUSPENDED = enum.auto()  # out of the batch, blocks kept: a more urgent request took its slot
+    HELD_FOR_EXPORT = enum.auto()  # PREFILL role: first token out, blocks kept until the KV is exported
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()

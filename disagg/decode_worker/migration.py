@@ -116,7 +116,7 @@ class MigrationSource:
 
     def _pause(self, move: Outgoing) -> None:
         tokens = self.engine.pause_request(move.request_id)
-        request = self.engine.scheduler.paused[move.request_id]
+        request = self.engine.scheduler.requests[move.request_id]  # paused
         self.sender.catch_up(move.request_id, request.block_ids, request.num_computed_tokens)
         self.sender.send_tokens(move.request_id, tokens)
         self.sender.finish(move.request_id, tokens[-1])

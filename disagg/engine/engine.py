@@ -446,7 +446,7 @@ class LLMEngine:
         request.num_reported = request.num_output_tokens
         new_text = self._detokenize(request, new_ids)
         detok = request.detokenizer
-        finished = request.is_finished or rid in self.scheduler.held_for_export
+        finished = request.is_finished or request.status is RequestStatus.HELD_FOR_EXPORT
         out = RequestOutput(
             request_id=rid,
             prompt=request.prompt,
@@ -524,7 +524,7 @@ class LLMEngine:
         table and connector are made anew; the weights and the KV memory stay. Only an engine
         that holds no request switches (drain it first); anything that fails leaves it as it
         was: built first, swapped in last."""
-        if self.scheduler.requests or self.scheduler.paused:
+        if self.scheduler.requests:
             raise ValueError(f"switch_role: {len(self.scheduler.requests)} requests still here; drain first")
         if self.groups is not None:
             raise ValueError("switch_role: an instance of several ranks cannot switch roles yet")
@@ -547,7 +547,7 @@ class LLMEngine:
 
     def release_paused(self, request_id: str) -> None:
         """It runs elsewhere now: free its blocks, with no output (its stream goes on there)."""
-        if request_id in self.scheduler.paused:
+        if self.scheduler.holds(request_id, RequestStatus.PAUSED):
             self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     def reserve_for_migration(

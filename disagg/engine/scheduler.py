@@ -157,11 +157,9 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.waiting_for_kv: dict[str, Request] = {}
-        self.held_for_export: dict[str, Request] = {}  # PREFILL: finished, blocks still held
-        self.paused: dict[str, Request] = {}  # out of the batch while their KV moves elsewhere
-        self.suspended: dict[str, Request] = {}  # out of the batch, KV kept: displaced (see above)
-        self.requests: dict[str, Request] = {}  # every request not yet fully freed
+        # The one map by request id: every request not yet fully freed. Where one stands outside
+        # the two queues above (waiting for its KV, held for export, paused, suspended) is its status.
+        self.requests: dict[str, Request] = {}
 
     # ---- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -187,12 +185,11 @@ class Scheduler:
         self._admit(request)
         self._take_slot(request)
         request.status = RequestStatus.WAITING_FOR_KV
-        self.waiting_for_kv[request.request_id] = request
         return True
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> Request:
         """DECODE role: the prompt's KV is in place; decode from the first token on."""
-        request = self.waiting_for_kv.pop(request_id)
+        request = self._in_status(request_id, RequestStatus.WAITING_FOR_KV)
         request.num_computed_tokens = request.num_prompt_tokens
         request.append_output_token(first_token_id)
         request.status = RequestStatus.RUNNING
@@ -212,13 +209,12 @@ class Scheduler:
         if request is None or request not in self.running or request.num_tokens - request.num_computed_tokens != 1:
             raise ValueError(f"pause: {request_id!r} is not decoding here")
         self.running.remove(request)
-        self.paused[request_id] = request
         request.status = RequestStatus.PAUSED
         return request
 
     def resume(self, request_id: str) -> Request:
         """The move failed: decode it here again, from where it paused."""
-        request = self.paused.pop(request_id)
+        request = self._in_status(request_id, RequestStatus.PAUSED)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return request
@@ -237,7 +233,6 @@ class Scheduler:
             return False
         self._admit(request)
         request.status = RequestStatus.WAITING_FOR_KV
-        self.waiting_for_kv[request.request_id] = request
         return True
 
     def finish_migration_import(
@@ -245,7 +240,7 @@ class Scheduler:
     ) -> Request:
         """The KV of `token_ids` is in: they become the prompt, `last_token` (sampled at the
         source, not yet computed) the first output, and decoding goes on under `params`."""
-        request = self.waiting_for_kv[request_id]
+        request = self._in_status(request_id, RequestStatus.WAITING_FOR_KV)
         known = request.num_prompt_tokens
         if list(token_ids[:known]) != request.prompt_token_ids:
             raise ValueError(f"migration of {request_id!r}: the tokens do not continue the reserved ones")
@@ -267,14 +262,13 @@ class Scheduler:
             return None
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         victim = preemption_victim(decoding, self.order)
-        by_length = challenger.request_id not in self.suspended
+        by_length = challenger.status is not RequestStatus.SUSPENDED
         if victim is None or not displaces(challenger, victim, now, self.order, self.priority_aging_s, by_length):
             return None
         return victim
 
     def _suspend(self, request: Request) -> None:
         self.running.remove(request)
-        self.suspended[request.request_id] = request
         request.status = RequestStatus.SUSPENDED
         # It ran until now, so it waits from now, but keeps the rise it had earned: its wait is
         # counted from as far back as its held priority says (queue_order.aged_priority).
@@ -292,18 +286,18 @@ class Scheduler:
         if not self.suspended and not (self.waiting and self._slots_full()):
             return
         now = self.clock()
-        contenders = waiting_order([*self.suspended.values(), *self.waiting], now, self.order, self.priority_aging_s)
+        contenders = waiting_order([*self.suspended, *self.waiting], now, self.order, self.priority_aging_s)
         free = self.max_num_seqs - len(self.running) - len(self.waiting_for_kv)
         for request in contenders:
             if free <= 0:
                 victim = self._displaced_by(request, now)
                 if victim is None:
                     break
-                if request.request_id not in self.suspended and not self._fits_first_chunk(request):
+                if request.status is not RequestStatus.SUSPENDED and not self._fits_first_chunk(request):
                     break
                 self._suspend(victim)
                 free += 1
-            if request.request_id in self.suspended:
+            if request.status is RequestStatus.SUSPENDED:
                 self._resume_suspended(request)
             free -= 1
 
@@ -313,7 +307,6 @@ class Scheduler:
         return self.block_manager.can_allocate(request, num_new, cached)
 
     def _resume_suspended(self, request: Request) -> None:
-        del self.suspended[request.request_id]
         request.status = RequestStatus.RUNNING
         self._take_slot(request)
         self.running.append(request)
@@ -340,8 +333,9 @@ class Scheduler:
     def _schedule_whole_prompts(self, out: SchedulerOutput) -> None:
         """Prefill-first: admit waiting prompts whole (the first one even beyond the budget)."""
         budget = self.max_num_batched_tokens
+        awaiting_kv = len(self.waiting_for_kv)  # unchanged while waiting requests are admitted
         for request in self._waiting_in_order():
-            if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            if len(self.running) + awaiting_kv >= self.max_num_seqs:
                 break
             num_new = request.num_tokens - request.num_computed_tokens
             if out.chunks and num_new > budget:
@@ -399,8 +393,9 @@ class Scheduler:
         return out
 
     def _schedule_waiting(self, budget: int, out: SchedulerOutput, cap: int) -> int:
+        awaiting_kv = len(self.waiting_for_kv)  # unchanged while waiting requests are admitted
         for request in self._waiting_in_order():
-            if budget <= 0 or len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
+            if budget <= 0 or len(self.running) + awaiting_kv >= self.max_num_seqs:
                 break
             cached = self.block_manager.find_cached_prefix(request)
             known = len(cached) * self.block_manager.block_size
@@ -509,7 +504,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput) -> bool:
         while not self.block_manager.allocate_slots(request, num_new):
             # the suspended first: they hold blocks and compute nothing
-            candidates = list(self.suspended.values()) or [
+            candidates = self.suspended or [
                 r for r in self.running if r is not request and r.request_id not in scheduled
             ]
             victim = preemption_victim(candidates, self.order)
@@ -519,7 +514,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        if self.suspended.pop(request.request_id, None) is None:
+        if request.status is not RequestStatus.SUSPENDED:
             self.running.remove(request)
         request.held_priority = None
         self.block_manager.free(request)
@@ -578,7 +573,7 @@ class Scheduler:
     def _hold_for_export(self, request: Request) -> None:
         """PREFILL role: the first token is out; keep the blocks until the KV is exported."""
         self.running.remove(request)
-        self.held_for_export[request.request_id] = request
+        request.status = RequestStatus.HELD_FOR_EXPORT
         request.timings.finished = time.perf_counter()
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -588,14 +583,6 @@ class Scheduler:
             return None
         if request in self.running:
             self.running.remove(request)
-        elif request.request_id in self.waiting_for_kv:
-            del self.waiting_for_kv[request.request_id]
-        elif request.request_id in self.held_for_export:
-            del self.held_for_export[request.request_id]
-        elif request.request_id in self.paused:
-            del self.paused[request.request_id]
-        elif request.request_id in self.suspended:
-            del self.suspended[request.request_id]
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -605,7 +592,7 @@ class Scheduler:
 
     def release(self, request_id: str) -> None:
         """PREFILL role: the KV has been exported (or the transfer gave up); free the blocks."""
-        if request_id in self.held_for_export:
+        if self.holds(request_id, RequestStatus.HELD_FOR_EXPORT):
             self.finish_request(request_id, RequestStatus.FINISHED_STOPPED)
 
     # ---- many decode steps at once (the planner's simulator) -------------------------------
@@ -656,6 +643,39 @@ class Scheduler:
         return sum(max(0, bm.num_blocks_for(r.num_computed_tokens + steps) - len(r.block_ids)) for r in self.running)
 
     # ---- queries -------------------------------------------------------------------------
+    def _with_status(self, status: RequestStatus) -> list[Request]:
+        return [r for r in self.requests.values() if r.status is status]
+
+    def _in_status(self, request_id: str, status: RequestStatus) -> Request:
+        request = self.requests.get(request_id)
+        if request is None or request.status is not status:
+            raise KeyError(f"{request_id!r} is not {status.name.lower()} here")
+        return request
+
+    @property
+    def waiting_for_kv(self) -> list[Request]:
+        """DECODE role: blocks reserved, KV not yet in."""
+        return self._with_status(RequestStatus.WAITING_FOR_KV)
+
+    @property
+    def held_for_export(self) -> list[Request]:
+        """PREFILL role: first token out, blocks kept until the KV is exported."""
+        return self._with_status(RequestStatus.HELD_FOR_EXPORT)
+
+    @property
+    def paused(self) -> list[Request]:
+        """Out of the batch while their KV moves elsewhere (live migration)."""
+        return self._with_status(RequestStatus.PAUSED)
+
+    @property
+    def suspended(self) -> list[Request]:
+        """Out of the batch, KV kept: displaced from their slot by a more urgent request."""
+        return self._with_status(RequestStatus.SUSPENDED)
+
+    def holds(self, request_id: str, status: RequestStatus) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and request.status is status
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.waiting_for_kv or self.suspended)
 

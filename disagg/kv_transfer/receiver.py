@@ -79,8 +79,7 @@ class KVReceiver(KVEndpoint):
         self._copy_ops = None  # the C++ block copy for the cache's device, or None: torch
         self._copy_stream: CopyStream | None = None  # where copies out of peers' caches run
         self._ids = itertools.count(1)
-        self._transfers: dict[int, _Incoming] = {}
-        self._by_request: dict[str, int] = {}
+        self._transfers: dict[int, _Incoming] = {}  # by transfer id: a request's record is its role's
         self._peer_caches: dict[str, tuple[SharedHandle, torch.Tensor]] = {}  # senders' shared caches, mapped
         self._imports: queue.Queue = queue.Queue(maxsize=IMPORT_QUEUE_DEPTH)
         self._importer = threading.Thread(target=self._import_loop, name="kv-import", daemon=True)
@@ -106,7 +105,6 @@ class KVReceiver(KVEndpoint):
             self._transfers[transfer_id] = _Incoming(
                 request_id, transfer_id, index, dict(sources), deadline, num_placeholders=num_placeholders(block_ids)
             )
-            self._by_request[request_id] = transfer_id
         for peer_id, address in sources.items():
             self._channel(peer_id, address).wake_receiver()
         return transfer_id
@@ -114,9 +112,9 @@ class KVReceiver(KVEndpoint):
     def abort(self, request_id: str) -> None:
         """Stop writing into the request's blocks (call before freeing them)."""
         with self._lock:
-            transfer_id = self._by_request.pop(request_id, None)
-            tr = self._transfers.pop(transfer_id, None)
-            if tr is not None:
+            # A handful of transfers are in flight at once: a scan, not an index by request.
+            for tr in [t for t in self._transfers.values() if t.request_id == request_id]:
+                del self._transfers[tr.transfer_id]
                 tr.state = TransferState.FAILED
 
     # ---- called by channel threads -------------------------------------------------------------
@@ -297,7 +295,6 @@ class KVReceiver(KVEndpoint):
 
     def _finish(self, tr: _Incoming, error: str | None = None) -> None:
         self._transfers.pop(tr.transfer_id, None)
-        self._by_request.pop(tr.request_id, None)
         # Transfer time runs from the first byte: time spent waiting for the prefill is not the network's.
         self._report(
             TransferResult(

@@ -348,7 +348,7 @@ class SimInstance:
     @property
     def decode_context_tokens(self) -> int:
         s = self.scheduler
-        return sum(r.num_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting_for_kv.values())
+        return sum(r.num_tokens for r in s.running) + sum(r.num_tokens for r in s.waiting_for_kv)
 
     def cached_tokens(self, block_hashes) -> int:
         return 0  # prefix caching is not modelled

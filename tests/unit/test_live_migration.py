@@ -17,7 +17,7 @@ from disagg.request import priority_value
 
 MAX_TOKENS = 24
 MOVE_AFTER = 6  # output tokens before the move starts
-TIMEOUT_S = 60.0
+TIMEOUT_S = 180.0  # a loaded 2-core machine: SmolLM2 decodes ~48 tokens x 3 requests on two engines
 
 
 def _worker(model_dir: str, hub: InProcessHub, name: str) -> DecodeRole:
@@ -74,6 +74,7 @@ def _run_with_move(model_dir: str, prompts, params, *, break_target: bool = Fals
             assert streamed["r0"][: len(outputs)] == outputs, "paused after tokens the client has not seen"
             checked = True
         time.sleep(0.001)
+    assert a.is_idle() and b.is_idle(), f"still decoding after {TIMEOUT_S:.0f} s: {streamed}"
     return [streamed[f"r{i}"] for i in range(len(prompts))], move, a, b
 
 

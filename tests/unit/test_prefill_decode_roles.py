@@ -51,8 +51,8 @@ def _assert_kv_shape(kv, engine: LLMEngine, num_prompt_tokens: int, layer: int |
 def _transfer(prefill: LLMEngine, decode: LLMEngine, rid: str, num_prompt_tokens: int, per_layer: bool) -> None:
     """Move one request's prompt KV from P's held blocks into D's reserved ones, whole or layer
     by layer (what the KV transfer does between processes)."""
-    source = prefill.scheduler.held_for_export[rid].block_ids
-    target = decode.scheduler.waiting_for_kv[rid].block_ids
+    source = prefill.scheduler.requests[rid].block_ids
+    target = decode.scheduler.requests[rid].block_ids
     if per_layer:
         for layer in range(prefill.model_config.num_hidden_layers):
             kv = prefill.kv_cache.export_blocks(source, layer)

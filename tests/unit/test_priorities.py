@@ -209,7 +209,9 @@ def test_a_critical_reservation_suspends_the_sheddable_decode_and_it_resumes_whe
     blocks = list(s.requests["sheddable"].block_ids)
     assert not s.reserve_for_remote_prefill(request("also-sheddable", SHEDDABLE))  # no one it outranks
     decoding(s, request("critical", CRITICAL, max_tokens=50))
-    assert list(s.suspended) == ["sheddable"] and s.requests["sheddable"].block_ids == blocks  # KV kept
+    assert [r.request_id for r in s.suspended] == ["sheddable"] and s.requests[
+        "sheddable"
+    ].block_ids == blocks  # KV kept
     assert sorted(c.request.request_id for c in step(s).chunks) == ["critical", "standard"]
     step(s)  # the standard one ends (3 tokens): its slot frees
     assert sorted(c.request.request_id for c in step(s).chunks) == ["critical", "sheddable"]
@@ -230,7 +232,7 @@ def test_under_ltr_only_a_much_shorter_prediction_displaces_the_longest_predicte
     assert not s.reserve_for_remote_prefill(request("not-short-enough", predicted_output_len=101))
     assert not s.reserve_for_remote_prefill(request("unknown"))  # no prediction: never displaces
     decoding(s, request("short", max_tokens=300, predicted_output_len=90))
-    assert list(s.suspended) == ["long"]
+    assert [r.request_id for r in s.suspended] == ["long"]
 
 
 def test_a_suspended_request_is_back_within_its_bound_however_many_short_ones_arrive():
@@ -264,7 +266,7 @@ def test_a_colocated_engine_suspends_for_a_critical_prompt_that_waits():
     step(s)
     s.add_request(request("critical", CRITICAL, max_tokens=2))
     assert [c.request.request_id for c in step(s).chunks] == ["critical"]
-    assert list(s.suspended) == ["sheddable"]
+    assert [r.request_id for r in s.suspended] == ["sheddable"]
     step(s)  # the critical one's last token
     assert [c.request.request_id for c in step(s).chunks] == ["sheddable"]
 

@@ -153,7 +153,7 @@ def test_prefill_role_holds_blocks_until_released():
     r = make_request("p", 19, 10)
     s.add_request(r)
     run_to_completion(s)
-    assert r.output_token_ids == [7] and "p" in s.held_for_export
+    assert r.output_token_ids == [7] and s.holds("p", RequestStatus.HELD_FOR_EXPORT)
     assert len(r.block_ids) == 5  # ceil(19 / 4): the prompt's KV, ready to export
     assert s.block_manager.num_free_blocks == s.block_manager.num_total_blocks - 5
     s.release("p")
