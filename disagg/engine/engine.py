@@ -204,8 +204,8 @@ class LLMEngine:
         quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
         model.load_weights(source.iter_weights(), pack=not quantized)
         if quantized:
-            # The copy for many-row steps: prompt_precision where prompts are computed, bfloat16
-            # on a decode instance (its batches of more than 4; a role switch keeps the copy it has).
+            # The copy for prompt rows: prompt_precision where prompts are computed, bfloat16 on a
+            # decode instance (for a role switch, which keeps the copy it has).
             prefills = self.config.role is not Role.DECODE
             wide_dtype = wide_dtype_for(prefills, self.config.prompt_precision)
             model.quantize_weights(weights, source.gguf_types(), wide_dtype)

@@ -215,7 +215,9 @@ def test_the_vocabulary_takes_int8_rows_for_decodes_and_exact_ones_for_prompts()
     decodes, prompts = torch.randn(6, IN), torch.randn(3, IN)
     both = vocab.linear(torch.cat([decodes, prompts]), decode_rows=6)
     prompts_alone = vocab.linear(prompts[1:2], decode_rows=0)
-    assert torch.equal(both[:6], ops.q8_gemv(decodes, vocab.q, vocab.scales))  # 6 > QUANTIZED_MAX_ROWS still
+    assert torch.equal(
+        both[:6], ops.q8_gemv(decodes, vocab.q, vocab.scales)
+    )  # 6 > QUANTIZED_MAX_ROWS: the kernel still
     torch.testing.assert_close(both[6:], prompts @ reference.T, rtol=1e-5, atol=1e-5)  # exact
     assert torch.equal(prompts_alone[0], both[7])
     int8_error = (both[:6] - decodes @ reference.T).abs().max()
