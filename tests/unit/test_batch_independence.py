@@ -16,7 +16,7 @@ from disagg.engine.layers.quantized import Int4Weight
 
 VOCAB = 256
 GREEDY = dict(temperature=0.0, ignore_eos=True, logprobs=0)
-TARGETS = random_prompts([6, 23, 41], VOCAB, seed=21)
+TARGETS = random_prompts([6, 41, 150], VOCAB, seed=21)
 
 
 @pytest.fixture
@@ -53,29 +53,31 @@ def llm(tiny_gqa_dir):
 
 
 def _run(llm, target: list[int], others: int, seed: int) -> list[tuple[int, float]]:
-    """`target`'s tokens and logprobs among `others`: half of them started two steps before it
-    (decoding when it arrives), half arriving with it (prompt rows beside its own)."""
+    """`target`'s tokens and logprobs among `others`: a third of them started two steps before it
+    (decoding when it arrives), a third arriving just before it (its prompt then gets what of the
+    step's budget they leave: it may be cut into chunks otherwise than alone), a third after."""
     engine = llm.engine
-    early = others // 2
     lengths = [(7 * i + seed) % 37 + 2 for i in range(others)]
     prompts = random_prompts(lengths, VOCAB, seed=seed)
-    for i, prompt in enumerate(prompts[:early]):
-        engine.add_request(
-            f"early-{i}", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=20, **GREEDY)
-        )
+    early, before = prompts[: others // 3], prompts[others // 3 : 2 * others // 3]
+    _add(engine, "early", early, max_tokens=20)
     for _ in range(2 if early else 0):
         engine.step()
-    engine.add_request("target", prompt_token_ids=target, sampling_params=SamplingParams(max_tokens=16, **GREEDY))
-    for i, prompt in enumerate(prompts[early:]):
-        engine.add_request(
-            f"late-{i}", prompt_token_ids=prompt, sampling_params=SamplingParams(max_tokens=12, **GREEDY)
-        )
+    _add(engine, "before", before, max_tokens=12)
+    _add(engine, "target", [target], max_tokens=16)
+    _add(engine, "after", prompts[2 * others // 3 :], max_tokens=12)
     result = None
     while engine.has_unfinished_requests():
         for out in engine.step():
-            if out.request_id == "target" and out.finished:
+            if out.request_id == "target-0" and out.finished:
                 result = out.outputs[0]
     return [(t, lp[t]) for t, lp in zip(result.token_ids, result.logprobs)]
+
+
+def _add(engine, name: str, prompts: list[list[int]], max_tokens: int) -> None:
+    params = SamplingParams(max_tokens=max_tokens, **GREEDY)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{name}-{i}", prompt_token_ids=prompt, sampling_params=params)
 
 
 @pytest.mark.parametrize("others", [1, 3, 7, 31])
@@ -83,3 +85,20 @@ def test_a_greedy_request_is_computed_alike_alone_and_among_others(llm, others):
     for n, target in enumerate(TARGETS):
         alone = _run(llm, target, 0, seed=0)
         assert _run(llm, target, others, seed=n + others) == alone, f"target {n} among {others}"
+
+
+def test_a_prompt_in_chunks_and_whole_gives_the_same_numbers(tiny_gqa_dir, ops):
+    """However a step's budget cuts a prompt (chunks of 16 or 50, each attending to the cached
+    ones before it, or whole), the same logprobs to the last bit: past 512 keys too."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([40, 77, 300, 700], VOCAB, seed=12)]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+
+    def run(budget: int):
+        chunked = LLM(model=tiny_gqa_dir, weights="int4", num_kv_blocks=512, max_num_batched_tokens=budget,
+                  enable_prefix_caching=False)  # fmt: skip
+        outs = chunked.generate(prompts, params, use_tqdm=False)
+        return [[(t, lp[t]) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+    whole = run(1024)
+    assert run(16) == whole
+    assert run(50) == whole
