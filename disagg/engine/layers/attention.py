@@ -213,11 +213,17 @@ def _decode_bucket(block_tables, context_lens, block_size, window, rows, firsts,
 
 
 def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, window: int | None) -> torch.Tensor:
-    if window is not None and span.start_pos + span.num_tokens > window:  # else the window never binds
+    binds = window is not None and span.start_pos + span.num_tokens > window  # else the window never binds
+    if q.device.type == "cpu" and not binds:
+        return _tiled_prefill_attention(q, kv_layer, span, scale)
+    return _untiled_prefill_attention(q, k, v, kv_layer, span, scale, window)
+
+
+def _untiled_prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, window: int | None):
+    """Plain SDPA: a chunk at position 0 over its own fresh keys, causal; a later one over the cache."""
+    if window is not None and span.start_pos + span.num_tokens > window:
         keys, values, mask = _windowed_prefill_keys(k, v, kv_layer, span, window)
         causal = False
-    elif q.device.type == "cpu":
-        return _tiled_prefill_attention(q, kv_layer, span, scale)
     elif span.start_pos == 0:
         keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
     else:
