@@ -235,8 +235,8 @@ class EngineConfig:
     weights: str = field(default_factory=EnvDefault("DISAGG_WEIGHTS", _lowered))
     # Quantized weights: what prompts multiply in (a decode's row takes the 4/8-bit kernel). fp32: a prompt's
     # first token is the reference's (transformers on the dequantized weights) even at a near-tie;
-    # bf16: 1.4-1.7x faster prompts, llama.cpp-like numbers. A decode instance, which computes no
-    # prompts, uses bf16 either way. (disagg/engine/layers/quantized.py)
+    # bf16: 1.4-1.7x faster prompts, llama.cpp-like numbers; a decode instance too (the prompts
+    # it recomputes then match a prefill instance's). (disagg/engine/layers/quantized.py)
     prompt_precision: str = "fp32"
     # Structured output: tokens a request's grammar forces are appended without sampling them
     # (SGLang's jump-forward); off: each is decoded in a step of its own.

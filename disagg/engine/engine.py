@@ -204,10 +204,9 @@ class LLMEngine:
         quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
         model.load_weights(source.iter_weights(), pack=not quantized)
         if quantized:
-            # The copy for prompt rows: prompt_precision where prompts are computed, bfloat16 on a
-            # decode instance (for a role switch, which keeps the copy it has).
-            prefills = self.config.role is not Role.DECODE
-            wide_dtype = wide_dtype_for(prefills, self.config.prompt_precision)
+            # The copy for prompt rows, in prompt_precision on every instance (a decode instance
+            # computes prompts after a role switch or a preemption, and must compute them alike).
+            wide_dtype = wide_dtype_for(self.config.prompt_precision)
             model.quantize_weights(weights, source.gguf_types(), wide_dtype)
             if self.config.batch_invariant:
                 model.every_row_quantized()

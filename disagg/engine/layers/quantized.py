@@ -13,8 +13,8 @@ the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two ke
   enter them as bfloat16.
 
 A prompt's rows take a packed float copy of the same dequantized weights instead: float32 by
-default (EngineConfig.prompt_precision; a decode instance, which computes no prompts, keeps
-bfloat16), so a prompt is computed as the reference computes it
+default (EngineConfig.prompt_precision, on every instance), so a prompt is computed as the
+reference computes it
 (transformers on the dequantized GGUF): its first token is the reference's own, even where two
 tokens nearly tie (SmolLM2's "What is the capital of France?": 0.08 nats between "The" and "L'",
 which bfloat16 products or int8 activations flip). The vocabulary projection has no such copy:
@@ -50,9 +50,8 @@ QUANTIZED_FORMATS = ("int8", "int4")
 INT4_GROUP = 32  # GGUF's block size; torch's int4 kernel takes 32, 64, 128 or 256
 _INT4_INNER_K_TILES = 2  # the packing's tile count: what the CPU kernel is built for
 _TORCH_KERNEL_DTYPE = torch.bfloat16  # what torch's weight-only kernels compute in
-# The copy for steps of many rows: float32 where prompts are computed (the reference's own
-# products); a decode instance's, which computes a prompt only after a role switch, bfloat16
-# (half the memory: `wide_dtype_for`).
+# The copy for prompt rows: float32 by default (the reference's own products), bfloat16 with
+# EngineConfig.prompt_precision = bf16 (`wide_dtype_for`).
 _WIDE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows multiplied at once above which a oneDNN GEMM over the dequantized weights beats
 # torch's weight-only kernels: those read 4- or 8-bit weights, which is what a decode step of a
@@ -209,10 +208,12 @@ class Int8Weight(_QuantizedGemm):
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-def wide_dtype_for(prefills: bool, prompt_precision: str = "fp32") -> torch.dtype:
-    """The many-row copy's dtype: `prompt_precision` (EngineConfig) on an engine that computes
-    prompts (fp32: its first tokens the reference's), bfloat16 on a decode-only one."""
-    return torch.float32 if prefills and prompt_precision == "fp32" else torch.bfloat16
+def wide_dtype_for(prompt_precision: str = "fp32") -> torch.dtype:
+    """The prompt rows' copy's dtype: `prompt_precision` (EngineConfig; fp32: a prompt's first
+    token the reference's). A decode instance's too: the prompts it computes (after a role
+    switch, a preemption) then give what a prefill instance's would, at the cost of the copy's
+    bytes (SmolLM2-135M: 425 MiB in float32, 212 in bfloat16)."""
+    return torch.float32 if prompt_precision == "fp32" else torch.bfloat16
 
 
 def _max_narrow_decodes(kernels) -> int | None:
