@@ -102,3 +102,15 @@ def test_a_prompt_in_chunks_and_whole_gives_the_same_numbers(tiny_gqa_dir, ops):
     whole = run(1024)
     assert run(16) == whole
     assert run(50) == whole
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_alike_alone_and_among_seven(ops):
+    """The default model (SmolLM2-135M's Q4_1 GGUF): the capital-of-France answer, and its tokens'
+    logprobs, the same alone and beside 7 other requests (decoding, and prompts in its steps)."""
+    llm = LLM(num_kv_blocks=256, enable_prefix_caching=False, weights="auto")  # the tests' default is fp32
+    tokenizer = llm.tokenizer
+    target = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    alone = _run(llm, target, 0, seed=0)
+    assert "Paris" in tokenizer.decode([t for t, _ in alone])
+    assert _run(llm, target, 7, seed=5) == alone
