@@ -14,16 +14,16 @@ the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two ke
 
 A prompt's rows take a packed float copy of the same dequantized weights instead: float32 by
 default (EngineConfig.prompt_precision, on every instance), so a prompt is computed as the
-reference computes it
-(transformers on the dequantized GGUF): its first token is the reference's own, even where two
+reference computes it (transformers on the dequantized GGUF): its first token is the reference's own, even where two
 tokens nearly tie (SmolLM2's "What is the capital of France?": 0.08 nats between "The" and "L'",
 which bfloat16 products or int8 activations flip). The vocabulary projection has no such copy:
 its prompt rows take the int8 weights with float32 activations (q8_gemv_exact).
 
 Which path a row takes depends on what the row is, never on how many rows its step holds: a
-decode's row takes our kernel however many decode beside it (at 8 to 32 decodes the float copy
-was up to ~1.2x faster a GEMM, but a greedy request's text then depended on how busy the engine
-was: loadtest/results/batch_invariance.md), a prompt's rows the copy however few they are. Each
+decode's row takes our kernel however many decode beside it (at 32 decodes the float copy made
+a step ~10% faster, at 8 the kernel is the faster, but with the copy past 4 a greedy request's
+text depended on how busy the engine was: loadtest/results/batch_invariance.md), a prompt's
+rows the copy however few they are. Each
 path gives a row the same bits in any batch: our kernels compute every row alone (in registers
 of its own, in a fixed order), and oneDNN's float32 GEMM over a prepacked weight keeps each
 row's sums whatever the number of rows, from 2 (one row is paired with itself: _wide_product).
