@@ -237,21 +237,22 @@ class EngineConfig:
     # load, CPU: disagg/engine/layers/quantized.py), fp8 (quantized at load, per-channel scales,
     # CUDA with FP8 tensor cores: Hopper, Ada; disagg/engine/layers/fp8.py).
     weights: str = field(default_factory=EnvDefault("DISAGG_WEIGHTS", _lowered))
-    # Quantized weights: what prompts (and decode batches past 4) multiply in. fp32: a prompt's
+    # Quantized weights: what prompts multiply in (a decode's row takes the 4/8-bit kernel). fp32: a prompt's
     # first token is the reference's (transformers on the dequantized weights) even at a near-tie;
-    # bf16: 1.4-1.7x faster prompts, llama.cpp-like numbers. A decode instance, which computes no
-    # prompts, uses bf16 either way. (disagg/engine/layers/quantized.py)
+    # bf16: 1.4-1.7x faster prompts, llama.cpp-like numbers; a decode instance too (the prompts
+    # it recomputes then match a prefill instance's). (disagg/engine/layers/quantized.py)
     prompt_precision: str = "fp32"
     # Structured output: tokens a request's grammar forces are appended without sampling them
     # (SGLang's jump-forward); off: each is decoded in a step of its own.
     jump_forward: bool = True
-    # Outputs that do not depend on what else is in the batch: with quantized weights, every row
-    # (prompt rows too) takes the quantized kernel, row by row, where by default prompt rows and
-    # more than 4 decode rows take a float copy, faster and not bit-equal (layers/quantized.py).
-    # Every row's attention, a prompt's too, goes through the decode kernel over the paged cache,
-    # so a prompt in chunks or whole, or recomputed with the tokens it generated (a migration),
-    # gives the same numbers. Slower prompts, and a prompt's first token as llama.cpp computes it
-    # (int8 activations), not as transformers does.
+    # Outputs that do not depend on how a prompt was computed: with quantized weights, every row
+    # (prompt rows too) takes the quantized kernel, row by row, where by default a prompt's rows
+    # take a float copy, faster and not bit-equal to a decode's (layers/quantized.py; either way
+    # no row's numbers depend on how many others its step holds). Every row's attention, a
+    # prompt's too, goes through the decode kernel over the paged cache, so a prompt in chunks
+    # or whole, or recomputed with the tokens it generated (a migration), gives the same numbers.
+    # Slower prompts, and a prompt's first token as llama.cpp computes it (int8 activations),
+    # not as transformers does.
     batch_invariant: bool = False
     # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
     # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.

@@ -208,10 +208,9 @@ class LLMEngine:
             logger.info(model.fp8_weights())
             torch.cuda.empty_cache()  # the bf16 copies just freed, back for the KV cache
         if quantized:
-            # The copy for many-row steps: prompt_precision where prompts are computed, bfloat16
-            # on a decode instance (its batches of more than 4; a role switch keeps the copy it has).
-            prefills = self.config.role is not Role.DECODE
-            wide_dtype = wide_dtype_for(prefills, self.config.prompt_precision)
+            # The copy for prompt rows, in prompt_precision on every instance (a decode instance
+            # computes prompts after a role switch or a preemption, and must compute them alike).
+            wide_dtype = wide_dtype_for(self.config.prompt_precision)
             model.quantize_weights(weights, source.gguf_types(), wide_dtype)
             if self.config.batch_invariant:
                 model.every_row_quantized()

@@ -1,7 +1,8 @@
 """EngineConfig.batch_invariant: with quantized weights every row, prompt or decode, takes the
-quantized kernel row by row, so an output depends on nothing else in the batch, and a request
-recomputed with the tokens it generated (a migration) continues as it would have. By default
-prompt rows and more than 4 decode rows take a float copy, whose sums are not the kernel's."""
+quantized kernel row by row, so a request recomputed with the tokens it generated (a
+migration) continues as it would have, and a prompt's rows are computed alike in chunks or
+whole. By default a decode's row takes the kernel and a prompt's rows a float copy, whose sums
+are not the kernel's (each path independent of the batch: test_batch_independence.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def test_every_row_takes_the_kernel_only_when_batch_invariant(ops):
     narrow = weight._narrow(rows)
     assert torch.equal(invariant_decodes, narrow) and torch.equal(invariant_prompt, narrow)
     assert torch.equal(narrow[:1], weight._narrow(rows[:1]))  # row by row: the same alone
-    assert torch.equal(default_decodes, weight._wide_product(rows))  # what batch_invariant avoids
-    assert torch.equal(default_prompt, weight._wide_product(rows))
+    assert torch.equal(default_decodes, narrow)  # decode rows: the kernel, however many
+    assert torch.equal(default_prompt, weight._wide_product(rows))  # what batch_invariant avoids
 
 
 def test_the_setting_reaches_every_quantized_weight(tiny_llama_dir):

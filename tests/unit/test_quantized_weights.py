@@ -215,7 +215,9 @@ def test_the_vocabulary_takes_int8_rows_for_decodes_and_exact_ones_for_prompts()
     decodes, prompts = torch.randn(6, IN), torch.randn(3, IN)
     both = vocab.linear(torch.cat([decodes, prompts]), decode_rows=6)
     prompts_alone = vocab.linear(prompts[1:2], decode_rows=0)
-    assert torch.equal(both[:6], ops.q8_gemv(decodes, vocab.q, vocab.scales))  # 6 > QUANTIZED_MAX_ROWS still
+    assert torch.equal(
+        both[:6], ops.q8_gemv(decodes, vocab.q, vocab.scales)
+    )  # 6 > QUANTIZED_MAX_ROWS: the kernel still
     torch.testing.assert_close(both[6:], prompts @ reference.T, rtol=1e-5, atol=1e-5)  # exact
     assert torch.equal(prompts_alone[0], both[7])
     int8_error = (both[:6] - decodes @ reference.T).abs().max()
@@ -258,11 +260,18 @@ def test_a_decode_row_beside_prefill_rows_takes_the_fused_mlp_kernel():
     assert torch.equal(beside[1:], torch.nn.functional.silu(gate) * up)
 
 
-def test_a_decode_instance_keeps_a_bfloat16_copy_and_a_prompt_computing_one_float32():
+def test_the_prompt_copy_is_float32_unless_prompt_precision_says_bf16():
+    """On every instance, a decode one too: the prompts it recomputes must match a prefill one's."""
+    from disagg.config import EngineConfig, Role
+    from disagg.engine.engine import LLMEngine
     from disagg.engine.layers.quantized import wide_dtype_for
 
-    assert wide_dtype_for(prefills=True) == torch.float32 and wide_dtype_for(prefills=False) == torch.bfloat16
-    assert wide_dtype_for(prefills=True, prompt_precision="bf16") == torch.bfloat16  # speed over fidelity
+    assert wide_dtype_for() == torch.float32
+    assert wide_dtype_for(prompt_precision="bf16") == torch.bfloat16  # speed over fidelity
+    decode = (
+        LLMEngine(EngineConfig(role=Role.DECODE, num_kv_blocks=8, weights="auto")).model.layers[0].mlp.down_proj.packed
+    )
+    assert decode.wide_dtype == torch.float32
     with pytest.raises(ValueError, match="prompt_precision"):
         LLM(num_kv_blocks=8, prompt_precision="fp16")
     torch.manual_seed(8)

@@ -7,6 +7,15 @@ runs SDPA, over a few buckets of similar context length so that padding stays sm
 call (a step holds few of them); a chunk that starts at position 0 attends to its own fresh K/V
 and needs no gather at all.
 
+On CPU a prefill chunk's rows get the same numbers however its prompt was cut into chunks (which
+depends on what else its steps held: the budget they left), so that a request's first token does
+not depend on how busy the engine is. Torch's CPU SDPA sums a row over blocks of 512 keys and
+takes queries in blocks of 32, 64 or 256, and a block's sums depend on its width, and a block of
+1 to 3 queries takes another path: so every chunk reads its keys from the cache up to a whole
+number of 512-key blocks, masked past its own (their products exact zeros), and its queries are
+padded to a multiple of 32 (a copy of its last row). The cost is that padding: at most 511 keys
+and 31 queries more per chunk and layer (loadtest/results/batch_invariance.md).
+
 A sliding-window layer passes its window W: each query then attends to its last W positions, its
 own included (HF's `kv_idx > q_idx - W`), and every path reads only the blocks that hold them
 (the kernels start at the window; the torch paths gather from its first block on), so a block
@@ -29,6 +38,10 @@ import torch.nn.functional as F
 from disagg.engine.layers import cpu_kernels, gpu_kernels
 from disagg.engine.layers.cpu_kernels import DecodeKernel
 
+# CPU prefill chunks: torch's SDPA's key and query block sizes (see above; the test of chunked and
+# whole prompts checks that they still hold).
+SDPA_KEY_TILE = 512
+SDPA_QUERY_TILE = 32
 # Torch path: buckets of decodes by context length, enough to cut padding, few enough that
 # per-call overhead stays small.
 MAX_DECODE_BUCKETS = 4
@@ -71,6 +84,17 @@ class PrefillSpan:
     block_ids: torch.Tensor  # [n] long: blocks covering positions [0, start_pos + num_tokens)
     mask: torch.Tensor | None = None  # [num_tokens, ctx_len] bool; None when start_pos == 0 (plain causal)
     _windowed: dict[int, "WindowedKeys"] = field(default_factory=dict, repr=False)
+    _tiled_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def tiled_mask(self) -> torch.Tensor:
+        """[queries padded to SDPA_QUERY_TILE, keys padded to SDPA_KEY_TILE] bool, True = attend:
+        the chunk's causal mask on CPU (_tiled_prefill_attention), built once per step."""
+        if self._tiled_mask is None:
+            end = self.start_pos + self.num_tokens
+            queries = torch.arange(self.start_pos, end + -self.num_tokens % SDPA_QUERY_TILE).clamp_max(end - 1)
+            keys = torch.arange(-(-end // SDPA_KEY_TILE) * SDPA_KEY_TILE)
+            self._tiled_mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).to(self.block_ids.device)
+        return self._tiled_mask
 
     def windowed(self, window: int, block_size: int) -> "WindowedKeys":
         """What a layer of sliding window `window` reads, built once per step and window."""
@@ -189,7 +213,15 @@ def _decode_bucket(block_tables, context_lens, block_size, window, rows, firsts,
 
 
 def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, window: int | None) -> torch.Tensor:
-    if window is not None and span.start_pos + span.num_tokens > window:  # else the window never binds
+    binds = window is not None and span.start_pos + span.num_tokens > window  # else the window never binds
+    if q.device.type == "cpu" and not binds:
+        return _tiled_prefill_attention(q, kv_layer, span, scale)
+    return _untiled_prefill_attention(q, k, v, kv_layer, span, scale, window)
+
+
+def _untiled_prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, window: int | None):
+    """Plain SDPA: a chunk at position 0 over its own fresh keys, causal; a later one over the cache."""
+    if window is not None and span.start_pos + span.num_tokens > window:
         keys, values, mask = _windowed_prefill_keys(k, v, kv_layer, span, window)
         causal = False
     elif span.start_pos == 0:
@@ -200,6 +232,24 @@ def _prefill_attention(q, k, v, kv_layer, span: PrefillSpan, scale: float, windo
         values = _gather(kv_layer[1], span.block_ids).flatten(1, 2)[:, :ctx_len]
         mask, causal = span.mask, False
     return _sdpa(q, keys, values, mask, causal, scale)
+
+
+def _tiled_prefill_attention(q, kv_layer, span: PrefillSpan, scale: float) -> torch.Tensor:
+    """A chunk's rows computed alike however its prompt is chunked (the module's docstring)."""
+    mask = span.tiled_mask()
+    end = span.start_pos + span.num_tokens
+    keys, values = (_padded_cache_rows(kv_layer[i], span.block_ids, end, mask.shape[1]) for i in (0, 1))
+    padding = mask.shape[0] - span.num_tokens
+    rows = torch.cat([q, q[-1:].expand(padding, -1, -1)]) if padding else q
+    return _sdpa(rows, keys, values, mask, False, scale)[: span.num_tokens]
+
+
+def _padded_cache_rows(cache: torch.Tensor, block_ids: torch.Tensor, end: int, width: int) -> torch.Tensor:
+    """Positions [0, end) of one sequence's cached keys or values, [KVH, width, D], zeros past
+    `end` (a block's slots past it may hold anything, NaN included, which a zero weight would
+    not cancel)."""
+    rows = _gather(cache, block_ids).flatten(1, 2)[:, :end]
+    return F.pad(rows, (0, 0, 0, width - end))
 
 
 def _windowed_prefill_keys(k, v, kv_layer, span: PrefillSpan, window: int):

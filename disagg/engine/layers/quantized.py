@@ -12,13 +12,21 @@ the memory bandwidth: 4-bit weights are read 8x faster than float32 ones. Two ke
   bfloat16 one on this project's AVX-512 host (RESULTS.md, "Quantized weights"), so activations
   enter them as bfloat16.
 
-Steps of many rows (a prompt's chunk, a large decode batch) take a packed float copy of the
-same dequantized weights instead: float32 by default (EngineConfig.prompt_precision; a decode
-instance, which computes no prompts, keeps bfloat16), so a prompt is computed as the reference computes it
-(transformers on the dequantized GGUF): its first token is the reference's own, even where two
+A prompt's rows take a packed float copy of the same dequantized weights instead: float32 by
+default (EngineConfig.prompt_precision, on every instance), so a prompt is computed as the
+reference computes it (transformers on the dequantized GGUF): its first token is the reference's own, even where two
 tokens nearly tie (SmolLM2's "What is the capital of France?": 0.08 nats between "The" and "L'",
 which bfloat16 products or int8 activations flip). The vocabulary projection has no such copy:
 its prompt rows take the int8 weights with float32 activations (q8_gemv_exact).
+
+Which path a row takes depends on what the row is, never on how many rows its step holds: a
+decode's row takes our kernel however many decode beside it (at 32 decodes the float copy made
+a step ~10% faster, at 8 the kernel is the faster, but with the copy past 4 a greedy request's
+text depended on how busy the engine was: loadtest/results/batch_invariance.md), a prompt's
+rows the copy however few they are. Each
+path gives a row the same bits in any batch: our kernels compute every row alone (in registers
+of its own, in a fixed order), and oneDNN's float32 GEMM over a prepacked weight keeps each
+row's sums whatever the number of rows, from 2 (one row is paired with itself: _wide_product).
 
 Formats:
 - int4: groups of 32 weights along the input, each with its scale and offset (w = scale * q +
@@ -42,14 +50,14 @@ QUANTIZED_FORMATS = ("int8", "int4")
 INT4_GROUP = 32  # GGUF's block size; torch's int4 kernel takes 32, 64, 128 or 256
 _INT4_INNER_K_TILES = 2  # the packing's tile count: what the CPU kernel is built for
 _TORCH_KERNEL_DTYPE = torch.bfloat16  # what torch's weight-only kernels compute in
-# The copy for steps of many rows: float32 where prompts are computed (the reference's own
-# products); a decode instance's, which serves only decode batches of more than 4, bfloat16
-# (2x faster there and half the memory: `wide_dtype_for`).
+# The copy for prompt rows: float32 by default (the reference's own products), bfloat16 with
+# EngineConfig.prompt_precision = bf16 (`wide_dtype_for`).
 _WIDE_DTYPES = (torch.float32, torch.bfloat16)
 # Rows multiplied at once above which a oneDNN GEMM over the dequantized weights beats
 # torch's weight-only kernels: those read 4- or 8-bit weights, which is what a decode step of a
 # few requests is bound by, but compute poorly on many rows (at 8 rows of SmolLM2's MLP: 114 us
-# against 59; at 1 row: 36 against 53; RESULTS.md, "Quantized weights").
+# against 59; at 1 row: 36 against 53; RESULTS.md, "Quantized weights"). Ours take every
+# decode row (no such limit): see the module's docstring.
 QUANTIZED_MAX_ROWS = 4
 
 
@@ -61,7 +69,8 @@ class _QuantizedGemm:
     _wide: torch.Tensor | None = None
     wide_dtype: torch.dtype = torch.float32
     # A step's decode rows take the quantized kernel while there are at most this many (None:
-    # however many); beyond, the copy is faster.
+    # however many, as with ours: a decode's numbers then never depend on the batch); beyond,
+    # torch's kernels are slower than the copy.
     max_narrow_decodes: int | None = QUANTIZED_MAX_ROWS
     # Every row, prompt rows too, on the quantized kernel (EngineConfig.batch_invariant): a row's
     # numbers then depend on nothing else in the step, and a prompt recomputed with the tokens a
@@ -91,8 +100,8 @@ class _QuantizedGemm:
 
         Within an engine step (`decodes`: its leading rows that decode a generated token) prompt
         rows always take the copy (float32: the first token is the reference's), and a decode's
-        row the kernel while the step has at most `max_narrow_decodes` of them. Outside a step
-        (None): by count."""
+        row the kernel (with torch's, while the step has at most `max_narrow_decodes` of them).
+        Outside a step (None): by count."""
         if self.every_row_narrow or not self._has_wide_path():
             return num_rows
         if decodes is None:
@@ -146,6 +155,7 @@ class Int8Weight(_QuantizedGemm):
 
     def __init__(self, weight: torch.Tensor, kernels=None, wide_dtype: torch.dtype = torch.float32):
         self.kernels, self.wide_dtype = kernels, _checked_wide_dtype(wide_dtype)
+        self.max_narrow_decodes = _max_narrow_decodes(kernels)
         self.shape = tuple(weight.shape)
         if kernels is not None:
             self.q, self.scales = int8_blocks(weight)
@@ -162,6 +172,7 @@ class Int8Weight(_QuantizedGemm):
         float32: a tied embedding's), shared rather than copied."""
         weight = cls.__new__(cls)
         weight.kernels, weight.shape, weight.q, weight.scales = kernels, tuple(q.shape), q, scales
+        weight.max_narrow_decodes = _max_narrow_decodes(kernels)
         return weight
 
     def without_wide_copy(self) -> "Int8Weight":
@@ -171,7 +182,7 @@ class Int8Weight(_QuantizedGemm):
         many others were sampled with it (oneDNN picks its kernel by the number of rows), and
         no float copy of the vocabulary (113 MiB for SmolLM2) is kept."""
         if self.kernels is not None:
-            self._wide, self.max_narrow_decodes = None, None
+            self._wide = None
         return self
 
     def _has_wide_path(self) -> bool:
@@ -197,10 +208,17 @@ class Int8Weight(_QuantizedGemm):
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-def wide_dtype_for(prefills: bool, prompt_precision: str = "fp32") -> torch.dtype:
-    """The many-row copy's dtype: `prompt_precision` (EngineConfig) on an engine that computes
-    prompts (fp32: its first tokens the reference's), bfloat16 on a decode-only one."""
-    return torch.float32 if prefills and prompt_precision == "fp32" else torch.bfloat16
+def wide_dtype_for(prompt_precision: str = "fp32") -> torch.dtype:
+    """The prompt rows' copy's dtype: `prompt_precision` (EngineConfig; fp32: a prompt's first
+    token the reference's). A decode instance's too: the prompts it computes (after a role
+    switch, a preemption) then give what a prefill instance's would, at the cost of the copy's
+    bytes (SmolLM2-135M: 425 MiB in float32, 212 in bfloat16)."""
+    return torch.float32 if prompt_precision == "fp32" else torch.bfloat16
+
+
+def _max_narrow_decodes(kernels) -> int | None:
+    """Ours take every decode row of a step (None), torch's at most QUANTIZED_MAX_ROWS."""
+    return None if kernels is not None else QUANTIZED_MAX_ROWS
 
 
 def _checked_wide_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -249,6 +267,7 @@ class Int4Weight(_QuantizedGemm):
         q, scales, low = _int4_grid(weight.detach().float().view(out_features, in_features // group, group), symmetric)
         self.kernels, self.group, self.shape = kernels, group, (out_features, in_features)
         self.wide_dtype = _checked_wide_dtype(wide_dtype)
+        self.max_narrow_decodes = _max_narrow_decodes(kernels)
         if kernels is not None:
             scales, low = scales.half(), low.half()  # GGUF's own float16 scale and minimum
             self.blocks = _q4_blocks(q, scales, low)
