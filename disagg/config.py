@@ -597,6 +597,9 @@ class ServingConfig:
     # A TP x PP instance's torch.distributed groups: how long its ranks may take to join them, and
     # each gloo collective (a peer that died mid-step fails it after this long).
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+    # Every Ray call and request-link call a control loop awaits (re-planning, rebalancing, drains,
+    # health, relaunch supervision) fails after this long: a wedged instance cannot stop a loop.
+    control_call_timeout_s: float = 10.0
     threads_per_worker: int = 1  # torch intra-op threads of each worker (a pool's instances entry may differ)
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
@@ -674,6 +677,7 @@ class ServingConfig:
             "replan_interval_s",
             "replan_window_s",
             "replan_switch_timeout_s",
+            "control_call_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(

@@ -71,6 +71,7 @@ from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.calibration import calibrate
 from disagg.router.warm_up import warm_up
+from disagg.supervision import supervised_task
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Server:
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
         self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
+        self.metrics = ServingMetrics()  # this frontend's (and, on frontend 0, the control loops')
 
     def start(self) -> "Server":
         """Within the config's start_timeout_s, or an error (what started is stopped)."""
@@ -138,7 +140,7 @@ class Server:
         # A Ray we started takes the placement groups down with it; a shared one needs them removed.
         self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
         self.launcher.launch()
-        self.launcher.supervise()
+        self.launcher.supervise(on_failure=self.metrics.control_loop_failed)
         # The model's shape and tokenizer come from a worker: this node may hold no model files
         # (a `ray up` head), and the frontend tokenizes as the workers do (disagg.engine.model_card).
         card = ray.get(self.launcher.instances[0].actor.model_card.remote(), timeout=timeout_s)
@@ -248,7 +250,7 @@ class Server:
         hf_tokenizer = card.tokenizer()
         tokenizer = Tokenizer(hf_tokenizer) if hf_tokenizer is not None else None
         limits = await _model_limits(config, card, directory)
-        metrics = ServingMetrics()
+        metrics = self.metrics
         replanning, arrival_feed = None, None
         if self.index == 0:
             replanning = self._replanning(directory, card, metrics, registry)
@@ -282,12 +284,13 @@ class Server:
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         self.live_moves = LiveMoves(orchestrator, directory)
+        counted = metrics.control_loop_failed
         tasks = [
-            asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges"),
-            asyncio.create_task(_report_health(config, directory, health_servicer), name="health"),
+            supervised_task("gauges", lambda: self._refresh_gauges(directory, metrics), counted),
+            supervised_task("health", lambda: _report_health(config, directory, health_servicer), counted),
+            # Every frontend moves its own requests off a leaving instance; the rest runs once.
+            supervised_task("drains", lambda: _drain_leavers(directory, self.live_moves, metrics), counted),
         ]
-        # Every frontend moves its own requests off a leaving instance; the rest runs once.
-        tasks.append(asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains"))
         if self.index == 0:
             tasks += self._control_loops(replanning, metrics)
         _freeze_startup_heap()
@@ -311,12 +314,12 @@ class Server:
 
     def _control_loops(self, replanning: ReplanLoop | None, metrics) -> list[asyncio.Task]:
         """Where instances may switch: re-planning and rebalancing (frontend 0's requests only)."""
-        tasks = []
+        tasks, counted = [], metrics.control_loop_failed
         if replanning is not None:
-            tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
+            tasks.append(supervised_task("replanning", replanning.run, counted))
         if self.config.switchable():
-            rebalance = _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)
-            tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
+            rebalance = lambda: _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)  # noqa: E731
+            tasks.append(supervised_task("rebalancing", rebalance, counted))
         return tasks
 
     def _replanning(self, directory, card: ModelCard, metrics, registry) -> ReplanLoop | None:
@@ -361,6 +364,10 @@ class Server:
             metrics.refresh_slo_window()
             shown = current
             await asyncio.sleep(interval_s)
+
+    def serving(self) -> bool:
+        """Whether this frontend's serving thread (its event loop: gRPC, HTTP, the loops) runs."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self, cluster_gone: bool = False) -> None:
         """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours).
@@ -411,16 +418,20 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
         with open(ready_file, "w") as f:
             f.write(f"{server.address}\n{others}")
     cluster = ClusterWatch.of_ray() if config.ray_address else None
-    cluster_gone = False
+    cluster_gone, code = False, 0
     while not stop.wait(1.0):
         if cluster is not None and cluster.gone():
             print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
             cluster_gone = True
             break
+        if not server.serving():
+            print("disagg: the frontend's serving thread ended (its log says why)", flush=True)
+            code = 1
+            break
     print(f"disagg: shutting down (in-flight requests get {config.drain_grace_s:.0f}s)", flush=True)
     server.stop(cluster_gone)
     print("disagg: stopped", flush=True)
-    return 0
+    return code
 
 
 def _replica_placement(host: str):
@@ -439,6 +450,16 @@ class FrontendReplica:
     def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url, card)
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="frontend-watch", daemon=True).start()
+
+    def _watch(self, interval_s: float = 1.0) -> None:
+        """A replica whose serving thread ended serves nothing while its actor still answers Ray:
+        it exits, and Ray starts it again (as Ray Serve restarts a proxy that fails its check)."""
+        while not self._stopping.wait(interval_s):
+            if not self.server.serving():
+                logger.error("frontend %d's serving thread ended; exiting for Ray to restart it", self.server.index)
+                os._exit(1)
 
     def addresses(self) -> tuple[str, str | None]:
         """(gRPC HOST:PORT, HTTP HOST:PORT or None), with its node's IP for a wildcard host."""
@@ -448,6 +469,7 @@ class FrontendReplica:
         return os.getpid()
 
     def stop(self) -> None:
+        self._stopping.set()
         self.server.stop()
 
 
@@ -526,14 +548,11 @@ def _freeze_startup_heap() -> None:
 
 async def _rebalance(moves: LiveMoves, tpot_ms: float, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
     """Decode instances whose batch is predicted to miss the TPOT target hand requests to others
-    with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's)."""
+    with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's). A
+    round that raises ends it: disagg.supervision starts it again, counted."""
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            stats = await moves.rebalance(tpot_ms)
-        except Exception:  # noqa: BLE001 - one bad round must not end rebalancing
-            logger.exception("rebalancing round failed")
-            continue
+        stats = await moves.rebalance(tpot_ms)
         if stats.moved or stats.failed:
             metrics.observe_live_moves(stats.moved, stats.failed)
             logger.info("rebalanced: %d requests moved with their KV, %d not", stats.moved, stats.failed)
@@ -640,17 +659,19 @@ async def _set_health(health_servicer, status) -> None:
 
 async def _report_health(config: ServingConfig, directory: InstanceDirectory, health_servicer) -> None:
     """SERVING while every pool has an instance in placement; NOT_SERVING while one is empty
-    (requests would wait for a relaunch or fail), so that load balancers look elsewhere."""
+    (requests would wait for a relaunch or fail), so that load balancers look elsewhere. Set at
+    its start too: a loop restarted by its supervisor does not trust what was set before."""
     roles = [role for role, _ in config.pools()]
-    serving = True
+    shown = None
     while True:
-        await asyncio.sleep(directory.refresh_interval_s)
-        now = all(directory.healthy(role) for role in roles)
-        if now != serving:
-            serving = now
-            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
-            logger.warning("health: %s", "SERVING" if now else "NOT_SERVING (a pool has no instance)")
+        serving = all(directory.healthy(role) for role in roles)
+        if serving != shown:
+            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+            logger.log(logging.INFO if serving else logging.WARNING, "health: %s",
+                       "SERVING" if serving else "NOT_SERVING (a pool has no instance)")  # fmt: skip
             await _set_health(health_servicer, status)
+            shown = serving
+        await asyncio.sleep(directory.refresh_interval_s)
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:

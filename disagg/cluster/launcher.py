@@ -13,6 +13,7 @@ stopped whole and launched again under the same id, in a new placement group.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -29,6 +30,7 @@ from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import POOL_LABEL_SLIVER, PoolConfig, Role, ServingConfig, WorkerConfig
 from disagg.engine.distributed import RankPlace
 from disagg.errors import ModelLoadError, UnavailableError
+from disagg.supervision import FailureCounter, not_counted, supervise_thread
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "disagg"
@@ -189,12 +191,14 @@ class PoolLauncher:
         return {role: POOL_LABEL_SLIVER} if ray.cluster_resources().get(role, 0) > 0 else {}
 
     # ---- relaunching TP x PP instances ----------------------------------------------------------
-    def supervise(self, interval_s: float = 2.0) -> None:
+    def supervise(self, interval_s: float = 2.0, on_failure: FailureCounter = not_counted) -> None:
         """Watch the multi-worker instances from a thread; relaunch one that is out of service,
-        at most `max_worker_restarts` times each (-1: always)."""
+        at most `max_worker_restarts` times each (-1: always). The watch is restarted if it
+        raises, and `on_failure("relaunch")` counts it (disagg.supervision)."""
         if self.config.max_worker_restarts == 0 or not any(i.shard_actors for i in self.instances):
             return
-        threading.Thread(target=self._supervise, args=(interval_s,), name="instance-supervisor", daemon=True).start()
+        args = ("relaunch", functools.partial(self._supervise, interval_s), self._stopping, on_failure)
+        threading.Thread(target=supervise_thread, args=args, name="instance-supervisor", daemon=True).start()
 
     def _supervise(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s):
@@ -208,10 +212,9 @@ class PoolLauncher:
                 except Exception as exc:  # keep watching the others; this one is retried next round
                     logger.error("relaunch of %s failed: %s", inst.instance_id, exc)
 
-    @staticmethod
-    def _in_service(inst: LaunchedInstance) -> bool:
+    def _in_service(self, inst: LaunchedInstance) -> bool:
         try:
-            return ray.get(inst.actor.in_service.remote(), timeout=10)
+            return ray.get(inst.actor.in_service.remote(), timeout=self.config.control_call_timeout_s)
         except Exception:  # rank 0 died (or hangs): out of service too
             return False
 

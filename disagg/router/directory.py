@@ -39,6 +39,7 @@ from disagg.rpc.client import RpcClient
 from disagg.rpc.services import TOKENS_TOPIC
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 from disagg.step_work import MeasuredStep
+from disagg.supervision import supervised_task
 
 logger = logging.getLogger(__name__)
 STEP_INDEX_RESET = 1000  # a step index this far below the last learnt: a restarted worker's
@@ -356,7 +357,7 @@ class InstanceDirectory:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_forever(), name="instance-directory")
+        self._task = supervised_task("instance-directory", self._refresh_forever)
 
     async def stop(self) -> None:
         if self._task is not None:

@@ -120,12 +120,11 @@ class ReplanLoop:
         return split if split.prefill + split.decode == self.total else None
 
     async def run(self) -> None:
+        """Rounds every replan_interval_s; a round that raises ends it (disagg.supervision restarts
+        it, counted)."""
         while True:
             await asyncio.sleep(self.config.replan_interval_s)
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - the loop outlives one bad round; the server serves on
-                logger.exception("re-planning round failed")
+            await self.step()
 
     async def step(self) -> LoggedDecision | None:
         """One round: decide, and switch if the decision says so (returns what was logged)."""
@@ -173,13 +172,13 @@ class ReplanLoop:
         started = time.monotonic()
         self.directory.hold_out(leaving.instance_id)
         try:
-            await leaving.actor.drain.remote()
+            await self._call(leaving.actor.drain.remote())
             record.outcome, record.reason = await self._switch_when_idle(leaving, to_role)
-            await leaving.actor.resume_service.remote()
+            await self._call(leaving.actor.resume_service.remote())
             if record.outcome == "done":
                 await self._until_registered(leaving.instance_id, to_role)
                 self.on_switched(leaving.instance_id, to_role)
-        except Exception as exc:  # noqa: BLE001 - the actor died mid-switch: recovery relaunches it
+        except Exception as exc:  # noqa: BLE001 - the actor died (recovery relaunches it) or is wedged
             record.outcome, record.reason = "failed", f"{type(exc).__name__}: {exc}"
         finally:
             self.directory.release(leaving.instance_id)
@@ -196,7 +195,7 @@ class ReplanLoop:
         deadline = time.monotonic() + self.config.replan_switch_timeout_s
         while True:
             try:
-                await instance.actor.switch_role.remote(to_role)
+                await self._call(instance.actor.switch_role.remote(to_role))
                 return "done", ""
             except Exception as exc:  # noqa: BLE001 - Ray wraps the worker's ValueError
                 if "drain it first" not in str(exc):
@@ -204,6 +203,13 @@ class ReplanLoop:
                 if time.monotonic() > deadline:
                     return "failed", f"still held requests after {self.config.replan_switch_timeout_s:.0f} s"
             await asyncio.sleep(IDLE_POLL_S)
+
+    async def _call(self, call):
+        """A Ray call on an instance, bounded: a wedged instance fails the switch, not the loop."""
+        try:
+            return await asyncio.wait_for(call, self.config.control_call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {self.config.control_call_timeout_s:.0f} s") from None
 
     async def _until_registered(self, instance_id: str, role: str) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
