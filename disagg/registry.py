@@ -280,6 +280,23 @@ class Registry:
             arrivals.append((float(t), int(p), int(o)))
         return arrivals
 
+    # -- the controller ---------------------------------------------------------------------------
+
+    def controller_heartbeat(self, ttl_s: float) -> None:
+        """The deployment's controller is alive (disagg.controller): the key expires unless refreshed."""
+        with self._redis_errors("controller_heartbeat"):
+            self._client.set(f"{self.namespace}:controller", "alive", px=max(1, int(ttl_s * 1000)))
+
+    def controller_alive(self) -> bool:
+        """Whether the controller refreshed its key within its TTL."""
+        with self._redis_errors("controller_alive"):
+            return bool(self._client.exists(f"{self.namespace}:controller"))
+
+    def controller_gone(self) -> None:
+        """The controller stopped on purpose (`disagg stop`, a server's stop)."""
+        with self._redis_errors("controller_gone"):
+            self._client.delete(f"{self.namespace}:controller")
+
     # -- connection -------------------------------------------------------------------------------
 
     def ping(self) -> bool:

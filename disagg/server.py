@@ -28,6 +28,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -46,12 +47,13 @@ from disagg.hosts.addressing import (
     worker_host,
 )
 from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
-from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
+from disagg.cluster.launcher import NAMESPACE, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
+from disagg.controller.client import ControllerClient
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
-from disagg.errors import UnavailableError
+from disagg.errors import RegistryUnavailable, UnavailableError
 from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
@@ -97,7 +99,8 @@ class Server:
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
         self.replanning: ReplanLoop | None = None  # the closed loop, where instances may switch
-        self.launcher: PoolLauncher | None = None
+        self.launcher: ControllerClient | None = None  # the deployment's controller (frontend 0's server only)
+        self.deployment_id: str | None = None
         self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
         # This deployment's (disagg.auth): workers and frontend replicas get it in their actor arguments.
@@ -134,17 +137,18 @@ class Server:
         wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
-        self.launcher = PoolLauncher(
-            config, redis_url, self._link_key, worker_host(config.worker_host, num_nodes), cpu_plan
+        # The pools belong to the deployment's controller, a detached actor Ray restarts
+        # (disagg.controller): this process may die without taking a worker with it.
+        self.deployment_id = uuid.uuid4().hex[:6]
+        self.launcher = ControllerClient.start(
+            config, redis_url, self._link_key, self.deployment_id, worker_host(config.worker_host, num_nodes), cpu_plan
         )
-        # A Ray we started takes the placement groups down with it; a shared one needs them removed.
-        self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
-        self.launcher.launch()
-        self.launcher.supervise(on_failure=self.metrics.control_loop_failed)
+        self._stack.callback(self.launcher.shutdown)
         # The model's shape and tokenizer come from a worker: this node may hold no model files
         # (a `ray up` head), and the frontend tokenizes as the workers do (disagg.engine.model_card).
         card = ray.get(self.launcher.instances[0].actor.model_card.remote(), timeout=timeout_s)
         self._start_frontend(redis_url, card, timeout_s)
+        self.launcher.register_frontend(0, _reachable(self.address), _reachable(self.http_address))
         self._start_replicas(redis_url, card, timeout_s)
 
     def start_replica(self, redis_url: str, card: ModelCard) -> "Server":
@@ -171,6 +175,7 @@ class Server:
             replica = FrontendReplica.options(
                 name=f"frontend-{index}",
                 namespace=NAMESPACE,
+                lifetime="detached",  # it outlives this process; stop() (or `disagg stop`) ends it
                 max_restarts=-1,
                 num_cpus=0,
                 scheduling_strategy=_replica_placement(self.config.host),
@@ -287,7 +292,7 @@ class Server:
         counted = metrics.control_loop_failed
         tasks = [
             supervised_task("gauges", lambda: self._refresh_gauges(directory, metrics), counted),
-            supervised_task("health", lambda: _report_health(config, directory, health_servicer), counted),
+            supervised_task("health", lambda: _report_health(config, directory, health_servicer, registry), counted),
             # Every frontend moves its own requests off a leaving instance; the rest runs once.
             supervised_task("drains", lambda: _drain_leavers(directory, self.live_moves, metrics), counted),
         ]
@@ -657,21 +662,39 @@ async def _set_health(health_servicer, status) -> None:
         await health_servicer.set(service, status)
 
 
-async def _report_health(config: ServingConfig, directory: InstanceDirectory, health_servicer) -> None:
-    """SERVING while every pool has an instance in placement; NOT_SERVING while one is empty
-    (requests would wait for a relaunch or fail), so that load balancers look elsewhere. Set at
-    its start too: a loop restarted by its supervisor does not trust what was set before."""
+async def _report_health(
+    config: ServingConfig, directory: InstanceDirectory, health_servicer, registry: Registry
+) -> None:
+    """SERVING while every pool has an instance in placement and the deployment's controller
+    lives; NOT_SERVING while a pool is empty (requests would wait for a relaunch or fail) or the
+    controller's heartbeat lapsed (no relaunch would follow a failure), so that load balancers
+    look elsewhere. Set at its start too: a loop restarted by its supervisor trusts nothing set
+    before."""
     roles = [role for role, _ in config.pools()]
     shown = None
     while True:
-        serving = all(directory.healthy(role) for role in roles)
-        if serving != shown:
-            status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-            logger.log(logging.INFO if serving else logging.WARNING, "health: %s",
-                       "SERVING" if serving else "NOT_SERVING (a pool has no instance)")  # fmt: skip
+        problem = await _health_problem(roles, directory, registry)
+        if (problem is None) != shown:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if problem is None
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            logger.log(logging.INFO if problem is None else logging.WARNING, "health: %s",
+                       "SERVING" if problem is None else f"NOT_SERVING ({problem})")  # fmt: skip
             await _set_health(health_servicer, status)
-            shown = serving
+            shown = problem is None
         await asyncio.sleep(directory.refresh_interval_s)
+
+
+async def _health_problem(roles: list[str], directory: InstanceDirectory, registry: Registry) -> str | None:
+    if not all(directory.healthy(role) for role in roles):
+        return "a pool has no instance"
+    try:
+        alive = await asyncio.to_thread(registry.controller_alive)
+    except RegistryUnavailable:  # Redis away is not the controller gone (the directory keeps its view too)
+        return None
+    return None if alive else "the deployment's controller is gone"
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:
