@@ -60,6 +60,11 @@ class EnvVar:
 API_KEY_ENV = "DISAGG_API_KEY"
 ENV_VARS = (
     EnvVar(API_KEY_ENV, None, "the API key clients send; `disagg serve` takes it where the config sets no api_key"),
+    EnvVar(
+        "DISAGG_STATE_DIR",
+        "~/.disagg",
+        "where `disagg serve` records the deployment it runs (owner-only), for `disagg stop` and a second serve",
+    ),
     EnvVar("DISAGG_CACHE_DIR", "~/.cache/disagg", "engine.cache_dir's default: where converted weights are kept"),
     EnvVar("DISAGG_KV_SHARED_MEMORY", "1", "engine.kv_shared_memory's default; 0: off"),
     EnvVar("DISAGG_ATTENTION_BACKEND", "auto", "engine.attention_backend's default: auto, torch or kernel"),
@@ -96,6 +101,11 @@ def env(name: str) -> str | None:
     """Environment variable `name` (declared in ENV_VARS), or its default when unset or empty."""
     value = os.environ.get(name, "")
     return value if value.strip() else env_default(name)
+
+
+def child_env(**updates: str) -> dict[str, str]:
+    """This process's environment with `updates`: what a child process is started with."""
+    return {**os.environ, **updates}
 
 
 def set_env_default(name: str) -> None:

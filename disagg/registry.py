@@ -251,7 +251,7 @@ class Registry:
             values = self._client.lrange(self._requests_key(), 0, limit - 1)
         return [json.loads(v) for v in values]
 
-    # -- arrivals (frontend replicas -> the re-planner on frontend 0) ------------------------------
+    # -- arrivals (frontends -> the re-planner in the controller) ------------------------------
 
     def push_arrivals(self, arrivals: list[tuple[float, int, int]], keep: int, ttl_s: float) -> None:
         """Append (wall-clock time, prompt tokens, output tokens asked for) of requests that

@@ -310,6 +310,19 @@ class PoolLauncher:
             _kill(inst, remove_groups)
 
 
+def kill_deployment(deployment_id: str) -> int:
+    """Every named actor and placement group of deployment `deployment_id`, killed and removed
+    without asking anyone (its controller is gone or does not answer); how many actors."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    actors = [_named_actor(n["name"]) for n in named if n["namespace"] == NAMESPACE and deployment_id in n["name"]]
+    _kill_all([a for a in actors if a is not None], None)
+    for group in ray.util.placement_group_table().values():
+        if deployment_id in (group.get("name") or "") and group.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))))
+    return len(actors)
+
+
 def _kill(inst: LaunchedInstance, remove_group: bool) -> None:
     _kill_all([inst.actor, *inst.shard_actors], inst.placement_group if remove_group else None)
 

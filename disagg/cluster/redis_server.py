@@ -96,8 +96,13 @@ class LocalRedis:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 10.0,
         binary: str = REDIS_BINARY,
+        outlive_owner: bool = False,
     ):
+        """`outlive_owner`: a deployment's redis-server (`disagg serve`), which must outlive the
+        process that started it (SIGKILL or a crash included): no parent-death signal, not
+        stopped at interpreter exit; stop() or `disagg stop` (by its pid) ends it."""
         self.host = host
+        self.outlive_owner = outlive_owner
         self.password = password
         self.startup_timeout_s = startup_timeout_s
         self.binary = binary
@@ -169,7 +174,7 @@ class LocalRedis:
         log = open(Path(work_dir) / "redis.log", "wb")
         try:
             self.proc = subprocess.Popen(
-                [*self._parent_death_prefix(from_supervisor), binary_path, str(config_path)],
+                [*self._death_prefix(from_supervisor), binary_path, str(config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -180,6 +185,7 @@ class LocalRedis:
             log.close()
         self.port = port
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, work_dir)
+        self._finalizer.atexit = not self.outlive_owner
         self._work_dir = work_dir
         self._wait_until_ready()
 
@@ -197,6 +203,9 @@ class LocalRedis:
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
         return "\n".join(lines) + "\n"
+
+    def _death_prefix(self, from_supervisor: bool) -> list[str]:
+        return [] if self.outlive_owner else self._parent_death_prefix(from_supervisor)
 
     @staticmethod
     def _parent_death_prefix(from_supervisor: bool = False) -> list[str]:
@@ -238,6 +247,11 @@ class LocalRedis:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def work_dir(self) -> str | None:
+        """Its temp dir, which its command line names (its config file is there)."""
+        return self._work_dir
 
     @property
     def url(self) -> str:

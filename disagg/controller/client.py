@@ -8,7 +8,7 @@ import logging
 
 import ray
 
-from disagg.cluster.launcher import LaunchedInstance
+from disagg.cluster.launcher import LaunchedInstance, kill_deployment
 from disagg.config import ServingConfig
 from disagg.controller.controller import start_controller
 from disagg.hosts.cpu_binding import CpuPlan
@@ -17,8 +17,9 @@ logger = logging.getLogger(__name__)
 
 
 class ControllerClient:
-    def __init__(self, actor, deployment_id: str, call_timeout_s: float):
+    def __init__(self, actor, deployment_id: str, call_timeout_s: float, redis_url: str = ""):
         self.actor = actor
+        self.redis_url = redis_url  # the deployment's registry
         self.deployment_id = deployment_id
         self.call_timeout_s = call_timeout_s
         self._abandoned = False
@@ -29,7 +30,7 @@ class ControllerClient:
         """A new deployment's controller, once it has launched every instance (else an error,
         and it is stopped)."""
         actor = start_controller(config, redis_url, link_key, deployment_id, worker_host, cpu_plan)
-        client = cls(actor, deployment_id, config.control_call_timeout_s)
+        client = cls(actor, deployment_id, config.control_call_timeout_s, redis_url)
         try:
             ray.get(actor.ready.remote(config.start_timeout_s), timeout=config.start_timeout_s + 30)
         except BaseException:
@@ -59,7 +60,9 @@ class ControllerClient:
             return
         try:
             ray.get(self.actor.shutdown.remote(remove_groups), timeout=timeout_s + 10)
-        except Exception as exc:  # noqa: BLE001 - killed below anyway; ray.shutdown ends the rest
-            logger.warning("the controller did not stop the workers cleanly: %s", exc)
+        except Exception as exc:  # noqa: BLE001 - its actors are killed by name instead
+            logger.warning("the controller did not stop the workers (%s); killing them by name", exc)
+            with contextlib.suppress(Exception):
+                kill_deployment(self.deployment_id)
         with contextlib.suppress(Exception):
             ray.kill(self.actor, no_restart=True)

@@ -5,12 +5,17 @@ TP x PP instance that lost a rank. It holds no state that it cannot rebuild: sta
 the same arguments, it adopts the instances still alive by their names (disagg.cluster.launcher
 `PoolLauncher._adopt`, in the role each reports now) and launches only those that are gone.
 
+It runs what must run once per deployment: relaunch supervision and the re-planning loop
+(disagg.router.replanning), on its own view of the instances, fed every frontend's arrivals
+through Redis; each frontend drains and rebalances its own streams.
+
 While it lives it refreshes a key in the registry; frontends report NOT_SERVING when the key
 lapses (no relaunch would follow a failure then).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -21,8 +26,13 @@ from disagg.cluster.launcher import NAMESPACE, LaunchedInstance, PoolLauncher
 from disagg.config import ServingConfig
 from disagg.errors import RegistryUnavailable
 from disagg.hosts.cpu_binding import CpuPlan
+from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
-from disagg.supervision import supervise_thread
+from disagg.router.directory import directory_for
+from disagg.router.replanning import LoggedDecision, ReplanLoop, SwitchRecord, replan_loop_for
+from disagg.router.shared_arrivals import take_shared_arrivals
+from disagg.router.streams import DecodeStreams
+from disagg.supervision import supervise_thread, supervised_task
 
 logger = logging.getLogger(__name__)
 CONTROLLER_PREFIX = "controller-"  # its name: this and the deployment's id, in NAMESPACE
@@ -35,6 +45,10 @@ class Controller:
     ):  # fmt: skip
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         self.config = config
+        self.redis_url, self.link_key = redis_url, link_key
+        self.metrics = ServingMetrics()  # the control loops' (re-planning, their failures)
+        self.replanning: ReplanLoop | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.launcher = PoolLauncher(config, redis_url, link_key, worker_host, cpu_plan, deployment_id=deployment_id)
         self.registry = Registry(redis_url)
         self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
@@ -53,6 +67,7 @@ class Controller:
             self._failure = exc
             return
         self.launcher.supervise(on_failure=self._loop_failed)
+        threading.Thread(target=self._run_control_loops, name="control-loops", daemon=True).start()
         beat = ("controller-heartbeat", self._heartbeat, self._stopping, self._loop_failed)
         threading.Thread(target=supervise_thread, args=beat, name="controller-heartbeat", daemon=True).start()
         logger.info("controller %s: %d instances", "restarted" if self.restarted else "started",
@@ -67,7 +82,56 @@ class Controller:
             self._stopping.wait(self.config.heartbeat_interval_s)
 
     def _loop_failed(self, loop: str) -> None:
-        logger.error("control loop %s failed and was restarted", loop)
+        self.metrics.control_loop_failed(loop)
+
+    # ---- the loops that run once per deployment, on an event loop of their own -----------------
+    def _run_control_loops(self) -> None:
+        try:
+            asyncio.run(self._control_loops())
+        except Exception:  # noqa: BLE001 - logged; Ray restarts the controller only if it dies
+            logger.exception("the controller's control loops ended")
+
+    async def _control_loops(self) -> None:
+        """Re-planning, on its own view of the instances (from the registry, as a frontend's)."""
+        self._loop = asyncio.get_running_loop()
+        registry = Registry(self.redis_url)
+        directory = directory_for(self.config, registry, NAMESPACE, self.link_key, DecodeStreams())
+        await directory.start()
+        instance = self.launcher.instances[0].actor
+        card = await asyncio.wait_for(instance.model_card.remote(), self.config.start_timeout_s)
+        shared = lambda: take_shared_arrivals(registry)  # noqa: E731
+        self.replanning = replan_loop_for(self.config, directory, card, self.metrics, self.launcher.switched, shared)
+        tasks = [supervised_task("replanning", self.replanning.run, self._loop_failed)] if self.replanning else []
+        try:
+            await asyncio.to_thread(self._stopping.wait)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await directory.stop()
+            registry.close()
+
+    def _on_loop(self, coroutine, timeout_s: float):
+        if self._loop is None:
+            raise RuntimeError("the controller's control loops are not running yet")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout_s)
+
+    def replan_log(self) -> list[LoggedDecision]:
+        """The re-planner's latest decisions, newest last ([] where it does not run)."""
+        return list(self.replanning.log) if self.replanning is not None else []
+
+    def replan_switch(self, from_role: str, to_role: str) -> SwitchRecord | None:
+        """Switch one instance now, as a decision would (tests, operators)."""
+        if self.replanning is None:
+            raise ValueError("re-planning does not run in this deployment (ServingConfig.replan, switchable)")
+        timeout_s = self.config.replan_switch_timeout_s + 4 * self.config.control_call_timeout_s + 30
+        return self._on_loop(self.replanning.switch(from_role, to_role), timeout_s)
+
+    def replan_take_arrivals(self) -> list[tuple[float, int, int]]:
+        """Takes the frontends' shared arrivals into the window now; every arrival the window holds."""
+        if self.replanning is None:
+            return []
+        self._on_loop(self.replanning._take_shared_arrivals(), self.config.control_call_timeout_s)
+        return list(self.replanning.window._seen)
 
     # ---- what the server and the tools ask ---------------------------------------------------
     def ready(self, timeout_s: float) -> int:

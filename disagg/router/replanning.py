@@ -25,13 +25,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from disagg.config import ServingConfig
+from disagg.engine.model_card import ModelCard
 from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
-from disagg.placement.profile import Profile
+from disagg.placement.profile import Profile, load_profile
 from disagg.planner.replanner import Decision, Replanner, Split, TrafficWindow, split_simulator
 from disagg.router.directory import Instance, InstanceDirectory
 
@@ -59,6 +60,39 @@ class LoggedDecision:
     at: float  # time.time()
     decision: Decision
     switch: SwitchRecord | None = None
+
+
+@dataclass
+class ReplanView:
+    """The controller's latest re-planning decisions as a frontend last fetched them (for
+    `disagg status`: ClusterStatus shows `log`)."""
+
+    log: list[LoggedDecision] = field(default_factory=list)
+
+
+def replans(config: ServingConfig) -> bool:
+    """Re-planning runs where instances may switch (ServingConfig.switchable) and there is a
+    split to choose (three instances or more)."""
+    return config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
+
+
+def replan_loop_for(
+    config: ServingConfig, directory: InstanceDirectory, card: ModelCard, metrics: ServingMetrics,
+    on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple[float, int, int]]],
+) -> ReplanLoop | None:  # fmt: skip
+    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`);
+    None where it would not run (replans)."""
+    if not replans(config):
+        return None
+    base = load_profile(config.profile) if config.profile else None
+    dtype_bytes = 4 if config.engine.dtype == "float32" else 2
+    kv_bytes = card.config.kv_bytes_per_token * dtype_bytes
+    layers = card.config.num_hidden_layers
+
+    def profile():
+        return live_profile(base, directory, config.engine.model, kv_bytes, layers)
+
+    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals)
 
 
 def live_profile(base: Profile | None, directory: InstanceDirectory, model: str, kv_bytes_per_token: int,
@@ -151,7 +185,7 @@ class ReplanLoop:
             return
         try:
             arrivals = await asyncio.to_thread(self.shared_arrivals)
-        except RegistryUnavailable as exc:  # this round plans on frontend 0's arrivals alone
+        except RegistryUnavailable as exc:  # this round plans on what it took before
             logger.warning("re-plan without the other frontends' arrivals: %s", exc)
             return
         for at, prompt_tokens, max_tokens in arrivals:

@@ -1,14 +1,16 @@
 """The deployment's controller (disagg.controller): real Ray, Redis, gRPC on 127.0.0.1, the
 default model. Killed, Ray starts it again, and it adopts the workers that outlived it (same
-actors, no relaunch) instead of launching others; the deployment serves throughout; stopping the
-server leaves no actor of the deployment."""
+actors, no relaunch) instead of launching others; the deployment serves throughout. Gone for good,
+the frontends report NOT_SERVING, and stopping the server still leaves no actor of the deployment."""
 
 from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import chat_request
 
 from disagg.client import DisaggClient
@@ -74,7 +76,12 @@ def test_workers_are_detached_named_actors_of_the_deployment(server):
     }
 
 
-def test_a_stopped_server_leaves_no_actor_of_its_deployment(ray_session):
+def health(address: str) -> int:
+    with grpc.insecure_channel(address) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+
+
+def test_a_controller_gone_for_good_turns_health_not_serving_and_stop_still_leaves_nothing(ray_session):
     config = ServingConfig.from_dict(
         {
             "engine": {"num_kv_blocks": 64},
@@ -82,6 +89,8 @@ def test_a_stopped_server_leaves_no_actor_of_its_deployment(ray_session):
             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "port": 0,
             "http_port": 0,
+            "heartbeat_interval_s": 0.3,
+            "heartbeat_ttl_s": 1.0,
             "calibration_s": 0,
             "warm_up": False,
             "replan": False,
@@ -89,5 +98,11 @@ def test_a_stopped_server_leaves_no_actor_of_its_deployment(ray_session):
     )
     with Server(config) as srv:
         deployment = srv.deployment_id
+        assert health(srv.address) == health_pb2.HealthCheckResponse.SERVING
+        ray.kill(find_controller(deployment), no_restart=True)
+        deadline = time.monotonic() + 20
+        while health(srv.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
+            assert time.monotonic() < deadline, "health still SERVING with no controller"
+            time.sleep(0.2)
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
     assert not [n for n in names if deployment in n], names
