@@ -14,12 +14,14 @@ import shutil
 import signal
 import socket
 import time
+from pathlib import Path
 
 import ray
 
-from disagg.cluster.deployment_state import DeploymentState, forget_state, load_state, process_alive
+from disagg.cluster.deployment_state import DeploymentState, forget_state, load_state, process_alive, redis_processes
 from disagg.cluster.launcher import NAMESPACE, kill_deployment
 from disagg.cluster.local_ray import LocalRayHead, use_token_auth
+from disagg.cluster.redis_server import REDIS_DIR_PREFIX
 from disagg.controller.controller import find_controller, running_deployments
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ def stop_deployment(state: DeploymentState | None) -> list[str]:
         LocalRayHead(state.ray_address, state.ray_temp_dir).stop()
         done.append(f"stopped the Ray head at {state.ray_address}")
     if state is not None and _stop_redis(state):
-        done.append(f"stopped redis-server (pid {state.redis_pid})")
+        done.append(f"stopped redis-server on {state.redis_address}")
     if state is not None:
         forget_state()
     return done
@@ -123,12 +125,21 @@ def stop_leftovers(state: DeploymentState) -> None:
 
 
 def _stop_redis(state: DeploymentState) -> bool:
-    if not process_alive(state.redis_pid, state.redis_dir):
-        return False
-    _end_process(state.redis_pid, 10.0)
-    if state.redis_dir:
-        shutil.rmtree(state.redis_dir, ignore_errors=True)
-    return True
+    """The redis-server the deployment started (whichever process runs it now), and its dir."""
+    pids = redis_processes(state.redis_address)
+    for pid in pids:
+        work_dir = _cwd(pid)
+        _end_process(pid, 10.0)
+        if work_dir is not None and Path(work_dir).name.startswith(REDIS_DIR_PREFIX):
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return bool(pids)
+
+
+def _cwd(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/cwd")
+    except OSError:
+        return None
 
 
 def _end_process(pid: int, timeout_s: float) -> None:

@@ -241,13 +241,14 @@ class Server:
         return self.redis.url
 
     def _start_own_head(self) -> None:
-        """A one-machine deployment that outlives this process (`disagg serve`): its redis-server
-        and then its Ray head, which keeps its GCS tables there, each in a session of its own
-        (disagg.cluster.local_ray); stop() ends both, `disagg stop` too if this process died."""
+        """A one-machine deployment that outlives this process (`disagg serve`): its redis-server,
+        and a Ray head whose daemons are no children of this process (disagg.cluster.local_ray);
+        stop() ends both, `disagg stop` too if this process died. The head's GCS keeps its
+        tables in memory, not in this Redis: the registry is soft state that may die (and does in
+        loadtest/faults/chaos.py), and a GCS that loses its Redis exits, with every actor."""
         redis = LocalRedis(host=LOOPBACK, password=secrets.token_hex(16), outlive_owner=True)
         self.redis = self._stack.enter_context(redis).supervise()
-        port = free_port()
-        self.head = LocalRayHead.start(port, max(2, os.cpu_count() or 2), self.redis.url, {"worker_niceness": 0})
+        self.head = LocalRayHead.start(free_port(), max(2, os.cpu_count() or 2), None, {"worker_niceness": 0})
         self._stack.callback(self.head.stop)
 
     def _run_frontend(self, redis_url: str, card: ModelCard) -> None:
@@ -455,8 +456,7 @@ def _record(server: Server) -> None:
         server.launcher.redis_url,
         os.getpid(),
         ray_temp_dir=head.temp_dir if head is not None else None,
-        redis_pid=redis.pid if redis is not None else None,
-        redis_dir=redis.work_dir if redis is not None else None,
+        redis_address=f"{redis.host}:{redis.port}" if redis is not None else None,
     ).save()
 
 

@@ -1,7 +1,8 @@
 """What `disagg serve` records of the deployment it started on this machine, so that a second
 `disagg serve` attaches to it and `disagg stop` ends it, whether or not the first process still
-lives: the Ray to join, the Redis, and the processes it started in sessions of their own (the
-Ray head's temp dir, redis-server's pid and dir). One JSON file, owner-only (the Redis URL holds
+lives: the Ray to join, the Redis, and the processes it started that are no children of its session's
+end (the Ray head's temp dir; the address of the redis-server it started, which that
+process's title names however often it was restarted, under a new pid each time). One JSON file, owner-only (the Redis URL holds
 its password), in $DISAGG_STATE_DIR.
 """
 
@@ -25,8 +26,7 @@ class DeploymentState:
     redis_url: str
     serve_pid: int  # the `disagg serve` that started it
     ray_temp_dir: str | None = None  # a Ray head it started (disagg.cluster.local_ray), else None
-    redis_pid: int | None = None  # a redis-server it started, else None
-    redis_dir: str | None = None  # that redis-server's work dir (in its command line)
+    redis_address: str | None = None  # HOST:PORT of a redis-server it started, else None
 
     def save(self) -> None:
         path = state_path()
@@ -64,3 +64,23 @@ def process_alive(pid: int | None, naming: str | None = None) -> bool:
     except OSError:
         return False
     return naming is None or naming.encode() in cmdline
+
+
+def redis_processes(address: str | None) -> list[int]:
+    """The pids of redis-server on `address` (HOST:PORT): redis-server titles itself
+    `redis-server HOST:PORT`."""
+    if address is None:
+        return []
+    title = f"redis-server {address}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and title in _cmdline(entry):
+            found.append(int(entry.name))
+    return found
+
+
+def _cmdline(proc_dir: Path) -> bytes:
+    try:
+        return (proc_dir / "cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -1,8 +1,10 @@
 """A Ray head of a deployment's own on this machine, started by `ray start --head`, whose daemons
 are no process's children (unlike `ray.init()`'s, which die with their driver), so that it
 outlives `disagg serve` (SIGKILL included) with the detached actors on it; they stay in the
-server's session, as `ray.init()`'s did (a terminal's Ctrl-C ends the deployment either way). Its GCS keeps its tables in the deployment's Redis (Ray's GCS fault tolerance:
-`RAY_REDIS_ADDRESS`, `--redis-password`), so that a GCS that restarts finds them again.
+server's session, as `ray.init()`'s did (a terminal's Ctrl-C ends the deployment either way).
+Given a Redis, its GCS keeps its tables there (Ray's GCS fault tolerance: `RAY_REDIS_ADDRESS`,
+`--redis-password`), so that a GCS that restarts finds them again; that Redis must then be as
+durable as the GCS (one that dies takes the GCS with it).
 
 Stopped by `stop()`: every process whose command line names this head's temp dir (its GCS,
 raylet, workers), never another Ray of the machine (`ray stop` would end every one).

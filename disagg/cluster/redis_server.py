@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 REDIS_BINARY = "redis-server"
 _STOP_TIMEOUT_S = 5.0
 _PORT_ATTEMPTS = 3
+REDIS_DIR_PREFIX = "disagg-redis-"  # each redis-server's temp dir (its cwd)
 
 
 def wait_for_redis(url: str, timeout_s: float = 10.0, is_alive: Callable[[], bool] | None = None) -> None:
@@ -166,7 +167,7 @@ class LocalRedis:
             raise RegistryUnavailable(f"cannot start {self.binary} on {where}: {exc}") from exc
 
     def _start_on(self, binary_path: str, port: int, from_supervisor: bool = False) -> None:
-        work_dir = tempfile.mkdtemp(prefix="disagg-redis-")
+        work_dir = tempfile.mkdtemp(prefix=REDIS_DIR_PREFIX)
         config_path = Path(work_dir) / "redis.conf"
         # The password goes in a 0600 file, not on the command line where `ps` would show it.
         config_path.write_text(self._config(port, work_dir))
@@ -247,11 +248,6 @@ class LocalRedis:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
-
-    @property
-    def work_dir(self) -> str | None:
-        """Its temp dir, which its command line names (its config file is there)."""
-        return self._work_dir
 
     @property
     def url(self) -> str:

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from disagg.bench.launcher import free_port
-from disagg.cluster.deployment_state import load_state, process_alive
+from disagg.cluster.deployment_state import load_state, redis_processes
 from disagg.cluster.local_ray import LocalRayHead
 
 BIN = Path(sys.executable).parent / "disagg"
@@ -63,6 +63,7 @@ def test_serve_attaches_outlives_a_sigkill_and_stop_ends_it(tmp_path):
         frontends = _wait_ready(first, tmp_path / "ready-1", START_TIMEOUT_S, tmp_path / "serve-1.log")
         state = load_state(tmp_path / "state")
         assert len(frontends) == 2 and state is not None and state.ray_temp_dir
+        assert len(redis_processes(state.redis_address)) == 1, "the check below can fail"
 
         started = time.monotonic()
         second = _serve(tmp_path, tmp_path / "ready-2", args, "serve-2.log")
@@ -87,5 +88,5 @@ def test_serve_attaches_outlives_a_sigkill_and_stop_ends_it(tmp_path):
         )  # fmt: skip
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert not LocalRayHead(state.ray_address, state.ray_temp_dir).processes(), "a Ray process of it runs on"
-    assert not process_alive(state.redis_pid, state.redis_dir), "its redis-server runs on"
+    assert state.redis_address and not redis_processes(state.redis_address), "its redis-server runs on"
     assert load_state(tmp_path / "state") is None
