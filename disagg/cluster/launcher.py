@@ -29,7 +29,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import POOL_LABEL_SLIVER, PoolConfig, Role, ServingConfig, WorkerConfig
-from disagg.engine.distributed import RankPlace
 from disagg.errors import ModelLoadError, UnavailableError
 from disagg.supervision import FailureCounter, not_counted, supervise_thread
 
@@ -194,6 +193,9 @@ class PoolLauncher:
     def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig, rank0_name: str) -> list:
         """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
         worker actor) makes them all join its process groups."""
+        # Here, not at the top: torch (behind RankPlace) would add seconds to every start of the
+        # controller, which Ray restarts when it dies.
+        from disagg.engine.distributed import RankPlace
         from disagg.worker.shard import ShardActor
 
         shards = []

@@ -26,15 +26,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from disagg.config import ServingConfig
-from disagg.engine.model_card import ModelCard
 from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile, load_profile
 from disagg.planner.replanner import Decision, Replanner, Split, TrafficWindow, split_simulator
 from disagg.router.directory import Instance, InstanceDirectory
+
+if TYPE_CHECKING:  # (torch, behind it, would slow every start of the controller that runs this)
+    from disagg.engine.model_card import ModelCard
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1
