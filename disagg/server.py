@@ -127,7 +127,7 @@ class Server:
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
         self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
-        self.metrics = ServingMetrics()  # this frontend's (and, on frontend 0, the control loops')
+        self.metrics = ServingMetrics()  # this frontend's (its loops' failures included)
 
     def start(self) -> "Server":
         """Within the config's start_timeout_s, or an error (what started is stopped)."""
