@@ -32,7 +32,10 @@ DEFAULT_STEP_TIMEOUT_S = 120.0  # ServingConfig.step_timeout_s
 DEFAULT_GROUP_TIMEOUT_S = 120.0  # ServingConfig.group_timeout_s
 ATTENTION_BACKENDS = ("auto", "torch", "kernel")  # disagg.engine.layers.cpu_kernels.BACKENDS
 CPU_GEMMS = ("onednn", "torch")  # disagg.engine.layers.cpu_gemm.GEMMS
-WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4")  # EngineConfig.weights
+WEIGHT_SETTINGS = ("auto", "fp32", "bf16", "int8", "int4", "fp8")  # EngineConfig.weights
+# Where each quantized format has kernels: int8 and int4 on CPU (disagg/engine/layers/quantized.py),
+# fp8 on CUDA (disagg/engine/layers/fp8.py); the other settings run anywhere.
+WEIGHT_DEVICES = {"int8": "cpu", "int4": "cpu", "fp8": "cuda"}
 PROMPT_PRECISIONS = ("fp32", "bf16")  # EngineConfig.prompt_precision
 # How KV moves between instances (disagg.kv_transfer.factory): torch_dist is torch.distributed,
 # gloo for CPU tensors and NCCL for CUDA ones.
@@ -69,7 +72,7 @@ ENV_VARS = (
     EnvVar("DISAGG_KV_SHARED_MEMORY", "1", "engine.kv_shared_memory's default; 0: off"),
     EnvVar("DISAGG_ATTENTION_BACKEND", "auto", "engine.attention_backend's default: auto, torch or kernel"),
     EnvVar("DISAGG_CPU_GEMM", "onednn", "engine.cpu_gemm's default: onednn or torch"),
-    EnvVar("DISAGG_WEIGHTS", "auto", "engine.weights's default: auto, fp32, bf16, int8 or int4"),
+    EnvVar("DISAGG_WEIGHTS", "auto", "engine.weights's default: auto, fp32, bf16, int8, int4 or fp8"),
     EnvVar("DISAGG_ENFORCE_EAGER", "0", "engine.enforce_eager's default; 1: on"),
     EnvVar(
         "DISAGG_KV_SEAL",
@@ -241,7 +244,8 @@ class EngineConfig:
     cpu_gemm: str = field(default_factory=EnvDefault("DISAGG_CPU_GEMM", _lowered))
     # How weights are kept: auto (a GGUF's 4-bit blocks as int4, its other quantized ones as int8,
     # on CPU; float checkpoints dense), fp32 or bf16 (dense; the dtype unless `dtype` sets one), int8 or int4 (quantized at
-    # load, CPU). (disagg/engine/layers/quantized.py)
+    # load, CPU: disagg/engine/layers/quantized.py), fp8 (quantized at load, per-channel scales,
+    # CUDA with FP8 tensor cores: Hopper, Ada; disagg/engine/layers/fp8.py).
     weights: str = field(default_factory=EnvDefault("DISAGG_WEIGHTS", _lowered))
     # Quantized weights: what prompts (and decode batches past 4) multiply in. fp32: a prompt's
     # first token is the reference's (transformers on the dequantized weights) even at a near-tie;
@@ -337,6 +341,8 @@ class EngineConfig:
         )
         _require(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _require(self.weights in WEIGHT_SETTINGS, "weights", f"must be one of {', '.join(WEIGHT_SETTINGS)}")
+        if self.device != "auto":  # else the engine checks the device it resolves
+            require_weights_on(self.weights, self.device.partition(":")[0])
         _require(
             self.prompt_precision in PROMPT_PRECISIONS,
             "prompt_precision",
@@ -422,6 +428,21 @@ def type_name(hint) -> str:
     names = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
     names |= {list: "a list", type(None): "null"}
     return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+def require_weights_on(weights: str, device_type: str) -> None:
+    """InvalidRequestError (a ValueError) where `weights` (EngineConfig.weights) has no kernel on
+    `device_type` (cpu, cuda)."""
+    home = WEIGHT_DEVICES.get(weights)
+    if home is None or home == device_type:
+        return
+    if home == "cpu":
+        advice = "use weights: fp8 (Hopper or Ada), bf16 or auto on a GPU"
+    else:
+        advice = "use weights: int8, int4 or auto on a CPU"
+    raise InvalidRequestError(
+        "weights", f"{weights} runs on {home} only (no {device_type} kernel for it yet): {advice}"
+    )
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:

@@ -16,7 +16,7 @@ package registry. It lacks, and the kit holds:
           tokenizer.tar.xz: the default model's tokenizer and config.json, without weights (the
             benchmarks of random-weight models tokenize with it);
   b, c    the default model's GGUF in equal pieces, with model.json to check them.
-deploy/gpu/install_kit.py puts the parts together there (README: "On a lent GPU machine").
+deploy/gpu/install_kit.py puts the parts together there (docs/deploy.md: "On a GPU").
 
     .venv/bin/python deploy/gpu/build_kit.py [--out .gpu] [--python-version 3.12] [--no-model]
 

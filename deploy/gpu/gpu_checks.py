@@ -334,6 +334,24 @@ def gpu_engine(ctx: Context) -> dict:
     return {**decode, "prefill_step_ms": round(data.get("prefill", {}).get("step_ms", 0.0), 1)}
 
 
+# ---- FP8 weights and the Triton kernels (issue 51) ----------------------------------------------
+def fp8_triton(ctx: Context) -> dict:
+    """The Triton kernels against torch at Llama-3-8B's decode shapes (loadtest.engine.triton_kernels),
+    then FP8 against bf16 (loadtest.engine.fp8): the 8B's GEMMs, and the default model's decode
+    throughput and greedy agreement."""
+    kernels_json, fp8_json = ctx.work / "triton_kernels.json", ctx.work / "fp8.json"
+    ctx.command("triton_kernels", [ctx.python, "-m", "loadtest.engine.triton_kernels", "--out", str(kernels_json)])
+    kernels = json.loads(kernels_json.read_text())["kernels"]
+    figures = {"triton": {k["kernel"]: {key: k[key] for key in ("speedup", "max_abs_diff")} for k in kernels}}
+    try:
+        ctx.command("fp8", [ctx.python, "-m", "loadtest.engine.fp8", "--out", str(fp8_json)])
+    except OutOfTime as exc:  # the kernels' figures are kept
+        raise Failed(f"fp8: {exc}", figures) from None
+    data = json.loads(fp8_json.read_text())
+    figures["fp8_gemm_speedup"] = {f"{g['gemm']}@{g['batch']}": g["speedup"] for g in data["gemms"]}
+    return {**figures, "fp8_engine": data.get("engine")}
+
+
 # ---- helpers ------------------------------------------------------------------------------------
 def derive(source: Path, changes: dict, dest: Path) -> Path:
     """A serving config: `source` with `changes` merged over it."""

@@ -17,10 +17,13 @@ time limit, while the budget lasts:
   planner            `disagg simulate` of both configs at the same rates with that profile:
                      predicted attainment and goodput beside the measured ones
   gpu_engine         loadtest.engine.gpu (decode bandwidth, prefill FLOP use)
+  fp8_triton         the Triton kernels against torch (loadtest.engine.triton_kernels), FP8
+                     weights against bf16 (loadtest.engine.fp8): GEMM time, decode throughput,
+                     greedy agreement
 
 $OUT gets summary.json (each stage's status and figures, rewritten after each stage),
 stages.log (every command's output), the profile, and work.tar.gz (configs, logs, the
-benchmarks' JSON). On the GPU machine, from the repository root (README: "On a lent GPU machine"):
+benchmarks' JSON). On the GPU machine, from the repository root (docs/deploy.md: "On a GPU"):
 
     python3 deploy/gpu/run_all.py
     .venv/bin/python deploy/gpu/run_all.py --dry-run --kit DIR --out DIR   # the same on a CPU, small (tests/benchmarks)
@@ -58,6 +61,7 @@ STAGES = (  # in priority order: what runs first is what matters most when time 
     Stage("profile", gpu_checks.profile, limit_s=60, min_s=25),
     Stage("planner", gpu_checks.planner, limit_s=40, min_s=10),
     Stage("gpu_engine", gpu_checks.gpu_engine, limit_s=70, min_s=40, needs_gpu=True),
+    Stage("fp8_triton", gpu_checks.fp8_triton, limit_s=40, min_s=25, needs_gpu=True),
 )
 
 

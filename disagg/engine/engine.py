@@ -16,7 +16,7 @@ from collections import deque
 
 import torch
 
-from disagg.config import EngineConfig, Role
+from disagg.config import EngineConfig, Role, require_weights_on
 from disagg.engine.block_manager import BlockManager
 from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.engine.distributed import InstanceGroups
@@ -90,6 +90,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        require_weights_on(config.weights, self.device.type)  # before any weight is read
         self.dtype = resolve_dtype(config.dtype, self.device, config.weights)
         if self.device.type == "cpu":
             bound_onednn_caches()
@@ -203,6 +204,9 @@ class LLMEngine:
         weights = self.config.weights
         quantized = weights in ("int8", "int4") or (weights == "auto" and self.device.type == "cpu")
         model.load_weights(source.iter_weights(), pack=not quantized)
+        if weights == "fp8":  # CUDA only (require_weights_on)
+            logger.info(model.fp8_weights())
+            torch.cuda.empty_cache()  # the bf16 copies just freed, back for the KV cache
         if quantized:
             # The copy for many-row steps: prompt_precision where prompts are computed, bfloat16
             # on a decode instance (its batches of more than 4; a role switch keeps the copy it has).

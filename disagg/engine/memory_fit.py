@@ -21,7 +21,7 @@ from disagg.config import EngineConfig, GiB
 from disagg.engine.model_config import ModelConfig
 from disagg.engine.partition import layer_range
 
-QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5}
+QUANTIZED_BYTES_PER_PARAM = {"int8": 1.0, "int4": 0.5, "fp8": 1.0}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 

@@ -17,7 +17,7 @@ the tag is an HMAC of the header and payload, in order per direction, with keys 
 from the deployment key and nonces both sides put in the authenticated store (disagg.auth): a
 message changed, replayed or reordered on the wire fails the transfer and breaks the pair. On one
 host (where the KV moves by reference anyway) and over NCCL (whose payload is on the GPU) the tag
-is zeros: NCCL's connections carry no integrity check (README, security). The receiver checks the header against
+is zeros: NCCL's connections carry no integrity check (docs/security.md). The receiver checks the header against
 `out` before it posts a recv for a large payload: gloo aborts the whole process when a message is
 larger than the buffer posted for it (so the first recv posts a buffer that fits any first message).
 Headers, payloads and the two directions use different tags.

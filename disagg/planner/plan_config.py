@@ -85,6 +85,6 @@ def hardware_label_comment(candidate, kinds) -> str:
     lines += [
         "# With `disagg serve --cluster` a node also carries its pool's label, both in one --resources",
         '# (e.g. \'{"prefill": 1, "a100-80gb": 1}\'; deploy/cluster-aws.yaml: the node type\'s resources).',
-        "# disagg serve waits until a node with each label has joined (README: Deploying with ray up).",
+        "# disagg serve waits until a node with each label has joined (docs/deploy.md: With `ray up`).",
     ]
     return "\n".join(lines) + "\n"

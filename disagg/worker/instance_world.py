@@ -11,7 +11,7 @@ call inside the cluster), with the key they already hold.
 What this does not cover: the gloo and NCCL connections the groups then open between the ranks
 carry tensors with no authentication of their own (as in any torch.distributed job). On one node
 they listen on the loopback address (`worker_host`); across nodes, on the nodes' addresses,
-which must be a private network (README, "Security").
+which must be a private network (docs/security.md).
 """
 
 from __future__ import annotations

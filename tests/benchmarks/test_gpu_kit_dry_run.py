@@ -27,7 +27,7 @@ NETWORK_FAILURE = re.compile(
     r"Connection refused|ConnectionError|NewConnectionError|timed out|No such file or directory: '(apt-get|dpkg-deb)'"
 )
 FROM_THE_KIT = ("ray", "grpc", "google.protobuf", "grpc_health", "redis", "jsonschema", "gguf", "llguidance")
-GPU_ONLY = ("gpu_tests", "gpu_engine")
+GPU_ONLY = ("gpu_tests", "gpu_engine", "fp8_triton")
 NOT_IN_A_DRY_RUN = ("kv_transfer",)  # its own smoke run: test_benchmarks_run.py
 
 pytestmark = [pytest.mark.bench_heavy, pytest.mark.slow, pytest.mark.timeout(1200)]

@@ -1,4 +1,4 @@
-"""The Triton decode attention (layers/gpu_kernels.py) equals the torch path (gather + SDPA) on
+"""The Triton decode attention (layers/triton_attention.py) equals the torch path (gather + SDPA) on
 scattered block tables, every grouped-query shape the models have, and contexts that end inside
 a block, on a tile edge, and past several tiles."""
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from disagg.engine.layers.attention import DecodeBatch, decode_attention, select_decode_kernel
-from disagg.engine.layers.gpu_kernels import paged_decode_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytest.importorskip("triton", reason="the Triton kernels need Triton (make setup installs it)")
+from disagg.engine.layers.triton_attention import paged_decode_attention  # noqa: E402
 
 SHAPES = [  # (query heads, KV heads, head dim): tiny, SmolLM2, Llama-3-8B, no grouping
     (8, 2, 8),

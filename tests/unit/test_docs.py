@@ -78,3 +78,65 @@ def test_the_readme_links_nothing_outside_the_repository():
     for target in re.findall(r"\]\(([^)#]+)\)", readme):
         if not target.startswith(("http://", "https://")):
             assert (ROOT / target).exists(), target
+
+
+# ---- the user's pages: short, and naming only what exists -------------------------------------------------
+PAGES = ["README.md", "loadtest/RESULTS.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+MODULE = re.compile(r"python3? -m (loadtest(?:\.\w+)+)")
+# A path in backticks: words joined by slashes, ending in a file's extension or a folder's slash.
+PATH = re.compile(r"`((?:[\w.-]+/)+(?:[\w.-]+\.(?:py|md|yaml|yml|json|jsonl|txt|sh|proto|cpp|pt|toml|csv))?)`")
+# Where a page's short paths are relative to: the repository, the package, the engine (docs name
+# `worker/actor.py` for `disagg/worker/actor.py` and `layers/csrc/...` under `disagg/engine/`).
+BASES = [ROOT, ROOT / "disagg", ROOT / "disagg" / "engine", ROOT / "deploy"]
+# Folders benchmarks write into when run: named, not committed.
+WRITTEN_BY_RUNS = {"loadtest/results/locust/"}
+
+
+def page(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+def test_the_readme_and_the_results_stay_short():
+    assert len(page("README.md").splitlines()) <= 250, "README.md: reference material goes to docs/"
+    assert len(page("loadtest/RESULTS.md").splitlines()) <= 300, "RESULTS.md: current figures only"
+
+
+def test_every_benchmark_a_page_runs_exists():
+    missing = {
+        (name, module)
+        for name in PAGES
+        for module in MODULE.findall(page(name))
+        if not (ROOT / module.replace(".", "/")).with_suffix(".py").exists()
+    }
+    assert missing == set()
+
+
+def test_every_path_a_page_names_exists():
+    missing = {
+        (name, path)
+        for name in PAGES
+        for path in PATH.findall(page(name))
+        if path not in WRITTEN_BY_RUNS and not any((base / path).exists() for base in BASES)
+    }
+    assert missing == set()
+
+
+def test_every_link_of_a_page_leads_somewhere():
+    missing = {
+        (name, target)
+        for name in PAGES
+        for target in re.findall(r"\]\(([^)#]+)\)", page(name))
+        if not target.startswith(("http://", "https://")) and not ((ROOT / name).parent / target).exists()
+    }
+    assert missing == set()
+
+
+def test_every_dotted_name_a_page_gives_exists():
+    missing = []
+    for name in PAGES:
+        for dotted in SYMBOL.findall(page(name)):
+            try:
+                resolve(dotted)
+            except (AttributeError, ModuleNotFoundError):
+                missing.append((name, dotted))
+    assert missing == []

@@ -49,18 +49,18 @@ class ColumnParallelLinear(nn.Module):
         takes its kernel for those: layers/quantized.py); None outside an engine step."""
         return self.packed.linear(x, self.weight, self.bias, decode_rows)
 
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether its weight computes silu(gate) * up of a [gate; up] projection itself (a
+        quantized weight, with a kernel for it on CPU)."""
+        return hasattr(self.packed, "silu_mul") and self.bias is None
+
     def silu_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """silu(gate) * up of a [gate; up] projection: one kernel where a quantized weight has one."""
-        fused = getattr(self.packed, "silu_mul", None)
-        if fused is not None and self.bias is None:
-            return fused(x, decode_rows)
+        if self.fuses_silu_mul:
+            return self.packed.silu_mul(x, decode_rows)
         gate, up = self(x, decode_rows).chunk(2, dim=-1)
         return F.silu(gate) * up
-
-    def gelu_tanh_mul(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
-        """gelu(gate) (tanh approximation, HF's gelu_pytorch_tanh) * up of a [gate; up] projection (GeGLU)."""
-        gate, up = self(x, decode_rows).chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
 
 
 class RowParallelLinear(nn.Module):

@@ -23,6 +23,7 @@ from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata
 from disagg.engine.layers.cpu_gemm import PackedWeight
 from disagg.engine.layers.cpu_kernels import cpu_ops
+from disagg.engine.layers.fp8 import Fp8Weight, describe
 from disagg.engine.layers.fused import FusedRMSNorm
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.parallel import SINGLE, TPGroup
@@ -197,6 +198,18 @@ class CausalLM(nn.Module):
             if kernels is not None:  # ours reads the embedding's own int8 blocks: one copy of the vocabulary
                 self.logits_weight = Int8Weight.of_blocks(self.embed_tokens.q, self.embed_tokens.scales, kernels)
         self.logits_weight.without_wide_copy()
+
+    def fp8_weights(self) -> str:
+        """Keep each GEMM's weight as FP8 (layers/fp8.py: EngineConfig.weights = "fp8"), freeing
+        its dense copy; the vocabulary projection, embedding and norms stay as they are. Returns
+        a line for the log: which GEMMs take the FP8 tensor cores."""
+        converted = []
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                module.packed = Fp8Weight(module.weight.data)
+                module.weight = _freed(module.weight)
+                converted.append(module.packed)
+        return describe(converted)
 
     def every_row_quantized(self) -> None:
         """Every row, prompt or decode, through the quantized kernels (EngineConfig.batch_invariant)."""

@@ -16,7 +16,7 @@ from torch import nn
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
-from disagg.engine.layers.fused import Rotary
+from disagg.engine.layers.fused import GatedActivation, Rotary
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.parallel import TPGroup
 from disagg.engine.model_config import ModelConfig
@@ -60,10 +60,12 @@ class LlamaAttention(nn.Module):
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         q_size = heads * self.head_dim
         qkv = self.qkv_proj(x, meta.decode_rows).view(n, heads + 2 * kv_heads, self.head_dim)
-        # q's and k's heads are adjacent: one rotary call for both (a decode step makes 2 per layer fewer).
-        qk = self.rope(self._normed_qk(qkv), cos, sin)
-        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
-        kv_cache.write(self.cache_index, meta.slot_mapping, k, v)
+        v = qkv[:, heads + kv_heads :]
+        # q's and k's heads are adjacent: one rotary call for both (a decode step makes 2 per layer
+        # fewer), which on CUDA writes k and v to the cache too.
+        q, k = self.rope.rotate_and_store(
+            self._normed_qk(qkv), v, cos, sin, kv_cache, self.cache_index, meta.slot_mapping
+        )
         out = paged_attention(q, k, v, kv_cache.layer(self.cache_index), meta, self.scale, self.window)
         return self.o_proj(out.view(n, q_size), meta.decode_rows)
 
@@ -83,13 +85,14 @@ class LlamaMLP(nn.Module):
             cfg.hidden_size, {"gate": cfg.intermediate_size, "up": cfg.intermediate_size}, tp=tp, gemm=backends.gemm
         )
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp, gemm=backends.gemm)
-        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # else silu (ModelConfig.HIDDEN_ACTS)
+        # GeGLU where the family says gelu_pytorch_tanh, else SwiGLU (ModelConfig.HIDDEN_ACTS)
+        self.act = GatedActivation(backends.attention, gelu_tanh=cfg.hidden_act == "gelu_pytorch_tanh")
 
     def forward(self, x: torch.Tensor, decode_rows: int | None = None) -> torch.Tensor:
         """`decode_rows`: the step's (AttentionMetadata.decode_rows)."""
-        gate_up = self.gate_up_proj
-        gated = gate_up.gelu_tanh_mul(x, decode_rows) if self.gelu else gate_up.silu_mul(x, decode_rows)
-        return self.down_proj(gated, decode_rows)
+        if not self.act.gelu_tanh and self.gate_up_proj.fuses_silu_mul:  # a quantized weight's own kernel
+            return self.down_proj(self.gate_up_proj.silu_mul(x, decode_rows), decode_rows)
+        return self.down_proj(self.act(self.gate_up_proj(x, decode_rows)), decode_rows)
 
 
 class LlamaDecoderLayer(nn.Module):
