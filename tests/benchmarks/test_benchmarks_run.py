@@ -95,6 +95,12 @@ SMOKE = {
         "--model", "random:tiny", "--batches", "1,2", "--context", "8", "--steps", "1", "--prompt-tokens", "16",
         "--repeats", "1", "--kv-cache-gib", "0.01"),
         (r"^decode batch\s+2 ctx 8: step", r"^prefill 16 tokens: step"), skip=no_cuda),
+    "engine.batch_invariance": Smoke("engine.batch_invariance", ("--sides", ".", "--smoke"),
+        (r"^\.: decode_tok_s@1 [\d.]+, decode_tok_s@2 [\d.]+, prefill_s@64 [\d.]+; 'The capital of France is Paris\.'$",)),
+    "engine.fp8": Smoke("engine.fp8", ("--batches", "1", "--repeats", "1", "--skip-engine"),
+        (r"^\s*\w+ batch\s+1: bf16\s+[\d.]+ us\s+fp8\s+[\d.]+ us",), skip=no_cuda),
+    "engine.triton_kernels": Smoke("engine.triton_kernels", ("--batch", "2", "--context", "16"),
+        (r"triton\s+[\d.]+ us\s+torch\s+[\d.]+ us",), skip=no_cuda),
     "kv.ipc": Smoke("kv.ipc", (
         "--device", "cpu", "--dtype", "float32", "--tokens", "32", "--layers", "2", "--heads", "2", "--head-dim", "16",
         "--repeats", "1", "--check"),
