@@ -607,8 +607,7 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert_file:
-        with open(config.tls_key_file, "rb") as k, open(config.tls_cert_file, "rb") as c:
-            port = server.add_secure_port(address, grpc.ssl_server_credentials([(k.read(), c.read())]))
+        port = server.add_secure_port(address, _server_credentials(config))
     else:
         port = server.add_insecure_port(address)
     await server.start()
@@ -616,12 +615,21 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     return server, port, health_servicer
 
 
+def _server_credentials(config: ServingConfig) -> grpc.ServerCredentials:
+    """The config's certificate; with tls_client_ca_file, a client must present one that CA signed."""
+    key, cert = Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes()
+    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
 def _start_metrics(config: ServingConfig, metrics: ServingMetrics):
     """/metrics, behind the API key and on TLS when the config has them; None when it is off."""
     if config.metrics_port is None:
         return None
     tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
-    return metrics.start_http_server(config.metrics_port, config.host, api_key=config.api_key, tls=tls)
+    return metrics.start_http_server(
+        config.metrics_port, config.host, api_key=config.api_key, tls=tls, client_ca=config.tls_client_ca_file
+    )
 
 
 async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:

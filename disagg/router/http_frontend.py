@@ -289,9 +289,13 @@ def _unauthorized() -> web.Response:
 
 
 def _ssl_context(config: ServingConfig) -> ssl.SSLContext | None:
-    """The gRPC port's certificate and key (tls_cert_file, tls_key_file), or None: plain HTTP."""
+    """The gRPC port's certificate and key (tls_cert_file, tls_key_file), and its demand for
+    client certificates (tls_client_ca_file); or None: plain HTTP."""
     if not config.tls_cert_file:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    if config.tls_client_ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=config.tls_client_ca_file)
     return context
