@@ -57,6 +57,7 @@ from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
+from disagg.router.grpc_door import frontend_server
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
@@ -595,12 +596,9 @@ async def _model_limits(config: ServingConfig, card: ModelCard, directory: Insta
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     # grpc.aio: each call is a task on the event loop, so no pool of threads can fill up with long
-    # streams and keep a new call from its refusal. No `maximum_concurrent_rpcs`: it would count
-    # Abort, ClusterStatus and health calls, and not the HTTP API's requests, and refuse no sooner
-    # than the request path's own bound (both decide once grpc.aio hands the call over, on the
-    # loop). What keeps refusals fast in a flood is that the admitted requests' work waits for
-    # the burst to pass (disagg.router.arrivals).
-    server = grpc.aio.server(interceptors=key_guard_interceptors(config))
+    # streams and keep a new call from its refusal. Over the bound, gRPC refuses a call itself,
+    # before any of ours runs for it (disagg.router.grpc_door).
+    server = frontend_server(servicer.path, config, key_guard_interceptors(config))
     add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -80,11 +80,15 @@ class RequestPath:
         `api_key` (any key, when none is set)."""
         return key_matches(self.orchestrator.config.api_key, given_key)
 
+    def arrived(self) -> None:
+        """A request came to a frontend's door (admitted or not, refused by gRPC's core too): the
+        frontends call it first thing, before any await. It is what tells a burst of arrivals
+        (disagg.router.arrivals)."""
+        self.arrivals.arrived()
+
     def admit(self, num_requests: int = 1) -> None:
         """Room for `num_requests` more (an HTTP request's n choices count one each), or the
-        refusal: UnavailableError while draining, OverloadedError over the in-flight bound. Call it
-        first thing: it is also what tells a burst of arrivals (disagg.router.arrivals)."""
-        self.arrivals.arrived()
+        refusal: UnavailableError while draining, OverloadedError over the in-flight bound."""
         if self.draining:
             raise UnavailableError("server is shutting down")
         if len(self._active) + num_requests > self.max_inflight:
