@@ -12,14 +12,15 @@ after 1.0 s at p50, 64 against 16 in 36 ms). Here the cheap answers go first, an
 admitted requests' work comes in small pieces between them.
 
 A burst is `burst_min` arrivals within `start_gap_s` (16 in 10 ms: a rate no steady load of
-one frontend reaches, which a flood passes at once), or another arrival within `probe_turns`
-bare turns of the loop after an admitted request that came alone (issue 52): gRPC hands over a
-call it holds a few turns after the last, and when each admitted request started its work at
+one frontend reaches, which a flood passes at once), or, over gRPC, another arrival within
+`probe_turns` bare turns of the loop after an admitted request that came alone (issue 52): gRPC
+hands over a call it holds a few turns after the last, and when each admitted request started its work at
 once, that work spaced a flood's arrivals a few ms apart, too far for the rate to show, so that
 every refusal waited for all the admitted requests' starts (768 against 256: the first refusal
-after 1.0-1.9 s with a stand-in start of 3 ms). A request that arrives otherwise starts after
-those few turns (microseconds on an idle loop), so that outside a burst nothing waits longer (a
-steady 200 requests a second is never held back, and never paced). A
+after 1.0-1.9 s with a stand-in start of 3 ms). aiohttp reads its connections' requests side
+by side, so an HTTP flood shows as a burst without it. A request that arrives otherwise starts
+at once (over gRPC after those few turns: microseconds on an idle loop), so that outside a burst
+nothing waits longer (a steady 200 requests a second is never held back, and never paced). A
 burst is over once `quiet_turns` turns of the loop have gone by with no arrival, each a wait of
 `turn_s` at least: turns, not time, since under a flood the loop may be held for long, or the
 process starved of CPU, and calls may wait unseen in gRPC's core all the while; a turn after
@@ -90,10 +91,11 @@ class Arrivals:
         """Whether admitted requests wait now (a burst, or the starts after one)."""
         return self._keeper is not None
 
-    async def after_burst(self) -> None:
-        """Until this request's turn to start, after the burst under way (if any)."""
+    async def after_burst(self, probe: bool = False) -> None:
+        """Until this request's turn to start, after the burst under way (if any). `probe`: a
+        request handed over one at a time (gRPC's) first looks for another arrival (_alone)."""
         must_start_by = self.clock() + self.max_wait_s  # also its place in the queue: when it came
-        if self._keeper is None and await self._alone():
+        if self._keeper is None and (not probe or await self._alone()):
             return
         entry = (asyncio.get_running_loop().create_future(), must_start_by)
         self._enqueue(entry)

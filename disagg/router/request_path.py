@@ -111,10 +111,14 @@ class RequestPath:
         """A claimed id whose request will not run (its input was refused)."""
         self._active.pop(request_id, None)
 
-    async def prepare(self, request: serving_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def prepare(
+        self, request: serving_pb2.GenerateRequest, one_at_a_time: bool = False
+    ) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequestError naming the field.
-        In a burst of arrivals, only once it is over: the first of a request's work."""
-        await self.arrivals.after_burst()
+        In a burst of arrivals, only once it is over: the first of a request's work.
+        `one_at_a_time`: its frontend is handed requests one at a time (gRPC's), so a flood may
+        come spaced out (disagg.router.arrivals: the probe)."""
+        await self.arrivals.after_burst(probe=one_at_a_time)
         try:
             check_slo(request.slo)
             check_priority(request.priority)
