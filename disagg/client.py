@@ -7,6 +7,7 @@ would show it to everyone on the machine. With a CA file the channel is TLS.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import grpc.experimental
@@ -58,12 +59,16 @@ def api_key_metadata(api_key: str | None = None) -> tuple:
     return (("x-api-key", key),) if key else ()
 
 
-def tls_credentials(tls_ca: str | None) -> grpc.ChannelCredentials | None:
-    """Credentials that trust the server certificates signed by the CA in `tls_ca` (PEM); None: plaintext."""
+def tls_credentials(tls_ca: str | None, client_cert: tuple[str, str] | None = None) -> grpc.ChannelCredentials | None:
+    """Credentials that trust the server certificates signed by the CA in `tls_ca` (PEM); None: plaintext.
+    `client_cert`: (certificate file, key file) this client presents, for a server that asks
+    for client certificates (ServingConfig.tls_client_ca_file)."""
     if tls_ca is None:
         return None
-    with open(tls_ca, "rb") as f:
-        return grpc.ssl_channel_credentials(root_certificates=f.read())
+    cert, key = (Path(f).read_bytes() for f in client_cert) if client_cert else (None, None)
+    return grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca).read_bytes(), private_key=key, certificate_chain=cert
+    )
 
 
 class DisaggClient:
@@ -73,10 +78,12 @@ class DisaggClient:
         api_key: str | None = None,
         single_threaded_streams: bool = True,
         tls_ca: str | None = None,
+        client_cert: tuple[str, str] | None = None,
     ):
         """`address`: HOST:PORT, or several IP:PORT separated by commas (a deployment's frontends:
         requests go round-robin over those that answer, and a frontend that dies is skipped).
         `api_key`: None reads $DISAGG_API_KEY. `tls_ca`: a PEM CA file; the channel is then TLS.
+        `client_cert`: (certificate file, key file) to present, where the server asks for one.
         `single_threaded_streams`: the thread that iterates a stream reads it from gRPC's
         completion queue itself, instead of a channel thread reading it and waking the caller
         (measured: 0.3 ms less from a token leaving the server to the caller having it)."""
@@ -84,7 +91,7 @@ class DisaggClient:
         if "," in address:  # gRPC's own client-side balancing over a fixed list of addresses
             address = f"ipv4:{address}"
             options.append(("grpc.lb_policy_name", "round_robin"))
-        credentials = tls_credentials(tls_ca)
+        credentials = tls_credentials(tls_ca, client_cert)
         if credentials is None:
             self.channel = grpc.insecure_channel(address, options=options)
         else:

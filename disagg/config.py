@@ -647,11 +647,14 @@ class ServingConfig:
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata (HTTP: `Authorization: Bearer`)
     tls_cert_file: str | None = None  # TLS on the gRPC and the HTTP port alike
     tls_key_file: str | None = None  # the private key of tls_cert_file
+    # A CA (PEM): clients must present a certificate it signed (gRPC, HTTP, /metrics); needs tls_cert_file.
+    tls_client_ca_file: str | None = None
     # With api_key set, gRPC health and reflection, HTTP /health and /metrics ask for it too;
     # true leaves the two health checks open (a load balancer's probe sends no key).
     health_without_key: bool = False
-    # Listening on an address other than loopback with neither api_key nor TLS is refused unless
-    # this says so (anyone who reaches the port could use the model).
+    # Listening on an address other than loopback with neither api_key nor client certificates
+    # (tls_client_ca_file) is refused unless this says so: anyone who reaches the port could use
+    # the model (TLS alone encrypts, but authenticates no client).
     insecure: bool = False
 
     def __post_init__(self) -> None:
@@ -720,6 +723,11 @@ class ServingConfig:
             "tls_cert_file",
             "give both tls_cert_file and tls_key_file, or neither",
         )
+        _require(
+            self.tls_client_ca_file is None or self.tls_cert_file is not None,
+            "tls_client_ca_file",
+            "client certificates need TLS: give tls_cert_file and tls_key_file too",
+        )
         self._require_guarded_listeners()
         pools = (self.prefill, self.decode) if self.mode == "disaggregated" else (self.colocated,)
         _require(
@@ -729,16 +737,19 @@ class ServingConfig:
         )
 
     def _require_guarded_listeners(self) -> None:
-        """Our listeners for clients (gRPC, HTTP, /metrics) off loopback need a key or TLS."""
+        """Our listeners for clients (gRPC, HTTP, /metrics) off loopback need a key or client
+        certificates: something that tells who the client is. TLS alone does not."""
         listeners = [("host", self.host)] + ([("http_host", self.http_host)] if self.http_port else [])
         open_ones = [(name, host) for name, host in listeners if not _is_loopback(host)]
-        if not open_ones or self.api_key or self.tls_cert_file or self.insecure:
+        if not open_ones or self.api_key or self.tls_client_ca_file or self.insecure:
             return
         name, host = open_ones[0]
+        tls = "with TLS but " if self.tls_cert_file else ""
         raise InvalidRequestError(
             name,
-            f"listening on {host} with neither api_key nor TLS lets anyone who reaches the port use the "
-            "model; set api_key (and tls_cert_file/tls_key_file), or insecure: true to accept that",
+            f"listening on {host} {tls}with neither api_key nor client certificates lets anyone who reaches "
+            "the port use the model; set api_key (or $DISAGG_API_KEY), or tls_client_ca_file, or insecure: "
+            "true to accept that",
         )
 
     def pools(self) -> list[tuple[str, PoolConfig]]:

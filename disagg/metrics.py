@@ -327,11 +327,17 @@ class ServingMetrics:
         return prometheus_client.generate_latest(self.registry)
 
     def start_http_server(
-        self, port: int, host: str = "127.0.0.1", api_key: str | None = None, tls: tuple[str, str] | None = None
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+        tls: tuple[str, str] | None = None,
+        client_ca: str | None = None,
     ) -> MetricsHTTPServer:
         """Serve /metrics on a daemon thread; `port=0` picks a free port (see `.port`). With
         `api_key`, a scrape must send `Authorization: Bearer <key>` (401 otherwise); with `tls`
-        (cert file, key file), it is HTTPS."""
+        (cert file, key file), it is HTTPS; with `client_ca` too, a scraper must present a
+        certificate that CA signed."""
         app = prometheus_client.make_wsgi_app(self.registry)
         if api_key:
             app = _bearer_guard(app, api_key)
@@ -339,6 +345,9 @@ class ServingMetrics:
         if tls is not None:
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(certfile=tls[0], keyfile=tls[1])
+            if client_ca:
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(cafile=client_ca)
             server.socket = context.wrap_socket(server.socket, server_side=True)
         threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
         return MetricsHTTPServer(host=host, port=server.server_port, _server=server, scheme="https" if tls else "http")

@@ -65,6 +65,7 @@ from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory, directory_for
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
+from disagg.router.grpc_door import frontend_server
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
@@ -677,20 +678,16 @@ async def _model_limits(config: ServingConfig, card: ModelCard, directory: Insta
 
 async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     # grpc.aio: each call is a task on the event loop, so no pool of threads can fill up with long
-    # streams and keep a new call from its refusal. No `maximum_concurrent_rpcs`: it would count
-    # Abort, ClusterStatus and health calls, and not the HTTP API's requests, and refuse no sooner
-    # than the request path's own bound (both decide once grpc.aio hands the call over, on the
-    # loop). What keeps refusals fast in a flood is that the admitted requests' work waits for
-    # the burst to pass (disagg.router.arrivals).
-    server = grpc.aio.server(interceptors=key_guard_interceptors(config))
+    # streams and keep a new call from its refusal. Over the bound, gRPC refuses a call itself,
+    # before any of ours runs for it (disagg.router.grpc_door).
+    server = frontend_server(servicer.path, config, key_guard_interceptors(config))
     add_serving_service(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"{config.host}:{config.port}"
     if config.tls_cert_file:
-        with open(config.tls_key_file, "rb") as k, open(config.tls_cert_file, "rb") as c:
-            port = server.add_secure_port(address, grpc.ssl_server_credentials([(k.read(), c.read())]))
+        port = server.add_secure_port(address, _server_credentials(config))
     else:
         port = server.add_insecure_port(address)
     await server.start()
@@ -698,12 +695,21 @@ async def _start_grpc(config: ServingConfig, servicer: ServingServicer):
     return server, port, health_servicer
 
 
+def _server_credentials(config: ServingConfig) -> grpc.ServerCredentials:
+    """The config's certificate; with tls_client_ca_file, a client must present one that CA signed."""
+    key, cert = Path(config.tls_key_file).read_bytes(), Path(config.tls_cert_file).read_bytes()
+    client_ca = Path(config.tls_client_ca_file).read_bytes() if config.tls_client_ca_file else None
+    return grpc.ssl_server_credentials([(key, cert)], root_certificates=client_ca, require_client_auth=bool(client_ca))
+
+
 def _start_metrics(config: ServingConfig, metrics: ServingMetrics):
     """/metrics, behind the API key and on TLS when the config has them; None when it is off."""
     if config.metrics_port is None:
         return None
     tls = (config.tls_cert_file, config.tls_key_file) if config.tls_cert_file else None
-    return metrics.start_http_server(config.metrics_port, config.host, api_key=config.api_key, tls=tls)
+    return metrics.start_http_server(
+        config.metrics_port, config.host, api_key=config.api_key, tls=tls, client_ca=config.tls_client_ca_file
+    )
 
 
 async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:

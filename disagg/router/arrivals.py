@@ -12,9 +12,15 @@ after 1.0 s at p50, 64 against 16 in 36 ms). Here the cheap answers go first, an
 admitted requests' work comes in small pieces between them.
 
 A burst is `burst_min` arrivals within `start_gap_s` (16 in 10 ms: a rate no steady load of
-one frontend reaches, which a flood passes at once); a request that arrives otherwise, with
-nobody waiting, starts at once, so that outside a burst nothing waits (a steady 200 requests a
-second is never held back, and never paced). A
+one frontend reaches, which a flood passes at once), or, over gRPC, another arrival within
+`probe_turns` bare turns of the loop after an admitted request that came alone (issue 52): gRPC
+hands over a call it holds a few turns after the last, and when each admitted request started its work at
+once, that work spaced a flood's arrivals a few ms apart, too far for the rate to show, so that
+every refusal waited for all the admitted requests' starts (768 against 256: the first refusal
+after 1.0-1.9 s with a stand-in start of 3 ms). aiohttp reads its connections' requests side
+by side, so an HTTP flood shows as a burst without it. A request that arrives otherwise starts
+at once (over gRPC after those few turns: microseconds on an idle loop), so that outside a burst
+nothing waits longer (a steady 200 requests a second is never held back, and never paced). A
 burst is over once `quiet_turns` turns of the loop have gone by with no arrival, each a wait of
 `turn_s` at least: turns, not time, since under a flood the loop may be held for long, or the
 process starved of CPU, and calls may wait unseen in gRPC's core all the while; a turn after
@@ -42,6 +48,8 @@ QUIET_TURNS = 6
 TURN_S = 0.0005
 MAX_WAIT_S = 1.0  # an admitted request's work waits no longer for quiet, however long the burst
 FORCED_EVERY_S = 0.005  # then one starts this often at most while the burst lasts
+# An admitted request that is not in a burst looks this many bare turns for another arrival first.
+PROBE_TURNS = 6
 
 
 class Arrivals:
@@ -53,6 +61,7 @@ class Arrivals:
         turn_s: float = TURN_S,
         max_wait_s: float = MAX_WAIT_S,
         forced_every_s: float = FORCED_EVERY_S,
+        probe_turns: int = PROBE_TURNS,
         clock=time.monotonic,
     ):
         self.start_gap_s = start_gap_s
@@ -60,6 +69,7 @@ class Arrivals:
         self.turn_s = turn_s
         self.max_wait_s = max_wait_s
         self.forced_every_s = forced_every_s
+        self.probe_turns = probe_turns
         self.clock = clock
         self.count = 0  # arrivals so far
         self._recent: deque[float] = deque(maxlen=max(2, burst_min))  # the latest arrivals' times
@@ -81,12 +91,14 @@ class Arrivals:
         """Whether admitted requests wait now (a burst, or the starts after one)."""
         return self._keeper is not None
 
-    async def after_burst(self) -> None:
-        """Until this request's turn to start, after the burst under way (if any)."""
-        if self._keeper is None:
+    async def after_burst(self, probe: bool = False) -> None:
+        """Until this request's turn to start, after the burst under way (if any). `probe`: a
+        request handed over one at a time (gRPC's) first looks for another arrival (_alone)."""
+        must_start_by = self.clock() + self.max_wait_s  # also its place in the queue: when it came
+        if self._keeper is None and (not probe or await self._alone()):
             return
-        entry = (asyncio.get_running_loop().create_future(), self.clock() + self.max_wait_s)
-        self._waiting.append(entry)
+        entry = (asyncio.get_running_loop().create_future(), must_start_by)
+        self._enqueue(entry)
         try:
             # The keeper starts everyone; the timeout only guards against its loss.
             await asyncio.wait_for(entry[0], 10 * self.max_wait_s)
@@ -95,6 +107,27 @@ class Arrivals:
         finally:
             if entry in self._waiting:
                 self._waiting.remove(entry)
+
+    def _enqueue(self, entry: tuple[asyncio.Future, float]) -> None:
+        """In the order they came: one that probed first may queue after those who came later."""
+        place = len(self._waiting)
+        while place > 0 and self._waiting[place - 1][1] > entry[1]:
+            place -= 1
+        self._waiting.insert(place, entry)
+
+    async def _alone(self) -> bool:
+        """Whether no other request arrives within `probe_turns` bare turns of the loop
+        (microseconds on an idle one). One that does is a flood's next call, which gRPC hands
+        over a few turns after the last: each start of work between them would space a flood's
+        arrivals out until no burst shows, and its refusals would wait for every start."""
+        seen = self.count
+        for _ in range(self.probe_turns):
+            await asyncio.sleep(0)
+            if self.count != seen:
+                if self._keeper is None:
+                    self._keeper = asyncio.get_running_loop().create_task(self._keep(), name="arrivals")
+                return False
+        return self._keeper is None
 
     async def _keep(self) -> None:
         """Turn by turn while a burst lasts or anyone waits: start one waiting request a turn once

@@ -47,7 +47,8 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
         request_id = request.request_id or uuid.uuid4().hex
         await self._refuse_on_error(context, self.path.claim, request_id)
         try:
-            prompt_ids, params = await self.path.prepare(request)
+            # grpc.aio hands calls over one at a time: a flood may look like a steady load
+            prompt_ids, params = await self.path.prepare(request, one_at_a_time=True)
         except BaseException as exc:
             self.path.release(request_id)
             if isinstance(exc, InvalidRequestError):

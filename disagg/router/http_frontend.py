@@ -45,6 +45,9 @@ MiB = 1 << 20
 # second later, so its 429 takes a second more (issue 40). The kernel caps it at somaxconn.
 LISTEN_BACKLOG = 4096
 
+COMPLETIONS, CHAT_COMPLETIONS = "/v1/completions", "/v1/chat/completions"
+GENERATIONS = frozenset((COMPLETIONS, CHAT_COMPLETIONS))
+
 Emit = Callable[[int, TokenDelta, "Outcome | None"], Awaitable[None]]
 
 
@@ -85,12 +88,34 @@ class HttpFrontend:
     def app(self) -> web.Application:
         # Room for the longest text the request path reads before refusing it as too long.
         limits = self.path.limits
-        app = web.Application(client_max_size=limits.max_model_len * MAX_CHARS_PER_TOKEN * 4 + MiB)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app = web.Application(
+            client_max_size=limits.max_model_len * MAX_CHARS_PER_TOKEN * 4 + MiB, middlewares=[self._door]
+        )
+        app.router.add_post(COMPLETIONS, self.completions)
+        app.router.add_post(CHAT_COMPLETIONS, self.chat_completions)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         return app
+
+    # ---- the door ------------------------------------------------------------------------------------
+    @web.middleware
+    async def _door(self, request: web.Request, handler) -> web.StreamResponse:
+        """A generation over the in-flight bound (or while draining) is refused here, as soon as
+        aiohttp has its headers: before its body is read or parsed, and before the handler's
+        first await, so that a flood's refusals do not wait behind the admitted requests' work.
+        Every generation is told to the request path as it arrives (a burst's admitted requests
+        wait for it to pass: disagg.router.arrivals). The handler checks the bound again, for
+        its n choices."""
+        if request.path not in GENERATIONS or request.method != "POST":
+            return await handler(request)
+        self.path.arrived()
+        if not self._authorized(request):
+            return _unauthorized()
+        try:
+            self.path.admit(1)
+        except DisaggError as exc:
+            return _failure(exc.grpc_code_name, str(exc))
+        return await handler(request)
 
     # ---- endpoints -----------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -289,9 +314,13 @@ def _unauthorized() -> web.Response:
 
 
 def _ssl_context(config: ServingConfig) -> ssl.SSLContext | None:
-    """The gRPC port's certificate and key (tls_cert_file, tls_key_file), or None: plain HTTP."""
+    """The gRPC port's certificate and key (tls_cert_file, tls_key_file), and its demand for
+    client certificates (tls_client_ca_file); or None: plain HTTP."""
     if not config.tls_cert_file:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(config.tls_cert_file, config.tls_key_file)
+    if config.tls_client_ca_file:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=config.tls_client_ca_file)
     return context

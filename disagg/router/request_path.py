@@ -80,11 +80,15 @@ class RequestPath:
         `api_key` (any key, when none is set)."""
         return key_matches(self.orchestrator.config.api_key, given_key)
 
+    def arrived(self) -> None:
+        """A request came to a frontend's door (admitted or not, refused by gRPC's core too): the
+        frontends call it first thing, before any await. It is what tells a burst of arrivals
+        (disagg.router.arrivals)."""
+        self.arrivals.arrived()
+
     def admit(self, num_requests: int = 1) -> None:
         """Room for `num_requests` more (an HTTP request's n choices count one each), or the
-        refusal: UnavailableError while draining, OverloadedError over the in-flight bound. Call it
-        first thing: it is also what tells a burst of arrivals (disagg.router.arrivals)."""
-        self.arrivals.arrived()
+        refusal: UnavailableError while draining, OverloadedError over the in-flight bound."""
         if self.draining:
             raise UnavailableError("server is shutting down")
         if len(self._active) + num_requests > self.max_inflight:
@@ -107,10 +111,14 @@ class RequestPath:
         """A claimed id whose request will not run (its input was refused)."""
         self._active.pop(request_id, None)
 
-    async def prepare(self, request: serving_pb2.GenerateRequest) -> tuple[list[int], SamplingParams]:
+    async def prepare(
+        self, request: serving_pb2.GenerateRequest, one_at_a_time: bool = False
+    ) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the sampling params, or InvalidRequestError naming the field.
-        In a burst of arrivals, only once it is over: the first of a request's work."""
-        await self.arrivals.after_burst()
+        In a burst of arrivals, only once it is over: the first of a request's work.
+        `one_at_a_time`: its frontend is handed requests one at a time (gRPC's), so a flood may
+        come spaced out (disagg.router.arrivals: the probe)."""
+        await self.arrivals.after_burst(probe=one_at_a_time)
         try:
             check_slo(request.slo)
             check_priority(request.priority)

@@ -8,7 +8,8 @@ go over a channel of rank 0's own, opened once when the instance starts:
 - followers on rank 0's host (the usual case: an instance inside one node): one shared-memory
   ring that rank 0 writes every order on and they all read (disagg.worker.shm_ring), and one
   ring per follower for its answer;
-- followers on another host: a TCP connection each, which they dial (disagg.worker.socket_pipe).
+- followers on another host: a TCP connection each, which they dial, every message on it sealed
+  against forgery and replay (disagg.worker.socket_pipe).
 
 A follower is on rank 0's host when `channel_key` is equal on both: it can then map rank 0's
 memory and receive its wakeups. Each side checks that the other still runs while it waits, so a

@@ -65,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-BOUND_REFUSAL = "requests in flight"  # what the in-flight bound's refusal says (disagg.router.request_path)
+# What the in-flight bound's refusals say: the request path's, and gRPC's own past its
+# maximum_concurrent_rpcs (disagg.router.grpc_door).
+BOUND_REFUSALS = ("requests in flight", "Concurrent RPC limit exceeded")
 
 
 @dataclass
@@ -87,7 +89,7 @@ class Flood:
             self.all_decided.set()
 
     def refused(self, started: float, message: str) -> None:
-        at_door = BOUND_REFUSAL in message
+        at_door = any(refusal in message for refusal in BOUND_REFUSALS)
         (self.refused_ms if at_door else self.refused_later_ms).append((time.perf_counter() - started) * 1e3)
         self.decide("refused" if at_door else "refused later")
 

@@ -166,3 +166,47 @@ def test_sixteen_arrivals_at_once_are_a_burst():
         return before, door.in_burst()
 
     assert run(scenario()) == (False, True)
+
+
+def test_arrivals_spaced_out_by_the_work_of_those_before_them_are_a_burst():
+    """A flood whose calls gRPC hands over one every few turns, each admitted request starting
+    its work (3 ms of the loop) in between, comes 16 in 48 ms: too slow for the rate, but each
+    next call comes within a few bare turns of the last. From the second on, the admitted wait
+    for the burst, and the refusals are answered before their work."""
+
+    async def scenario():
+        door = Arrivals(turn_s=TURN_S, quiet_turns=QUIET_TURNS)  # the defaults: 16 in 10 ms
+        started: list[int] = []
+
+        async def admitted(i: int) -> None:
+            door.arrived()
+            await door.after_burst(probe=True)
+            started.append(i)
+            time.sleep(0.003)  # its work holds the loop
+
+        async def grpc_hands_over() -> None:
+            for i in range(16):
+                asyncio.ensure_future(admitted(i))
+                for _ in range(3):  # the next call, three turns later
+                    await asyncio.sleep(0)
+
+        await grpc_hands_over()
+        seen_before_any_start = list(started)
+        while len(started) < 16:
+            await asyncio.sleep(TURN_S)
+        return seen_before_any_start, started
+
+    before, started = run(scenario())
+    assert before == [] and started == list(range(16))
+
+
+def test_a_request_alone_waits_a_few_bare_turns_at_most():
+    async def scenario():
+        door = Arrivals()
+        door.arrived()
+        started = time.monotonic()
+        await door.after_burst(probe=True)
+        return time.monotonic() - started, door.in_burst()
+
+    waited, in_burst = run(scenario())
+    assert waited < 0.002 and not in_burst

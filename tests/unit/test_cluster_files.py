@@ -11,7 +11,7 @@ import pytest
 import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 
-from disagg.config import ServingConfig
+from disagg.config import API_KEY_ENV, ServingConfig, read_yaml_settings
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -53,13 +53,21 @@ def test_the_aws_file_has_a_gpu_node_type_per_pool_and_a_head_without_work():
 GPUS_PER_INSTANCE_TYPE = {"g6e.xlarge": 1, "g6e.12xlarge": 4}  # AWS's figures
 
 
-def test_the_aws_file_puts_each_tensor_parallel_group_on_one_node_and_serves_safely():
+def test_the_aws_file_puts_each_tensor_parallel_group_on_one_node_and_serves_safely(monkeypatch):
     """The config it serves listens for other machines: it holds TLS and takes the key from the
-    head (never from the repository), and each TP group fits the GPUs of its pool's node type."""
+    head (never from the repository): without it, it does not start. Each TP group fits the
+    GPUs of its pool's node type."""
+    from disagg.server import serving_config
+
     config = launcher_config("cluster-aws.yaml")
-    served = ServingConfig.from_yaml(str(DEPLOY / "configs" / "llama3-8b-gpu.yaml"))
+    path = str(DEPLOY / "configs" / "llama3-8b-gpu.yaml")
+    assert "api_key" not in read_yaml_settings(path)
+    with pytest.raises(ValueError, match="with TLS but with neither api_key nor client certificates"):
+        ServingConfig.from_yaml(path)
+    monkeypatch.setenv(API_KEY_ENV, "k" * 32)  # as deploy/head-serve.sh sets it from ~/disagg-api-key
+    served = serving_config(path, {})
     assert config["file_mounts"]["~/disagg-plan.yaml"] == "./deploy/configs/llama3-8b-gpu.yaml"
-    assert served.host == "0.0.0.0" and served.tls_cert_file and not served.api_key and not served.insecure
+    assert served.host == "0.0.0.0" and served.tls_cert_file and served.api_key == "k" * 32 and not served.insecure
     assert "~/disagg-api-key" in config["file_mounts"] and "~/disagg-tls" in config["file_mounts"]
     types = config["available_node_types"]
     for role, node_type in (("prefill", "prefill_gpu"), ("decode", "decode_gpu")):
@@ -78,7 +86,7 @@ def test_the_aws_head_holds_neither_the_model_nor_the_token_that_downloads_it():
     head = config["head_setup_commands"] + config["head_start_ray_commands"]
     assert not [c for c in head if "/models" in c or "hf " in c or "download" in c or "hf-token" in c], head
     download = [c for c in config["worker_setup_commands"] if "download-model.sh" in c]
-    served = ServingConfig.from_yaml(str(DEPLOY / "configs" / "llama3-8b-gpu.yaml")).engine.model
+    served = read_yaml_settings(str(DEPLOY / "configs" / "llama3-8b-gpu.yaml"))["engine"]["model"]
     assert len(download) == 1 and f" {served} " in download[0] and download[0].split()[-1] == "/disagg/hf-token"
     types = config["available_node_types"]
     assert "IamInstanceProfile" not in types["head"]["node_config"]  # Ray's own role, which may not read it

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.config import DEFAULT_MODEL, EngineConfig, Role, ServingConfig, WorkerConfig
+from disagg.config import DEFAULT_MODEL, EngineConfig, Role, ServingConfig, WorkerConfig, read_yaml_settings
 from disagg.planner.hardware import hardware_spec
 from disagg.planner.memory import config_fit_errors
 from disagg.planner.models import model_spec
@@ -22,7 +22,7 @@ GPU_CONFIGS = {
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_example_configs_parse(path):
-    config = ServingConfig.from_yaml(str(path))
+    config = shipped(path.name)
     assert config.mode in ("disaggregated", "colocated")
 
 
@@ -32,7 +32,9 @@ def test_examples_exist():
 
 
 def shipped(name: str) -> ServingConfig:
-    return ServingConfig.from_yaml(str(CONFIGS[0].parent / name))
+    """With a key, as `disagg serve` runs it: a config that serves other machines takes its key
+    from $DISAGG_API_KEY (deploy/head-serve.sh sets it), never from the file."""
+    return ServingConfig.from_dict({"api_key": "k" * 32, **read_yaml_settings(str(CONFIGS[0].parent / name))})
 
 
 def test_every_shipped_gpu_config_fits_its_hardware_by_the_engines_rule():
@@ -172,15 +174,30 @@ def test_an_instance_may_differ_from_its_pool_in_threads_and_engine_settings():
     assert all(config.pool_engine_config(pool, i).max_num_batched_tokens == 256 for i in range(3))
 
 
+TLS = {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}
+
+
 @pytest.mark.parametrize(
     "listen",
     [{"host": "0.0.0.0"}, {"host": "10.1.2.3"}, {"http_host": "::"}, {"host": "gateway.internal"}],
 )
-def test_listening_openly_needs_a_key_or_tls_or_insecure(listen):
+def test_listening_openly_needs_a_key_or_client_certificates_or_insecure(listen):
     with pytest.raises(ValueError, match=next(iter(listen))):
         ServingConfig.from_dict(listen)
-    for guard in ({"api_key": "k" * 16}, {"tls_cert_file": "c.pem", "tls_key_file": "k.pem"}, {"insecure": True}):
+    for guard in ({"api_key": "k" * 16}, {**TLS, "tls_client_ca_file": "ca.pem"}, {"insecure": True}):
         ServingConfig.from_dict({**listen, **guard})
+
+
+@pytest.mark.parametrize("listen", [{"host": "0.0.0.0"}, {"http_host": "10.1.2.3"}])
+def test_tls_without_a_key_or_client_ca_is_refused_on_a_public_address(listen):
+    """TLS encrypts, but a server certificate says nothing of who the client is."""
+    with pytest.raises(ValueError, match="with TLS but with neither api_key nor client certificates"):
+        ServingConfig.from_dict({**listen, **TLS})
+
+
+def test_client_certificates_need_tls():
+    with pytest.raises(ValueError, match="tls_client_ca_file"):
+        ServingConfig.from_dict({"tls_client_ca_file": "ca.pem"})
 
 
 def test_loopback_and_a_closed_http_port_need_nothing():

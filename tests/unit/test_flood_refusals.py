@@ -24,6 +24,7 @@ from disagg.metrics import ServingMetrics
 from disagg.slo import SLO
 from disagg.router.arrivals import Arrivals
 from disagg.router.frontend import ServingServicer
+from disagg.router.grpc_door import frontend_server
 from disagg.router.grpc_service import add_serving_service
 from disagg.router.http_frontend import HttpFrontend
 from disagg.router.request_path import RequestPath
@@ -79,7 +80,7 @@ class Frontends:
         return self
 
     async def _start(self) -> None:
-        self.grpc_server = grpc.aio.server()
+        self.grpc_server = frontend_server(self.path, self.config)
         add_serving_service(ServingServicer(self.path, None, MODEL), self.grpc_server)
         port = self.grpc_server.add_insecure_port("127.0.0.1:0")
         await self.grpc_server.start()

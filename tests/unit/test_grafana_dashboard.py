@@ -56,3 +56,13 @@ def test_the_scrape_config_reads_metrics():
     config = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())
     (job,) = config["scrape_configs"]
     assert job["metrics_path"] == "/metrics" and job["static_configs"][0]["targets"]
+
+
+def test_the_scrape_config_scrapes_every_frontend_with_the_key_from_a_file():
+    """/metrics asks for the API key wherever one is set: the scraper sends it as a bearer token
+    read from a file (no key in the repository), to frontend i at metrics_port + i."""
+    (job,) = yaml.safe_load((GRAFANA / "prometheus.yml").read_text())["scrape_configs"]
+    assert job["authorization"]["type"] == "Bearer" and job["authorization"]["credentials_file"]
+    assert "credentials" not in job["authorization"]
+    ports = [int(target.rsplit(":", 1)[1]) for target in job["static_configs"][0]["targets"]]
+    assert len(ports) >= 2 and ports == list(range(ports[0], ports[0] + len(ports)))
