@@ -39,6 +39,14 @@ NAMESPACE = "disagg"
 _REFUSED_START = re.compile(r"^disagg\.errors\.ModelLoadError: (.+)$", re.M)
 
 
+def raise_refused_start(exc: BaseException) -> None:
+    """Raise the ModelLoadError a worker refused to start with, when `exc` (Ray's report of an
+    actor's death, or of a call that died of it) carries one: the worker's own message, whole."""
+    refused = _REFUSED_START.findall(str(exc))
+    if refused:
+        raise ModelLoadError(refused[-1]) from exc
+
+
 @dataclass
 class LaunchedInstance:
     instance_id: str
@@ -107,9 +115,7 @@ class PoolLauncher:
             ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=self.config.start_timeout_s)
         except Exception as exc:
             self.shutdown()
-            refused = _REFUSED_START.findall(str(exc))
-            if refused:  # the worker's own message, whole, not Ray's report of an actor's death around it
-                raise ModelLoadError(refused[-1]) from exc
+            raise_refused_start(exc)
             raise
         return self.instances
 

@@ -8,7 +8,7 @@ import logging
 
 import ray
 
-from disagg.cluster.launcher import LaunchedInstance, kill_deployment
+from disagg.cluster.launcher import LaunchedInstance, kill_deployment, raise_refused_start
 from disagg.config import ServingConfig
 from disagg.controller.controller import start_controller
 from disagg.hosts.cpu_binding import CpuPlan
@@ -33,8 +33,9 @@ class ControllerClient:
         client = cls(actor, deployment_id, config.control_call_timeout_s, redis_url)
         try:
             ray.get(actor.ready.remote(config.start_timeout_s), timeout=config.start_timeout_s + 30)
-        except BaseException:
+        except BaseException as exc:
             client.shutdown()
+            raise_refused_start(exc)  # through the controller too: the worker's message, not Ray's wrapping
             raise
         return client
 
