@@ -48,7 +48,7 @@ from disagg.hosts.addressing import (
     resolve_host,
     worker_host,
 )
-from disagg.hosts.cpu_binding import CpuPlan, bind_this_thread, plan_cpus
+from disagg.hosts.cpu_binding import CpuPlan, bind_all_threads, plan_cpus, restore_threads
 from disagg.cluster.launcher import NAMESPACE, wait_for_pool_nodes
 from disagg.cluster.local_ray import LocalRayHead, free_port
 from disagg.cluster.redis_server import LocalRedis
@@ -219,12 +219,12 @@ class Server:
         """Before Ray and Redis start from this thread, so that they, and the workers Ray starts,
         inherit the framework's CPUs; each engine thread then moves to its own (cpu_binding).
         This thread gets its CPUs back on stop."""
-        thread, cpus = threading.get_native_id(), os.sched_getaffinity(0)
-        plan = plan_cpus(self.config, cpus)
+        plan = plan_cpus(self.config, os.sched_getaffinity(0))
         if plan is not None:
             logger.info("CPU binding: %s", plan.describe())
-            self._stack.callback(os.sched_setaffinity, thread, cpus)
-            bind_this_thread(plan.framework)
+            # Every thread of this process, not only this one: a thread started before (by an
+            # import, by the CLI) would keep the engines' CPUs, and so would the threads it starts.
+            self._stack.callback(restore_threads, bind_all_threads(plan.framework))
         return plan
 
     def _redis_url(self, num_nodes: int) -> str:

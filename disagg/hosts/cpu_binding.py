@@ -67,6 +67,28 @@ def bind_this_thread(cpus: Iterable[int]) -> None:
     os.sched_setaffinity(0, set(cpus))
 
 
+def bind_all_threads(cpus: Iterable[int]) -> dict[int, set[int]]:
+    """Every thread of this process on `cpus` (those started before, by imports or the CLI,
+    included: threads they start later inherit it). Returns each thread's CPUs before."""
+    before = {}
+    for name in os.listdir("/proc/self/task"):
+        thread_id = int(name)
+        try:
+            before[thread_id] = os.sched_getaffinity(thread_id)
+            os.sched_setaffinity(thread_id, set(cpus))
+        except OSError:
+            pass  # it ended meanwhile
+    return before
+
+
+def restore_threads(before: dict[int, set[int]]) -> None:
+    for thread_id, cpus in before.items():
+        try:
+            os.sched_setaffinity(thread_id, cpus)
+        except OSError:
+            pass  # it ended meanwhile
+
+
 def keep_off_engine_cpus(engine_thread_id: int, framework: set[int]) -> int:
     """Moves this process's threads but the engine's back to the framework's CPUs: those the
     engine thread started (a KV channel's, gloo's for a new peer) inherited its CPUs, and we do
