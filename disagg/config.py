@@ -101,6 +101,11 @@ def env(name: str) -> str | None:
     return value if value.strip() else env_default(name)
 
 
+def child_env(**updates: str) -> dict[str, str]:
+    """This process's environment with `updates`: what a child process is started with."""
+    return {**os.environ, **updates}
+
+
 def set_env_default(name: str) -> None:
     """Set `name` (declared in ENV_VARS) to its default unless the environment sets it: for
     variables a library reads itself."""

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from disagg.config import ServingConfig, merge_settings, read_yaml_settings
+from disagg.config import ServingConfig, child_env, merge_settings, read_yaml_settings
 
 WORKER_KINDS = ("WorkerActor",)  # every worker process is one (disagg.worker.actor), whichever its role
 READY_POLL_S = 0.25
@@ -114,7 +114,7 @@ class Deployment:
         for name, value in self.ports.items():  # the benchmark's own where it set one, else a free one
             command += [f"--{name.replace('_', '-')}", "null" if value is None else str(value)]
         command += ["--ready-file", str(self._ready)]
-        env = {**os.environ, "PYTHONPATH": str(self.code)} if self.code else None
+        env = child_env(PYTHONPATH=str(self.code)) if self.code else None
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
