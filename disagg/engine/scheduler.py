@@ -86,6 +86,10 @@ class ScheduledChunk:
         return self.request.token_ids[self.start : self.start + self.num_new_tokens]
 
 
+# Statuses of a request outside both queues, blocks held: counted at every step, so listed.
+PARKED = (RequestStatus.WAITING_FOR_KV, RequestStatus.HELD_FOR_EXPORT, RequestStatus.PAUSED, RequestStatus.SUSPENDED)
+
+
 @dataclass
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
@@ -158,8 +162,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # The one map by request id: every request not yet fully freed. Where one stands outside
-        # the two queues above (waiting for its KV, held for export, paused, suspended) is its status.
+        # the two queues above (waiting for its KV, held for export, paused, suspended) is its
+        # status; the requests of each such status are also kept in a list, so that counting
+        # them costs nothing per step (the planner's simulator counts them at every event).
         self.requests: dict[str, Request] = {}
+        self._parked: dict[RequestStatus, list[Request]] = {status: [] for status in PARKED}
 
     # ---- admission -----------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -184,7 +191,7 @@ class Scheduler:
             self._suspend(victim)
         self._admit(request)
         self._take_slot(request)
-        request.status = RequestStatus.WAITING_FOR_KV
+        self._set_status(request, RequestStatus.WAITING_FOR_KV)
         return True
 
     def finish_kv_import(self, request_id: str, first_token_id: int) -> Request:
@@ -192,7 +199,7 @@ class Scheduler:
         request = self._in_status(request_id, RequestStatus.WAITING_FOR_KV)
         request.num_computed_tokens = request.num_prompt_tokens
         request.append_output_token(first_token_id)
-        request.status = RequestStatus.RUNNING
+        self._set_status(request, RequestStatus.RUNNING)
         request.timings.kv_ready = request.timings.first_scheduled = time.perf_counter()
         # Released before hashed: a block the window left behind may hold KV that never came
         # (a moving request's source had released it; see KVSender).
@@ -209,13 +216,13 @@ class Scheduler:
         if request is None or request not in self.running or request.num_tokens - request.num_computed_tokens != 1:
             raise ValueError(f"pause: {request_id!r} is not decoding here")
         self.running.remove(request)
-        request.status = RequestStatus.PAUSED
+        self._set_status(request, RequestStatus.PAUSED)
         return request
 
     def resume(self, request_id: str) -> Request:
         """The move failed: decode it here again, from where it paused."""
         request = self._in_status(request_id, RequestStatus.PAUSED)
-        request.status = RequestStatus.RUNNING
+        self._set_status(request, RequestStatus.RUNNING)
         self.running.append(request)
         return request
 
@@ -232,7 +239,7 @@ class Scheduler:
         ):
             return False
         self._admit(request)
-        request.status = RequestStatus.WAITING_FOR_KV
+        self._set_status(request, RequestStatus.WAITING_FOR_KV)
         return True
 
     def finish_migration_import(
@@ -269,7 +276,7 @@ class Scheduler:
 
     def _suspend(self, request: Request) -> None:
         self.running.remove(request)
-        request.status = RequestStatus.SUSPENDED
+        self._set_status(request, RequestStatus.SUSPENDED)
         # It ran until now, so it waits from now, but keeps the rise it had earned: its wait is
         # counted from as far back as its held priority says (queue_order.aged_priority).
         earned = request.priority - held_priority(request)
@@ -307,7 +314,7 @@ class Scheduler:
         return self.block_manager.can_allocate(request, num_new, cached)
 
     def _resume_suspended(self, request: Request) -> None:
-        request.status = RequestStatus.RUNNING
+        self._set_status(request, RequestStatus.RUNNING)
         self._take_slot(request)
         self.running.append(request)
 
@@ -493,7 +500,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_output_tokens == 0:
             request.num_cached_tokens = num_cached
-        request.status = RequestStatus.RUNNING
+        self._set_status(request, RequestStatus.RUNNING)
         if request.timings.first_scheduled is None:
             request.timings.first_scheduled = time.perf_counter()
         self._take_slot(request)
@@ -518,7 +525,7 @@ class Scheduler:
             self.running.remove(request)
         request.held_priority = None
         self.block_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
+        self._set_status(request, RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -573,7 +580,7 @@ class Scheduler:
     def _hold_for_export(self, request: Request) -> None:
         """PREFILL role: the first token is out; keep the blocks until the KV is exported."""
         self.running.remove(request)
-        request.status = RequestStatus.HELD_FOR_EXPORT
+        self._set_status(request, RequestStatus.HELD_FOR_EXPORT)
         request.timings.finished = time.perf_counter()
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
@@ -585,7 +592,7 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        request.status = status
+        self._set_status(request, status)
         request.timings.finished = request.timings.finished or time.perf_counter()
         self.block_manager.free(request)
         return request
@@ -643,8 +650,17 @@ class Scheduler:
         return sum(max(0, bm.num_blocks_for(r.num_computed_tokens + steps) - len(r.block_ids)) for r in self.running)
 
     # ---- queries -------------------------------------------------------------------------
+    def _set_status(self, request: Request, status: RequestStatus) -> None:
+        """Every change into or out of a parked status goes through here (its list follows)."""
+        if request.status in self._parked:
+            self._parked[request.status].remove(request)
+        request.status = status
+        if status in self._parked:
+            self._parked[status].append(request)
+
     def _with_status(self, status: RequestStatus) -> list[Request]:
-        return [r for r in self.requests.values() if r.status is status]
+        """The requests of a parked status, in the order they took it (read-only to callers)."""
+        return self._parked[status]
 
     def _in_status(self, request_id: str, status: RequestStatus) -> Request:
         request = self.requests.get(request_id)
