@@ -262,6 +262,11 @@ class EngineConfig:
     # On CUDA, decode-only steps replay CUDA graphs captured at start (disagg/engine/cuda_graphs.py);
     # True: every step runs eagerly, as vLLM's setting of the same name. CPU always runs eagerly.
     enforce_eager: bool = field(default_factory=EnvDefault("DISAGG_ENFORCE_EAGER", lambda v: v == "1"))
+    # On CPU, a decode-only step runs each Llama-family decoder layer as one C++ call (norms, QKV,
+    # rotary, KV write, attention, o_proj, MLP: disagg/engine/layers/decode_layer.py) where its
+    # weights take the 4/8-bit kernels, with the same numbers as the layer's op-by-op path; off:
+    # op by op.
+    fused_layer: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.role, str) and not isinstance(self.role, Role):

@@ -185,7 +185,7 @@ class LLMEngine:
         try:
             with torch.device(self.device):
                 place = self.groups.place if self.groups is not None else None
-                backends = Backends(self.config.attention_backend, self.config.cpu_gemm)
+                backends = Backends(self.config.attention_backend, self.config.cpu_gemm, self.config.fused_layer)
                 if place is None:
                     model = build_model(source.config, self.max_model_len, backends=backends)
                 else:

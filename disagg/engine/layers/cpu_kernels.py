@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp", "quantized_gemv.cpp")
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "block_copy.cpp", "quantized_gemv.cpp", "decoder_layer.cpp")
 ]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 LDFLAGS = ["-fopenmp"]  # resolves to the libgomp torch already loaded (same soname): one thread pool

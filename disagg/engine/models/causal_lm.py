@@ -40,6 +40,7 @@ class Backends:
 
     attention: str = "auto"  # cpu_kernels.BACKENDS: decode attention, norm and rotary
     gemm: str = "onednn"  # cpu_gemm.GEMMS
+    fused_layer: bool = True  # decode-only CPU steps: a layer in one C++ call where it applies (decode_layer.py)
 
 
 class CausalLM(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 
 from disagg.engine.kv_cache import KVCache
 from disagg.engine.layers.attention import AttentionMetadata, paged_attention
+from disagg.engine.layers.decode_layer import FusedDecodeLayer, fused_decode_layer, runs_fused
 from disagg.engine.layers.fused import GatedActivation, Rotary
 from disagg.engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from disagg.engine.layers.parallel import TPGroup
@@ -23,6 +24,8 @@ from disagg.engine.model_config import ModelConfig
 from disagg.engine.models.causal_lm import Backends, CausalLM
 from disagg.engine.models.family import ModelFamily
 from disagg.engine.models.weights import decoder_weight_shapes
+
+_UNRESOLVED = object()
 
 
 class LlamaAttention(nn.Module):
@@ -105,12 +108,27 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp, backends)
         self.input_layernorm = model.make_norm(cfg, backends)
         self.post_attention_layernorm = model.make_norm(cfg, backends)
+        self.backends = backends
+        # The layer as one C++ call for decode-only steps (layers/decode_layer.py): resolved at
+        # the first such step, once the weights are loaded and quantized; None where it does not apply.
+        self._fused: FusedDecodeLayer | None | object = _UNRESOLVED if backends.fused_layer else None
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
+        if self._fused is not None and runs_fused(x, meta):
+            fused = self._resolved_fused()
+            if fused is not None:
+                return fused(x, residual, cos, sin, kv_cache, meta)
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h, meta.decode_rows), residual
+
+    def _resolved_fused(self) -> FusedDecodeLayer | None:
+        if self._fused is _UNRESOLVED:
+            self._fused = fused_decode_layer(
+                self.self_attn, self.mlp, self.input_layernorm, self.post_attention_layernorm, self.backends.attention
+            )
+        return self._fused
 
 
 class LlamaForCausalLM(CausalLM):
