@@ -145,8 +145,10 @@ class ModelRunner:
         if not self.returns_logits or not any(c.samples for c in chunks):
             return None
         ends = list(itertools.accumulate(c.num_new_tokens for c in chunks))
-        last_rows = torch.tensor([ends[i] - 1 for i, c in enumerate(chunks) if c.samples], device=self.device)
-        return self.model.compute_logits(out.index_select(0, last_rows), meta.decode_rows)
+        last_rows = [ends[i] - 1 for i, c in enumerate(chunks) if c.samples]
+        if len(last_rows) < out.shape[0]:  # else every row samples (a decode-only step): no gather
+            out = out.index_select(0, torch.tensor(last_rows, device=self.device))
+        return self.model.compute_logits(out, meta.decode_rows)
 
     def _prepare(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The step's inputs, and what its layers need to know of it (its quantized GEMMs take

@@ -27,6 +27,9 @@ class Sampler:
         """logits: [N, vocab] float32. Returns the chosen token per row and, where asked, logprobs
         (of `raw_logits` when given: the model's before a grammar masked them)."""
         greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        if len(greedy_rows) == len(params):  # every row greedy (a step's usual case): no gather
+            token_list = logits.argmax(dim=-1).tolist()
+            return token_list, self._logprobs(logits if raw_logits is None else raw_logits, params, token_list)
         tokens = torch.empty(len(params), dtype=torch.long, device=logits.device)
         if greedy_rows:
             index = torch.tensor(greedy_rows, device=logits.device)
