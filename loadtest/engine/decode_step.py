@@ -4,7 +4,7 @@ One process holds both engines (the default model, SmolLM2-135M as its GGUF keep
 runs one greedy stream on each in turn, --repeats times, interleaved (the machine is shared and
 noisy): per side the median decode step (TPOT: (e2e - TTFT) / (tokens - 1)) and tok/s (tokens
 over the request's wall time). With --profile, one more stream per side under cProfile, its time
-split into our C++ kernels, other torch ops, and Python by where it runs.
+split into each C++ kernel, other torch ops, and Python by where it runs.
 
     python -m loadtest.engine.decode_step                 # 5 repeats x 128 tokens, 1 thread
     python -m loadtest.engine.decode_step --profile --repeats 3
@@ -56,6 +56,11 @@ def main(argv=None) -> int:
             runs[side].append(_stream(llm, args))
     figures = {side: _medians(r) for side, r in runs.items()}
     figures["step_ratio_unfused_over_fused"] = figures["unfused"]["step_ms"] / figures["fused"]["step_ms"]
+    figures["tok_s_ratio_fused_over_unfused"] = figures["fused"]["tok_s"] / figures["unfused"]["tok_s"]
+    # Each repeat's two streams ran back to back: their ratio is the least disturbed by the others' load.
+    paired = [u["step_ms"] / f["step_ms"] for f, u in zip(runs["fused"], runs["unfused"])]
+    figures["paired_step_ratio_median"] = statistics.median(paired)
+    figures["fastest_step_ms"] = {side: min(r["step_ms"] for r in runs[side]) for side in SIDES}
     if args.profile:
         figures["profile"] = {side: _profile(llm, args) for side, llm in engines.items()}
     _print(figures)
@@ -106,8 +111,8 @@ def _profile(llm, args) -> dict:
 
 
 def _place(path: str, name: str) -> str:
-    if "disagg_cpu" in name or "mkldnn" in name:
-        return "C++ kernels (ours, oneDNN)"
+    if "disagg_cpu" in name or "mkldnn" in name:  # each kernel apart: "C++: q8_gemv" (the logits)
+        return "C++: " + name.rpartition(".")[2].rstrip(">}")
     if path == "~":
         return "other torch ops and builtins"
     for place, parts in PYTHON_PLACES.items():
@@ -121,7 +126,12 @@ def _print(figures: dict) -> None:
     for side in SIDES:
         f = figures[side]
         print(f"{side:8s} decode step {f['step_ms']:6.2f} ms  {f['tok_s']:6.1f} tok/s  TTFT {f['ttft_ms']:6.1f} ms")
-    print(f"unfused / fused step: {figures['step_ratio_unfused_over_fused']:.2f}x")
+    print(
+        f"unfused / fused step: {figures['step_ratio_unfused_over_fused']:.2f}x;"
+        f" fused / unfused tok/s: {figures['tok_s_ratio_fused_over_unfused']:.2f}x;"
+        f" median of the paired step ratios {figures['paired_step_ratio_median']:.2f}x;"
+        f" fastest steps {figures['fastest_step_ms']['fused']:.2f} / {figures['fastest_step_ms']['unfused']:.2f} ms"
+    )
     for side, split in figures.get("profile", {}).items():
         print(f"profile, {side} (ms per step under cProfile):")
         for place, ms in split.items():
