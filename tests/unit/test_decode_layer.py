@@ -44,6 +44,15 @@ def test_fused_layers_give_the_unfused_tokens_logprobs_and_cache(tiny_gqa_dir, w
     assert torch.equal(fused.engine.kv_cache.tensor, plain.engine.kv_cache.tensor)
 
 
+def test_a_sliding_window_attends_as_unfused(family_dir):
+    """Mistral's window (32 positions) binds past the prompts' ends: the op passes it on."""
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([28, 40], 256, seed=7)]
+    fused, fused_outs = _run(family_dir("mistral"), True, "int4", prompts)
+    _, plain_outs = _run(family_dir("mistral"), False, "int4", prompts)
+    assert _fused_layers(fused) == len(fused.engine.model.layers)
+    assert [o.outputs[0].logprobs for o in fused_outs] == [o.outputs[0].logprobs for o in plain_outs]
+
+
 def test_a_stream_alone_and_among_others_is_unchanged(tiny_llama_dir):
     """A decode row's numbers do not depend on how many rows its fused step holds."""
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 30, 12, 3], 256, seed=5)]
