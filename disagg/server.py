@@ -53,6 +53,7 @@ from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
 from disagg.metrics import ServingMetrics
+from disagg.prefix_index import PrefixIndex
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
 from disagg.router.live_moves import LiveMoves
@@ -243,6 +244,7 @@ class Server:
             prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
             prefill_by_work=config.pool_engine_config(config.prefill).long_prefill_by_work,
             block_size=config.engine.block_size,
+            prefix_index=PrefixIndex(redis_url),
         )
         self.directory = directory
         await _wait_for_instances(config, directory)
