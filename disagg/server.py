@@ -56,6 +56,7 @@ from disagg.metrics import ServingMetrics
 from disagg.prefix_index import PrefixIndex
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
+from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_door import frontend_server
@@ -353,6 +354,9 @@ class Server:
                     inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
                 )
                 metrics.set_expert_load(inst.instance_id, inst.role, load.expert_tokens)
+                metrics.kv_tiers.set(
+                    inst.instance_id, inst.role, flat_kv_tiers(load.kv_tiers, len(inst.indexed_hashes))
+                )
                 error = inst.online.recent_error()
                 if error is not None:
                     metrics.set_model_error(inst.instance_id, inst.role, error)
