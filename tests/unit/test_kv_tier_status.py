@@ -22,7 +22,9 @@ def _report() -> dict:
 def test_status_shows_hits_held_bytes_and_the_index():
     flat = flat_kv_tiers(_report(), indexed_blocks=42)
     assert flat["hit_blocks.host"] == 3 and flat["index.entries"] == 42 and flat["index.lag_s"] == 0.012
-    assert _tiers_line(flat) == "kv tiers: hit blocks pool=7 host=3 disk=0; held host=1.0MiB; index 42 blocks, lag 12 ms"
+    assert (
+        _tiers_line(flat) == "kv tiers: hit blocks pool=7 host=3 disk=0; held host=1.0MiB; index 42 blocks, lag 12 ms"
+    )
     assert flat_kv_tiers({}, 5) == {}  # no tiers: nothing shown
 
 
