@@ -17,8 +17,9 @@ class HostTier:
         self.blocks = LRUBytes(capacity_bytes)
 
     def put(self, block_hash: int, tokens: tuple[int, ...], data: torch.Tensor) -> list[tuple[int, Entry]]:
-        """Keep a block's KV (a copy on the CPU); returns the entries dropped for its room."""
-        kept = data.to("cpu", copy=True) if data.device.type != "cpu" else data.clone()
+        """Keep a block's KV (moved to the CPU; a CPU tensor is kept as it is: the caller hands
+        over a copy of its own); returns the entries dropped for its room."""
+        kept = data.to("cpu") if data.device.type != "cpu" else data
         return self.blocks.put(block_hash, Entry(tokens, kept, kept.numel() * kept.element_size()))
 
     def get(self, block_hash: int, tokens: tuple[int, ...]) -> torch.Tensor | None:

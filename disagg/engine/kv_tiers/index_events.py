@@ -14,7 +14,7 @@ STORE = "store"  # the block is now held in `tier` (the pool, host or disk)
 DROP = "drop"  # `tier` let the block go (the index forgets it unless it names another tier)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class IndexEvent:
     kind: str
     block_hash: int
