@@ -26,6 +26,11 @@ class TieredStore:
         self.disk = disk
         self.events = events
         self.stats = TierStats()
+        self.block_bytes = kv_cache.slice_bytes(
+            kv_cache.num_layers, (kv_cache.head_offset, kv_cache.head_offset + kv_cache.num_kv_heads), 1
+        )
+        # Whether an evicted block is kept anywhere (no tier of room: dropped without a copy).
+        self.keeps_blocks = any(tier.blocks.fits(self.block_bytes) for tier in self.tiers)
 
     @property
     def tiers(self) -> list:
@@ -44,11 +49,14 @@ class TieredStore:
         if self.host.get(block_hash, tokens) is not None:  # came from there: it is there still
             self.events.stored(block_hash, self.host.name)
             return
+        if not self.keeps_blocks:
+            self._dropped(block_hash, "pool")
+            return
         data = self.kv_cache.export_blocks([block_id])
-        if not self.host.blocks.fits(data.numel() * data.element_size()):
+        if not self.host.blocks.fits(self.block_bytes):
             self._down_from_host(block_hash, tokens, data, "pool")
             return
-        self.stats.stored_bytes["host"] += data.numel() * data.element_size()
+        self.stats.stored_bytes["host"] += self.block_bytes
         self.events.stored(block_hash, self.host.name)
         for dropped_hash, entry in self.host.put(block_hash, tokens, data):
             self._down_from_host(dropped_hash, entry.tokens, entry.value, self.host.name)
