@@ -18,7 +18,7 @@ from typing import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Milliseconds to minutes: a prefill of a short prompt up to a long generation under load.
 LATENCY_BUCKETS = (
@@ -117,6 +117,57 @@ class ExpertLoad:
         yield family
 
 
+class KVTierLoad:
+    """The KV tiers under each instance's pool and the cluster-wide prefix index, from the
+    instances' reports (flat, as `disagg status` shows them: router.kv_tier_status):
+    `disagg:kv_tier_hit_blocks_total` and `disagg:kv_tier_loaded_bytes_total` by tier (counters
+    the worker keeps), `disagg:kv_tier_held_bytes` by tier, `disagg:kv_index_entries` (blocks the
+    index lists for it) and `disagg:kv_index_lag_seconds` (its publisher's latest batch)."""
+
+    COUNTERS = {"hit_blocks": "disagg:kv_tier_hit_blocks", "loaded_bytes": "disagg:kv_tier_loaded_bytes"}
+    GAUGES = {"held_bytes": "disagg:kv_tier_held_bytes"}
+    SCALARS = {"index.entries": "disagg:kv_index_entries", "index.lag_s": "disagg:kv_index_lag_seconds"}
+
+    def __init__(self) -> None:
+        self._reports: dict[tuple[str, str], dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, instance: str, role: str, flat: dict[str, float]) -> None:
+        with self._lock:
+            if flat:
+                self._reports[(instance, role)] = dict(flat)
+            else:
+                self._reports.pop((instance, role), None)
+
+    def remove(self, instance: str, role: str) -> None:
+        self.set(instance, role, {})
+
+    def collect(self):
+        with self._lock:
+            reports = dict(self._reports)
+        for key, name in self.COUNTERS.items():
+            yield self._by_tier(CounterMetricFamily(name, f"KV tier {key} by tier.", labels=_TIER_LABELS), key, reports)
+        for key, name in self.GAUGES.items():
+            yield self._by_tier(GaugeMetricFamily(name, f"KV tier {key} by tier.", labels=_TIER_LABELS), key, reports)
+        for key, name in self.SCALARS.items():
+            family = GaugeMetricFamily(name, f"Prefix index: {key}.", labels=("instance", "role"))
+            for (instance, role), flat in sorted(reports.items()):
+                if key in flat:
+                    family.add_metric((instance, role), flat[key])
+            yield family
+
+    @staticmethod
+    def _by_tier(family, key: str, reports: dict):
+        for (instance, role), flat in sorted(reports.items()):
+            for name, value in sorted(flat.items()):
+                if name.startswith(f"{key}."):
+                    family.add_metric((instance, role, name.split(".", 1)[1]), value)
+        return family
+
+
+_TIER_LABELS = ("instance", "role", "tier")
+
+
 class ServingMetrics:
     """The serving metrics of one frontend (request latencies, KV transfers, instance load)."""
 
@@ -127,6 +178,8 @@ class ServingMetrics:
         self._define_instance_gauges()
         self.expert_load = ExpertLoad()
         self.registry.register(self.expert_load)
+        self.kv_tiers = KVTierLoad()
+        self.registry.register(self.kv_tiers)
         self._define_replan_metrics()
         self._define_slo_metrics()
 
@@ -299,6 +352,7 @@ class ServingMetrics:
     def remove_instance(self, instance: str, role: str) -> None:
         """Drop an instance's series (it left the cluster), so dashboards don't show a stale value."""
         self.expert_load.remove(instance, role)
+        self.kv_tiers.remove(instance, role)
         for gauge in (
             self.num_requests_running,
             self.num_requests_waiting,

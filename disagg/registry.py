@@ -73,6 +73,9 @@ class LoadReport:
     # A mixture of experts: tokens routed to each expert since the start, over rank 0's MoE
     # layers ([] for a dense model): `disagg:moe_expert_tokens_total`.
     expert_tokens: list = field(default_factory=list)
+    # KV tiers under the pool (disagg.engine.kv_tiers, TierStats.to_dict): hits and bytes by
+    # tier, what each holds, and its publisher's index state ({} without tiers).
+    kv_tiers: dict = field(default_factory=dict)
 
 
 @dataclass

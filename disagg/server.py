@@ -53,8 +53,10 @@ from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
 from disagg.metrics import ServingMetrics
+from disagg.prefix_index import PrefixIndex
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
+from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_door import frontend_server
@@ -243,6 +245,7 @@ class Server:
             prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
             prefill_by_work=config.pool_engine_config(config.prefill).long_prefill_by_work,
             block_size=config.engine.block_size,
+            prefix_index=PrefixIndex(redis_url),
         )
         self.directory = directory
         await _wait_for_instances(config, directory)
@@ -351,6 +354,9 @@ class Server:
                     inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
                 )
                 metrics.set_expert_load(inst.instance_id, inst.role, load.expert_tokens)
+                metrics.kv_tiers.set(
+                    inst.instance_id, inst.role, flat_kv_tiers(load.kv_tiers, len(inst.indexed_hashes))
+                )
                 error = inst.online.recent_error()
                 if error is not None:
                     metrics.set_model_error(inst.instance_id, inst.role, error)

@@ -18,6 +18,7 @@ import grpc
 from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
+from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.key_guard import given_key
 from disagg.router.replanning import LoggedDecision, ReplanLoop
 from disagg.router.request_path import RequestFailed, RequestPath
@@ -100,6 +101,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     num_total_blocks=load.num_total_blocks,
                     latency_model=_latency_model(inst),
                     kv_paths=load.kv_paths,
+                    kv_tiers=flat_kv_tiers(load.kv_tiers, len(inst.indexed_hashes)),
                 )
             )
             self.metrics.set_instance_load(

@@ -177,7 +177,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks", "latency_model", "kv_paths")
+    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks", "latency_model", "kv_paths", "kv_tiers")
     class KvPathsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,13 @@ class Instance(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class KvTiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +206,7 @@ class Instance(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PATHS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     kv_address: str
@@ -213,7 +221,8 @@ class Instance(_message.Message):
     num_total_blocks: int
     latency_model: LatencyModel
     kv_paths: _containers.ScalarMap[str, str]
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., latency_model: _Optional[_Union[LatencyModel, _Mapping]] = ..., kv_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_tiers: _containers.ScalarMap[str, float]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., latency_model: _Optional[_Union[LatencyModel, _Mapping]] = ..., kv_paths: _Optional[_Mapping[str, str]] = ..., kv_tiers: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LatencyModel(_message.Message):
     __slots__ = ("prefill", "decode", "recent_error", "num_steps", "calibrated")
