@@ -95,7 +95,7 @@ def setup(refusals: int = 0, **settings):
 
 
 def deciding(loop: ReplanLoop, switch_to: Split | None) -> None:
-    def decide(now, current, window):
+    def decide(now, current, window, predicted=None):
         return Decision(now, current, switch_to or current, {}, switch_to, "stand-in")
 
     loop.replanner.decide = decide
@@ -161,7 +161,7 @@ def test_each_round_plans_on_the_other_frontends_arrivals_too():
     loop.arrived(now - 1.5, 300, 70)  # frontend 0's own
     seen = []
 
-    def decide(at, current, window):
+    def decide(at, current, window, predicted=None):
         seen.append([(r.prompt_len, r.output_len) for r in window.requests(at)])
         return Decision(at, current, current, {}, None, "stand-in")
 
@@ -181,7 +181,7 @@ def test_a_round_without_the_shared_arrivals_plans_on_its_own():
     loop.arrived(time.monotonic(), 300, 70)
     seen = []
 
-    def decide(at, current, window):
+    def decide(at, current, window, predicted=None):
         seen.append(len(window.requests(at)))
         return Decision(at, current, current, {}, None, "stand-in")
 
