@@ -632,7 +632,10 @@ class ServingConfig:
     # replayed by the simulator on each split; at most one switch per replan_hold_s.
     replan: bool = True
     replan_interval_s: float = 5.0  # how often the re-planner considers a switch
-    replan_window_s: float = 30.0  # how much recent traffic the re-planner replays
+    # How much recent traffic the re-planner replays: with the live state priced (issue 53) it is only the
+    # forecast of arrivals, and a short one follows a shift sooner (the simulator's shifting trace: 1.04x the
+    # best static split at 15 s, 0.90x at 30 s).
+    replan_window_s: float = 15.0
     replan_hold_s: float = 20.0  # at most one switch per this many seconds
     replan_switch_timeout_s: float = 30.0  # how long a switching instance may take to finish its requests
     replan_min_gain: float = 5.0  # points of predicted SLO attainment a switch must gain

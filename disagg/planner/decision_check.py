@@ -1,8 +1,10 @@
 """Every switch checked against what followed it (issue 53, item 2).
 
-A switch's check opens when the instance serves in its new role and closes one window later. By
-then the loop knows what the new split measured (attainment and goodput of the requests judged
-in that window) and can price both splits again on the window that just passed. Staying is
+A switch's check opens when the instance serves in its new role and closes when the hold after
+the decision is over (`hold_s`: no other switch can come before, so nothing else moved meanwhile;
+the loop goes on deciding, and closes the check first in the round where a switch could follow).
+By then the loop knows what the new split measured (attainment and goodput of the requests
+judged since it opened) and can price both splits again on the traffic of that span. Staying is
 estimated as the measurement plus the predicted difference between the old split and the new
 one on that same traffic: whatever the model gets wrong about both alike cancels out. A switch
 that measured worse than staying by more than `margin` points is undone. Either way the miss
@@ -31,6 +33,10 @@ class Check:
     measured: Price | None = None
     stay: Price | None = None  # what staying would have measured on the window's traffic (estimated)
     outcome: str = "pending"  # pending | kept | undone
+
+    def due(self, now: float, hold_s: float) -> bool:
+        """Whether it closes now: its new split serves, and the hold after the decision is over."""
+        return self.opens_at < now and now >= self.decided_at + hold_s
 
     @property
     def predicted_gain(self) -> float:

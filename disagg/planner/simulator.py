@@ -498,6 +498,7 @@ class Simulator:
         self._events: list = []
         self._seq = itertools.count()
         self._seed_ids = itertools.count()
+        self.records: list[SimRecord] = []
         self.now = 0.0
 
     # ---- instances sharing one host -----------------------------------------------------------------
@@ -524,6 +525,7 @@ class Simulator:
     def run(self, requests: list[SimRequest]) -> list[SimRecord]:
         """Simulate the requests (any order; each at its arrival) to the end; records in input order."""
         records = [SimRecord(r.index, r.arrival_s, r.prompt_len, r.output_len, slo=r.slo) for r in requests]
+        self.records = records  # as they fill in (a re-planning driver measures the latest from them)
         for sim_request, record in zip(requests, records):
             self.at(sim_request.arrival_s + self.router_overhead_ms / 1e3, self._arrive, sim_request, record)
         events = self._events

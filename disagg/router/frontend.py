@@ -212,4 +212,5 @@ def _check_fields(check) -> dict:
         "measured_attainment": measured.attainment if measured else 0.0,
         "measured_goodput": measured.goodput if measured else 0.0,
         "stay_attainment": stay.attainment if stay else 0.0,
+        "predicted_stay_attainment": check.predicted_stay.attainment,
     }

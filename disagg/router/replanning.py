@@ -19,10 +19,10 @@ window's requests carry the output length the router expects (its `output_length
 own SLO and priority. The simulations run in a process of their own (replan_pricer). Until a
 profile or both roles' fits exist the loop only watches.
 
-Every switch is checked (disagg.planner.decision_check): one window after the instance serves
-in its new role, the window's measured attainment and goodput are compared with staying; a
-switch that measured worse is undone (and its split vetoed for a while), and the miss is learnt
-as a residual of the split that served. Decisions, their predictions and what was measured are
+Every switch is checked (disagg.planner.decision_check): once the hold after it is over, the
+attainment and goodput measured since the instance serves in its new role are compared with
+staying; a switch that measured worse is undone (and its split vetoed for a while), and the miss
+is learnt as a residual of the split that served. Decisions, their predictions and what was measured are
 kept for `disagg status`, counted in the metrics and logged.
 """
 
@@ -221,7 +221,7 @@ class ReplanLoop:
         if current is None or self._profile is None:
             return None
         now = time.monotonic()
-        if (check := self.checker.pending) is not None:
+        if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
             return await self._check(check, current, now)
         requests = self.window.requests(now)
         priced = await self._price(self._live(requests), requests) if len(requests) >= MIN_WINDOW_REQUESTS else {}
@@ -273,9 +273,7 @@ class ReplanLoop:
 
     # ---- checking a switch -------------------------------------------------------------------------
     async def _check(self, check: Check, current: Split, now: float) -> LoggedDecision | None:
-        """Once the window after the switch is over: measured against staying; undone if worse."""
-        if now < check.opens_at + self.config.replan_window_s:
-            return None  # no new decision while the last one is on trial
+        """Once the hold after the switch is over: measured against staying; undone if worse."""
         met, judged = self.metrics.slo_outcomes(check.opens_at, now)
         requests = self.window.requests(now, since=check.opens_at)
         if judged == 0 or len(requests) < MIN_WINDOW_REQUESTS:
