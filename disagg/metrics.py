@@ -232,11 +232,13 @@ class ServingMetrics:
         self.replan_decisions.labels(switch=str(switch).lower()).inc()
         self.replan_predicted_gain.set(gain_points)
 
-    def observe_replan_check(self, outcome: str, predicted_goodput: float, measured_goodput: float) -> None:
-        """A switch checked: what it was predicted to give and what the window after it measured."""
+    def observe_replan_check(self, outcome: str, predicted_goodput: float, measured_goodput: float | None) -> None:
+        """A switch checked: what it was predicted to give and what the window after it measured
+        (None: too little was judged to tell; the gauges keep the last measured check's)."""
         self.replan_checks.labels(outcome=outcome).inc()
-        self.replan_predicted_goodput.set(predicted_goodput)
-        self.replan_measured_goodput.set(measured_goodput)
+        if measured_goodput is not None:
+            self.replan_predicted_goodput.set(predicted_goodput)
+            self.replan_measured_goodput.set(measured_goodput)
 
     def slo_outcomes(self, since: float, until: float) -> tuple[int, int]:
         """(met, judged) of the requests judged between `since` and `until` (time.monotonic(),

@@ -278,7 +278,7 @@ class ReplanLoop:
         requests = self.window.requests(now, since=check.opens_at)
         if judged == 0 or len(requests) < MIN_WINDOW_REQUESTS:
             check.outcome = "unmeasured"
-            self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, 0.0)
+            self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, None)
             return None
         priced = await self._price(None, requests)
         if priced is None:

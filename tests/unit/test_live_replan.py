@@ -197,3 +197,20 @@ def test_the_pricing_process_is_bounded_and_every_wait_times_out():
             pool.close()
 
     asyncio.run(scenario())
+
+
+def test_disagg_status_shows_a_checked_switch_predicted_beside_measured(capsys):
+    from disagg.cli import _print_replanning
+    from disagg.router.frontend import _replan_decision
+    from disagg.router.replanning import LoggedDecision
+    from disagg.planner.replanner import Decision
+    from disagg.v1 import serving_pb2
+
+    c = check()
+    DecisionChecker().close(c, Price(40.0, 2.0), {Split(1, 2): Price(70.0, 3.5), Split(2, 1): Price(65.0, 3.2)})
+    entry = LoggedDecision(time.time(), Decision(0.0, Split(2, 1), Split(1, 2), {}, Split(1, 2), "r"), check=c)
+    _print_replanning(serving_pb2.ClusterStatusResponse(replan=True, replan_decisions=[_replan_decision(entry)]))
+    assert (
+        "checked: kept; predicted 80.0% / 4.00 req/s, measured 40.0% / 2.00 req/s, staying 35.0%"
+        in capsys.readouterr().out
+    )

@@ -226,7 +226,8 @@ def test_a_switch_opens_a_check_with_what_it_was_predicted_to_give(monkeypatch):
     assert switched == [("d0", "prefill")] and loop.pricer.calls == 1
     assert entry.check is loop.checker.pending and entry.check.predicted == Price(90.0, 4.5)
     assert entry.check.predicted_stay == Price(40.0, 2.0) and entry.decision.predicted_goodput[Split(2, 1)] == 4.5
-    assert asyncio.run(loop.step()) is None and loop.pricer.calls == 1, "no new decision while it is on trial"
+    later = asyncio.run(loop.step())  # within the hold: it decides on, and the check stays open
+    assert later.check is None and later.switch is None and loop.checker.pending is entry.check
 
 
 def test_a_switch_that_measured_worse_than_staying_is_undone_and_not_chosen_again(monkeypatch):
@@ -235,8 +236,9 @@ def test_a_switch_that_measured_worse_than_staying_is_undone_and_not_chosen_agai
     prices = {Split(1, 2): Price(80.0, 4.0), Split(2, 1): Price(90.0, 4.5)}
     loop, _, log, switched = priced_loop(prices, monkeypatch)
     now = time.monotonic()
-    opened = now - loop.config.replan_window_s - 1.0
-    check = Check(opened - 1.0, Split(2, 1), Split(1, 2), Price(85.0, 4.2), Price(60.0, 3.0), opens_at=opened)
+    decided = now - loop.config.replan_hold_s - 1.0  # the hold after it is over: the check is due
+    opened = decided + 1.0
+    check = Check(decided, Split(2, 1), Split(1, 2), Price(85.0, 4.2), Price(60.0, 3.0), opens_at=opened)
     loop.checker.open(check)
     for k in range(10):
         loop.arrived(opened + 1.0 + k, 100, 20)
