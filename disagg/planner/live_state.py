@@ -69,18 +69,18 @@ class LiveState:
         growing = "decode" if shrinking == "prefill" else "prefill"
         pool = sorted(self.by_role(shrinking), key=lambda i: (i.num_requests, i.instance_id))
         moving = pool[: abs(split.prefill - self.split.prefill)]
-        staying = [i for i in pool if i not in moving]
-        members = {shrinking: staying, growing: self.by_role(growing) + moving}
-        prompts = {i.instance_id: list(i.queued_prompts) for i in self.instances if i not in moving}
-        decodes = {i.instance_id: list(i.decodes) for i in self.instances if i not in moving}
+        joining = frozenset(i.instance_id for i in moving)
+        members = {shrinking: pool[len(moving) :], growing: self.by_role(growing) + moving}
+        prompts = {i.instance_id: list(i.queued_prompts) for i in self.instances if i.instance_id not in joining}
+        decodes = {i.instance_id: list(i.decodes) for i in self.instances if i.instance_id not in joining}
         for leaving in moving:  # its work goes to the pool it leaves, least loaded first
-            _spread(prompts, leaving.queued_prompts, self._homes(members, "prefill", moving))
-            _spread(decodes, leaving.decodes, self._homes(members, "decode", moving))
-        return Arrangement(members, prompts, decodes, frozenset(i.instance_id for i in moving))
+            _spread(prompts, leaving.queued_prompts, _homes(members["prefill"], joining))
+            _spread(decodes, leaving.decodes, _homes(members["decode"], joining))
+        return Arrangement(members, prompts, decodes, joining)
 
-    @staticmethod
-    def _homes(members: dict[str, list[LiveInstance]], role: str, moving: list[LiveInstance]) -> list[str]:
-        return [i.instance_id for i in members[role] if i not in moving]
+
+def _homes(members: list[LiveInstance], joining: frozenset[str]) -> list[str]:
+    return [i.instance_id for i in members if i.instance_id not in joining]
 
 
 def _spread(held: dict[str, list], items, homes: list[str]) -> None:
