@@ -136,6 +136,18 @@ def _print_replanning(status, shown: int = 5) -> None:
             else ""
         )
         print(f"  {when} {d.current} -> best {d.best} (+{d.predicted_gain:.1f} points): {d.reason}{switch}")
+        if d.check_outcome:
+            print(f"    checked: {_check_line(d)}")
+
+
+def _check_line(d) -> str:
+    """A switch's prediction beside what the window after it measured (issue 53)."""
+    if d.check_outcome == "pending":
+        return f"pending; predicted {d.predicted_attainment:.1f}% attainment, {d.predicted_goodput:.2f} req/s"
+    return (
+        f"{d.check_outcome}; predicted {d.predicted_attainment:.1f}% / {d.predicted_goodput:.2f} req/s, "
+        f"measured {d.measured_attainment:.1f}% / {d.measured_goodput:.2f} req/s, staying {d.stay_attainment:.1f}%"
+    )
 
 
 def _model_line(m) -> str:

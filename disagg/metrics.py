@@ -261,6 +261,21 @@ class ServingMetrics:
         self.replan_switch_time = self._histogram(
             "disagg:replan_switch_seconds", "From a switch's decision to the instance serving in its new role."
         )
+        self.replan_predicted_goodput = Gauge(
+            "disagg:replan_predicted_goodput",
+            "Requests/s meeting their SLO that the last checked switch was predicted to give.",
+            registry=self.registry,
+        )
+        self.replan_measured_goodput = Gauge(
+            "disagg:replan_measured_goodput",
+            "Requests/s meeting their SLO measured in the window after the last checked switch.",
+            registry=self.registry,
+        )
+        self.replan_checks = self._counter(
+            "disagg:replan_checks_total",
+            "Switches checked against the window after them, by outcome (kept, undone, unmeasured).",
+            ("outcome",),
+        )
         self.pool_size = Gauge(
             "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
         )
@@ -269,6 +284,20 @@ class ServingMetrics:
     def observe_replan(self, switch: bool, gain_points: float) -> None:
         self.replan_decisions.labels(switch=str(switch).lower()).inc()
         self.replan_predicted_gain.set(gain_points)
+
+    def observe_replan_check(self, outcome: str, predicted_goodput: float, measured_goodput: float | None) -> None:
+        """A switch checked: what it was predicted to give and what the window after it measured
+        (None: too little was judged to tell; the gauges keep the last measured check's)."""
+        self.replan_checks.labels(outcome=outcome).inc()
+        if measured_goodput is not None:
+            self.replan_predicted_goodput.set(predicted_goodput)
+            self.replan_measured_goodput.set(measured_goodput)
+
+    def slo_outcomes(self, since: float, until: float) -> tuple[int, int]:
+        """(met, judged) of the requests judged between `since` and `until` (time.monotonic(),
+        within the last SLO_WINDOW_S)."""
+        verdicts = [met for at, _, met in self._slo_window if since <= at <= until]
+        return sum(verdicts), len(verdicts)
 
     def observe_switch(self, outcome: str, seconds: float) -> None:
         """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""

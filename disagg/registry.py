@@ -59,6 +59,9 @@ class LoadReport:
     kv_cache_usage: float = 0.0
     updated_at: float = 0.0
     decode_context_tokens: int = 0  # the running requests' contexts, summed
+    # Its running decodes (at most MAX_REPORTED_DECODES), each [context tokens, output tokens it
+    # is expected to write still]: the live state the re-planner prices from.
+    decodes: list = field(default_factory=list)
     # The engine's latest steps, each [step index, ms, decodes, decode context sum, then each prompt
     # chunk's start and tokens] (disagg.step_work.MeasuredStep): what the router's model learns from.
     steps: list = field(default_factory=list)

@@ -49,6 +49,7 @@ from disagg.hosts.cpu_binding import CpuPlan, bind_all_threads, plan_cpus, resto
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
+from disagg.engine.memory_fit import kv_element_bytes
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
@@ -330,8 +331,7 @@ class Server:
         if not _replans(config):
             return None
         base = load_profile(config.profile) if config.profile else None
-        dtype_bytes = 4 if config.engine.dtype == "float32" else 2
-        kv_bytes = card.config.kv_bytes_per_token * dtype_bytes
+        kv_bytes = card.config.kv_bytes_per_token * (card.kv_element_bytes or kv_element_bytes(config.engine))
         layers = card.config.num_hidden_layers
 
         def profile():

@@ -198,4 +198,21 @@ def _replan_decision(entry: LoggedDecision) -> serving_pb2.ReplanDecision:
         switched_instance=switch.instance_id if switch else "",
         switch_outcome=switch.outcome if switch else "",
         switch_seconds=switch.seconds if switch else 0.0,
+        **_check_fields(entry.check),
     )
+
+
+def _check_fields(check) -> dict:
+    """A switch's check as ReplanDecision's fields ({} where none)."""
+    if check is None:
+        return {}
+    measured, stay = check.measured, check.stay
+    return {
+        "check_outcome": check.outcome,
+        "predicted_attainment": check.predicted.attainment,
+        "predicted_goodput": check.predicted.goodput,
+        "measured_attainment": measured.attainment if measured else 0.0,
+        "measured_goodput": measured.goodput if measured else 0.0,
+        "stay_attainment": stay.attainment if stay else 0.0,
+        "predicted_stay_attainment": check.predicted_stay.attainment,
+    }

@@ -263,7 +263,7 @@ class ClusterStatusResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ..., replan: _Optional[bool] = ..., replan_decisions: _Optional[_Iterable[_Union[ReplanDecision, _Mapping]]] = ...) -> None: ...
 
 class ReplanDecision(_message.Message):
-    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds")
+    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds", "check_outcome", "predicted_attainment", "measured_attainment", "predicted_goodput", "measured_goodput", "stay_attainment", "predicted_stay_attainment")
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,13 @@ class ReplanDecision(_message.Message):
     SWITCHED_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SWITCH_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     unix_time: float
     current: str
     best: str
@@ -280,4 +287,11 @@ class ReplanDecision(_message.Message):
     switched_instance: str
     switch_outcome: str
     switch_seconds: float
-    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
+    check_outcome: str
+    predicted_attainment: float
+    measured_attainment: float
+    predicted_goodput: float
+    measured_goodput: float
+    stay_attainment: float
+    predicted_stay_attainment: float
+    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ..., check_outcome: _Optional[str] = ..., predicted_attainment: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., predicted_goodput: _Optional[float] = ..., measured_goodput: _Optional[float] = ..., stay_attainment: _Optional[float] = ..., predicted_stay_attainment: _Optional[float] = ...) -> None: ...

@@ -308,7 +308,7 @@ class WorkerActor(WorkerService):
         files of its own (disagg.engine.model_card)."""
         engine = self.role.engine
         tokenizer = engine.tokenizer.hf_tokenizer if engine.tokenizer is not None else None
-        return model_card(engine.config.model, engine.model_config, tokenizer)
+        return model_card(engine.config.model, engine.model_config, tokenizer, engine.kv_cache.tensor.element_size())
 
     async def status(self) -> dict:
         return {"load": self.load(), **self.role.status(), "role": str(self.role.kind)}
