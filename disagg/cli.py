@@ -107,8 +107,20 @@ def _status(args) -> int:
             print(f"  {'':9} {_model_line(i.latency_model)}")
             if i.kv_paths:
                 print(f"  {'':9} kv paths: {', '.join(f'{peer} {path}' for peer, path in sorted(i.kv_paths.items()))}")
+            if i.kv_tiers:
+                print(f"  {'':9} {_tiers_line(i.kv_tiers)}")
     _print_replanning(status)
     return 0
+
+
+def _tiers_line(tiers) -> str:
+    """Hits and bytes by tier, and the prefix index: one line of `disagg status`."""
+    hits = " ".join(f"{t}={int(tiers.get(f'hit_blocks.{t}', 0))}" for t in ("pool", "host", "disk"))
+    held = " ".join(
+        f"{t}={tiers[f'held_bytes.{t}'] / 2**20:.1f}MiB" for t in ("host", "disk") if f"held_bytes.{t}" in tiers
+    )
+    index = f"index {int(tiers.get('index.entries', 0))} blocks, lag {tiers.get('index.lag_s', 0.0) * 1e3:.0f} ms"
+    return f"kv tiers: hit blocks {hits}; held {held}; {index}"
 
 
 def _print_replanning(status, shown: int = 5) -> None:
@@ -124,6 +136,18 @@ def _print_replanning(status, shown: int = 5) -> None:
             else ""
         )
         print(f"  {when} {d.current} -> best {d.best} (+{d.predicted_gain:.1f} points): {d.reason}{switch}")
+        if d.check_outcome:
+            print(f"    checked: {_check_line(d)}")
+
+
+def _check_line(d) -> str:
+    """A switch's prediction beside what the window after it measured (issue 53)."""
+    if d.check_outcome == "pending":
+        return f"pending; predicted {d.predicted_attainment:.1f}% attainment, {d.predicted_goodput:.2f} req/s"
+    return (
+        f"{d.check_outcome}; predicted {d.predicted_attainment:.1f}% / {d.predicted_goodput:.2f} req/s, "
+        f"measured {d.measured_attainment:.1f}% / {d.measured_goodput:.2f} req/s, staying {d.stay_attainment:.1f}%"
+    )
 
 
 def _model_line(m) -> str:

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Milliseconds to minutes: a prefill of a short prompt up to a long generation under load.
 LATENCY_BUCKETS = (
@@ -117,6 +117,57 @@ class ExpertLoad:
         yield family
 
 
+class KVTierLoad:
+    """The KV tiers under each instance's pool and the cluster-wide prefix index, from the
+    instances' reports (flat, as `disagg status` shows them: router.kv_tier_status):
+    `disagg:kv_tier_hit_blocks_total` and `disagg:kv_tier_loaded_bytes_total` by tier (counters
+    the worker keeps), `disagg:kv_tier_held_bytes` by tier, `disagg:kv_index_entries` (blocks the
+    index lists for it) and `disagg:kv_index_lag_seconds` (its publisher's latest batch)."""
+
+    COUNTERS = {"hit_blocks": "disagg:kv_tier_hit_blocks", "loaded_bytes": "disagg:kv_tier_loaded_bytes"}
+    GAUGES = {"held_bytes": "disagg:kv_tier_held_bytes"}
+    SCALARS = {"index.entries": "disagg:kv_index_entries", "index.lag_s": "disagg:kv_index_lag_seconds"}
+
+    def __init__(self) -> None:
+        self._reports: dict[tuple[str, str], dict[str, float]] = {}
+        self._lock = threading.Lock()
+
+    def set(self, instance: str, role: str, flat: dict[str, float]) -> None:
+        with self._lock:
+            if flat:
+                self._reports[(instance, role)] = dict(flat)
+            else:
+                self._reports.pop((instance, role), None)
+
+    def remove(self, instance: str, role: str) -> None:
+        self.set(instance, role, {})
+
+    def collect(self):
+        with self._lock:
+            reports = dict(self._reports)
+        for key, name in self.COUNTERS.items():
+            yield self._by_tier(CounterMetricFamily(name, f"KV tier {key} by tier.", labels=_TIER_LABELS), key, reports)
+        for key, name in self.GAUGES.items():
+            yield self._by_tier(GaugeMetricFamily(name, f"KV tier {key} by tier.", labels=_TIER_LABELS), key, reports)
+        for key, name in self.SCALARS.items():
+            family = GaugeMetricFamily(name, f"Prefix index: {key}.", labels=("instance", "role"))
+            for (instance, role), flat in sorted(reports.items()):
+                if key in flat:
+                    family.add_metric((instance, role), flat[key])
+            yield family
+
+    @staticmethod
+    def _by_tier(family, key: str, reports: dict):
+        for (instance, role), flat in sorted(reports.items()):
+            for name, value in sorted(flat.items()):
+                if name.startswith(f"{key}."):
+                    family.add_metric((instance, role, name.split(".", 1)[1]), value)
+        return family
+
+
+_TIER_LABELS = ("instance", "role", "tier")
+
+
 class ServingMetrics:
     """The serving metrics of one frontend (request latencies, KV transfers, instance load)."""
 
@@ -127,6 +178,8 @@ class ServingMetrics:
         self._define_instance_gauges()
         self.expert_load = ExpertLoad()
         self.registry.register(self.expert_load)
+        self.kv_tiers = KVTierLoad()
+        self.registry.register(self.kv_tiers)
         self._define_replan_metrics()
         self._define_slo_metrics()
 
@@ -208,6 +261,21 @@ class ServingMetrics:
         self.replan_switch_time = self._histogram(
             "disagg:replan_switch_seconds", "From a switch's decision to the instance serving in its new role."
         )
+        self.replan_predicted_goodput = Gauge(
+            "disagg:replan_predicted_goodput",
+            "Requests/s meeting their SLO that the last checked switch was predicted to give.",
+            registry=self.registry,
+        )
+        self.replan_measured_goodput = Gauge(
+            "disagg:replan_measured_goodput",
+            "Requests/s meeting their SLO measured in the window after the last checked switch.",
+            registry=self.registry,
+        )
+        self.replan_checks = self._counter(
+            "disagg:replan_checks_total",
+            "Switches checked against the window after them, by outcome (kept, undone, unmeasured).",
+            ("outcome",),
+        )
         self.pool_size = Gauge(
             "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
         )
@@ -216,6 +284,20 @@ class ServingMetrics:
     def observe_replan(self, switch: bool, gain_points: float) -> None:
         self.replan_decisions.labels(switch=str(switch).lower()).inc()
         self.replan_predicted_gain.set(gain_points)
+
+    def observe_replan_check(self, outcome: str, predicted_goodput: float, measured_goodput: float | None) -> None:
+        """A switch checked: what it was predicted to give and what the window after it measured
+        (None: too little was judged to tell; the gauges keep the last measured check's)."""
+        self.replan_checks.labels(outcome=outcome).inc()
+        if measured_goodput is not None:
+            self.replan_predicted_goodput.set(predicted_goodput)
+            self.replan_measured_goodput.set(measured_goodput)
+
+    def slo_outcomes(self, since: float, until: float) -> tuple[int, int]:
+        """(met, judged) of the requests judged between `since` and `until` (time.monotonic(),
+        within the last SLO_WINDOW_S)."""
+        verdicts = [met for at, _, met in self._slo_window if since <= at <= until]
+        return sum(verdicts), len(verdicts)
 
     def observe_switch(self, outcome: str, seconds: float) -> None:
         """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""
@@ -299,6 +381,7 @@ class ServingMetrics:
     def remove_instance(self, instance: str, role: str) -> None:
         """Drop an instance's series (it left the cluster), so dashboards don't show a stale value."""
         self.expert_load.remove(instance, role)
+        self.kv_tiers.remove(instance, role)
         for gauge in (
             self.num_requests_running,
             self.num_requests_waiting,

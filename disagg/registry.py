@@ -59,6 +59,9 @@ class LoadReport:
     kv_cache_usage: float = 0.0
     updated_at: float = 0.0
     decode_context_tokens: int = 0  # the running requests' contexts, summed
+    # Its running decodes (at most MAX_REPORTED_DECODES), each [context tokens, output tokens it
+    # is expected to write still]: the live state the re-planner prices from.
+    decodes: list = field(default_factory=list)
     # The engine's latest steps, each [step index, ms, decodes, decode context sum, then each prompt
     # chunk's start and tokens] (disagg.step_work.MeasuredStep): what the router's model learns from.
     steps: list = field(default_factory=list)
@@ -73,6 +76,9 @@ class LoadReport:
     # A mixture of experts: tokens routed to each expert since the start, over rank 0's MoE
     # layers ([] for a dense model): `disagg:moe_expert_tokens_total`.
     expert_tokens: list = field(default_factory=list)
+    # KV tiers under the pool (disagg.engine.kv_tiers, TierStats.to_dict): hits and bytes by
+    # tier, what each holds, and its publisher's index state ({} without tiers).
+    kv_tiers: dict = field(default_factory=dict)
 
 
 @dataclass

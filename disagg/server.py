@@ -49,12 +49,15 @@ from disagg.hosts.cpu_binding import CpuPlan, bind_all_threads, plan_cpus, resto
 from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
 from disagg.cluster.redis_server import LocalRedis
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
+from disagg.engine.memory_fit import kv_element_bytes
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import UnavailableError
 from disagg.metrics import ServingMetrics
+from disagg.prefix_index import PrefixIndex
 from disagg.registry import Registry
 from disagg.router.directory import InstanceDirectory
+from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_door import frontend_server
@@ -243,6 +246,7 @@ class Server:
             prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
             prefill_by_work=config.pool_engine_config(config.prefill).long_prefill_by_work,
             block_size=config.engine.block_size,
+            prefix_index=PrefixIndex(redis_url),
         )
         self.directory = directory
         await _wait_for_instances(config, directory)
@@ -327,8 +331,7 @@ class Server:
         if not _replans(config):
             return None
         base = load_profile(config.profile) if config.profile else None
-        dtype_bytes = 4 if config.engine.dtype == "float32" else 2
-        kv_bytes = card.config.kv_bytes_per_token * dtype_bytes
+        kv_bytes = card.config.kv_bytes_per_token * (card.kv_element_bytes or kv_element_bytes(config.engine))
         layers = card.config.num_hidden_layers
 
         def profile():
@@ -351,6 +354,9 @@ class Server:
                     inst.instance_id, inst.role, load.num_running, load.num_waiting, load.kv_cache_usage
                 )
                 metrics.set_expert_load(inst.instance_id, inst.role, load.expert_tokens)
+                metrics.kv_tiers.set(
+                    inst.instance_id, inst.role, flat_kv_tiers(load.kv_tiers, len(inst.indexed_hashes))
+                )
                 error = inst.online.recent_error()
                 if error is not None:
                     metrics.set_model_error(inst.instance_id, inst.role, error)

@@ -18,11 +18,17 @@ freed twice, never hashed; `Request.num_released_blocks` counts them) and the bl
 the free list as a finished request's do, a hashed one kept as evictable prefix cache. A model
 with layers of several windows (Gemma 3: local and global) holds every block: releasing per
 layer group needs one block table per group (vLLM's hybrid allocator), which this is not.
+
+Lower tiers (`lower`, disagg.engine.kv_tiers): a cached block evicted for reuse goes down to
+them instead of being lost, and a prefix lookup that misses in the pool goes on there: each
+block found below is copied back into a free pool block (evicting, and so moving down, what that
+block held) and becomes an ordinary cached block, which the request then takes.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 from disagg.request import Request
 
@@ -69,6 +75,16 @@ def num_held(block_ids: list[int]) -> int:
     return len(block_ids) - num_placeholders(block_ids)
 
 
+class LowerTiers(Protocol):
+    """What the block manager needs of the tiers under its pool (kv_tiers.TieredStore)."""
+
+    def block_cached(self, block_hash: int) -> None: ...
+    def block_taken(self, num_blocks: int) -> None: ...
+    def block_evicted(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None: ...
+    def fetch(self, block_hash: int, tokens: tuple[int, ...]) -> object | None: ...
+    def load(self, block_id: int, block_hash: int, fetched: object) -> None: ...
+
+
 class BlockManager:
     def __init__(
         self,
@@ -76,9 +92,11 @@ class BlockManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         sliding_window: int | None = None,
+        lower: LowerTiers | None = None,
     ):
         """`sliding_window`: the window every attention layer of the model shares (its blocks
-        are released as they fall out of it); None: every block is held to the end."""
+        are released as they fall out of it); None: every block is held to the end. `lower`:
+        the tiers under the pool (None: an evicted block is lost); not with a sliding window."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         if sliding_window is not None and sliding_window < 1:
@@ -87,6 +105,9 @@ class BlockManager:
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
+        if lower is not None and (sliding_window is not None or not enable_prefix_caching):
+            raise ValueError("lower tiers: need prefix caching and no sliding window")
+        self.lower = lower
         self._ref_counts = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._block_tokens: dict[int, tuple[int, ...]] = {}
@@ -154,13 +175,37 @@ class BlockManager:
         hits: list[int] = []
         for i, h in enumerate(hashes):
             block_id = self._cached.get(h)
-            start = i * self.block_size
-            if block_id is None or self._block_tokens.get(block_id) != tuple(
-                request.token_ids[start : start + self.block_size]
-            ):
+            if block_id is None or self._block_tokens.get(block_id) != self._tokens_of(request, i):
                 break
             hits.append(block_id)
+        if self.lower is not None:
+            self._load_from_lower(request, hashes, hits)
         return hits
+
+    def _tokens_of(self, request: Request, i: int) -> tuple[int, ...]:
+        return tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def _load_from_lower(self, request: Request, hashes: list[int], hits: list[int]) -> None:
+        """Extend `hits` with the blocks after them that a lower tier holds, each copied into a
+        free block. Each takes one free block and spares the request one fresh block: what it
+        can allocate stays the same, so this stops only when no free block is left."""
+        for i in range(len(hits), len(hashes)):
+            if self._num_takeable(hits) < 1:
+                return
+            fetched = self.lower.fetch(hashes[i], self._tokens_of(request, i))
+            if fetched is None:
+                return
+            block_id = self._free_block_outside(set(hits))
+            del self._free[block_id]
+            self._evict(block_id)  # what it held goes down first
+            self.lower.load(block_id, hashes[i], fetched)
+            self._register(block_id, hashes[i], self._tokens_of(request, i))
+            self._free[block_id] = None  # cached and free: the most recently used
+            hits.append(block_id)
+
+    def _free_block_outside(self, excluded: set[int]) -> int:
+        """The free block to reuse first that is not in `excluded`."""
+        return next(b for b in self._free if b not in excluded)
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the hashes of the request's blocks that became full and computed."""
@@ -175,9 +220,14 @@ class BlockManager:
             h = hashes[i]
             if h in self._cached:  # same content computed twice concurrently: keep the first
                 continue
-            self._block_hash[block_id] = h
-            self._block_tokens[block_id] = tuple(request.token_ids[i * self.block_size : (i + 1) * self.block_size])
-            self._cached[h] = block_id
+            self._register(block_id, h, self._tokens_of(request, i))
+            if self.lower is not None:
+                self.lower.block_cached(h)
+
+    def _register(self, block_id: int, block_hash: int, tokens: tuple[int, ...]) -> None:
+        self._block_hash[block_id] = block_hash
+        self._block_tokens[block_id] = tokens
+        self._cached[block_hash] = block_id
 
     def _hashes_of(self, request: Request, num_blocks: int) -> list[int]:
         hashes = request.block_hashes
@@ -215,6 +265,8 @@ class BlockManager:
             request.num_released_blocks = skip
         for block_id in cached_blocks[skip:]:
             self._take(block_id, reuse_content=True)
+        if self.lower is not None and cached_blocks:
+            self.lower.block_taken(len(cached_blocks))
         request.block_ids.extend(cached_blocks[skip:])
         for _ in range(num_fresh):
             request.block_ids.append(self._take(next(iter(self._free)), reuse_content=False))
@@ -274,6 +326,8 @@ class BlockManager:
     def _evict(self, block_id: int) -> None:
         h = self._block_hash[block_id]
         if h is not None and self._cached.get(h) == block_id:
+            if self.lower is not None:
+                self.lower.block_evicted(block_id, h, self._block_tokens[block_id])
             del self._cached[h]
         self._block_hash[block_id] = None
         self._block_tokens.pop(block_id, None)

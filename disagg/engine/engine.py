@@ -23,6 +23,8 @@ from disagg.engine.distributed import InstanceGroups
 from disagg.engine.grammar import GrammarCompiler
 from disagg.engine.guided_decoding import GrammarError, GuidedDecoding
 from disagg.engine.kv_cache import KVCache
+from disagg.engine.kv_tiers.tiered_store import TieredStore
+from disagg.engine.kv_tiers.build import build_tiered_store
 from disagg.engine.kv_connector import Followers, KVConnector
 from disagg.engine.layers.attention import select_decode_kernel
 from disagg.engine.layers.cpu_gemm import bound_onednn_caches
@@ -109,6 +111,7 @@ class LLMEngine:
         self._check_memory_fits(source)
         self.model = self._build_model(source)
         self.kv_cache = self._build_kv_cache()
+        self.kv_tiers = self._build_kv_tiers()
         self.block_manager = self._new_block_manager(config)
         self.scheduler = self._new_scheduler(config, self.block_manager)
         self.kv_connector = kv_connector
@@ -138,7 +141,19 @@ class LLMEngine:
     # ---- construction ------------------------------------------------------------------------
     def _new_block_manager(self, config: EngineConfig) -> BlockManager:
         window = self.model_config.shared_window
-        return BlockManager(self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, window)
+        return BlockManager(
+            self.kv_cache.num_blocks, config.block_size, config.enable_prefix_caching, window, lower=self.kv_tiers
+        )
+
+    def _build_kv_tiers(self) -> TieredStore | None:
+        """The tiers under the pool (config kv_host_tier_bytes, kv_disk_tier_*), or None where
+        they do not apply: no prefix caching, a sliding window (its blocks are released as they
+        leave it), or several ranks (each holds a slice of every block: a tier would need each
+        rank's copy; not yet)."""
+        c = self.config
+        if not c.enable_prefix_caching or self.model_config.shared_window is not None or self.groups is not None:
+            return None
+        return build_tiered_store(c, self.kv_cache)
 
     def _new_scheduler(self, config: EngineConfig, block_manager: BlockManager) -> Scheduler:
         return Scheduler(

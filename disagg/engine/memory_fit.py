@@ -35,6 +35,13 @@ def dtype_name(dtype: str, device_type: str, weights: str = "auto") -> str:
     return dtype
 
 
+def kv_element_bytes(engine: EngineConfig) -> int:
+    """One KV cache element's bytes as configured (the device taken as named, `auto` as a CPU):
+    for a frontend whose workers' model card does not say (disagg.engine.model_card)."""
+    device_type = "cuda" if engine.device.startswith("cuda") else "cpu"
+    return DTYPE_BYTES[dtype_name(engine.dtype, device_type, engine.weights)]
+
+
 def weight_bytes_per_param(weights: str, dtype_bytes: int, device_type: str, from_gguf: bool) -> float:
     """What a weight takes once loaded: its dtype's size, or a quantized format's (under auto, a
     GGUF's blocks stay quantized on a CPU; 4-bit, the smallest, is counted)."""

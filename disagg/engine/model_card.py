@@ -26,6 +26,8 @@ class ModelCard:
     model: str  # the spec the workers loaded (EngineConfig.model)
     config: ModelConfig
     tokenizer_files: dict[str, bytes] = field(default_factory=dict, hash=False)  # file name -> contents; {}: none
+    # The bytes of one element of the workers' KV cache (4 for float32, CPU's `dtype: auto`); 0: not said.
+    kv_element_bytes: int = 0
 
     def tokenizer(self) -> "PreTrainedTokenizerBase | None":
         """The workers' tokenizer, rebuilt from its files (None when the model has none)."""
@@ -38,14 +40,16 @@ class ModelCard:
             return load_hf_tokenizer(directory)
 
 
-def model_card(model: str, config: ModelConfig, hf_tokenizer: "PreTrainedTokenizerBase | None") -> ModelCard:
+def model_card(
+    model: str, config: ModelConfig, hf_tokenizer: "PreTrainedTokenizerBase | None", kv_element_bytes: int = 0
+) -> ModelCard:
     """The card of a loaded model: its tokenizer as `save_pretrained` writes it."""
     if hf_tokenizer is None:
-        return ModelCard(model, config)
+        return ModelCard(model, config, kv_element_bytes=kv_element_bytes)
     with tempfile.TemporaryDirectory(prefix="disagg-tokenizer-") as directory:
         hf_tokenizer.save_pretrained(directory)
         files = {}
         for name in sorted(os.listdir(directory)):
             with open(os.path.join(directory, name), "rb") as f:
                 files[name] = f.read()
-    return ModelCard(model, config, files)
+    return ModelCard(model, config, files, kv_element_bytes)

@@ -100,9 +100,12 @@ class GoodputPolicy(LeastOutstandingWork):
     def _pair_options(self, prefills: list, decodes: list, request: RequestShape) -> list[_Option]:
         """Each candidate instance predicted once, though it is in many pairs; of the pairs, those
         that can be chosen (`_pairs_worth_scoring`), then the local options."""
+        # A decode instance's prefix counts only where it may prefill a prompt itself: then the
+        # one holding a conversation's history (the prefix index lists it) is a candidate.
+        decode_holders = self.local_prefill_max_tokens > 0
         sides = _Sides.predict(
             self.narrowing.narrow(prefills, prefill_load, self._rng, request.block_hashes),
-            self.narrowing.narrow(decodes, decode_load, self._rng, request.block_hashes, holders=False),
+            self.narrowing.narrow(decodes, decode_load, self._rng, request.block_hashes, holders=decode_holders),
             request,
         )
         local = self._local_options(prefills, sides.decodes, request, sides.tpots)

@@ -63,20 +63,25 @@ class TrafficWindow:
 
     def __init__(self, window_s: float = 30.0, max_requests: int = 4096):
         self.window_s = window_s
-        self._seen: deque[tuple[float, int, int]] = deque(maxlen=max_requests)
+        self._seen: deque[tuple] = deque(maxlen=max_requests)
 
-    def add(self, arrival_s: float, prompt_len: int, output_len: int) -> None:
-        self._seen.append((arrival_s, max(1, prompt_len), max(1, output_len)))
+    def add(
+        self, arrival_s: float, prompt_len: int, output_len: int, slo: SLO | None = None, priority: int = 0
+    ) -> None:
+        """`output_len`: what the router expects it to write (its configured output length
+        source); `slo`: its own targets (None: the server's); `priority`: the engines'."""
+        self._seen.append((arrival_s, max(1, prompt_len), max(1, output_len), slo, priority))
 
-    def requests(self, now: float) -> list[SimRequest]:
-        """The window's requests in arrival order, arrivals counted from the first (what the
-        simulator replays)."""
+    def requests(self, now: float, since: float | None = None) -> list[SimRequest]:
+        """The window's requests (or those since `since`) in arrival order, arrivals counted from
+        the first (what the simulator replays)."""
         start = now - self.window_s
         while self._seen and self._seen[0][0] < start:
             self._seen.popleft()
-        recent = sorted(seen for seen in self._seen if seen[0] >= start)
+        start = start if since is None else max(start, since)
+        recent = sorted((seen for seen in self._seen if start <= seen[0] <= now), key=lambda seen: seen[0])
         first = recent[0][0] if recent else now
-        return [SimRequest(i, t - first, p, o) for i, (t, p, o) in enumerate(recent)]
+        return [SimRequest(i, t - first, p, o, priority=k, slo=slo) for i, (t, p, o, slo, k) in enumerate(recent)]
 
 
 @dataclass
@@ -87,6 +92,7 @@ class Decision:
     predicted: dict[Split, float]  # attainment (percent) of each reachable split on the window's traffic
     switch_to: Split | None  # the one-instance step toward `best`, when a switch is due
     reason: str
+    predicted_goodput: dict[Split, float] = field(default_factory=dict)  # req/s meeting their SLO
 
     @property
     def gain(self) -> float:
@@ -106,6 +112,7 @@ class Replanner:
     history: list[Decision] = field(default_factory=list)
     _last_switch_at: float = -math.inf
     _streak: tuple[Split | None, int] = (None, 0)
+    _vetoed: dict[Split, float] = field(default_factory=dict)  # split -> until when it is not chosen
 
     def predict(self, requests: list[SimRequest]) -> dict[Split, float]:
         return {
@@ -113,13 +120,26 @@ class Replanner:
             for split in reachable_splits(self.total_instances)
         }
 
-    def decide(self, now: float, current: Split, window: TrafficWindow) -> Decision:
+    def veto(self, split: Split, until: float) -> None:
+        """`split` is not chosen again before `until` (a switch to it measured worse than staying)."""
+        self._vetoed[split] = until
+
+    def undone(self, now: float) -> None:
+        """A switch was just undone: the hold starts again from now."""
+        self._last_switch_at, self._streak = now, (None, 0)
+
+    def decide(
+        self, now: float, current: Split, window: TrafficWindow, predicted: dict[Split, float] | None = None
+    ) -> Decision:
+        """`predicted`: each split's attainment on the window's traffic, priced elsewhere (None:
+        by `simulate` here)."""
         requests = window.requests(now)
         if len(requests) < MIN_WINDOW_REQUESTS:
             return self._record(Decision(now, current, current, {}, None, f"{len(requests)} requests in the window"))
-        predicted = self.predict(requests)
+        predicted = self.predict(requests) if predicted is None else predicted
+        allowed = {s: v for s, v in predicted.items() if s == current or self._vetoed.get(s, -math.inf) <= now}
         # Ties go to the current split, then to the one nearest it: no switch that gains nothing.
-        best = max(predicted, key=lambda s: (predicted[s], s == current, -abs(s.prefill - current.prefill)))
+        best = max(allowed, key=lambda s: (allowed[s], s == current, -abs(s.prefill - current.prefill)))
         decision = Decision(now, current, best, predicted, None, "")
         streak = self._streak[1] + 1 if self._streak[0] == best else 1
         self._streak = (best, streak)

@@ -62,6 +62,7 @@ MAX_RESERVE_RETRY_S = 0.5
 DECODE_ADMISSIONS = ("retry", "queue")
 ABORTED = RequestStatus.FINISHED_ABORTED
 TOKEN = 0  # the token every simulated step samples (stops come from max_tokens alone)
+SEED_PREFIX = "live-"  # the ids of requests a live state starts with (load only, judged by no record)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class SimRecord:
     prefill_instance: str = ""
     decode_instance: str = ""
     num_preemptions: int = 0
+    slo: SLO | None = None  # the request's own targets (None: the run's)
 
     @property
     def success(self) -> bool:
@@ -217,12 +219,13 @@ class SimInstance:
         self.num_reserved = 0  # inputs that will add a request
         self.link_free_at = 0.0  # a prefill instance sends one request's KV at a time: its link's queue
 
-    def become(self, pool: SimPool) -> None:
+    def become(self, pool: SimPool, step_model: StepModel | None = None) -> None:
         """Serve in `pool` from now on, with an empty engine of its role (a role switch: the
-        re-planner's, disagg.planner.replan_sim)."""
+        re-planner's, disagg.planner.replan_sim); `step_model`: its own, where it differs from
+        the pool's (a live instance's fit: disagg.planner.live_pricing)."""
         self.pool = pool
         self.role = Role(pool.role)
-        self.step_model = pool.step_model
+        self.step_model = step_model or pool.step_model
         self.scheduler = Scheduler(
             BlockManager(
                 pool.num_kv_blocks, pool.block_size, enable_prefix_caching=False, sliding_window=pool.sliding_window
@@ -236,7 +239,7 @@ class SimInstance:
             order=pool.scheduling_order,
             priority_aging_s=pool.priority_aging_s,
             long_prefill_token_threshold=pool.long_prefill_token_threshold,
-            attention_context_tokens=pool.step_model.attention_context_tokens if pool.long_prefill_by_work else None,
+            attention_context_tokens=self.step_model.attention_context_tokens if pool.long_prefill_by_work else None,
             clock=self._virtual_time,  # waits age on the simulated clock, not the replay's wall time
         )
 
@@ -438,7 +441,8 @@ class SimInstance:
             sampled = {c.request.request_id: SampledToken(TOKEN) for c in self.step.chunks if c.samples}
             updated = self.scheduler.update_from_output(self.step, sampled)
             for r in self.step.preempted:
-                self.sim.flights[r.request_id].record.num_preemptions += 1
+                if (flight := self.sim.flights.get(r.request_id)) is not None:  # (a seeded request has none)
+                    flight.record.num_preemptions += 1
         for request in updated:
             self.sim.on_token(self, request, now)
         was, self.activity = self.activity, None
@@ -493,6 +497,8 @@ class Simulator:
         self.flights: dict[str, _Flight] = {}
         self._events: list = []
         self._seq = itertools.count()
+        self._seed_ids = itertools.count()
+        self.records: list[SimRecord] = []
         self.now = 0.0
 
     # ---- instances sharing one host -----------------------------------------------------------------
@@ -518,7 +524,8 @@ class Simulator:
 
     def run(self, requests: list[SimRequest]) -> list[SimRecord]:
         """Simulate the requests (any order; each at its arrival) to the end; records in input order."""
-        records = [SimRecord(r.index, r.arrival_s, r.prompt_len, r.output_len) for r in requests]
+        records = [SimRecord(r.index, r.arrival_s, r.prompt_len, r.output_len, slo=r.slo) for r in requests]
+        self.records = records  # as they fill in (a re-planning driver measures the latest from them)
         for sim_request, record in zip(requests, records):
             self.at(sim_request.arrival_s + self.router_overhead_ms / 1e3, self._arrive, sim_request, record)
         events = self._events
@@ -547,7 +554,7 @@ class Simulator:
         )  # fmt: skip
         # The router's TPOT prediction takes the predicted length where the request has one (as
         # with `output_length: ranker`), else its own length (what a trace's max_tokens says).
-        shape = RequestShape(sim_request.prompt_len, sim_request.output_len, self.slo,
+        shape = RequestShape(sim_request.prompt_len, sim_request.output_len, sim_request.slo or self.slo,
                              blocks_needed=self._blocks(sim_request, "decode" if self.disaggregated else "colocated"),
                              expected_output_tokens=sim_request.predicted_output_len)  # fmt: skip
         choice = self.policy.choose_pair(prefills, decodes, shape)
@@ -656,9 +663,39 @@ class Simulator:
             predicted_output_len=r.predicted_output_len,
         )
 
+    # ---- the work the system holds at the start (a live state: disagg.planner.live_pricing) -------
+    def seed_decode(self, instance: SimInstance, context_tokens: int, remaining_tokens: int) -> None:
+        """A request decoding on `instance` from the start: its KV held, `remaining_tokens` to go.
+        Seeded requests are load only: no record judges them."""
+        request = self._seed_request(max(1, context_tokens), max(1, remaining_tokens) + 1)
+
+        def start(now: float) -> None:
+            if instance.scheduler.reserve_for_remote_prefill(request):
+                instance.scheduler.finish_kv_import(request.request_id, TOKEN)
+
+        instance.deliver(0.0, start)
+
+    def seed_prompt(self, instance: SimInstance, prompt_tokens: int) -> None:
+        """A prompt queued on a prefill instance from the start (its prefill is the load)."""
+        request = self._seed_request(max(1, prompt_tokens), 1)
+        instance.queued_tokens += request.num_prompt_tokens
+        instance.deliver(0.0, lambda now: instance.scheduler.add_request(request))
+
+    def _seed_request(self, prompt_tokens: int, max_tokens: int) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        return Request(f"{SEED_PREFIX}{next(self._seed_ids)}", [TOKEN] * prompt_tokens, params, arrival_time=0.0)
+
+    def _seed_token(self, instance: SimInstance, request: Request, now: float) -> None:
+        if instance.role is Role.PREFILL and request.num_output_tokens == 1:  # its KV leaves at once
+            instance.queued_tokens -= request.num_prompt_tokens
+            instance.deliver(now, lambda t: instance.scheduler.release(request.request_id))
+
     # ---- tokens ------------------------------------------------------------------------------------
     def on_token(self, instance: SimInstance, request: Request, now: float) -> None:
         """A step gave `request` a token (or more, in a run); the instance has applied it."""
+        if request.request_id.startswith(SEED_PREFIX):
+            self._seed_token(instance, request, now)
+            return
         flight = self.flights.get(request.request_id)
         if flight is None or flight.done:
             return
@@ -759,5 +796,5 @@ def slo_attainment(records: list[SimRecord], slo: SLO = SLO()) -> float:
 
 
 def num_met(records: list[SimRecord], slo: SLO) -> int:
-    """How many of `records` succeeded and met `slo` (disagg.slo.met)."""
-    return sum(1 for r in records if r.success and met(slo, r.ttft_s * 1e3, r.tpot_s * 1e3))
+    """How many of `records` succeeded and met their own SLO, or else `slo` (disagg.slo.met)."""
+    return sum(1 for r in records if r.success and met(getattr(r, "slo", None) or slo, r.ttft_s * 1e3, r.tpot_s * 1e3))

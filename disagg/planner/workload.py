@@ -30,6 +30,7 @@ class SimRequest:
     # disagg.planner.predicted_lengths fills it).
     priority: int = 0
     predicted_output_len: int | None = None
+    slo: SLO | None = None  # its own targets (None: the server's)
 
     def __post_init__(self) -> None:
         if self.prompt_len < 1 or self.output_len < 1 or self.arrival_s < 0:

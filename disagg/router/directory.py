@@ -32,6 +32,7 @@ from disagg.placement.profile import Profile
 from disagg.placement.predictor import Residual
 from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.placement.prefill_rate import PrefillRate
+from disagg.prefix_index import PrefixIndex
 from disagg.registry import InstanceView, LoadReport, Registry
 from disagg.router.prompt_queue import PromptQueue
 from disagg.router.streams import DecodeStreams
@@ -73,6 +74,9 @@ class Instance:
     # Where prompts are warm: its last report's cached block hashes, and those of the prompts
     # sent here since (they will be cached by the time the next one comes).
     prefix_hashes: set = field(default_factory=set)
+    # Where prompts are warm by the cluster-wide prefix index (disagg.prefix_index): every block
+    # it holds, in its pool or a tier under it, as of the directory's latest read.
+    indexed_hashes: set = field(default_factory=set)
     last_step_index: int = 0  # of the latest step learnt from
     # When this router's requests here ended (wall clock, as reports are stamped): its report
     # still counts those that ended after it was taken.
@@ -217,7 +221,7 @@ class Instance:
         """Tokens of the prompt's leading blocks that it holds (block hashes as BlockManager's)."""
         hits = 0
         for h in block_hashes:
-            if h not in self.prefix_hashes:
+            if h not in self.prefix_hashes and h not in self.indexed_hashes:
                 break
             hits += 1
         return hits * self.block_size
@@ -264,8 +268,10 @@ class InstanceDirectory:
         block_size: int = 16,
         prefill_chunk_cap: int | None = None,
         prefill_by_work: bool = True,
+        prefix_index: PrefixIndex | None = None,
     ):
-        """`profile`: seeds each instance's latency model (its TP x PP entry) until the
+        """`prefix_index`: the cluster-wide index read at each refresh (None: the heartbeats'
+        summaries only). `profile`: seeds each instance's latency model (its TP x PP entry) until the
         instance's own steps are fitted; `prefill_budget`: the prefill engines' tokens a step;
         `prefill_chunk_cap`: their fair prefill cap (None: none); `prefill_by_work`: whether
         those caps count work (EngineConfig.long_prefill_by_work). `streams`: where the links'
@@ -289,6 +295,8 @@ class InstanceDirectory:
         self._task: asyncio.Task | None = None
         self._links: dict[str, RpcClient] = {}  # request-link address -> its client, reused when an instance comes back
         self.last_refresh_ok = 0.0
+        self.prefix_index = prefix_index
+        self.index_entries = 0  # blocks the index listed at its latest read, all instances together
 
     def healthy(self, role: str) -> list[Instance]:
         """The role's instances in placement (a draining one is not: it is on its way out, nor
@@ -390,6 +398,22 @@ class InstanceDirectory:
         awaited = set(self._failed) - seen
         if awaited:
             await self._forget_departed(awaited)
+        await self._read_prefix_index()
+
+    async def _read_prefix_index(self) -> None:
+        """Each instance's blocks by the cluster-wide index. Unreadable: the last read stands
+        (a stale entry costs a request a recompute, never an error)."""
+        if self.prefix_index is None:
+            return
+        try:
+            index = await asyncio.to_thread(self.prefix_index.read, list(self._instances))
+        except RegistryUnavailable:
+            return
+        for instance_id, held in index.items():
+            instance = self._instances.get(instance_id)
+            if instance is not None:
+                instance.indexed_hashes = set(held)
+        self.index_entries = sum(len(held) for held in index.values())
 
     async def _forget_departed(self, awaited: set[str]) -> None:
         """Of the failed instances awaited, those that deregistered left on purpose (drained, or

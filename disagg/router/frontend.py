@@ -18,6 +18,7 @@ import grpc
 from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
+from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.key_guard import given_key
 from disagg.router.replanning import LoggedDecision, ReplanLoop
 from disagg.router.request_path import RequestFailed, RequestPath
@@ -100,6 +101,7 @@ class ServingServicer(serving_pb2_grpc.ServingServicer):
                     num_total_blocks=load.num_total_blocks,
                     latency_model=_latency_model(inst),
                     kv_paths=load.kv_paths,
+                    kv_tiers=flat_kv_tiers(load.kv_tiers, len(inst.indexed_hashes)),
                 )
             )
             self.metrics.set_instance_load(
@@ -196,4 +198,21 @@ def _replan_decision(entry: LoggedDecision) -> serving_pb2.ReplanDecision:
         switched_instance=switch.instance_id if switch else "",
         switch_outcome=switch.outcome if switch else "",
         switch_seconds=switch.seconds if switch else 0.0,
+        **_check_fields(entry.check),
     )
+
+
+def _check_fields(check) -> dict:
+    """A switch's check as ReplanDecision's fields ({} where none)."""
+    if check is None:
+        return {}
+    measured, stay = check.measured, check.stay
+    return {
+        "check_outcome": check.outcome,
+        "predicted_attainment": check.predicted.attainment,
+        "predicted_goodput": check.predicted.goodput,
+        "measured_attainment": measured.attainment if measured else 0.0,
+        "measured_goodput": measured.goodput if measured else 0.0,
+        "stay_attainment": stay.attainment if stay else 0.0,
+        "predicted_stay_attainment": check.predicted_stay.attainment,
+    }

@@ -116,8 +116,12 @@ class ArrivalListener(Protocol):
     """Who hears each request as it arrives: the re-planner's traffic window
     (disagg.router.replanning.ReplanLoop), or a replica's feed of it (shared_arrivals.ArrivalFeed)."""
 
-    def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
-        """`at`: time.monotonic(); the prompt's tokens, and the output tokens asked for."""
+    def arrived(
+        self, at: float, prompt_tokens: int, output_tokens: int, slo: SLO | None = None, priority: int = 0
+    ) -> None:
+        """`at`: time.monotonic(); the prompt's tokens, the output tokens the router expects (its
+        `output_length` source: max_tokens or the ranker's); the request's own SLO (None: the
+        server's) and its engine priority."""
 
 
 class Orchestrator:
@@ -176,7 +180,9 @@ class Orchestrator:
         # a later attempt as critical): a sheddable one does not pass others because it moved.
         engine_priority = priority_value(priority)
         if self.arrivals is not None:
-            self.arrivals.arrived(time.monotonic(), len(prompt_token_ids), params.max_tokens)
+            expected = self.output_lengths.expected(prompt_token_ids, params.max_tokens)
+            own_slo = slo if slo != self.default_slo else None
+            self.arrivals.arrived(time.monotonic(), len(prompt_token_ids), expected, own_slo, engine_priority)
         while True:
             # Once admitted, a request is not refused again: its later attempts are critical.
             demand = (slo, priority if not progress.migrations else "critical")

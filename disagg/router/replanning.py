@@ -12,10 +12,18 @@ says when a switch is worth it, with hysteresis. A switch moves one instance:
 3. back into placement; the directory finds it in its new pool with its next heartbeat.
 
 A switch that cannot finish (the instance still held requests at the deadline, or refused)
-puts the instance back in service in its old role. The step models the simulator prices with
-are the instances' own, fitted online, over the configured profile (or without one, once both
-roles are calibrated); until then the loop only watches. Decisions, their predicted gains and
-what followed are kept for `disagg status`, counted in the metrics and logged.
+puts the instance back in service in its old role. Each round prices the splits from the live
+state (issue 53): every instance's queued prompts and running decodes, each with its own fitted
+step model times the host factor its measured steps show (disagg.planner.live_state); the
+window's requests carry the output length the router expects (its `output_length` source), their
+own SLO and priority. The simulations run in a process of their own (replan_pricer). Until a
+profile or both roles' fits exist the loop only watches.
+
+Every switch is checked (disagg.planner.decision_check): once the hold after it is over, the
+attainment and goodput measured since the instance serves in its new role are compared with
+staying; a switch that measured worse is undone (and its split vetoed for a while), and the miss
+is learnt as a residual of the split that served. Decisions, their predictions and what was measured are
+kept for `disagg status`, counted in the metrics and logged.
 """
 
 from __future__ import annotations
@@ -32,11 +40,18 @@ from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile
-from disagg.planner.replanner import Decision, Replanner, Split, TrafficWindow, split_simulator
+from disagg.planner.decision_check import Check, DecisionChecker
+from disagg.planner.live_pricing import Price, price_splits
+from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, host_factor
+from disagg.planner.replanner import MIN_WINDOW_REQUESTS, Decision, Replanner, Split, TrafficWindow, split_simulator
 from disagg.router.directory import Instance, InstanceDirectory
+from disagg.router.replan_pricer import PricingBusy, PricingPool
+from disagg.slo import SLO
+from disagg.step_work import MeasuredStep
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1
+UNDO_VETO_WINDOWS = 3  # an undone switch's split is not chosen again for this many windows
 REGISTER_TIMEOUT_S = 10.0  # for the directory to find the instance in its new pool
 ROLES = ("prefill", "decode")
 
@@ -59,6 +74,7 @@ class LoggedDecision:
     at: float  # time.time()
     decision: Decision
     switch: SwitchRecord | None = None
+    check: Check | None = None  # the switch checked against the window after it
 
 
 def live_profile(base: Profile | None, directory: InstanceDirectory, model: str, kv_bytes_per_token: int,
@@ -83,6 +99,65 @@ def _calibrated_in(instance: Instance, role: str) -> bool:
     return instance.prefill_calibrated if role == "prefill" else instance.decode_calibrated
 
 
+# ---- the live state a round prices from ---------------------------------------------------------
+def live_state(directory: InstanceDirectory, profile: Profile, typical_remaining: int) -> LiveState:
+    """Every healthy instance with its own model (times its host factor), queue and decodes;
+    `typical_remaining`: the output left to a decode whose report does not say (an older worker)."""
+    seed = profile.step_model(1, 1)
+    return LiveState(tuple(
+        live_instance(instance, role, seed, typical_remaining) for role in ROLES for instance in directory.healthy(role)
+    ))  # fmt: skip
+
+
+def live_instance(instance: Instance, role: str, seed: StepModel, typical_remaining: int) -> LiveInstance:
+    model = own_model(instance, seed)
+    model = model.scaled(host_factor(measured_steps(instance.view.load.steps), model))
+    return LiveInstance(
+        instance.instance_id,
+        role,
+        model,
+        queued_prompts(instance),
+        running_decodes(instance.view.load, typical_remaining),
+    )
+
+
+def own_model(instance: Instance, seed: StepModel) -> StepModel:
+    """Each side of the instance's step model from its own fit where calibrated, else from `seed`
+    (the profile's): not the first calibrated instance's of its role."""
+    fitted = instance.online.model
+    prefill = fitted.prefill if instance.prefill_calibrated else seed.prefill
+    decode = fitted if instance.decode_calibrated else seed
+    return StepModel(prefill, decode.decode_small, decode.decode_large, decode.decode_threshold, experts=decode.experts)
+
+
+def measured_steps(reported: list) -> list[MeasuredStep]:
+    steps = []
+    for values in reported:
+        try:
+            steps.append(MeasuredStep.from_list(values))
+        except (TypeError, ValueError):  # a malformed entry prices nothing
+            continue
+    return steps
+
+
+def queued_prompts(instance: Instance) -> tuple[int, ...]:
+    """What this router sent and has not seen the first token of, and its report's backlog
+    beyond that (another frontend's prompts, or preempted ones)."""
+    prompts = [p.num_new for p in instance.queued_prompts if p.num_new > 0]
+    return tuple(prompts + ([instance.backlog_tokens] if instance.backlog_tokens > 0 else []))
+
+
+def running_decodes(load, typical_remaining: int) -> tuple[LiveDecode, ...]:
+    """Its report's decodes ([context, tokens left] each), or where it lists none, its running
+    count at their mean context with `typical_remaining` to go."""
+    if load.decodes:
+        return tuple(LiveDecode(int(c), int(r)) for c, r in load.decodes)
+    if not load.num_running:
+        return ()
+    context = max(1, load.decode_context_tokens // load.num_running)
+    return tuple(LiveDecode(context, typical_remaining) for _ in range(load.num_running))
+
+
 class ReplanLoop:
     def __init__(
         self,
@@ -92,12 +167,16 @@ class ReplanLoop:
         metrics: ServingMetrics,
         on_switched: Callable[[str, str], None] = lambda instance_id, role: None,
         shared_arrivals: Callable[[], list[tuple[float, int, int]]] | None = None,
+        pricer: PricingPool | None = None,
     ):
         """`profile()`: what the simulator prices with now (live_profile); `on_switched(id,
         role)`: an instance serves in its new role (the launcher's records follow);
         `shared_arrivals()`: the other frontends' arrivals since the last call, as `arrived`
-        takes them (disagg.router.shared_arrivals), taken before each round."""
+        takes them (disagg.router.shared_arrivals), taken before each round; `pricer`: where the
+        simulations run (a process of their own by default)."""
         self.config, self.directory, self.profile, self.metrics = config, directory, profile, metrics
+        self.pricer = pricer or PricingPool(config.replan_price_timeout_s)
+        self.checker = DecisionChecker(margin=config.replan_undo_margin)
         self.on_switched = on_switched
         self.shared_arrivals = shared_arrivals
         self.window = TrafficWindow(config.replan_window_s)
@@ -110,9 +189,11 @@ class ReplanLoop:
         self.switches: list[SwitchRecord] = []
         self._profile: Profile | None = None
 
-    def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
+    def arrived(
+        self, at: float, prompt_tokens: int, output_tokens: int, slo: SLO | None = None, priority: int = 0
+    ) -> None:
         """A request arrived (the orchestrator's ArrivalListener)."""
-        self.window.add(at, prompt_tokens, max_tokens)
+        self.window.add(at, prompt_tokens, output_tokens, slo, priority)
 
     def current_split(self) -> Split | None:
         """The split in placement now; None while an instance is away (failed, draining)."""
@@ -120,22 +201,39 @@ class ReplanLoop:
         return split if split.prefill + split.decode == self.total else None
 
     async def run(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.replan_interval_s)
-            try:
-                await self.step()
-            except Exception:  # noqa: BLE001 - the loop outlives one bad round; the server serves on
-                logger.exception("re-planning round failed")
+        try:
+            while True:
+                await asyncio.sleep(self.config.replan_interval_s)
+                try:
+                    await self.step()
+                except Exception:  # noqa: BLE001 - the loop outlives one bad round; the server serves on
+                    logger.exception("re-planning round failed")
+        finally:
+            self.pricer.close()
 
     async def step(self) -> LoggedDecision | None:
-        """One round: decide, and switch if the decision says so (returns what was logged)."""
+        """One round: check the last switch once its window is over (and undo it if it measured
+        worse than staying); else decide, and switch if the decision says so. Returns what was
+        logged."""
         await self._take_shared_arrivals()
         current = self.current_split()
         self._profile = self.profile()
         if current is None or self._profile is None:
             return None
-        # The simulation is pure Python and takes a while: off the event loop's thread.
-        decision = await asyncio.to_thread(self.replanner.decide, time.monotonic(), current, self.window)
+        now = time.monotonic()
+        if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
+            return await self._check(check, current, now)
+        requests = self.window.requests(now)
+        priced = await self._price(self._live(requests), requests) if len(requests) >= MIN_WINDOW_REQUESTS else {}
+        if priced is None:
+            return None
+        priced = {split: self.checker.corrected(split, price) for split, price in priced.items()}
+        attainment = {split: price.attainment for split, price in priced.items()} or None
+        decision = self.replanner.decide(now, current, self.window, attainment)
+        decision.predicted_goodput = {split: price.goodput for split, price in priced.items()}
+        return await self._act(decision, current, priced)
+
+    async def _act(self, decision: Decision, current: Split, priced: dict[Split, Price]) -> LoggedDecision:
         self.metrics.observe_replan(decision.switch_to is not None, decision.gain)
         entry = LoggedDecision(time.time(), decision)
         self.log.append(entry)
@@ -143,8 +241,68 @@ class ReplanLoop:
             logger.debug("re-plan at %s: %s", current, decision.reason)
             return entry
         logger.info("re-plan: switching toward %s (%s)", decision.best, decision.reason)
-        from_role = "prefill" if decision.switch_to.prefill < current.prefill else "decode"
-        entry.switch = await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
+        entry.switch = await self._switch_between(current, decision.switch_to)
+        if entry.switch is not None and entry.switch.outcome == "done" and decision.switch_to in priced:
+            entry.check = Check(decision.now, current, decision.switch_to, priced[decision.switch_to],
+                                priced[current], opens_at=time.monotonic())  # fmt: skip
+            self.checker.open(entry.check)
+        return entry
+
+    async def _switch_between(self, current: Split, target: Split) -> SwitchRecord | None:
+        from_role = "prefill" if target.prefill < current.prefill else "decode"
+        return await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
+
+    # ---- pricing ---------------------------------------------------------------------------------
+    def _live(self, requests: list) -> LiveState:
+        outputs = sorted(r.output_len for r in requests)
+        typical_remaining = max(1, outputs[len(outputs) // 2] // 2) if outputs else 1
+        return live_state(self.directory, self._profile, typical_remaining)
+
+    async def _price(self, live: LiveState | None, requests: list) -> dict[Split, Price] | None:
+        """Every split's price, in the pricing process; None when the round cannot have one."""
+        profiles = {role: self._profile for role in ROLES}
+        try:
+            return await self.pricer.run(
+                price_splits, self.config, profiles, live, requests, self.config.replan_window_s
+            )
+        except PricingBusy:
+            logger.debug("re-plan round skipped: the previous one is still pricing")
+        except (TimeoutError, asyncio.TimeoutError):
+            logger.warning("re-plan round priced nothing in %.0f s", self.config.replan_price_timeout_s)
+        return None
+
+    # ---- checking a switch -------------------------------------------------------------------------
+    async def _check(self, check: Check, current: Split, now: float) -> LoggedDecision | None:
+        """Once the hold after the switch is over: measured against staying; undone if worse."""
+        met, judged = self.metrics.slo_outcomes(check.opens_at, now)
+        requests = self.window.requests(now, since=check.opens_at)
+        if judged == 0 or len(requests) < MIN_WINDOW_REQUESTS:
+            check.outcome = "unmeasured"
+            self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, None)
+            return None
+        priced = await self._price(None, requests)
+        if priced is None:
+            return None
+        measured = Price(100.0 * met / judged, met / (now - check.opens_at))
+        outcome = self.checker.close(check, measured, priced)
+        self.metrics.observe_replan_check(outcome, check.predicted.goodput, measured.goodput)
+        logger.info("re-plan check of %s -> %s: measured %.1f%% against %.1f%% staying: %s", check.before,
+                    check.after, measured.attainment, check.stay.attainment, outcome)  # fmt: skip
+        if outcome != "undone" or current != check.after:
+            return None
+        return await self._undo(check, current, now)
+
+    async def _undo(self, check: Check, current: Split, now: float) -> LoggedDecision:
+        self.replanner.veto(check.after, now + UNDO_VETO_WINDOWS * self.config.replan_window_s)
+        self.replanner.undone(now)
+        gain = check.stay.attainment - check.measured.attainment
+        decision = Decision(now, current, check.before, {}, current.toward(check.before),
+                            f"undo: {check.after} measured {gain:.1f} points under staying at {check.before}")  # fmt: skip
+        self.metrics.observe_replan(True, gain)
+        entry = LoggedDecision(time.time(), decision, check=check)
+        self.log.append(entry)
+        logger.warning("re-plan: %s", decision.reason)
+        entry.switch = await self._switch_between(current, check.before)
         return entry
 
     async def _take_shared_arrivals(self) -> None:
@@ -155,8 +313,8 @@ class ReplanLoop:
         except RegistryUnavailable as exc:  # this round plans on frontend 0's arrivals alone
             logger.warning("re-plan without the other frontends' arrivals: %s", exc)
             return
-        for at, prompt_tokens, max_tokens in arrivals:
-            self.window.add(at, prompt_tokens, max_tokens)
+        for at, prompt_tokens, output_tokens in arrivals:
+            self.window.add(at, prompt_tokens, output_tokens)
 
     def _simulate(self, split: Split, requests: list) -> list:
         return split_simulator(self.config, {role: self._profile for role in ROLES})(split, requests)

@@ -33,9 +33,10 @@ class ArrivalFeed(BatchedWrites):
             max_pending=MAX_UNREAD,
         )
 
-    def arrived(self, at: float, prompt_tokens: int, max_tokens: int) -> None:
-        """`at`: time.monotonic() of this process."""
-        self.add((at + _wall_minus_monotonic(), prompt_tokens, max_tokens))
+    def arrived(self, at: float, prompt_tokens: int, output_tokens: int, slo=None, priority: int = 0) -> None:
+        """`at`: time.monotonic() of this process (its SLO and priority are not shared: the
+        re-planner judges the replicas' requests by the server's)."""
+        self.add((at + _wall_minus_monotonic(), prompt_tokens, output_tokens))
 
 
 def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int]]:

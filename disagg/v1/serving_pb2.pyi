@@ -177,7 +177,7 @@ class ClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Instance(_message.Message):
-    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks", "latency_model", "kv_paths")
+    __slots__ = ("instance_id", "role", "kv_address", "healthy", "num_running", "num_waiting", "kv_cache_usage", "tensor_parallel_size", "pipeline_parallel_size", "heartbeat_age_s", "num_free_blocks", "num_total_blocks", "latency_model", "kv_paths", "kv_tiers")
     class KvPathsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +185,13 @@ class Instance(_message.Message):
         key: str
         value: str
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class KvTiersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +206,7 @@ class Instance(_message.Message):
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LATENCY_MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_PATHS_FIELD_NUMBER: _ClassVar[int]
+    KV_TIERS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     role: str
     kv_address: str
@@ -213,7 +221,8 @@ class Instance(_message.Message):
     num_total_blocks: int
     latency_model: LatencyModel
     kv_paths: _containers.ScalarMap[str, str]
-    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., latency_model: _Optional[_Union[LatencyModel, _Mapping]] = ..., kv_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    kv_tiers: _containers.ScalarMap[str, float]
+    def __init__(self, instance_id: _Optional[str] = ..., role: _Optional[str] = ..., kv_address: _Optional[str] = ..., healthy: _Optional[bool] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., heartbeat_age_s: _Optional[float] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., latency_model: _Optional[_Union[LatencyModel, _Mapping]] = ..., kv_paths: _Optional[_Mapping[str, str]] = ..., kv_tiers: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LatencyModel(_message.Message):
     __slots__ = ("prefill", "decode", "recent_error", "num_steps", "calibrated")
@@ -254,7 +263,7 @@ class ClusterStatusResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ..., replan: _Optional[bool] = ..., replan_decisions: _Optional[_Iterable[_Union[ReplanDecision, _Mapping]]] = ...) -> None: ...
 
 class ReplanDecision(_message.Message):
-    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds")
+    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds", "check_outcome", "predicted_attainment", "measured_attainment", "predicted_goodput", "measured_goodput", "stay_attainment", "predicted_stay_attainment")
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
@@ -263,6 +272,13 @@ class ReplanDecision(_message.Message):
     SWITCHED_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     SWITCH_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     SWITCH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
+    STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     unix_time: float
     current: str
     best: str
@@ -271,4 +287,11 @@ class ReplanDecision(_message.Message):
     switched_instance: str
     switch_outcome: str
     switch_seconds: float
-    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ...) -> None: ...
+    check_outcome: str
+    predicted_attainment: float
+    measured_attainment: float
+    predicted_goodput: float
+    measured_goodput: float
+    stay_attainment: float
+    predicted_stay_attainment: float
+    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ..., check_outcome: _Optional[str] = ..., predicted_attainment: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., predicted_goodput: _Optional[float] = ..., measured_goodput: _Optional[float] = ..., stay_attainment: _Optional[float] = ..., predicted_stay_attainment: _Optional[float] = ...) -> None: ...

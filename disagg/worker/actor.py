@@ -51,6 +51,7 @@ from disagg.rpc.services import WorkerService
 from disagg.worker import sigterm
 from disagg.worker.heartbeat import MAX_PREFIX_HASHES, Heartbeat, engine_load, recent_steps
 from disagg.worker.instance_world import InstanceWorld
+from disagg.worker.prefix_publisher import PrefixPublisher
 from disagg.worker.shard_group import ShardGroup
 
 logger = logging.getLogger(__name__)
@@ -86,12 +87,20 @@ class WorkerActor(WorkerService):
         self.heartbeat = Heartbeat(
             config.registry_url, config.heartbeat_interval_s, config.heartbeat_ttl_s, self._report, self._rebind
         )
+        self.prefix_publisher = PrefixPublisher(
+            config.registry_url,
+            self.instance_id,
+            lambda: self.role.engine,
+            config.heartbeat_interval_s,
+            config.heartbeat_ttl_s,
+        )
         self._catch_sigterm()
         self.loop.start()
         self.rpc = RpcServer(
             self, WorkerService, config.link_key, self.host, name=self.instance_id, on_link_closed=self._link_closed
         )
         self.heartbeat.start(self.instance_id)
+        self.prefix_publisher.start()
 
     # ---- PrefillService (each on the calling link's thread: one line into the role) -----------
     def prefill(
@@ -206,6 +215,7 @@ class WorkerActor(WorkerService):
             raise ValueError("switch: the instance still holds requests; drain it first")
         self.role = self._new_role(role, f"{self.instance_id}~{next(self._generation)}", engine=old.engine)
         old.close()
+        self.prefix_publisher.mark_incomplete()  # the new role's pool starts empty
         logger.info("instance %s switched from %s to %s", self.instance_id, old.kind, role)
         return True
 
@@ -298,7 +308,7 @@ class WorkerActor(WorkerService):
         files of its own (disagg.engine.model_card)."""
         engine = self.role.engine
         tokenizer = engine.tokenizer.hf_tokenizer if engine.tokenizer is not None else None
-        return model_card(engine.config.model, engine.model_config, tokenizer)
+        return model_card(engine.config.model, engine.model_config, tokenizer, engine.kv_cache.tensor.element_size())
 
     async def status(self) -> dict:
         return {"load": self.load(), **self.role.status(), "role": str(self.role.kind)}
@@ -310,6 +320,8 @@ class WorkerActor(WorkerService):
         load.steps = recent_steps(role.engine)
         load.prefix_hashes = role.engine.block_manager.cached_hashes(MAX_PREFIX_HASHES)
         load.kv_paths = role.kv_paths()
+        if role.engine.kv_tiers is not None:
+            load.kv_tiers = {**role.engine.kv_tiers.report(), "index": self.prefix_publisher.report()}
         return self.instance_info(), load
 
     def _rebind(self) -> None:
@@ -352,6 +364,7 @@ class WorkerActor(WorkerService):
 
     async def shutdown(self) -> None:
         self.heartbeat.stop(self.instance_id)
+        self.prefix_publisher.stop()
         self.rpc.close()
         self.loop.stop()
         if self.shards is not None:

@@ -15,6 +15,7 @@ from disagg.registry import InstanceInfo, LoadReport, Registry
 logger = logging.getLogger(__name__)
 MAX_REPORTED_STEPS = 128  # per heartbeat: bounds what one report weighs in Redis
 MAX_PREFIX_HASHES = 4096  # likewise (about 80 kB of JSON at most)
+MAX_REPORTED_DECODES = 512  # likewise (a pair of numbers each)
 
 Report = Callable[[], tuple[InstanceInfo, LoadReport]]
 
@@ -104,8 +105,23 @@ def engine_load(engine: LLMEngine) -> LoadReport:
         kv_cache_usage=1.0 - free / total,
         updated_at=time.time(),
         decode_context_tokens=context,
+        decodes=running_decodes(scheduler.running),
         expert_tokens=engine.expert_tokens(),
     )
+
+
+def running_decodes(running) -> list[list[int]]:
+    """[context, output tokens left] of each request past its prompt: left by its predicted
+    length where the router gave one, else by its max_tokens."""
+    decodes = []
+    for r in list(running)[:MAX_REPORTED_DECODES]:
+        if r.num_computed_tokens < r.num_prompt_tokens:
+            continue
+        expected = r.sampling_params.max_tokens
+        if r.predicted_output_len is not None:
+            expected = min(expected, r.predicted_output_len)
+        decodes.append([r.num_tokens, max(1, expected - r.num_output_tokens)])
+    return decodes
 
 
 def recent_steps(engine: LLMEngine) -> list[list]:

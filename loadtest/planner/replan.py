@@ -18,7 +18,10 @@ split of each phase, counted from the moment its switch was done, or the phase's
 switch was due); settle s (phase change to switch done); switch p50 s (drain start to serving
 in the new role); the migration pause (a moved request's longest gap between tokens during the
 drain, less its median gap) against the decode step (the median gap between tokens); recomputed
-tokens, lost and wrong outputs; flips; and the simulator's prediction of the same comparison.
+tokens, lost and wrong outputs; flips; each switch's check (issue 53: predicted beside measured,
+kept or undone, and the share whose measured effect had the predicted sign); and the simulator's
+replay of the same arrivals under the server's own policy (disagg.planner.replan_sim), its ratio
+and that ratio over the measured one.
 
     .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8]
 """
@@ -200,13 +203,31 @@ def run(name: str, requests: list[Sent], args, paced: bool = True, **settings) -
         recomputed = dep.metric("disagg:request_migrations_total{")
         moved = dep.metric('disagg:live_moves_total{outcome="moved"}')
     decisions = [d for d in status.replan_decisions if d.switched_instance]
+    checks = [_check(d) for d in status.replan_decisions if d.check_outcome and not d.reason.startswith("undo")]
     switches = sorted(
         ({"decided": d.unix_time - started, "seconds": d.switch_seconds, "outcome": d.switch_outcome,
           "from": d.current, "to": d.best, "instance": d.switched_instance} for d in decisions),
         key=lambda s: s["decided"],
     )  # fmt: skip
     print(f"[{name}] done: {sum(r.ok for r in requests)}/{len(requests)} ok, switches {switches}", file=sys.stderr)
-    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved}
+    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved, "checks": checks}
+
+
+def _check(d) -> dict:
+    """A switch's check as the server showed it (issue 53): predicted beside measured."""
+    return {"outcome": d.check_outcome, "from": d.current, "to": d.best,
+            "predicted attainment": round(d.predicted_attainment, 1),
+            "predicted staying": round(d.predicted_stay_attainment, 1),
+            "measured attainment": round(d.measured_attainment, 1), "staying (estimated)": round(d.stay_attainment, 1),
+            "predicted goodput": round(d.predicted_goodput, 3), "measured goodput": round(d.measured_goodput, 3)}  # fmt: skip
+
+
+def sign_share(checks: list[dict]) -> float:
+    """Of the checks closed, the share whose measured effect (against staying) had the sign predicted."""
+    closed = [c for c in checks if c["outcome"] in ("kept", "undone")]
+    right = [(c["measured attainment"] >= c["staying (estimated)"]) == (c["predicted attainment"] >= c["predicted staying"])
+             for c in closed]  # fmt: skip
+    return sum(right) / len(right) if right else math.nan
 
 
 # ---- figures ------------------------------------------------------------------------------------
@@ -276,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     for phase, rate in rates.items():
         print(f"{phase}: load {args.load:g} x capacity {capacities[phase]:.3f} req/s = {rate:.3f} req/s", flush=True)
     print(f"trace: {len(workload)} requests; rates (req/s) {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
+    # The same arrivals replayed in the simulator under the server's own policy (disagg.planner.replan_sim).
     simulated = replan_report(
         config(2, 1), {"prefill": profile, "decode": profile}, workload,
         interval_s=REPLAN["replan_interval_s"], window_s=REPLAN["replan_window_s"], hold_s=REPLAN["replan_hold_s"],
@@ -315,11 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     switch_s = [s["seconds"] for s in replanned["switches"] if s["outcome"] == "done"]
     pauses = pauses_ms(replanned["requests"], replanned["switches"])
     steps = [g * 1e3 for r in replanned["requests"] if phase_of(r.arrival_s, args.phase_s) == 1 for _, g in r.gaps()]
+    ratio = replan_goodput / static[best_name] if static[best_name] else math.inf
     figures = {
         **{f"static {name} goodput": v for name, v in static.items()},
         "best static goodput": static[best_name],
         "replan goodput": replan_goodput,
-        "replan goodput ratio": replan_goodput / static[best_name] if static[best_name] else math.inf,
+        "replan goodput ratio": ratio,
         "phase attainment gap": max(gaps),
         "settle s": max(settled.values()) if settled else math.nan,
         "switch p50 s": statistics.median(switch_s) if switch_s else math.nan,
@@ -335,10 +358,15 @@ def main(argv: list[str] | None = None) -> int:
         "simulated best static goodput": simulated["best_static_goodput"],
         "simulated replan goodput": simulated["replan_goodput"],
         "simulated replan goodput ratio": simulated["replan_goodput_ratio"],
+        "simulated / measured replan goodput ratio": simulated["replan_goodput_ratio"] / ratio if ratio else math.inf,
+        "switches checked": sum(c["outcome"] in ("kept", "undone") for c in replanned["checks"]),
+        "switches undone": sum(c["outcome"] == "undone" for c in replanned["checks"]),
+        "checked switches with the predicted sign": sign_share(replanned["checks"]),
     }
     for name, value in figures.items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"switches: {json.dumps(replanned['switches'])}")
+    print(f"checks: {json.dumps(replanned['checks'])}")
     print(f"phase attainment gaps (points): {[round(g, 1) for g in gaps]}")
     for name, run_ in {**runs, "replan": replanned}.items():
         by_phase = [attainment([r for r in run_["requests"] if phase_of(r.arrival_s, args.phase_s) == k])

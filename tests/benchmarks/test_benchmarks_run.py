@@ -155,6 +155,9 @@ SMOKE = {
         (r"^\(a\) raw send/recv, one contiguous tensor: +[\d.]+ GB/s", r"^\(b\) protocol, .*by reference.* ratio to raw",
          r"^\(b\) protocol, .*packed.* ratio to raw", r"^\(c\) default-model prefill of 32 tokens: .* ratio [\d.]+"),
         heavy=True),
+    "kv.multi_turn": Smoke("kv.multi_turn", (
+        "--sessions", "1", "--turns", "4", "--first-tokens", "32", "--message-tokens", "16", "--answer-tokens", "2"),
+        (r"^multi-turn ttft p50 ratio: [\d.]+$", r"^multi-turn hit rate: [\d.]+$"), heavy=True),
     "kv.live_migration": Smoke("kv.live_migration", ("--requests", "1", "--max-tokens", "64", "--move-after", "4"),
         (r"^requests: 1; moved with their KV: 1$", r"^migration pause p50 ms: -?[\d.]+", r"^decode step p50 ms: [\d.]+"),
         heavy=True),

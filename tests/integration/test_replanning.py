@@ -22,7 +22,15 @@ from support import chat_request, stream_all
 
 from disagg.client import DisaggClient
 from disagg.config import ServingConfig
+from disagg.placement.profile import load_profile
+from disagg.planner.live_pricing import price_splits
+from disagg.planner.replanner import Split
+from disagg.planner.workload import SimRequest
+from disagg.router.replan_pricer import PricingPool
+from disagg.router.replanning import live_state
 from disagg.server import Server
+
+PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
 
 QUESTIONS = ["Write a story about a dragon.", "Describe the ocean.", "Explain how rain forms.", "Tell me about Rome."]
 FRESH_QUESTIONS = ["Name three rivers.", "What is a prime number?", "How do bees make honey?", "Why is the sky blue?"]
@@ -167,6 +175,35 @@ def test_another_frontends_requests_move_off_a_switching_instance_and_are_planne
     on_server_loop(server, loop._take_shared_arrivals())
     arrivals = list(loop.window._seen)[counted:]
     assert len(arrivals) == 2 * len(requests), "frontend 0's window counts frontend 1's requests"
-    assert all(since - 1 <= at <= time.monotonic() for at, _, _ in arrivals)
+    assert all(since - 1 <= at <= time.monotonic() for at, *_ in arrivals)
     back = on_server_loop(server, loop.switch("prefill", "decode"))
     assert back.outcome == "done", back.reason
+
+
+def test_a_round_prices_every_split_from_the_live_state_in_a_process_of_its_own(server, client):
+    """Issue 53: the workers' reports carry their decodes in flight; the live state built from
+    them prices every split in the spawned pricing process."""
+    loop = server.replanning
+    profile = load_profile(PROFILE)
+    seen = []
+
+    def during():
+        time.sleep(0.7)  # a heartbeat or two after every request decodes
+        seen.append(live_state(loop.directory, profile, typical_remaining=8))
+
+    streamed_tokens(client, workload(), during=during)
+    live = seen[0]
+    assert live.split == Split(1, 2)
+    assert sum(len(i.decodes) for i in live.by_role("decode")) >= 3, live
+    assert all(
+        d.context_tokens > 4 and 1 <= d.remaining_tokens <= MAX_TOKENS for i in live.instances for d in i.decodes
+    )
+    requests = [SimRequest(k, k * 0.2, 30, 20) for k in range(10)]
+    pool = PricingPool(timeout_s=60.0)
+    try:
+        priced = asyncio.run(
+            pool.run(price_splits, loop.config, {"prefill": profile, "decode": profile}, live, requests, 2.0)
+        )
+    finally:
+        pool.close()
+    assert set(priced) == {Split(1, 2), Split(2, 1)} and all(0 <= p.attainment <= 100 for p in priced.values())

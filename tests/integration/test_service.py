@@ -387,6 +387,20 @@ def test_cluster_status_shows_how_kv_goes_between_instances(server, client):
     assert pools["prefill"][0].instance_id in decode_paths and set(decode_paths.values()) == {"shared memory"}
 
 
+def test_cluster_status_shows_the_kv_tiers_and_the_prefix_index(server, client):
+    """The prefill instance's cached prompt blocks reach the cluster-wide index in Redis, and
+    the router's read of it shows in `disagg status` beside the tiers' figures."""
+    assert client.generate(chat("List three prime numbers, briefly.", max_tokens=2), timeout=60)[0]
+    deadline, tiers = time.monotonic() + 15, {}
+    while time.monotonic() < deadline:
+        tiers = dict(next(p for p in client.cluster_status().pools if p.role == "prefill").instances[0].kv_tiers)
+        if tiers.get("index.entries", 0) > 0:
+            break
+        time.sleep(0.5)
+    assert tiers.get("index.entries", 0) > 0 and tiers["index.complete"] == 1.0, tiers
+    assert "hit_blocks.host" in tiers and "held_bytes.host" in tiers
+
+
 def scrape(server) -> dict[str, float]:
     text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
     values = {}

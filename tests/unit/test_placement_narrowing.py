@@ -302,3 +302,21 @@ def test_in_an_idle_pool_cold_prefixes_spread_and_each_keeps_its_place():
     places = [place(first) for first in range(60)]
     assert len({p for p, _ in places}) > 30
     assert [place(first) for first in range(60)] == places
+
+
+def test_the_decode_instance_holding_a_conversation_takes_its_next_turn_locally():
+    """Issue 54, decode-side reuse: with conditional disaggregation on, the decode instance whose
+    cache holds the conversation (the prefix index lists it) is a candidate in a large pool, and
+    prefills only the new turn's tokens itself."""
+    prefills, decodes = random_pools(random.Random(5), 4, 64, mixed=False)
+    for d in decodes[:40]:  # the least loaded are others
+        d.decode_batch, d.decode_context_tokens = 0, 0
+    for d in decodes[40:]:
+        d.decode_batch, d.decode_context_tokens = 2, 2 * 100
+    holder = decodes[41]  # its previous answer done, its history cached
+    holder.warm, holder.decode_batch, holder.decode_context_tokens = frozenset(range(30)), 0, 0
+    request = RequestShape(30 * 16 + 40, 16, SLO(60.0, 0.0), block_hashes=tuple(range(30)))  # TTFT 60 ms
+    choice = GoodputPolicy(local_prefill_max_tokens=256).choose_pair(prefills, decodes, request)
+    assert choice.local and choice.decode is holder and choice.cached_tokens == 30 * 16
+    without = GoodputPolicy(local_prefill_max_tokens=0).choose_pair(prefills, decodes, request)
+    assert not without.local  # off: the prompt goes to the prefill pool whole

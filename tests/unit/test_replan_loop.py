@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from disagg.config import ServingConfig
 from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
+from disagg.planner.decision_check import Check
+from disagg.planner.live_pricing import Price
 from disagg.planner.replanner import Decision, Split
 from disagg.router import replanning
 from disagg.router.replanning import ReplanLoop
@@ -95,7 +97,7 @@ def setup(refusals: int = 0, **settings):
 
 
 def deciding(loop: ReplanLoop, switch_to: Split | None) -> None:
-    def decide(now, current, window):
+    def decide(now, current, window, predicted=None):
         return Decision(now, current, switch_to or current, {}, switch_to, "stand-in")
 
     loop.replanner.decide = decide
@@ -123,8 +125,9 @@ def test_a_switch_refused_until_the_deadline_leaves_the_instance_in_its_role_and
     assert loop.current_split() == Split(1, 2)
 
 
-def test_a_busy_instance_is_switched_once_it_has_drained():
+def test_a_busy_instance_is_switched_once_it_has_drained(monkeypatch):
     loop, _, log, switched = setup(refusals=2)
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)  # the stand-in directory changes role only on_switched
     deciding(loop, Split(2, 1))
     entry = asyncio.run(loop.step())
     assert entry.switch.outcome == "done"
@@ -161,7 +164,7 @@ def test_each_round_plans_on_the_other_frontends_arrivals_too():
     loop.arrived(now - 1.5, 300, 70)  # frontend 0's own
     seen = []
 
-    def decide(at, current, window):
+    def decide(at, current, window, predicted=None):
         seen.append([(r.prompt_len, r.output_len) for r in window.requests(at)])
         return Decision(at, current, current, {}, None, "stand-in")
 
@@ -181,9 +184,70 @@ def test_a_round_without_the_shared_arrivals_plans_on_its_own():
     loop.arrived(time.monotonic(), 300, 70)
     seen = []
 
-    def decide(at, current, window):
+    def decide(at, current, window, predicted=None):
         seen.append(len(window.requests(at)))
         return Decision(at, current, current, {}, None, "stand-in")
 
     loop.replanner.decide = decide
     assert asyncio.run(loop.step()).switch is None and seen == [1]
+
+
+# ---- every switch checked (issue 53) ------------------------------------------------------------------
+class Pricer:
+    """Each split's price, whatever it is asked (the pricing process's stand-in)."""
+
+    def __init__(self, prices: dict):
+        self.prices, self.calls = prices, 0
+
+    async def run(self, fn, *args):
+        self.calls += 1
+        return dict(self.prices)
+
+    def close(self):
+        pass
+
+
+def priced_loop(prices: dict, monkeypatch):
+    loop, directory, log, switched = setup()
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
+    loop.pricer = Pricer(prices)
+    loop._live = lambda requests: None  # the stand-in instances have no fitted models
+    now = time.monotonic()
+    for k in range(10):
+        loop.arrived(now - 1.0 + k * 0.05, 100, 20)
+    return loop, directory, log, switched
+
+
+def test_a_switch_opens_a_check_with_what_it_was_predicted_to_give(monkeypatch):
+    prices = {Split(1, 2): Price(40.0, 2.0), Split(2, 1): Price(90.0, 4.5)}
+    loop, _, _, switched = priced_loop(prices, monkeypatch)
+    deciding(loop, Split(2, 1))
+    entry = asyncio.run(loop.step())
+    assert switched == [("d0", "prefill")] and loop.pricer.calls == 1
+    assert entry.check is loop.checker.pending and entry.check.predicted == Price(90.0, 4.5)
+    assert entry.check.predicted_stay == Price(40.0, 2.0) and entry.decision.predicted_goodput[Split(2, 1)] == 4.5
+    later = asyncio.run(loop.step())  # within the hold: it decides on, and the check stays open
+    assert later.check is None and later.switch is None and loop.checker.pending is entry.check
+
+
+def test_a_switch_that_measured_worse_than_staying_is_undone_and_not_chosen_again(monkeypatch):
+    # On the window after the switch, priced again: 1P:2D (the new split) 80, 2P:1D 90; all 10
+    # judged missed: staying is estimated at 0 + (90 - 80) = 10 > 0 + margin 5.
+    prices = {Split(1, 2): Price(80.0, 4.0), Split(2, 1): Price(90.0, 4.5)}
+    loop, _, log, switched = priced_loop(prices, monkeypatch)
+    now = time.monotonic()
+    decided = now - loop.config.replan_hold_s - 1.0  # the hold after it is over: the check is due
+    opened = decided + 1.0
+    check = Check(decided, Split(2, 1), Split(1, 2), Price(85.0, 4.2), Price(60.0, 3.0), opens_at=opened)
+    loop.checker.open(check)
+    for k in range(10):
+        loop.arrived(opened + 1.0 + k, 100, 20)
+        loop.metrics.observe_slo("standard", False, now=opened + 2.0 + k)
+    entry = asyncio.run(loop.step())
+    assert check.outcome == "undone" and check.measured.attainment == 0.0 and check.stay.attainment == 10.0
+    assert entry.check is check and entry.decision.reason.startswith("undo")
+    assert switched == [("d0", "prefill")] and entry.switch.outcome == "done"
+    assert loop.checker.residuals[Split(1, 2)] == -80.0, "measured 0 where 80 was priced"
+    assert loop.replanner._vetoed[Split(1, 2)] > now
+    assert loop.metrics.replan_measured_goodput._value.get() == 0.0
+    assert loop.metrics.replan_predicted_goodput._value.get() == 4.2

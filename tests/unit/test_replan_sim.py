@@ -48,7 +48,7 @@ def setup():
 
 def test_replanning_follows_the_shift_without_oscillating(setup):
     config, profiles, requests = setup
-    run = simulate_replanning(config, profiles, requests, interval_s=5.0, window_s=30.0, hold_s=10.0)
+    run = simulate_replanning(config, profiles, requests, interval_s=5.0, window_s=15.0, hold_s=10.0)
     # Each phase's switches go its way (decided after its first seconds, within its span).
     phase_of = {0: "prefill", 1: "decode", 2: "prefill"}
     assert run.switches, "no switch at all"

@@ -16,16 +16,18 @@ from disagg.planner.workload import SimRequest
 from disagg.slo import SLO
 
 
-def step(prefill_per_token: float, decode_ms: float) -> StepModel:
+def step(prefill_per_token: float, decode_ms: float, decode_ms_per_request: float = 3.0) -> StepModel:
     return StepModel(
         prefill=Coefficients(2.0, prefill_per_token, 0.0),
-        decode_small=Coefficients(decode_ms, 0.0, 0.0),
-        decode_large=Coefficients(decode_ms, 0.0, 0.0),
+        decode_small=Coefficients(decode_ms, 0.0, decode_ms_per_request),
+        decode_large=Coefficients(decode_ms, 0.0, decode_ms_per_request),
     )
 
 
 # TP 1 decodes too slowly for a 200 ms TPOT; TP 2 decodes fast but prefills only 10% faster, so the
-# best prefill per device is TP 1 and the only decode that meets the SLO is TP 2.
+# best prefill per device is TP 1 and the only decode that meets the SLO is TP 2. A decode step
+# grows with its batch, so a decode instance's rate has a ceiling (one without would be searched up
+# to thousands of requests a second, each run simulated whole: tens of seconds for nothing).
 TOY = Profile(
     model="llama2-7b",
     hardware="a100-80gb",

@@ -1,0 +1,81 @@
+"""What each split would give from now on (issue 53, item 1): the simulator started from the
+live state (disagg.planner.live_state) serves traffic like the last window's.
+
+Each instance steps at its own fitted model times its host factor (what its measured steps show
+of the cores it shares); those models were measured beside the other engines, so the profile's
+own host-sharing slowdown is not added on top. Without a live state a split is priced from an
+empty system with the configured profile, as `disagg plan` does.
+
+`price_splits` is a plain function of plain data, so the server runs it in a process of its own
+(disagg.router.replan_pricer), off its event loop's thread and its GIL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagg.config import ServingConfig
+from disagg.placement.profile import Profile
+from disagg.planner.deployment import Deployment, with_split
+from disagg.planner.live_state import Arrangement, LiveState
+from disagg.planner.replanner import Split, reachable_splits
+from disagg.planner.simulator import SimInstance, Simulator, num_met, slo_attainment
+from disagg.planner.workload import SimRequest
+
+SWITCH_S = 2.0  # an idle instance to serving in its new role (bench_replan's `switch p50 s` measures it)
+
+
+@dataclass(frozen=True)
+class Price:
+    attainment: float  # percent of the requests that met their SLO
+    goodput: float  # requests per second that met it
+
+
+def price_splits(
+    config: ServingConfig,
+    profiles: dict[str, Profile],
+    live: LiveState | None,
+    requests: list[SimRequest],
+    window_s: float,
+    switch_s: float = SWITCH_S,
+) -> dict[Split, Price]:
+    """Every reachable split's price on `requests` (arrivals from 0, over `window_s`)."""
+    total = config.prefill.num_instances + config.decode.num_instances
+    return {split: price_split(config, profiles, live, split, requests, window_s, switch_s)
+            for split in reachable_splits(total)}  # fmt: skip
+
+
+def price_split(
+    config: ServingConfig,
+    profiles: dict[str, Profile],
+    live: LiveState | None,
+    split: Split,
+    requests: list[SimRequest],
+    window_s: float,
+    switch_s: float = SWITCH_S,
+) -> Price:
+    sim = Deployment(with_split(config, split.prefill, split.decode), profiles).simulator()
+    if live is not None:
+        start_from(sim, live.arrange(split), switch_s)
+    records = sim.run(requests)
+    return Price(slo_attainment(records, config.slo), num_met(records, config.slo) / max(window_s, 1e-9))
+
+
+def start_from(sim: Simulator, arrangement: Arrangement, switch_s: float) -> None:
+    """The simulator's instances as the live ones: their models, their work, and the one a
+    switch moves serving only `switch_s` from now."""
+    sim.host_sharing = None  # measured beside the others: the sharing is in the live models
+    for role, members in arrangement.members.items():
+        for instance, live in zip(list(sim.instances[role]), members):
+            instance.become(instance.pool, live.step_model)
+            for tokens in arrangement.prompts.get(live.instance_id, []) if role == "prefill" else []:
+                sim.seed_prompt(instance, tokens)
+            for decode in arrangement.decodes.get(live.instance_id, []) if role == "decode" else []:
+                sim.seed_decode(instance, decode.context_tokens, decode.remaining_tokens)
+            if live.instance_id in arrangement.joining:
+                sim.instances[role].remove(instance)
+                sim.at(switch_s, _join, sim, role, instance)
+
+
+def _join(now: float, sim: Simulator, role: str, instance: SimInstance) -> None:
+    sim.instances[role].append(instance)
