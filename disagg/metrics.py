@@ -208,6 +208,12 @@ class ServingMetrics:
         self.replan_switch_time = self._histogram(
             "disagg:replan_switch_seconds", "From a switch's decision to the instance serving in its new role."
         )
+        self.control_loop_failures = self._counter(
+            "disagg:control_loop_failures_total",
+            "Control loops (re-planning, rebalancing, drains, health, gauges, relaunch supervision) that "
+            "raised or returned and were started again (disagg.supervision).",
+            ("loop",),
+        )
         self.pool_size = Gauge(
             "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
         )
@@ -216,6 +222,10 @@ class ServingMetrics:
     def observe_replan(self, switch: bool, gain_points: float) -> None:
         self.replan_decisions.labels(switch=str(switch).lower()).inc()
         self.replan_predicted_gain.set(gain_points)
+
+    def control_loop_failed(self, loop: str) -> None:
+        """A control loop ended and is started again (disagg.supervision's on_failure)."""
+        self.control_loop_failures.labels(loop=loop).inc()
 
     def observe_switch(self, outcome: str, seconds: float) -> None:
         """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""

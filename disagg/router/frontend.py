@@ -19,7 +19,7 @@ from disagg.errors import DisaggError, InvalidRequestError, grpc_code_name
 from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
 from disagg.router.key_guard import given_key
-from disagg.router.replanning import LoggedDecision, ReplanLoop
+from disagg.router.replanning import LoggedDecision, ReplanView
 from disagg.router.request_path import RequestFailed, RequestPath
 from disagg.router.stream_stats import Outcome
 from disagg.rpc.messages import TokenDelta
@@ -28,9 +28,9 @@ from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(
-        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanLoop | None = None
+        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanView | None = None
     ):
-        """`replanning`: the closed loop, where this frontend runs one (its decisions are shown)."""
+        """`replanning`: the controller's re-planning decisions, where it re-plans (shown)."""
         self.path = path
         self.orchestrator = path.orchestrator
         self.directory = directory

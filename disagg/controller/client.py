@@ -1,0 +1,69 @@
+"""The server's handle on its deployment's controller (disagg.controller.controller): what it
+asked of the launcher before the launcher moved into the controller, each a bounded Ray call."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import ray
+
+from disagg.cluster.launcher import LaunchedInstance, kill_deployment, raise_refused_start
+from disagg.config import ServingConfig
+from disagg.controller.controller import start_controller
+from disagg.hosts.cpu_binding import CpuPlan
+
+logger = logging.getLogger(__name__)
+
+
+class ControllerClient:
+    def __init__(self, actor, deployment_id: str, call_timeout_s: float, redis_url: str = ""):
+        self.actor = actor
+        self.redis_url = redis_url  # the deployment's registry
+        self.deployment_id = deployment_id
+        self.call_timeout_s = call_timeout_s
+        self._abandoned = False
+
+    @classmethod
+    def start(cls, config: ServingConfig, redis_url: str, link_key: bytes, deployment_id: str,
+              worker_host: str | None, cpu_plan: CpuPlan | None) -> "ControllerClient":  # fmt: skip
+        """A new deployment's controller, once it has launched every instance (else an error,
+        and it is stopped)."""
+        actor = start_controller(config, redis_url, link_key, deployment_id, worker_host, cpu_plan)
+        client = cls(actor, deployment_id, config.control_call_timeout_s, redis_url)
+        try:
+            ray.get(actor.ready.remote(config.start_timeout_s), timeout=config.start_timeout_s + 30)
+        except BaseException as exc:
+            client.shutdown()
+            raise_refused_start(exc)  # through the controller too: the worker's message, not Ray's wrapping
+            raise
+        return client
+
+    @property
+    def instances(self) -> list[LaunchedInstance]:
+        """The instances as the controller holds them now (a relaunched one anew)."""
+        return ray.get(self.actor.instances.remote(), timeout=self.call_timeout_s)
+
+    def switched(self, instance_id: str, role: str) -> None:
+        ray.get(self.actor.switched.remote(instance_id, role), timeout=self.call_timeout_s)
+
+    def register_frontend(self, index: int, grpc_address: str, http_address: str | None) -> None:
+        ray.get(self.actor.register_frontend.remote(index, grpc_address, http_address), timeout=self.call_timeout_s)
+
+    def abandon(self) -> None:
+        """The cluster is gone with the controller and the workers: nothing to stop."""
+        self._abandoned = True
+
+    def shutdown(self, timeout_s: float = 15.0, remove_groups: bool = True) -> None:
+        """The controller stops every instance, then it is killed for good (bounded: after
+        Ctrl-C, Ray's own processes may be going)."""
+        if self._abandoned:
+            return
+        try:
+            ray.get(self.actor.shutdown.remote(remove_groups), timeout=timeout_s + 10)
+        except Exception as exc:  # noqa: BLE001 - its actors are killed by name instead
+            logger.warning("the controller did not stop the workers (%s); killing them by name", exc)
+            with contextlib.suppress(Exception):
+                kill_deployment(self.deployment_id)
+        with contextlib.suppress(Exception):
+            ray.kill(self.actor, no_restart=True)
