@@ -632,6 +632,9 @@ class ServingConfig:
     # Every Ray call and request-link call a control loop awaits (re-planning, rebalancing, drains,
     # health, relaunch supervision) fails after this long: a wedged instance cannot stop a loop.
     control_call_timeout_s: float = 10.0
+    # Health (gRPC and HTTP /health) turns NOT_SERVING once the deployment's controller has been
+    # gone this long (its heartbeat key lapsed): long enough for Ray to restart a killed one.
+    controller_grace_s: float = 15.0
     threads_per_worker: int = 1  # torch intra-op threads of each worker (a pool's instances entry may differ)
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
@@ -715,6 +718,7 @@ class ServingConfig:
             "control_call_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.controller_grace_s >= 0, "controller_grace_s", "must be >= 0")
         _require(
             self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s"
         )

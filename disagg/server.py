@@ -53,7 +53,7 @@ from disagg.cluster.launcher import NAMESPACE, wait_for_pool_nodes
 from disagg.cluster.local_ray import LocalRayHead, free_port
 from disagg.cluster.redis_server import LocalRedis
 from disagg.cluster.deployment_state import DeploymentState, forget_state
-from disagg.controller.client import ControllerClient
+from disagg.controller.client import ControllerClient, InProcessController
 from disagg.controller.controller import find_controller, running_deployments
 from disagg.deployments import frontend_addresses, join_ray, running_state
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
@@ -66,6 +66,7 @@ from disagg.router.directory import InstanceDirectory, directory_for
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_door import frontend_server
+from disagg.router.health import HealthVerdict
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
@@ -94,13 +95,16 @@ class Server:
 
     def __init__(
         self, config: ServingConfig, *, index: int = 0, link_key: bytes | None = None, controller=None,
-        outlive: bool = False,
+        outlive: bool = False, detached_controller: bool | None = None,
     ):  # fmt: skip
         """`index`: which frontend this is (0: the deployment's own; others: FrontendReplica, with
         the deployment's `link_key` and `controller` actor). `outlive`: on a machine of its own
         (no ray_address), start Ray and Redis so that they outlive this process (`disagg serve`:
-        a SIGKILL of it leaves the other frontends serving); else Ray dies with it, as a test's."""
+        a SIGKILL of it leaves the other frontends serving); else Ray dies with it, as a test's.
+        `detached_controller`: the controller a detached actor that Ray restarts, its workers
+        detached too; else it runs in this process (disagg.controller.client). None: as `outlive`."""
         self.outlive = outlive
+        self.detached_controller = outlive if detached_controller is None else detached_controller
         self.head: LocalRayHead | None = None  # the Ray head it started, whose daemons are no child of it
         self.config = config.frontend(index)
         self.index = index
@@ -113,7 +117,7 @@ class Server:
         self.servicer: ServingServicer | None = None
         self.replan_view: ReplanView | None = None  # the controller's re-planning decisions, where it re-plans
         self.controller = controller  # the deployment's controller actor (frontend 0's: set at start)
-        self.launcher: ControllerClient | None = None  # the deployment's controller (frontend 0's server only)
+        self.launcher: ControllerClient | InProcessController | None = None  # frontend 0's server only
         self.deployment_id: str | None = None
         self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
@@ -153,10 +157,12 @@ class Server:
         wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
-        # The pools belong to the deployment's controller, a detached actor Ray restarts
-        # (disagg.controller): this process may die without taking a worker with it.
+        # The pools belong to the deployment's controller: a detached actor Ray restarts where the
+        # deployment outlives this process (disagg.controller), so that it may die without taking
+        # a worker with it; else one in this process, which costs its start nothing.
         self.deployment_id = uuid.uuid4().hex[:6]
-        self.launcher = ControllerClient.start(
+        kind = ControllerClient if self.detached_controller else InProcessController
+        self.launcher = kind.start(
             config, redis_url, self._link_key, self.deployment_id, worker_host(config.worker_host, num_nodes), cpu_plan
         )
         self._stack.callback(self.launcher.shutdown)
@@ -295,8 +301,9 @@ class Server:
         self.replan_view = ReplanView() if replans(config) else None
         self.servicer = ServingServicer(self.request_path, directory, config.engine.model, self.replan_view)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
+        verdict = HealthVerdict(config.controller_grace_s)
         try:
-            http = await _start_http(config, self.request_path, directory)
+            http = await _start_http(config, self.request_path, directory, verdict)
         except BaseException:
             await server.stop(grace=None)  # a failed start leaves no port of ours bound
             raise
@@ -308,7 +315,9 @@ class Server:
         counted = metrics.control_loop_failed
         tasks = [
             supervised_task("gauges", lambda: self._refresh_gauges(directory, metrics), counted),
-            supervised_task("health", lambda: _report_health(config, directory, health_servicer, registry), counted),
+            supervised_task(
+                "health", lambda: _report_health(config, directory, health_servicer, registry, verdict), counted
+            ),  # fmt: skip
             # Every frontend moves its own requests off a leaving instance; the rest runs once.
             supervised_task("drains", lambda: _drain_leavers(directory, self.live_moves, metrics), counted),
         ]
@@ -336,7 +345,7 @@ class Server:
         """Where instances may switch: rebalancing this frontend's streams, and the controller's
         re-planning decisions fetched for `disagg status` (the controller runs re-planning)."""
         tasks, counted = [], metrics.control_loop_failed
-        if self.replan_view is not None and self.controller is not None:
+        if self.replan_view is not None and (self.controller is not None or self.launcher is not None):
             tasks.append(supervised_task("replan-view", self._refresh_replan_view, counted))
         if self.config.switchable():
             rebalance = lambda: _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)  # noqa: E731
@@ -345,8 +354,11 @@ class Server:
 
     async def _refresh_replan_view(self, interval_s: float = 2.0) -> None:
         while True:
-            call = self.controller.replan_log.remote()
-            self.replan_view.log = await asyncio.wait_for(call, self.config.control_call_timeout_s)
+            if self.controller is not None:  # an actor's (bounded)
+                call = self.controller.replan_log.remote()
+                self.replan_view.log = await asyncio.wait_for(call, self.config.control_call_timeout_s)
+            else:  # a controller in this process
+                self.replan_view.log = self.launcher.replan_log()
             await asyncio.sleep(interval_s)
 
     @staticmethod
@@ -712,11 +724,13 @@ def _start_metrics(config: ServingConfig, metrics: ServingMetrics):
     )
 
 
-async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:
+async def _start_http(
+    config: ServingConfig, path: RequestPath, directory: InstanceDirectory, verdict: HealthVerdict
+) -> HttpFrontend | None:
     """The OpenAI-compatible HTTP API on this event loop, unless http_port is 0."""
     if not config.http_port:
         return None
-    http = HttpFrontend(path, directory, config, config.engine.model)
+    http = HttpFrontend(path, directory, config, config.engine.model, verdict)
     await http.start()
     return http
 
@@ -727,17 +741,16 @@ async def _set_health(health_servicer, status) -> None:
 
 
 async def _report_health(
-    config: ServingConfig, directory: InstanceDirectory, health_servicer, registry: Registry
+    config: ServingConfig, directory: InstanceDirectory, health_servicer, registry: Registry, verdict: HealthVerdict
 ) -> None:
-    """SERVING while every pool has an instance in placement and the deployment's controller
-    lives; NOT_SERVING while a pool is empty (requests would wait for a relaunch or fail) or the
-    controller's heartbeat lapsed (no relaunch would follow a failure), so that load balancers
-    look elsewhere. Set at its start too: a loop restarted by its supervisor trusts nothing set
-    before."""
+    """gRPC's health status and HTTP /health from one verdict (disagg.router.health), so that load
+    balancers look elsewhere. Set at its start too: a loop restarted by its supervisor trusts
+    nothing set before."""
     roles = [role for role, _ in config.pools()]
     shown = None
     while True:
-        problem = await _health_problem(roles, directory, registry)
+        pools_served = all(directory.healthy(role) for role in roles)
+        problem = verdict.judge(pools_served, await _controller_alive(registry))
         if (problem is None) != shown:
             status = (
                 health_pb2.HealthCheckResponse.SERVING
@@ -751,14 +764,13 @@ async def _report_health(
         await asyncio.sleep(directory.refresh_interval_s)
 
 
-async def _health_problem(roles: list[str], directory: InstanceDirectory, registry: Registry) -> str | None:
-    if not all(directory.healthy(role) for role in roles):
-        return "a pool has no instance"
+async def _controller_alive(registry: Registry) -> bool | None:
+    """None while Redis does not answer: that is not the controller gone (the directory keeps
+    its view too)."""
     try:
-        alive = await asyncio.to_thread(registry.controller_alive)
-    except RegistryUnavailable:  # Redis away is not the controller gone (the directory keeps its view too)
+        return await asyncio.to_thread(registry.controller_alive)
+    except RegistryUnavailable:
         return None
-    return None if alive else "the deployment's controller is gone"
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:

@@ -87,13 +87,16 @@ class PoolLauncher:
         worker_host: str | None = LOOPBACK,
         cpu_plan: CpuPlan | None = None,
         deployment_id: str | None = None,
+        detached: bool = True,
     ):
         """`worker_host`: what every worker listens on; None: each its own node's IP (addressing).
         `cpu_plan`: the CPUs of each engine thread, on a one-node cluster we started (cpu_binding).
         `deployment_id`: in every instance's name (a new one when None); a launcher given the id of
         a deployment whose actors live adopts them instead of starting others (a restarted
-        controller, disagg.controller)."""
+        controller, disagg.controller). `detached`: the placement groups and workers outlive the
+        process that launches them (a controller that Ray restarts); else they end with it."""
         self.config = config
+        self.lifetime = "detached" if detached else None
         self.deployment_id = deployment_id or uuid.uuid4().hex[:6]
         self.cpu_plan = cpu_plan
         self.registry_url = registry_url
@@ -151,7 +154,7 @@ class PoolLauncher:
         # Detached, as the actors: the group outlives the controller that made it (disagg.controller).
         group = placement_group(
             [bundle] * pool.workers_per_instance, strategy=strategy, name=f"{NAMESPACE}-{instance_id}",
-            lifetime="detached",
+            lifetime=self.lifetime,
         )  # fmt: skip
         try:
             ray.get(group.ready(), timeout=60)
@@ -159,7 +162,7 @@ class PoolLauncher:
             remove_placement_group(group)
             raise UnavailableError(f"cannot place {instance_id}: the cluster lacks {bundle} ({exc})") from exc
         actor_name = f"{NAMESPACE}-{instance_id}"
-        options = self._worker_options(pool, group, 0)
+        options = self._worker_options(pool, group, 0, self.lifetime)
         options["name"], options["namespace"] = actor_name, NAMESPACE
         if pool.workers_per_instance == 1:
             # Ray relaunches a dead worker with the same config: it reloads, re-registers (at a new
@@ -211,21 +214,21 @@ class PoolLauncher:
             config = rank0.replace(
                 engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None
             )
-            options = self._worker_options(pool, group, rank)
+            options = self._worker_options(pool, group, rank, self.lifetime)
             options["name"], options["namespace"] = _shard_name(rank0_name, rank), NAMESPACE
             actor = ray.remote(ShardActor).options(**options).remote(config)
             shards.append((place, actor))
         return shards
 
     @staticmethod
-    def _worker_options(pool: PoolConfig, group: PlacementGroup, bundle: int) -> dict:
+    def _worker_options(pool: PoolConfig, group: PlacementGroup, bundle: int, lifetime: str | None) -> dict:
         # Detached: a worker outlives the process that launched it (the controller, which Ray
         # restarts and which adopts it again); `disagg stop` or the launcher's shutdown ends it.
         return dict(
             num_cpus=pool.num_cpus_per_worker,
             num_gpus=pool.num_gpus_per_worker,
             max_restarts=0,
-            lifetime="detached",
+            lifetime=lifetime,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         )
 

@@ -32,6 +32,7 @@ from disagg.errors import UnavailableError
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+RAYLESS_GRACE_S = 1.0  # for the head's processes once its raylet is gone
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,9 @@ class LocalRayHead:
             f"--temp-dir={temp_dir}", f"--system-config={json.dumps(system_config)}", "--node-ip-address=127.0.0.1",
             # Free ports, not Ray's fixed defaults (8265, 10001): another Ray of the machine may hold those.
             f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}",
+            # No autoscaler on a machine of its own: its monitor is one more Python process to
+            # start (about 5 s of a 2-core host's `ray start`), and it scales nothing here.
+            "--no-monitor",
         ]  # fmt: skip
         use_token_auth()
         env = child_env()
@@ -87,18 +91,26 @@ class LocalRayHead:
         return self.temp_dir.encode() in cmdline or (b"--address=" in cmdline and f":{port}\0".encode() in cmdline)
 
     def stop(self) -> None:
-        """SIGTERM to each of its processes, SIGKILL to those left after STOP_TIMEOUT_S (taken
-        once: a process whose parent died is no descendant any more)."""
+        """The raylet first, with its workers (SIGTERM: it ends them, as Ray's own shutdown does);
+        then the rest (the GCS, agents), which hold nothing to save: a GCS in memory left alone
+        with SIGTERM takes more than STOP_TIMEOUT_S, so they get SIGKILL after a short grace."""
         pids = self.processes()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + STOP_TIMEOUT_S
-            while (pids := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
-                time.sleep(0.2)
+        raylets = [pid for pid in pids if _cmdline(pid).split(b"\0")[0].endswith(b"/raylet")]
+        _end(raylets, STOP_TIMEOUT_S)
+        _end([pid for pid in pids if pid not in raylets], RAYLESS_GRACE_S)
         with contextlib.suppress(OSError):
             subprocess.run(["rm", "-rf", self.temp_dir], check=False, timeout=30)
+
+
+def _end(pids: list[int], grace_s: float) -> None:
+    """SIGTERM to each of `pids`, SIGKILL to those left after `grace_s`."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, STOP_TIMEOUT_S)):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while (pids := [pid for pid in pids if _alive(pid)]) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def free_port() -> int:

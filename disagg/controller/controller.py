@@ -11,6 +11,11 @@ through Redis; each frontend drains and rebalances its own streams.
 
 While it lives it refreshes a key in the registry; frontends report NOT_SERVING when the key
 lapses (no relaunch would follow a failure then).
+
+Where the deployment does not outlive the process that starts it (a Server in a test or a
+benchmark), the same Controller runs in that process instead (`detached=False`): its workers
+are then owned by that process, as Ray's non-detached actors, and its start costs no process of
+its own (a Ray worker process and its imports: seconds on a small host, at every start).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from disagg.hosts.cpu_binding import CpuPlan
 from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
 from disagg.router.directory import directory_for
-from disagg.router.replanning import LoggedDecision, ReplanLoop, SwitchRecord, replan_loop_for
+from disagg.router.replanning import LoggedDecision, ReplanLoop, SwitchRecord, replan_loop_for, replans
 from disagg.router.shared_arrivals import take_shared_arrivals
 from disagg.router.streams import DecodeStreams
 from disagg.supervision import supervise_thread, supervised_task
@@ -41,17 +46,20 @@ CONTROLLER_PREFIX = "controller-"  # its name: this and the deployment's id, in 
 class Controller:
     def __init__(
         self, config: ServingConfig, redis_url: str, link_key: bytes, deployment_id: str,
-        worker_host: str | None, cpu_plan: CpuPlan | None,
+        worker_host: str | None, cpu_plan: CpuPlan | None, detached: bool = True,
     ):  # fmt: skip
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        """`detached`: a detached actor of its own, whose workers are detached too; else it runs in
+        the caller's process, and its workers end with that process."""
         self.config = config
         self.redis_url, self.link_key = redis_url, link_key
         self.metrics = ServingMetrics()  # the control loops' (re-planning, their failures)
         self.replanning: ReplanLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.launcher = PoolLauncher(config, redis_url, link_key, worker_host, cpu_plan, deployment_id=deployment_id)
+        self.launcher = PoolLauncher(
+            config, redis_url, link_key, worker_host, cpu_plan, deployment_id=deployment_id, detached=detached
+        )
         self.registry = Registry(redis_url)
-        self.restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        self.restarted = detached and ray.get_runtime_context().was_current_actor_reconstructed
         self.frontends: dict[int, tuple[str, str | None]] = {}  # index -> (gRPC, HTTP) addresses
         self._stopping = threading.Event()
         self._failure: BaseException | None = None
@@ -94,6 +102,9 @@ class Controller:
     async def _control_loops(self) -> None:
         """Re-planning, on its own view of the instances (from the registry, as a frontend's)."""
         self._loop = asyncio.get_running_loop()
+        if not replans(self.config):  # nothing to run: no view of the instances to keep either
+            await asyncio.to_thread(self._stopping.wait)
+            return
         registry = Registry(self.redis_url)
         directory = directory_for(self.config, registry, NAMESPACE, self.link_key, DecodeStreams())
         await directory.start()
@@ -159,6 +170,11 @@ class Controller:
     def status(self) -> dict:
         return {"pid": os.getpid(), "restarted": self.restarted, "instances": len(self.launcher.instances)}
 
+    def abandon(self) -> None:
+        """Its cluster is gone, and every worker with it (disagg.server ClusterWatch)."""
+        self._stopping.set()
+        self.launcher.abandon()
+
     def shutdown(self, remove_groups: bool = True) -> None:
         """Ends every instance of the deployment (the actor itself is killed by the caller)."""
         self._stopping.set()
@@ -169,11 +185,19 @@ class Controller:
             logger.warning("controller: %s", exc)
 
 
+class ControllerActor(Controller):
+    """The Controller as a process of its own (start_controller), logging as the workers do."""
+
+    def __init__(self, *args):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        super().__init__(*args)
+
+
 def start_controller(config: ServingConfig, redis_url: str, link_key: bytes, deployment_id: str,
                      worker_host: str | None, cpu_plan: CpuPlan | None):  # fmt: skip
     """The deployment's controller actor, detached, named, restarted by Ray whenever it dies."""
     return (
-        ray.remote(Controller)
+        ray.remote(ControllerActor)
         .options(
             name=CONTROLLER_PREFIX + deployment_id,
             namespace=NAMESPACE,

@@ -1,11 +1,13 @@
 """The deployment's controller (disagg.controller): real Ray, Redis, gRPC on 127.0.0.1, the
 default model. Killed, Ray starts it again, and it adopts the workers that outlived it (same
 actors, no relaunch) instead of launching others; the deployment serves throughout. Gone for good,
-the frontends report NOT_SERVING, and stopping the server still leaves no actor of the deployment."""
+the frontends report NOT_SERVING (gRPC and HTTP) after a grace, and stopping the server still leaves no actor of the deployment."""
 
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
@@ -13,6 +15,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import chat_request
 
+from disagg.bench.launcher import free_port
 from disagg.client import DisaggClient
 from disagg.cluster.launcher import NAMESPACE
 from disagg.config import ServingConfig
@@ -37,7 +40,7 @@ def server(ray_session):
             "replan": False,
         }
     )
-    with Server(config) as srv:
+    with Server(config, detached_controller=True) as srv:
         yield srv
 
 
@@ -81,28 +84,46 @@ def health(address: str) -> int:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
 
 
+def http_health(address: str) -> int:
+    try:
+        with urllib.request.urlopen(f"http://{address}/health", timeout=5) as answer:
+            return answer.status
+    except urllib.error.HTTPError as refused:
+        return refused.code
+
+
+GRACE_S = 3.0
+
+
 def test_a_controller_gone_for_good_turns_health_not_serving_and_stop_still_leaves_nothing(ray_session):
+    """gRPC's health and HTTP /health both: SERVING through the grace (Ray may be restarting it),
+    NOT_SERVING (503) after it."""
     config = ServingConfig.from_dict(
         {
             "engine": {"num_kv_blocks": 64},
             "prefill": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "decode": {"num_instances": 1, "num_cpus_per_worker": 0.5},
             "port": 0,
-            "http_port": 0,
+            "http_port": free_port(),
+            "health_without_key": True,
             "heartbeat_interval_s": 0.3,
             "heartbeat_ttl_s": 1.0,
+            "controller_grace_s": GRACE_S,
             "calibration_s": 0,
             "warm_up": False,
             "replan": False,
         }
     )
-    with Server(config) as srv:
+    with Server(config, detached_controller=True) as srv:
         deployment = srv.deployment_id
         assert health(srv.address) == health_pb2.HealthCheckResponse.SERVING
+        assert http_health(srv.http_address) == 200
         ray.kill(find_controller(deployment), no_restart=True)
-        deadline = time.monotonic() + 20
+        killed_at = time.monotonic()
         while health(srv.address) != health_pb2.HealthCheckResponse.NOT_SERVING:
-            assert time.monotonic() < deadline, "health still SERVING with no controller"
+            assert time.monotonic() < killed_at + 20, "health still SERVING with no controller"
             time.sleep(0.2)
+        assert time.monotonic() - killed_at >= GRACE_S, "NOT_SERVING within the grace"
+        assert http_health(srv.http_address) == 503
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == NAMESPACE]
     assert not [n for n in names if deployment in n], names

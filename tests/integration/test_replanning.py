@@ -68,12 +68,12 @@ def streamed_tokens(client, requests, during=None) -> list[list[int]]:
 
 def switch(server, from_role: str, to_role: str, timeout_s: float = 120):
     """One switch now, by the deployment's controller (which runs the re-planner)."""
-    return ray.get(server.controller.replan_switch.remote(from_role, to_role), timeout=timeout_s)
+    return server.launcher.replan_switch(from_role, to_role, timeout_s)
 
 
 def arrivals_seen(server) -> list:
     """The re-planner's window, the frontends' arrivals taken into it first."""
-    return ray.get(server.controller.replan_take_arrivals.remote(), timeout=30)
+    return server.launcher.replan_take_arrivals()
 
 
 def pools(client) -> dict[str, list[str]]:
