@@ -1,4 +1,4 @@
-"""`disagg` command line: serve, generate (against a server, or offline), status."""
+"""`disagg` command line: serve, stop, generate (against a server, or offline), status."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="disagg", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_serve(sub)
+    _add_stop(sub)
     _add_generate(sub)
     _add_status(sub)
     _add_bench_commands(sub)
@@ -84,6 +85,40 @@ def _serve(args) -> int:
 
     logging.getLogger("disagg").setLevel(logging.INFO)
     return main_serve(args.config, settings_from_flags(args), args.ready_file, args.cluster)
+
+
+def _add_stop(sub) -> None:
+    p = sub.add_parser(
+        "stop",
+        help="end the deployment `disagg serve` started on this machine (its frontends, workers, "
+        "controller, and the Ray head and redis-server it started), whether or not that process lives",
+    )
+    p.add_argument(
+        "--cluster",
+        action="store_true",
+        help="end every deployment on the Ray cluster of this node (`ray up`), not the one recorded here",
+    )
+    p.set_defaults(func=_stop)
+
+
+def _stop(args) -> int:
+    from disagg.deployments import stop_deployment
+    from disagg.cluster.deployment_state import load_state
+
+    if args.cluster:
+        import ray
+
+        ray.init(address="auto", logging_level=logging.WARNING)
+        state = None
+    else:
+        state = load_state()
+        if state is None:
+            print("disagg: no deployment recorded on this machine", file=sys.stderr)
+            return 1
+    for line in stop_deployment(state):
+        print(f"disagg: {line}", flush=True)
+    print("disagg: stopped", flush=True)
+    return 0
 
 
 def _add_status(sub) -> None:

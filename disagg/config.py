@@ -64,6 +64,11 @@ class EnvVar:
 API_KEY_ENV = "DISAGG_API_KEY"
 ENV_VARS = (
     EnvVar(API_KEY_ENV, None, "the API key clients send; `disagg serve` takes it where the config sets no api_key"),
+    EnvVar(
+        "DISAGG_STATE_DIR",
+        "~/.disagg",
+        "where `disagg serve` records the deployment it runs (owner-only), for `disagg stop` and a second serve",
+    ),
     EnvVar("DISAGG_CACHE_DIR", "~/.cache/disagg", "engine.cache_dir's default: where converted weights are kept"),
     EnvVar("DISAGG_KV_SHARED_MEMORY", "1", "engine.kv_shared_memory's default; 0: off"),
     EnvVar("DISAGG_ATTENTION_BACKEND", "auto", "engine.attention_backend's default: auto, torch or kernel"),
@@ -651,6 +656,12 @@ class ServingConfig:
     # A TP x PP instance's torch.distributed groups: how long its ranks may take to join them, and
     # each gloo collective (a peer that died mid-step fails it after this long).
     group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S
+    # Every Ray call and request-link call a control loop awaits (re-planning, rebalancing, drains,
+    # health, relaunch supervision) fails after this long: a wedged instance cannot stop a loop.
+    control_call_timeout_s: float = 10.0
+    # Health (gRPC and HTTP /health) turns NOT_SERVING once the deployment's controller has been
+    # gone this long (its heartbeat key lapsed): long enough for Ray to restart a killed one.
+    controller_grace_s: float = 15.0
     threads_per_worker: int = 1  # torch intra-op threads of each worker (a pool's instances entry may differ)
     cpu_binding: str = "auto"  # on a machine whose Ray we start, engine threads get CPUs of their own; auto: only where 2 stay for the rest, on: 1 (disagg.hosts.cpu_binding)
     warm_up: bool = True  # one request through every instance before serving (disagg.router.warm_up)
@@ -737,9 +748,11 @@ class ServingConfig:
             "replan_window_s",
             "replan_switch_timeout_s",
             "replan_price_timeout_s",
+            "control_call_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.replan_undo_margin >= 0, "replan_undo_margin", "must be >= 0")
+        _require(self.controller_grace_s >= 0, "controller_grace_s", "must be >= 0")
         _require(
             self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s"
         )

@@ -276,6 +276,12 @@ class ServingMetrics:
             "Switches checked against the window after them, by outcome (kept, undone, unmeasured).",
             ("outcome",),
         )
+        self.control_loop_failures = self._counter(
+            "disagg:control_loop_failures_total",
+            "Control loops (re-planning, rebalancing, drains, health, gauges, relaunch supervision) that "
+            "raised or returned and were started again (disagg.supervision).",
+            ("loop",),
+        )
         self.pool_size = Gauge(
             "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
         )
@@ -298,6 +304,10 @@ class ServingMetrics:
         within the last SLO_WINDOW_S)."""
         verdicts = [met for at, _, met in self._slo_window if since <= at <= until]
         return sum(verdicts), len(verdicts)
+
+    def control_loop_failed(self, loop: str) -> None:
+        """A control loop ended and is started again (disagg.supervision's on_failure)."""
+        self.control_loop_failures.labels(loop=loop).inc()
 
     def observe_switch(self, outcome: str, seconds: float) -> None:
         """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""

@@ -257,7 +257,7 @@ class Registry:
             values = self._client.lrange(self._requests_key(), 0, limit - 1)
         return [json.loads(v) for v in values]
 
-    # -- arrivals (frontend replicas -> the re-planner on frontend 0) ------------------------------
+    # -- arrivals (frontends -> the re-planner in the controller) ------------------------------
 
     def push_arrivals(self, arrivals: list[tuple[float, int, int]], keep: int, ttl_s: float) -> None:
         """Append (wall-clock time, prompt tokens, output tokens asked for) of requests that
@@ -285,6 +285,23 @@ class Registry:
             t, p, o = value.split(",")
             arrivals.append((float(t), int(p), int(o)))
         return arrivals
+
+    # -- the controller ---------------------------------------------------------------------------
+
+    def controller_heartbeat(self, ttl_s: float) -> None:
+        """The deployment's controller is alive (disagg.controller): the key expires unless refreshed."""
+        with self._redis_errors("controller_heartbeat"):
+            self._client.set(f"{self.namespace}:controller", "alive", px=max(1, int(ttl_s * 1000)))
+
+    def controller_alive(self) -> bool:
+        """Whether the controller refreshed its key within its TTL."""
+        with self._redis_errors("controller_alive"):
+            return bool(self._client.exists(f"{self.namespace}:controller"))
+
+    def controller_gone(self) -> None:
+        """The controller stopped on purpose (`disagg stop`, a server's stop)."""
+        with self._redis_errors("controller_gone"):
+            self._client.delete(f"{self.namespace}:controller")
 
     # -- connection -------------------------------------------------------------------------------
 

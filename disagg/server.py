@@ -8,11 +8,13 @@ this node's, so that every node reaches them (disagg.hosts.addressing).
 Shutdown is graceful: new requests get UNAVAILABLE (HTTP 503), those in flight get a grace period to
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
 
-With `frontends: N` the other N - 1 frontends are Ray actors (FrontendReplica), each the same
+The pools belong to the deployment's controller (disagg.controller), a detached actor that Ray
+restarts, which also runs relaunch supervision and re-planning: what must run once. With
+`frontends: N` the other N - 1 frontends are detached Ray actors (FrontendReplica), each the same
 frontend over the same instances, from the same registry: their placements see each other's load
 through the workers' reports. Ray restarts a killed one; the workers abort its requests when its
-links close, freeing their blocks. Frontend 0, in this process, also runs the control loops
-(re-planning, rebalancing, drains), which must run once.
+links close, freeing their blocks. Every frontend drains and rebalances its own streams and hands
+its arrivals to the re-planner through Redis.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import grpc
@@ -46,35 +49,40 @@ from disagg.hosts.addressing import (
     worker_host,
 )
 from disagg.hosts.cpu_binding import CpuPlan, bind_all_threads, plan_cpus, restore_threads
-from disagg.cluster.launcher import NAMESPACE, PoolLauncher, wait_for_pool_nodes
+from disagg.cluster.launcher import NAMESPACE, wait_for_pool_nodes
+from disagg.cluster.local_ray import LocalRayHead, free_port
 from disagg.cluster.redis_server import LocalRedis
+from disagg.cluster.deployment_state import DeploymentState, forget_state
+from disagg.controller.client import ControllerClient, InProcessController
+from disagg.controller.controller import find_controller, running_deployments
+from disagg.deployments import frontend_addresses, join_ray, running_state
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
-from disagg.engine.memory_fit import kv_element_bytes
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
-from disagg.errors import UnavailableError
+from disagg.errors import RegistryUnavailable, UnavailableError
 from disagg.metrics import ServingMetrics
 from disagg.prefix_index import PrefixIndex
 from disagg.registry import Registry
-from disagg.router.directory import InstanceDirectory
+from disagg.router.directory import InstanceDirectory, directory_for
 from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.live_moves import LiveMoves
 from disagg.router.frontend import ServingServicer
 from disagg.router.grpc_door import frontend_server
+from disagg.router.health import HealthVerdict
 from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
 from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
-from disagg.placement.profile import load_profile
 from disagg.router.records import RequestRecords
-from disagg.router.shared_arrivals import ArrivalFeed, take_shared_arrivals
-from disagg.router.replanning import ReplanLoop, live_profile
+from disagg.router.shared_arrivals import ArrivalFeed
+from disagg.router.replanning import ReplanView, replans
 from disagg.router.request_path import RequestPath
 from disagg.router.streams import DecodeStreams
 from disagg.router.validation import ModelLimits
 from disagg.router.calibration import calibrate
 from disagg.router.warm_up import warm_up
+from disagg.supervision import supervised_task
 
 logger = logging.getLogger(__name__)
 
@@ -87,9 +95,19 @@ class Server:
     run on one event loop of their own on a background thread.
     """
 
-    def __init__(self, config: ServingConfig, *, index: int = 0, link_key: bytes | None = None):
+    def __init__(
+        self, config: ServingConfig, *, index: int = 0, link_key: bytes | None = None, controller=None,
+        outlive: bool = False, detached_controller: bool | None = None,
+    ):  # fmt: skip
         """`index`: which frontend this is (0: the deployment's own; others: FrontendReplica, with
-        the deployment's `link_key`)."""
+        the deployment's `link_key` and `controller` actor). `outlive`: on a machine of its own
+        (no ray_address), start Ray and Redis so that they outlive this process (`disagg serve`:
+        a SIGKILL of it leaves the other frontends serving); else Ray dies with it, as a test's.
+        `detached_controller`: the controller a detached actor that Ray restarts, its workers
+        detached too; else it runs in this process (disagg.controller.client). None: as `outlive`."""
+        self.outlive = outlive
+        self.detached_controller = outlive if detached_controller is None else detached_controller
+        self.head: LocalRayHead | None = None  # the Ray head it started, whose daemons are no child of it
         self.config = config.frontend(index)
         self.index = index
         self.directory: InstanceDirectory | None = None
@@ -99,8 +117,10 @@ class Server:
         self.request_path: RequestPath | None = None  # what both frontends run each request through
         self.metrics_url: str | None = None
         self.servicer: ServingServicer | None = None
-        self.replanning: ReplanLoop | None = None  # the closed loop, where instances may switch
-        self.launcher: PoolLauncher | None = None
+        self.replan_view: ReplanView | None = None  # the controller's re-planning decisions, where it re-plans
+        self.controller = controller  # the deployment's controller actor (frontend 0's: set at start)
+        self.launcher: ControllerClient | InProcessController | None = None  # frontend 0's server only
+        self.deployment_id: str | None = None
         self._cluster_gone = False  # the Ray cluster it joined ended under it (stop())
         self.redis: LocalRedis | None = None
         # This deployment's (disagg.auth): workers and frontend replicas get it in their actor arguments.
@@ -114,6 +134,7 @@ class Server:
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
         self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
+        self.metrics = ServingMetrics()  # this frontend's (its loops' failures included)
 
     def start(self) -> "Server":
         """Within the config's start_timeout_s, or an error (what started is stopped)."""
@@ -131,22 +152,28 @@ class Server:
         if owns_ray:
             if not config.ray_address:  # a machine of our own: its Ray and Redis start from this thread
                 cpu_plan = self._bind_framework_cpus()
-            _start_ray(config)
+            if not config.ray_address and self.outlive:
+                self._start_own_head()
+            _start_ray(config, self.head)
             self._stack.callback(self._shutdown_ray)
         wait_for_pool_nodes(config, timeout_s)
         num_nodes = num_alive_nodes()
         redis_url = self._redis_url(num_nodes)
-        self.launcher = PoolLauncher(
-            config, redis_url, self._link_key, worker_host(config.worker_host, num_nodes), cpu_plan
+        # The pools belong to the deployment's controller: a detached actor Ray restarts where the
+        # deployment outlives this process (disagg.controller), so that it may die without taking
+        # a worker with it; else one in this process, which costs its start nothing.
+        self.deployment_id = uuid.uuid4().hex[:6]
+        kind = ControllerClient if self.detached_controller else InProcessController
+        self.launcher = kind.start(
+            config, redis_url, self._link_key, self.deployment_id, worker_host(config.worker_host, num_nodes), cpu_plan
         )
-        # A Ray we started takes the placement groups down with it; a shared one needs them removed.
-        self._stack.callback(self.launcher.shutdown, remove_groups=not owns_ray)
-        self.launcher.launch()
-        self.launcher.supervise()
+        self._stack.callback(self.launcher.shutdown)
+        self.controller = self.launcher.actor
         # The model's shape and tokenizer come from a worker: this node may hold no model files
         # (a `ray up` head), and the frontend tokenizes as the workers do (disagg.engine.model_card).
         card = ray.get(self.launcher.instances[0].actor.model_card.remote(), timeout=timeout_s)
         self._start_frontend(redis_url, card, timeout_s)
+        self.launcher.register_frontend(0, _reachable(self.address), _reachable(self.http_address))
         self._start_replicas(redis_url, card, timeout_s)
 
     def start_replica(self, redis_url: str, card: ModelCard) -> "Server":
@@ -173,10 +200,11 @@ class Server:
             replica = FrontendReplica.options(
                 name=f"frontend-{index}",
                 namespace=NAMESPACE,
+                lifetime="detached",  # it outlives this process; stop() (or `disagg stop`) ends it
                 max_restarts=-1,
                 num_cpus=0,
                 scheduling_strategy=_replica_placement(self.config.host),
-            ).remote(self.config, redis_url, self._link_key, index, self._card_ref)
+            ).remote(self.config, redis_url, self._link_key, index, self._card_ref, self.controller)
             self.replicas.append(replica)
         self._stack.callback(self._stop_replicas)
         ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
@@ -214,10 +242,23 @@ class Server:
         if self.config.redis_url is not None:
             check_redis_reachable(self.config.redis_url, num_nodes)
             return self.config.redis_url
+        if self.redis is not None:  # started before Ray (_start_own_head)
+            return self.redis.url
         host = LOOPBACK if num_nodes <= 1 else resolve_host(None)
-        redis = LocalRedis(host=host, password=secrets.token_hex(16))
+        redis = LocalRedis(host=host, password=secrets.token_hex(16), outlive_owner=self.outlive)
         self.redis = self._stack.enter_context(redis).supervise()
         return self.redis.url
+
+    def _start_own_head(self) -> None:
+        """A one-machine deployment that outlives this process (`disagg serve`): its redis-server,
+        and a Ray head whose daemons are no children of this process (disagg.cluster.local_ray);
+        stop() ends both, `disagg stop` too if this process died. The head's GCS keeps its
+        tables in memory, not in this Redis: the registry is soft state that may die (and does in
+        loadtest/faults/chaos.py), and a GCS that loses its Redis exits, with every actor."""
+        redis = LocalRedis(host=LOOPBACK, password=secrets.token_hex(16), outlive_owner=True)
+        self.redis = self._stack.enter_context(redis).supervise()
+        self.head = LocalRayHead.start(free_port(), max(2, os.cpu_count() or 2), None, {"worker_niceness": 0})
+        self._stack.callback(self.head.stop)
 
     def _run_frontend(self, redis_url: str, card: ModelCard) -> None:
         try:
@@ -234,31 +275,15 @@ class Server:
         self._stop = asyncio.Event()
         registry = Registry(redis_url)
         streams = DecodeStreams()
-        directory = InstanceDirectory(
-            registry,
-            NAMESPACE,
-            self._link_key,
-            streams,
-            heartbeat_ttl_s=config.heartbeat_ttl_s,
-            recovery_timeout_s=config.recovery_timeout_s,
-            profile=load_profile(config.profile) if config.profile else None,
-            prefill_budget=config.pool_engine_config(config.prefill).max_num_batched_tokens,
-            prefill_chunk_cap=config.pool_engine_config(config.prefill).prefill_chunk_cap,
-            prefill_by_work=config.pool_engine_config(config.prefill).long_prefill_by_work,
-            block_size=config.engine.block_size,
-            prefix_index=PrefixIndex(redis_url),
-        )
+        directory = directory_for(config, registry, NAMESPACE, self._link_key, streams, PrefixIndex(redis_url))
         self.directory = directory
         await _wait_for_instances(config, directory)
         hf_tokenizer = card.tokenizer()
         tokenizer = Tokenizer(hf_tokenizer) if hf_tokenizer is not None else None
         limits = await _model_limits(config, card, directory)
-        metrics = ServingMetrics()
-        replanning, arrival_feed = None, None
-        if self.index == 0:
-            replanning = self._replanning(directory, card, metrics, registry)
-        elif _replans(config):  # frontend 0's re-planner plans for this frontend's traffic too
-            arrival_feed = ArrivalFeed(registry, config.replan_window_s)
+        metrics = self.metrics
+        # The controller's re-planner plans for every frontend's traffic: each hands its arrivals over.
+        arrival_feed = ArrivalFeed(registry, config.replan_window_s) if replans(config) else None
         orchestrator = Orchestrator(
             config,
             directory,
@@ -267,7 +292,7 @@ class Server:
             config.engine.block_size,
             on_migration=metrics.observe_migration,
             sliding_window=limits.sliding_window,
-            arrivals=replanning or arrival_feed,
+            arrivals=arrival_feed,
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
@@ -275,10 +300,12 @@ class Server:
             self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
         self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records)
-        self.servicer = ServingServicer(self.request_path, directory, config.engine.model, replanning)
+        self.replan_view = ReplanView() if replans(config) else None
+        self.servicer = ServingServicer(self.request_path, directory, config.engine.model, self.replan_view)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
+        verdict = HealthVerdict(config.controller_grace_s)
         try:
-            http = await _start_http(config, self.request_path, directory)
+            http = await _start_http(config, self.request_path, directory, verdict)
         except BaseException:
             await server.stop(grace=None)  # a failed start leaves no port of ours bound
             raise
@@ -287,14 +314,16 @@ class Server:
         self.metrics_url = metrics_server.url if metrics_server else None
         self.address = f"{config.host}:{port}"
         self.live_moves = LiveMoves(orchestrator, directory)
+        counted = metrics.control_loop_failed
         tasks = [
-            asyncio.create_task(self._refresh_gauges(directory, metrics), name="instance-gauges"),
-            asyncio.create_task(_report_health(config, directory, health_servicer), name="health"),
+            supervised_task("gauges", lambda: self._refresh_gauges(directory, metrics), counted),
+            supervised_task(
+                "health", lambda: _report_health(config, directory, health_servicer, registry, verdict), counted
+            ),  # fmt: skip
+            # Every frontend moves its own requests off a leaving instance; the rest runs once.
+            supervised_task("drains", lambda: _drain_leavers(directory, self.live_moves, metrics), counted),
         ]
-        # Every frontend moves its own requests off a leaving instance; the rest runs once.
-        tasks.append(asyncio.create_task(_drain_leavers(directory, self.live_moves, metrics), name="drains"))
-        if self.index == 0:
-            tasks += self._control_loops(replanning, metrics)
+        tasks += self._control_loops(metrics)
         _freeze_startup_heap()
         self._started.set()
         await self._stop.wait()
@@ -314,33 +343,25 @@ class Server:
             metrics_server.stop()
         registry.close()
 
-    def _control_loops(self, replanning: ReplanLoop | None, metrics) -> list[asyncio.Task]:
-        """Where instances may switch: re-planning and rebalancing (frontend 0's requests only)."""
-        tasks = []
-        if replanning is not None:
-            tasks.append(asyncio.create_task(replanning.run(), name="replanning"))
+    def _control_loops(self, metrics: ServingMetrics) -> list[asyncio.Task]:
+        """Where instances may switch: rebalancing this frontend's streams, and the controller's
+        re-planning decisions fetched for `disagg status` (the controller runs re-planning)."""
+        tasks, counted = [], metrics.control_loop_failed
+        if self.replan_view is not None and (self.controller is not None or self.launcher is not None):
+            tasks.append(supervised_task("replan-view", self._refresh_replan_view, counted))
         if self.config.switchable():
-            rebalance = _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)
-            tasks.append(asyncio.create_task(rebalance, name="rebalancing"))
+            rebalance = lambda: _rebalance(self.live_moves, self.config.slo.tpot_ms, metrics)  # noqa: E731
+            tasks.append(supervised_task("rebalancing", rebalance, counted))
         return tasks
 
-    def _replanning(self, directory, card: ModelCard, metrics, registry) -> ReplanLoop | None:
-        """The closed loop, where instances may switch and there is a split to choose (_replans),
-        fed every frontend's arrivals."""
-        config = self.config
-        if not _replans(config):
-            return None
-        base = load_profile(config.profile) if config.profile else None
-        kv_bytes = card.config.kv_bytes_per_token * (card.kv_element_bytes or kv_element_bytes(config.engine))
-        layers = card.config.num_hidden_layers
-
-        def profile():
-            return live_profile(base, directory, config.engine.model, kv_bytes, layers)
-
-        on_switched = self.launcher.switched if self.launcher is not None else (lambda instance_id, role: None)
-        shared = (lambda: take_shared_arrivals(registry)) if config.frontends > 1 else None
-        self.replanning = ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared)
-        return self.replanning
+    async def _refresh_replan_view(self, interval_s: float = 2.0) -> None:
+        while True:
+            if self.controller is not None:  # an actor's (bounded)
+                call = self.controller.replan_log.remote()
+                self.replan_view.log = await asyncio.wait_for(call, self.config.control_call_timeout_s)
+            else:  # a controller in this process
+                self.replan_view.log = self.launcher.replan_log()
+            await asyncio.sleep(interval_s)
 
     @staticmethod
     async def _refresh_gauges(directory: InstanceDirectory, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
@@ -369,6 +390,10 @@ class Server:
             shown = current
             await asyncio.sleep(interval_s)
 
+    def serving(self) -> bool:
+        """Whether this frontend's serving thread (its event loop: gRPC, HTTP, the loops) runs."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, cluster_gone: bool = False) -> None:
         """Drain, stop the frontend, the workers, Ray (if we started it) and Redis (if ours).
         `cluster_gone`: the Ray cluster ended under us, and the workers with it; Ray calls would
@@ -393,16 +418,16 @@ class Server:
         self.stop()
 
 
-def _replans(config: ServingConfig) -> bool:
-    """Re-planning runs where instances may switch (ServingConfig.switchable) and there is a
-    split to choose (three instances or more)."""
-    return config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
-
-
 def serve(config: ServingConfig, ready_file: str | None = None) -> int:
-    """`disagg serve`: run until SIGINT/SIGTERM; returns the exit code."""
+    """`disagg serve`: start a deployment and run until SIGINT/SIGTERM, which end it; or, where
+    one runs already (recorded on this machine, or on the Ray cluster it joins), attach to it
+    instead of starting another. Returns the exit code."""
+    attached = _running_deployment(config)
+    if attached is not None:
+        return _attach(attached, ready_file)
     print(f"disagg: starting {config.mode} pools for {config.engine.model}", flush=True)
-    server = Server(config).start()
+    server = Server(config, outlive=True).start()
+    _record(server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # after ray.init, which installs its own handlers
         signal.signal(sig, lambda *_: stop.set())
@@ -414,19 +439,77 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     if server.replicas:
         print(f"disagg: frontends on {', '.join(server.frontend_addresses())}", flush=True)
     if ready_file:  # frontend 0's gRPC address; with replicas, a second line: every frontend's
-        others = f"{','.join(server.frontend_addresses())}\n" if server.replicas else ""
-        with open(ready_file, "w") as f:
-            f.write(f"{server.address}\n{others}")
+        _write_ready(ready_file, server.frontend_addresses() if server.replicas else [server.address])
     cluster = ClusterWatch.of_ray() if config.ray_address else None
-    cluster_gone = False
+    cluster_gone, code = False, 0
     while not stop.wait(1.0):
         if cluster is not None and cluster.gone():
             print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
             cluster_gone = True
             break
+        if not server.serving():
+            print("disagg: the frontend's serving thread ended (its log says why)", flush=True)
+            code = 1
+            break
     print(f"disagg: shutting down (in-flight requests get {config.drain_grace_s:.0f}s)", flush=True)
     server.stop(cluster_gone)
+    forget_state()
     print("disagg: stopped", flush=True)
+    return code
+
+
+def _write_ready(ready_file: str, addresses: list[str]) -> None:
+    """The first frontend's gRPC address; with more, a second line: every frontend's."""
+    others = f"{','.join(addresses)}\n" if len(addresses) > 1 else ""
+    with open(ready_file, "w") as f:
+        f.write(f"{addresses[0]}\n{others}")
+
+
+def _record(server: Server) -> None:
+    """What `disagg stop` and a second `disagg serve` need of this deployment (deployment_state)."""
+    redis, head = server.redis, server.head
+    DeploymentState(
+        server.deployment_id,
+        head.address if head is not None else ray.get_runtime_context().gcs_address,
+        server.launcher.redis_url,
+        os.getpid(),
+        ray_temp_dir=head.temp_dir if head is not None else None,
+        redis_address=f"{redis.host}:{redis.port}" if redis is not None else None,
+    ).save()
+
+
+def _running_deployment(config: ServingConfig) -> DeploymentState | None:
+    """The deployment to attach to: the one recorded on this machine while its Ray answers; on a
+    cluster (ray_address), one whose controller runs there."""
+    if not config.ray_address:
+        return running_state()
+    _start_ray(config)
+    running = running_deployments()
+    if not running:
+        return None
+    gcs = ray.get_runtime_context().gcs_address
+    return DeploymentState(running[0], gcs, "", -1)
+
+
+def _attach(state: DeploymentState, ready_file: str | None) -> int:
+    """Print the running deployment's frontends (and write them to `ready_file`), then follow it
+    until Ctrl-C, which detaches (`disagg stop` ends it), or until it ends."""
+    if not ray.is_initialized():
+        join_ray(state)
+    addresses = frontend_addresses(state)
+    print(f"disagg: a deployment runs already ({state.deployment_id}); attached to it, not starting another",
+          flush=True)  # fmt: skip
+    print(f"disagg: frontends on {', '.join(addresses) or '(none answering now)'}", flush=True)
+    if ready_file and addresses:
+        _write_ready(ready_file, addresses)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(2.0):
+        if find_controller(state.deployment_id) is None:
+            print("disagg: the deployment ended", flush=True)
+            return 0
+    print("disagg: detached (the deployment runs on; `disagg stop` ends it)", flush=True)
     return 0
 
 
@@ -443,9 +526,20 @@ class FrontendReplica:
     """Frontend `index` of a deployment (ServingConfig.frontends): the same gRPC and HTTP service
     as frontend 0's, on its own ports, in a process Ray restarts when it dies."""
 
-    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard):
+    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard, controller):
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        self.server = Server(config, index=index, link_key=link_key).start_replica(redis_url, card)
+        server = Server(config, index=index, link_key=link_key, controller=controller)
+        self.server = server.start_replica(redis_url, card)
+        self._stopping = threading.Event()
+        threading.Thread(target=self._watch, name="frontend-watch", daemon=True).start()
+
+    def _watch(self, interval_s: float = 1.0) -> None:
+        """A replica whose serving thread ended serves nothing while its actor still answers Ray:
+        it exits, and Ray starts it again (as Ray Serve restarts a proxy that fails its check)."""
+        while not self._stopping.wait(interval_s):
+            if not self.server.serving():
+                logger.error("frontend %d's serving thread ended; exiting for Ray to restart it", self.server.index)
+                os._exit(1)
 
     def addresses(self) -> tuple[str, str | None]:
         """(gRPC HOST:PORT, HTTP HOST:PORT or None), with its node's IP for a wildcard host."""
@@ -455,6 +549,7 @@ class FrontendReplica:
         return os.getpid()
 
     def stop(self) -> None:
+        self._stopping.set()
         self.server.stop()
 
 
@@ -493,10 +588,10 @@ class ClusterWatch:
 RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the cluster's auth token
 
 
-def _start_ray(config: ServingConfig) -> None:
+def _start_ray(config: ServingConfig, head: LocalRayHead | None = None) -> None:
     _protect_ray_token()
     try:
-        _init_ray(config)
+        _init_ray(config, head)
     finally:
         _protect_ray_token()  # Ray writes a new token with the default umask: readable by every user
 
@@ -506,9 +601,10 @@ def _protect_ray_token() -> None:
         RAY_TOKEN_FILE.chmod(0o600)
 
 
-def _init_ray(config: ServingConfig) -> None:
-    if config.ray_address:
-        ray.init(address=config.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+def _init_ray(config: ServingConfig, head: LocalRayHead | None) -> None:
+    if config.ray_address or head is not None:
+        address = head.address if head is not None else config.ray_address
+        ray.init(address=address, namespace=NAMESPACE, logging_level=logging.WARNING)
     else:
         # Ray starts its workers at nice 15 (so that they cannot starve its own daemons); ours
         # are the request path: at 15 every other process on the machine preempts a prefill
@@ -533,14 +629,11 @@ def _freeze_startup_heap() -> None:
 
 async def _rebalance(moves: LiveMoves, tpot_ms: float, metrics: ServingMetrics, interval_s: float = 1.0) -> None:
     """Decode instances whose batch is predicted to miss the TPOT target hand requests to others
-    with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's)."""
+    with room, with their KV, every `interval_s` (a heartbeat's reports see the last round's). A
+    round that raises ends it: disagg.supervision starts it again, counted."""
     while True:
         await asyncio.sleep(interval_s)
-        try:
-            stats = await moves.rebalance(tpot_ms)
-        except Exception:  # noqa: BLE001 - one bad round must not end rebalancing
-            logger.exception("rebalancing round failed")
-            continue
+        stats = await moves.rebalance(tpot_ms)
         if stats.moved or stats.failed:
             metrics.observe_live_moves(stats.moved, stats.failed)
             logger.info("rebalanced: %d requests moved with their KV, %d not", stats.moved, stats.failed)
@@ -636,11 +729,13 @@ def _start_metrics(config: ServingConfig, metrics: ServingMetrics):
     )
 
 
-async def _start_http(config: ServingConfig, path: RequestPath, directory: InstanceDirectory) -> HttpFrontend | None:
+async def _start_http(
+    config: ServingConfig, path: RequestPath, directory: InstanceDirectory, verdict: HealthVerdict
+) -> HttpFrontend | None:
     """The OpenAI-compatible HTTP API on this event loop, unless http_port is 0."""
     if not config.http_port:
         return None
-    http = HttpFrontend(path, directory, config, config.engine.model)
+    http = HttpFrontend(path, directory, config, config.engine.model, verdict)
     await http.start()
     return http
 
@@ -650,19 +745,37 @@ async def _set_health(health_servicer, status) -> None:
         await health_servicer.set(service, status)
 
 
-async def _report_health(config: ServingConfig, directory: InstanceDirectory, health_servicer) -> None:
-    """SERVING while every pool has an instance in placement; NOT_SERVING while one is empty
-    (requests would wait for a relaunch or fail), so that load balancers look elsewhere."""
+async def _report_health(
+    config: ServingConfig, directory: InstanceDirectory, health_servicer, registry: Registry, verdict: HealthVerdict
+) -> None:
+    """gRPC's health status and HTTP /health from one verdict (disagg.router.health), so that load
+    balancers look elsewhere. Set at its start too: a loop restarted by its supervisor trusts
+    nothing set before."""
     roles = [role for role, _ in config.pools()]
-    serving = True
+    shown = None
     while True:
-        await asyncio.sleep(directory.refresh_interval_s)
-        now = all(directory.healthy(role) for role in roles)
-        if now != serving:
-            serving = now
-            status = health_pb2.HealthCheckResponse.SERVING if now else health_pb2.HealthCheckResponse.NOT_SERVING
-            logger.warning("health: %s", "SERVING" if now else "NOT_SERVING (a pool has no instance)")
+        pools_served = all(directory.healthy(role) for role in roles)
+        problem = verdict.judge(pools_served, await _controller_alive(registry))
+        if (problem is None) != shown:
+            status = (
+                health_pb2.HealthCheckResponse.SERVING
+                if problem is None
+                else health_pb2.HealthCheckResponse.NOT_SERVING
+            )
+            logger.log(logging.INFO if problem is None else logging.WARNING, "health: %s",
+                       "SERVING" if problem is None else f"NOT_SERVING ({problem})")  # fmt: skip
             await _set_health(health_servicer, status)
+            shown = problem is None
+        await asyncio.sleep(directory.refresh_interval_s)
+
+
+async def _controller_alive(registry: Registry) -> bool | None:
+    """None while Redis does not answer: that is not the controller gone (the directory keeps
+    its view too)."""
+    try:
+        return await asyncio.to_thread(registry.controller_alive)
+    except RegistryUnavailable:
+        return None
 
 
 def main_serve(config_path: str | None, overrides: dict, ready_file: str | None = None, cluster: bool = False) -> int:

@@ -114,7 +114,11 @@ class Deployment:
         for name, value in self.ports.items():  # the benchmark's own where it set one, else a free one
             command += [f"--{name.replace('_', '-')}", "null" if value is None else str(value)]
         command += ["--ready-file", str(self._ready)]
-        env = child_env(PYTHONPATH=str(self.code)) if self.code else None
+        # Its own record of the deployment (disagg.cluster.deployment_state): two benchmarks'
+        # servers on one machine must not attach to each other's.
+        env = child_env(
+            DISAGG_STATE_DIR=str(self.workdir / "state"), **({"PYTHONPATH": str(self.code)} if self.code else {})
+        )
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "w") as log:
             self.process = subprocess.Popen(
@@ -160,7 +164,18 @@ class Deployment:
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            return self.process.wait()
+            code = self.process.wait()
+            self._stop_leftovers()
+            return code
+
+    def _stop_leftovers(self) -> None:
+        """What a killed `disagg serve` started outside its session (its redis-server, its Ray head)."""
+        from disagg.cluster.deployment_state import load_state
+        from disagg.deployments import stop_leftovers
+
+        state = load_state(self.workdir / "state")
+        if state is not None:
+            stop_leftovers(state)
 
     def close(self) -> None:
         """`stop`, and remove the work directory where it made one itself."""
@@ -198,6 +213,10 @@ class Deployment:
 
     def redis(self) -> dict[int, str]:
         return {pid: name for pid, name in self.processes().items() if "redis-server" in name}
+
+    def controller(self) -> dict[int, str]:
+        """The deployment's controller (disagg.controller), which Ray restarts when it dies."""
+        return {pid: name for pid, name in self.processes().items() if "ray::Controller" in name}
 
     def frontend_replicas(self) -> dict[int, str]:
         """The frontends Ray runs (frontends 1..N-1; frontend 0 is `disagg serve` itself)."""

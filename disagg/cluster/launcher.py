@@ -13,6 +13,8 @@ stopped whole and launched again under the same id, in a new placement group.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import re
 import threading
@@ -21,14 +23,14 @@ import uuid
 from dataclasses import dataclass, field, replace
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import POOL_LABEL_SLIVER, PoolConfig, Role, ServingConfig, WorkerConfig
-from disagg.engine.distributed import RankPlace
 from disagg.errors import ModelLoadError, UnavailableError
+from disagg.supervision import FailureCounter, not_counted, supervise_thread
 
 logger = logging.getLogger(__name__)
 NAMESPACE = "disagg"
@@ -84,10 +86,18 @@ class PoolLauncher:
         link_key: bytes,
         worker_host: str | None = LOOPBACK,
         cpu_plan: CpuPlan | None = None,
+        deployment_id: str | None = None,
+        detached: bool = True,
     ):
         """`worker_host`: what every worker listens on; None: each its own node's IP (addressing).
-        `cpu_plan`: the CPUs of each engine thread, on a one-node cluster we started (cpu_binding)."""
+        `cpu_plan`: the CPUs of each engine thread, on a one-node cluster we started (cpu_binding).
+        `deployment_id`: in every instance's name (a new one when None); a launcher given the id of
+        a deployment whose actors live adopts them instead of starting others (a restarted
+        controller, disagg.controller). `detached`: the placement groups and workers outlive the
+        process that launches them (a controller that Ray restarts); else they end with it."""
         self.config = config
+        self.lifetime = "detached" if detached else None
+        self.deployment_id = deployment_id or uuid.uuid4().hex[:6]
         self.cpu_plan = cpu_plan
         self.registry_url = registry_url
         self.link_key = link_key
@@ -97,11 +107,13 @@ class PoolLauncher:
         self._stopping = threading.Event()
 
     def launch(self) -> list[LaunchedInstance]:
-        """Every pool's instances, ready within the config's start_timeout_s (else stopped, and an error)."""
-        run_id = uuid.uuid4().hex[:6]
+        """Every pool's instances, ready within the config's start_timeout_s (else stopped, and an
+        error): those of this deployment still alive adopted, the others launched."""
         for role, pool in self.config.pools():
             for index in range(pool.num_instances):
-                self.instances.append(self._launch_one(role, pool, index, f"{role}-{index}-{run_id}"))
+                instance_id = f"{role}-{index}-{self.deployment_id}"
+                adopted = self._adopt(role, pool, index, instance_id)
+                self.instances.append(adopted or self._launch_one(role, pool, index, instance_id))
         try:
             ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=self.config.start_timeout_s)
         except Exception as exc:
@@ -109,6 +121,26 @@ class PoolLauncher:
             raise_refused_start(exc)
             raise
         return self.instances
+
+    def _adopt(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance | None:
+        """The instance as a launcher before this one left it (its actors are detached and named),
+        in the role it serves now (a switch may have moved it); None, its leftovers removed, when
+        its rank 0 is gone. A missing rank of a TP x PP instance takes it out of service, and the
+        supervisor relaunches it whole."""
+        actor_name = f"{NAMESPACE}-{instance_id}"
+        actor = _named_actor(actor_name)
+        group = _named_group(f"{NAMESPACE}-{instance_id}")
+        shards = [_named_actor(_shard_name(actor_name, rank)) for rank in range(1, pool.workers_per_instance)]
+        if actor is None or group is None:
+            _kill_all([a for a in [actor, *shards] if a is not None], group)
+            return None
+        try:
+            role = ray.get(actor.instance_info.remote(), timeout=self.config.control_call_timeout_s).role
+        except Exception as exc:  # noqa: BLE001 - alive but not answering: out of service, relaunched
+            logger.warning("adopted instance %s does not answer (%s); it will be relaunched", instance_id, exc)
+        logger.info("adopted %s (%s, %d workers)", instance_id, role, pool.workers_per_instance)
+        live_shards = [a for a in shards if a is not None]
+        return LaunchedInstance(instance_id, role, actor_name, actor, group, live_shards, pool, index)
 
     def _launch_one(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance:
         bundle = {
@@ -119,16 +151,18 @@ class PoolLauncher:
         }
         # Tensor-parallel ranks all-reduce every layer: without pipeline stages, one node only.
         strategy = "STRICT_PACK" if pool.pipeline_parallel_size == 1 else "PACK"
+        # Detached, as the actors: the group outlives the controller that made it (disagg.controller).
         group = placement_group(
-            [bundle] * pool.workers_per_instance, strategy=strategy, name=f"{NAMESPACE}-{instance_id}"
-        )
+            [bundle] * pool.workers_per_instance, strategy=strategy, name=f"{NAMESPACE}-{instance_id}",
+            lifetime=self.lifetime,
+        )  # fmt: skip
         try:
             ray.get(group.ready(), timeout=60)
         except Exception as exc:
             remove_placement_group(group)
             raise UnavailableError(f"cannot place {instance_id}: the cluster lacks {bundle} ({exc})") from exc
         actor_name = f"{NAMESPACE}-{instance_id}"
-        options = self._worker_options(pool, group, 0)
+        options = self._worker_options(pool, group, 0, self.lifetime)
         options["name"], options["namespace"] = actor_name, NAMESPACE
         if pool.workers_per_instance == 1:
             # Ray relaunches a dead worker with the same config: it reloads, re-registers (at a new
@@ -156,7 +190,7 @@ class PoolLauncher:
             link_key=self.link_key,
             relaunched=relaunched,
         )
-        shards = self._launch_shards(pool, group, config)
+        shards = self._launch_shards(pool, group, config, actor_name)
         from disagg.worker.actor import WorkerActor
 
         actor = ray.remote(WorkerActor).options(**options).remote(config, followers=shards or None)
@@ -165,9 +199,12 @@ class PoolLauncher:
             instance_id, role, actor_name, actor, group, [handle for _, handle in shards], pool, index
         )
 
-    def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig) -> list:
+    def _launch_shards(self, pool: PoolConfig, group: PlacementGroup, rank0: WorkerConfig, rank0_name: str) -> list:
         """Ranks 1.. of a TP x PP instance, one per bundle of its placement group; rank 0 (the
         worker actor) makes them all join its process groups."""
+        # Here, not at the top: torch (behind RankPlace) would add seconds to every start of the
+        # controller, which Ray restarts when it dies.
+        from disagg.engine.distributed import RankPlace
         from disagg.worker.shard import ShardActor
 
         shards = []
@@ -177,16 +214,21 @@ class PoolLauncher:
             config = rank0.replace(
                 engine=rank0.engine.replace(parallel=parallel), registry_url=None, actor_name="", engine_cpus=None
             )
-            actor = ray.remote(ShardActor).options(**self._worker_options(pool, group, rank)).remote(config)
+            options = self._worker_options(pool, group, rank, self.lifetime)
+            options["name"], options["namespace"] = _shard_name(rank0_name, rank), NAMESPACE
+            actor = ray.remote(ShardActor).options(**options).remote(config)
             shards.append((place, actor))
         return shards
 
     @staticmethod
-    def _worker_options(pool: PoolConfig, group: PlacementGroup, bundle: int) -> dict:
+    def _worker_options(pool: PoolConfig, group: PlacementGroup, bundle: int, lifetime: str | None) -> dict:
+        # Detached: a worker outlives the process that launched it (the controller, which Ray
+        # restarts and which adopts it again); `disagg stop` or the launcher's shutdown ends it.
         return dict(
             num_cpus=pool.num_cpus_per_worker,
             num_gpus=pool.num_gpus_per_worker,
             max_restarts=0,
+            lifetime=lifetime,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         )
 
@@ -195,12 +237,14 @@ class PoolLauncher:
         return {role: POOL_LABEL_SLIVER} if ray.cluster_resources().get(role, 0) > 0 else {}
 
     # ---- relaunching TP x PP instances ----------------------------------------------------------
-    def supervise(self, interval_s: float = 2.0) -> None:
+    def supervise(self, interval_s: float = 2.0, on_failure: FailureCounter = not_counted) -> None:
         """Watch the multi-worker instances from a thread; relaunch one that is out of service,
-        at most `max_worker_restarts` times each (-1: always)."""
+        at most `max_worker_restarts` times each (-1: always). The watch is restarted if it
+        raises, and `on_failure("relaunch")` counts it (disagg.supervision)."""
         if self.config.max_worker_restarts == 0 or not any(i.shard_actors for i in self.instances):
             return
-        threading.Thread(target=self._supervise, args=(interval_s,), name="instance-supervisor", daemon=True).start()
+        args = ("relaunch", functools.partial(self._supervise, interval_s), self._stopping, on_failure)
+        threading.Thread(target=supervise_thread, args=args, name="instance-supervisor", daemon=True).start()
 
     def _supervise(self, interval_s: float) -> None:
         while not self._stopping.wait(interval_s):
@@ -214,10 +258,9 @@ class PoolLauncher:
                 except Exception as exc:  # keep watching the others; this one is retried next round
                     logger.error("relaunch of %s failed: %s", inst.instance_id, exc)
 
-    @staticmethod
-    def _in_service(inst: LaunchedInstance) -> bool:
+    def _in_service(self, inst: LaunchedInstance) -> bool:
         try:
-            return ray.get(inst.actor.in_service.remote(), timeout=10)
+            return ray.get(inst.actor.in_service.remote(), timeout=self.config.control_call_timeout_s)
         except Exception:  # rank 0 died (or hangs): out of service too
             return False
 
@@ -278,8 +321,45 @@ class PoolLauncher:
             _kill(inst, remove_groups)
 
 
+def kill_deployment(deployment_id: str) -> int:
+    """Every named actor and placement group of deployment `deployment_id`, killed and removed
+    without asking anyone (its controller is gone or does not answer); how many actors."""
+    named = ray.util.list_named_actors(all_namespaces=True)
+    actors = [_named_actor(n["name"]) for n in named if n["namespace"] == NAMESPACE and deployment_id in n["name"]]
+    _kill_all([a for a in actors if a is not None], None)
+    for group in ray.util.placement_group_table().values():
+        if deployment_id in (group.get("name") or "") and group.get("state") != "REMOVED":
+            with contextlib.suppress(Exception):
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group["placement_group_id"]))))
+    return len(actors)
+
+
 def _kill(inst: LaunchedInstance, remove_group: bool) -> None:
-    for actor in [inst.actor, *inst.shard_actors]:
-        ray.kill(actor, no_restart=True)
-    if remove_group:
-        remove_placement_group(inst.placement_group)
+    _kill_all([inst.actor, *inst.shard_actors], inst.placement_group if remove_group else None)
+
+
+def _kill_all(actors: list, group: PlacementGroup | None) -> None:
+    for actor in actors:
+        with contextlib.suppress(Exception):  # gone already
+            ray.kill(actor, no_restart=True)
+    if group is not None:
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+
+
+def _shard_name(rank0_name: str, rank: int) -> str:
+    return f"{rank0_name}-rank{rank}"
+
+
+def _named_actor(name: str):
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _named_group(name: str) -> PlacementGroup | None:
+    try:
+        return get_placement_group(name)
+    except ValueError:
+        return None

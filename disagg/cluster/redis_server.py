@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 REDIS_BINARY = "redis-server"
 _STOP_TIMEOUT_S = 5.0
 _PORT_ATTEMPTS = 3
+REDIS_DIR_PREFIX = "disagg-redis-"  # each redis-server's temp dir (its cwd)
 
 
 def wait_for_redis(url: str, timeout_s: float = 10.0, is_alive: Callable[[], bool] | None = None) -> None:
@@ -96,8 +97,13 @@ class LocalRedis:
         host: str = "127.0.0.1",
         startup_timeout_s: float = 10.0,
         binary: str = REDIS_BINARY,
+        outlive_owner: bool = False,
     ):
+        """`outlive_owner`: a deployment's redis-server (`disagg serve`), which must outlive the
+        process that started it (SIGKILL or a crash included): no parent-death signal, not
+        stopped at interpreter exit; stop() or `disagg stop` (by its pid) ends it."""
         self.host = host
+        self.outlive_owner = outlive_owner
         self.password = password
         self.startup_timeout_s = startup_timeout_s
         self.binary = binary
@@ -161,7 +167,7 @@ class LocalRedis:
             raise RegistryUnavailable(f"cannot start {self.binary} on {where}: {exc}") from exc
 
     def _start_on(self, binary_path: str, port: int, from_supervisor: bool = False) -> None:
-        work_dir = tempfile.mkdtemp(prefix="disagg-redis-")
+        work_dir = tempfile.mkdtemp(prefix=REDIS_DIR_PREFIX)
         config_path = Path(work_dir) / "redis.conf"
         # The password goes in a 0600 file, not on the command line where `ps` would show it.
         config_path.write_text(self._config(port, work_dir))
@@ -169,7 +175,7 @@ class LocalRedis:
         log = open(Path(work_dir) / "redis.log", "wb")
         try:
             self.proc = subprocess.Popen(
-                [*self._parent_death_prefix(from_supervisor), binary_path, str(config_path)],
+                [*self._death_prefix(from_supervisor), binary_path, str(config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -180,6 +186,7 @@ class LocalRedis:
             log.close()
         self.port = port
         self._finalizer = weakref.finalize(self, _stop_process, self.proc, work_dir)
+        self._finalizer.atexit = not self.outlive_owner
         self._work_dir = work_dir
         self._wait_until_ready()
 
@@ -197,6 +204,9 @@ class LocalRedis:
             quoted = self.password.replace("\\", "\\\\").replace('"', '\\"')
             lines.append(f'requirepass "{quoted}"')
         return "\n".join(lines) + "\n"
+
+    def _death_prefix(self, from_supervisor: bool) -> list[str]:
+        return [] if self.outlive_owner else self._parent_death_prefix(from_supervisor)
 
     @staticmethod
     def _parent_death_prefix(from_supervisor: bool = False) -> list[str]:

@@ -24,11 +24,12 @@ from dataclasses import dataclass, field
 
 import ray
 
+from disagg.config import ServingConfig
 from disagg.errors import RegistryUnavailable
 from disagg.kv_transfer.layout import KVLayout
 from disagg.placement.latency_model import StepModel
 from disagg.placement.online_fit import NEUTRAL_SEED, OnlineStepModel
-from disagg.placement.profile import Profile
+from disagg.placement.profile import Profile, load_profile
 from disagg.placement.predictor import Residual
 from disagg.placement.prefill_queue import Decodes, QueuedPrompt
 from disagg.placement.prefill_rate import PrefillRate
@@ -40,6 +41,7 @@ from disagg.rpc.client import RpcClient
 from disagg.rpc.services import TOKENS_TOPIC
 from disagg.rpc.stubs import DecodeStub, PrefillStub
 from disagg.step_work import MeasuredStep
+from disagg.supervision import supervised_task
 
 logger = logging.getLogger(__name__)
 STEP_INDEX_RESET = 1000  # a step index this far below the last learnt: a restarted worker's
@@ -253,6 +255,27 @@ class _Failure:
     link_broke: bool = True  # False: its heartbeat lapsed (it, or Redis, may be back at the same address)
 
 
+def directory_for(config: ServingConfig, registry: Registry, namespace: str, link_key: bytes,
+                  streams: DecodeStreams, prefix_index: PrefixIndex | None = None) -> InstanceDirectory:  # fmt: skip
+    """The directory a frontend (or the controller) keeps of `config`'s instances; a frontend's
+    reads the cluster's prefix index too (placement by cached prefix)."""
+    prefill_engine = config.pool_engine_config(config.prefill)
+    return InstanceDirectory(
+        registry,
+        namespace,
+        link_key,
+        streams,
+        heartbeat_ttl_s=config.heartbeat_ttl_s,
+        recovery_timeout_s=config.recovery_timeout_s,
+        profile=load_profile(config.profile) if config.profile else None,
+        prefill_budget=prefill_engine.max_num_batched_tokens,
+        prefill_chunk_cap=prefill_engine.prefill_chunk_cap,
+        prefill_by_work=prefill_engine.long_prefill_by_work,
+        block_size=config.engine.block_size,
+        prefix_index=prefix_index,
+    )
+
+
 class InstanceDirectory:
     def __init__(
         self,
@@ -364,7 +387,7 @@ class InstanceDirectory:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._refresh_forever(), name="instance-directory")
+        self._task = supervised_task("instance-directory", self._refresh_forever)
 
     async def stop(self) -> None:
         if self._task is not None:

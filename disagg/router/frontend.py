@@ -20,7 +20,7 @@ from disagg.router.directory import InstanceDirectory
 from disagg.router.grpc_service import Undecodable
 from disagg.router.kv_tier_status import flat_kv_tiers
 from disagg.router.key_guard import given_key
-from disagg.router.replanning import LoggedDecision, ReplanLoop
+from disagg.router.replanning import LoggedDecision, ReplanView
 from disagg.router.request_path import RequestFailed, RequestPath
 from disagg.router.stream_stats import Outcome
 from disagg.rpc.messages import TokenDelta
@@ -29,9 +29,9 @@ from disagg.v1 import serving_pb2, serving_pb2_grpc
 
 class ServingServicer(serving_pb2_grpc.ServingServicer):
     def __init__(
-        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanLoop | None = None
+        self, path: RequestPath, directory: InstanceDirectory, model_name: str, replanning: ReplanView | None = None
     ):
-        """`replanning`: the closed loop, where this frontend runs one (its decisions are shown)."""
+        """`replanning`: the controller's re-planning decisions, where it re-plans (shown)."""
         self.path = path
         self.orchestrator = path.orchestrator
         self.directory = directory

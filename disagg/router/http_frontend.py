@@ -30,6 +30,7 @@ from aiohttp import web
 from disagg.config import ServingConfig
 from disagg.errors import DisaggError, InvalidRequestError, http_status
 from disagg.router.directory import InstanceDirectory
+from disagg.router.health import HealthVerdict
 from disagg.router.openai_requests import ApiRequest, choice_params, parse_chat, parse_completion
 from disagg.router.openai_responses import Answer, error_body, invalid_request_body
 from disagg.router.request_path import RequestFailed, RequestPath
@@ -52,8 +53,13 @@ Emit = Callable[[int, TokenDelta, "Outcome | None"], Awaitable[None]]
 
 
 class HttpFrontend:
-    def __init__(self, path: RequestPath, directory: InstanceDirectory, config: ServingConfig, model_name: str):
+    def __init__(
+        self, path: RequestPath, directory: InstanceDirectory, config: ServingConfig, model_name: str,
+        verdict: HealthVerdict | None = None,
+    ):  # fmt: skip
+        """`verdict`: the server's health loop's (disagg.router.health); None: the pools alone."""
         self.path = path
+        self.verdict = verdict
         self.directory = directory
         self.config = config
         self.model_name = model_name
@@ -137,11 +143,14 @@ class HttpFrontend:
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 while serving and every pool has an instance in placement (as gRPC's health).
-        Behind the API key like the rest, unless `health_without_key` opens it for probes."""
+        """200 while serving, every pool has an instance in placement and the controller lives
+        (as gRPC's health: disagg.router.health). Behind the API key like the rest, unless
+        `health_without_key` opens it for probes."""
         if not self.config.health_without_key and not self._authorized(request):
             return _unauthorized()
-        serving = not self.path.draining and all(self.directory.healthy(role) for role, _ in self.config.pools())
+        judged_ill = self.verdict is not None and self.verdict.problem is not None
+        pools_served = all(self.directory.healthy(role) for role, _ in self.config.pools())
+        serving = not self.path.draining and pools_served and not judged_ill
         return web.json_response({"status": "ok" if serving else "unavailable"}, status=200 if serving else 503)
 
     # ---- a generation ----------------------------------------------------------------------------------

@@ -26,7 +26,6 @@ from disagg.router.orchestrator import Handover, Orchestrator, Placement
 
 logger = logging.getLogger(__name__)
 HEADROOM_TOKENS = 64  # positions a target reserves beyond the known tokens (the source decodes on meanwhile)
-CALL_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -88,7 +87,7 @@ class LiveMoves:
                 return False
             reservation = await target.decode_service.reserve_migration(
                 request_id, known, params, placement.num_prompt_tokens, layout, capacity,
-                self.orchestrator.config.kv_timeout_s, placement.priority, timeout_s=CALL_TIMEOUT_S,
+                self.orchestrator.config.kv_timeout_s, placement.priority, timeout_s=self._timeout_s,
             )  # fmt: skip
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
             logger.warning("move of %s: no reservation on %s: %s", request_id, target.instance_id, exc)
@@ -98,7 +97,7 @@ class LiveMoves:
         placement.moving_to = target
         mailbox = self.orchestrator.streams.open(target.instance_id, request_id)  # before it can stream anything
         try:
-            tokens = await source.decode_service.migrate_out(request_id, reservation, timeout_s=CALL_TIMEOUT_S)
+            tokens = await source.decode_service.migrate_out(request_id, reservation, timeout_s=self._timeout_s)
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError) as exc:
             logger.warning("move of %s from %s failed: %s", request_id, source.instance_id, exc)
             await self._release_target(placement, target)
@@ -116,16 +115,20 @@ class LiveMoves:
         worker listens elsewhere: its request link's address changes too)."""
         key = ("migration_layout", source.view.info.rpc_address)
         if key not in source.extra:
-            source.extra[key] = await source.decode_service.migration_layout(timeout_s=CALL_TIMEOUT_S)
+            source.extra[key] = await source.decode_service.migration_layout(timeout_s=self._timeout_s)
         return source.extra[key]
 
     async def _release_target(self, placement: Placement, target: Instance) -> None:
         placement.moving_to = None
         self.orchestrator.streams.close(target.instance_id, placement.request_id)
         try:
-            await target.decode_service.abort(placement.request_id, timeout_s=CALL_TIMEOUT_S)
+            await target.decode_service.abort(placement.request_id, timeout_s=self._timeout_s)
         except (WorkerLinkError, RemoteError, asyncio.TimeoutError):
             pass  # its reservation expires with the KV timeout
+
+    @property
+    def _timeout_s(self) -> float:
+        return self.orchestrator.config.control_call_timeout_s
 
     def _failed(self) -> bool:
         self.stats.failed += 1

@@ -114,7 +114,8 @@ class Handover:
 
 class ArrivalListener(Protocol):
     """Who hears each request as it arrives: the re-planner's traffic window
-    (disagg.router.replanning.ReplanLoop), or a replica's feed of it (shared_arrivals.ArrivalFeed)."""
+    (disagg.router.replanning.ReplanLoop), or a frontend's feed of it to the controller's
+    (shared_arrivals.ArrivalFeed)."""
 
     def arrived(
         self, at: float, prompt_tokens: int, output_tokens: int, slo: SLO | None = None, priority: int = 0

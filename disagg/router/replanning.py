@@ -33,13 +33,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from disagg.config import ServingConfig
+from disagg.engine.memory_fit import kv_element_bytes
 from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
-from disagg.placement.profile import Profile
+from disagg.placement.profile import Profile, load_profile
 from disagg.planner.decision_check import Check, DecisionChecker
 from disagg.planner.live_pricing import Price, price_splits
 from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, host_factor
@@ -48,6 +50,9 @@ from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.replan_pricer import PricingBusy, PricingPool
 from disagg.slo import SLO
 from disagg.step_work import MeasuredStep
+
+if TYPE_CHECKING:  # (torch, behind it, would slow every start of the controller that runs this)
+    from disagg.engine.model_card import ModelCard
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1
@@ -75,6 +80,38 @@ class LoggedDecision:
     decision: Decision
     switch: SwitchRecord | None = None
     check: Check | None = None  # the switch checked against the window after it
+
+
+@dataclass
+class ReplanView:
+    """The controller's latest re-planning decisions as a frontend last fetched them (for
+    `disagg status`: ClusterStatus shows `log`)."""
+
+    log: list[LoggedDecision] = field(default_factory=list)
+
+
+def replans(config: ServingConfig) -> bool:
+    """Re-planning runs where instances may switch (ServingConfig.switchable) and there is a
+    split to choose (three instances or more)."""
+    return config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
+
+
+def replan_loop_for(
+    config: ServingConfig, directory: InstanceDirectory, card: ModelCard, metrics: ServingMetrics,
+    on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple[float, int, int]]],
+) -> ReplanLoop | None:  # fmt: skip
+    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`);
+    None where it would not run (replans)."""
+    if not replans(config):
+        return None
+    base = load_profile(config.profile) if config.profile else None
+    kv_bytes = card.config.kv_bytes_per_token * (card.kv_element_bytes or kv_element_bytes(config.engine))
+    layers = card.config.num_hidden_layers
+
+    def profile():
+        return live_profile(base, directory, config.engine.model, kv_bytes, layers)
+
+    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals)
 
 
 def live_profile(base: Profile | None, directory: InstanceDirectory, model: str, kv_bytes_per_token: int,
@@ -201,13 +238,12 @@ class ReplanLoop:
         return split if split.prefill + split.decode == self.total else None
 
     async def run(self) -> None:
+        """Rounds every replan_interval_s; a round that raises ends it (disagg.supervision restarts
+        it, counted). Its pricing process ends with it."""
         try:
             while True:
                 await asyncio.sleep(self.config.replan_interval_s)
-                try:
-                    await self.step()
-                except Exception:  # noqa: BLE001 - the loop outlives one bad round; the server serves on
-                    logger.exception("re-planning round failed")
+                await self.step()
         finally:
             self.pricer.close()
 
@@ -310,7 +346,7 @@ class ReplanLoop:
             return
         try:
             arrivals = await asyncio.to_thread(self.shared_arrivals)
-        except RegistryUnavailable as exc:  # this round plans on frontend 0's arrivals alone
+        except RegistryUnavailable as exc:  # this round plans on what it took before
             logger.warning("re-plan without the other frontends' arrivals: %s", exc)
             return
         for at, prompt_tokens, output_tokens in arrivals:
@@ -331,13 +367,13 @@ class ReplanLoop:
         started = time.monotonic()
         self.directory.hold_out(leaving.instance_id)
         try:
-            await leaving.actor.drain.remote()
+            await self._call(leaving.actor.drain.remote())
             record.outcome, record.reason = await self._switch_when_idle(leaving, to_role)
-            await leaving.actor.resume_service.remote()
+            await self._call(leaving.actor.resume_service.remote())
             if record.outcome == "done":
                 await self._until_registered(leaving.instance_id, to_role)
                 self.on_switched(leaving.instance_id, to_role)
-        except Exception as exc:  # noqa: BLE001 - the actor died mid-switch: recovery relaunches it
+        except Exception as exc:  # noqa: BLE001 - the actor died (recovery relaunches it) or is wedged
             record.outcome, record.reason = "failed", f"{type(exc).__name__}: {exc}"
         finally:
             self.directory.release(leaving.instance_id)
@@ -354,7 +390,7 @@ class ReplanLoop:
         deadline = time.monotonic() + self.config.replan_switch_timeout_s
         while True:
             try:
-                await instance.actor.switch_role.remote(to_role)
+                await self._call(instance.actor.switch_role.remote(to_role))
                 return "done", ""
             except Exception as exc:  # noqa: BLE001 - Ray wraps the worker's ValueError
                 if "drain it first" not in str(exc):
@@ -362,6 +398,13 @@ class ReplanLoop:
                 if time.monotonic() > deadline:
                     return "failed", f"still held requests after {self.config.replan_switch_timeout_s:.0f} s"
             await asyncio.sleep(IDLE_POLL_S)
+
+    async def _call(self, call):
+        """A Ray call on an instance, bounded: a wedged instance fails the switch, not the loop."""
+        try:
+            return await asyncio.wait_for(call, self.config.control_call_timeout_s)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"no answer within {self.config.control_call_timeout_s:.0f} s") from None
 
     async def _until_registered(self, instance_id: str, role: str) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S

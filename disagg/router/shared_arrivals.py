@@ -1,9 +1,9 @@
-"""Every frontend's arrivals, for the re-planner, which runs on frontend 0 only.
+"""Every frontend's arrivals, for the re-planner, which runs in the deployment's controller.
 
 With several frontends (ServingConfig.frontends) each sees only the requests sent to it, while
-the split must be planned for all of them: a re-planner that saw frontend 0's share alone would
-plan for 1/N of the traffic. Each replica hands its arrivals to Redis in batches, off its event
-loop (disagg.router.records); frontend 0's re-planner takes them before each round. Times cross
+the split must be planned for all of them: a re-planner that saw one frontend's share alone would
+plan for 1/N of the traffic. Each frontend hands its arrivals to Redis in batches, off its event
+loop (disagg.router.records); the controller's re-planner takes them before each round. Times cross
 processes (and nodes) as wall-clock time, each side converting from and to its own monotonic
 clock. Soft state: a batch lost while Redis is away only makes one round plan on less.
 """
@@ -15,7 +15,7 @@ import time
 from disagg.registry import Registry
 from disagg.router.records import BatchedWrites
 
-MAX_UNREAD = 16_384  # arrivals kept in Redis until frontend 0 takes them (its window keeps 4,096)
+MAX_UNREAD = 16_384  # arrivals kept in Redis until the re-planner takes them (its window keeps 4,096)
 
 
 def _wall_minus_monotonic() -> float:
@@ -23,7 +23,7 @@ def _wall_minus_monotonic() -> float:
 
 
 class ArrivalFeed(BatchedWrites):
-    """On a replica: what the orchestrator's arrivals are handed to, shared (an ArrivalListener)."""
+    """On a frontend: what the orchestrator's arrivals are handed to, shared (an ArrivalListener)."""
 
     def __init__(self, registry: Registry, window_s: float, interval_s: float = 1.0):
         super().__init__(
@@ -40,6 +40,6 @@ class ArrivalFeed(BatchedWrites):
 
 
 def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int]]:
-    """On frontend 0: the replicas' arrivals not yet taken, at this process's time.monotonic()."""
+    """In the controller: the frontends' arrivals not yet taken, at this process's time.monotonic()."""
     offset = _wall_minus_monotonic()
     return [(wall - offset, prompt_tokens, max_tokens) for wall, prompt_tokens, max_tokens in registry.take_arrivals()]

@@ -21,6 +21,13 @@ fails too. `--kill-frontend-every S` SIGKILLs a random frontend replica (fronten
 0 is `disagg serve` itself, which holds Ray and Redis) every S seconds, beside the worker kills.
 
     .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30 --frontends 2 --kill-frontend-every 60
+
+`--kill-controller-every S` SIGKILLs the deployment's controller (disagg.controller: relaunch
+supervision and re-planning) every S seconds; its recovery: until Ray has started it again, it
+has adopted the workers (every instance listed) and frontend 0's health says SERVING (a lapsed
+controller heartbeat turns it NOT_SERVING).
+
+    .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30 --frontends 2 --kill-controller-every 60
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--frontends", type=int, default=1, help="frontends of the deployment (ServingConfig.frontends)")
     p.add_argument("--kill-frontend-every", type=float, default=0.0, help="seconds between frontend kills; 0: none")
+    p.add_argument("--kill-controller-every", type=float, default=0.0, help="seconds between controller kills; 0: none")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -151,6 +159,45 @@ def kill_frontends_on_schedule(args, dep: Deployment, rng, end: float) -> list[d
     return kills
 
 
+def kill_controller_on_schedule(args, dep: Deployment, client: DisaggClient, expected: int, end: float) -> list[dict]:
+    """The controller every `--kill-controller-every` seconds; recovery: a new controller process,
+    every instance listed, and frontend 0 SERVING again."""
+    kills = []
+    while time.monotonic() + args.kill_controller_every <= end:
+        time.sleep(args.kill_controller_every)
+        victims = dep.controller()
+        if not victims:
+            continue
+        (pid, name), *_ = sorted(victims.items())
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        while time.monotonic() - killed_at < 300 and not controller_back(dep, client, pid, expected):
+            time.sleep(0.2)
+        kills.append(
+            {"pid": pid, "worker": name, "killed_at": killed_at, "recovery_s": round(time.monotonic() - killed_at, 2)}
+        )
+        print(f"killed the controller (pid {pid}): back in {kills[-1]['recovery_s']} s", flush=True)
+    return kills
+
+
+def controller_back(dep: Deployment, client: DisaggClient, killed_pid: int, expected: int) -> bool:
+    if not [pid for pid in dep.controller() if pid != killed_pid]:
+        return False
+    try:
+        return listed(client) >= expected and serving(dep.address)
+    except grpc.RpcError:
+        return False
+
+
+def serving(address: str) -> bool:
+    """gRPC health of the frontend at `address` is SERVING."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def all_frontends_serve(dep: Deployment) -> bool:
     try:
         for address in dep.frontend_addresses:
@@ -211,7 +258,14 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         time.sleep(min(args.warm_up, args.minutes * 60))
         rss_start = dep.rss_mb()
         frontend_kills: list[dict] = []
-        killer = None
+        controller_kills: list[dict] = []
+        killer, controller_killer = None, None
+        if args.kill_controller_every > 0:
+            controller_killer = threading.Thread(
+                target=lambda: controller_kills.extend(kill_controller_on_schedule(args, dep, client, expected, end)),
+                daemon=True,
+            )
+            controller_killer.start()
         if args.kill_frontend_every > 0:
             killer = threading.Thread(
                 target=lambda: frontend_kills.extend(
@@ -222,15 +276,17 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
             killer.start()
         kills = kill_on_schedule(args, dep, client, rng, expected, started, end) if args.kill_every > 0 else []
         time.sleep(max(0.0, end - time.monotonic()))
-        if killer is not None:
-            killer.join(timeout=320)
+        for thread in (killer, controller_killer):
+            if thread is not None:
+                thread.join(timeout=320)
         load.stop.set()
         load.thread.join(timeout=320)
         leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.metric("disagg:request_migrations_total{")
     outcome = load.outcome(reference)
-    for kill in kills + frontend_kills:  # seconds into the load, as the wrong outputs' times
+    for kill in kills + frontend_kills + controller_kills:  # seconds into the load, as the wrong outputs' times
         kill["at_s"] = round(kill.pop("killed_at") - load.started, 1)
     recoveries = [k["recovery_s"] for k in kills + frontend_kills]
+    controller_recoveries = [k["recovery_s"] for k in controller_kills]
     frontend_recoveries = [k["recovery_s"] for k in frontend_kills]
     failed, wrong = outcome["failed"], outcome["wrong"]
     result = {
@@ -238,6 +294,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         "migrated": migrated, "wrong_outputs": len(wrong), "errors": outcome["messages"], "leaked_blocks": leaked,
         "kills": kills, "frontend_kills": frontend_kills, "wrong": wrong, "retried_on_another_frontend": outcome["retried"],
         "frontend_recovery_p50_s": statistics.median(frontend_recoveries) if frontend_recoveries else None,
+        "controller_kills": controller_kills,
+        "controller_recovery_max_s": max(controller_recoveries) if controller_recoveries else None,
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
@@ -257,6 +315,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
     print(f"recovery p50 s: {result['recovery_p50_s']}")
     if frontend_kills:
         print(f"frontend recovery p50 s: {result['frontend_recovery_p50_s']}")
+    if controller_kills:
+        print(f"controller kills: {len(controller_kills)}, back within s: {result['controller_recovery_max_s']}")
     print(f"rss drift %: {result['rss_drift_pct']:.1f}")
     return 0 if not failed and not wrong and not leaked else 1
 

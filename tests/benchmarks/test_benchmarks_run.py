@@ -219,6 +219,11 @@ SMOKE = {
         "--kill-frontend-every", "6", "--concurrency", "2", "--max-tokens", "4", "--out", "{tmp}/chaos.json"),
         (r"^killed frontend .*: recovered in [\d.]+ s", r"^frontends 2: \d+ killed, \d+ requests retried",
          r"^lost: \d+$", r"^leaked blocks: \d+$", r"^frontend recovery p50 s: [\d.]+$"), heavy=True),
+    "faults.chaos-controller": Smoke("faults.chaos", (
+        "--config", "{config}", "--minutes", "0.4", "--kill-every", "0", "--warm-up", "0", "--frontends", "2",
+        "--kill-controller-every", "8", "--concurrency", "2", "--max-tokens", "4", "--out", "{tmp}/chaos.json"),
+        (r"^killed the controller \(pid \d+\): back in [\d.]+ s", r"^lost: \d+$", r"^leaked blocks: \d+$",
+         r"^controller kills: \d+, back within s: [\d.]+$"), heavy=True),
     "faults.fuzz": Smoke("faults.fuzz", (
         "--config", "{config}", "--requests", "20", "--fuzz-clients", "2", "--innocent-clients", "1", "--max-tokens", "4",
         "--cases", "^(?!ids at limit)", "--out", "{tmp}/fuzz.json"),  # that one prefills 8k tokens

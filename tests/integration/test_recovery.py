@@ -126,7 +126,7 @@ def test_a_killed_decode_worker_loses_no_request_and_comes_back(server, client):
     assert migrations(server) - before >= killed["streams"], "every stream on the killed worker migrated"
     wait_relaunched(client, killed["instance"], killed["pid"])
     # Back in service: with the other decode instance silent, it serves alone.
-    (other,) = [i for i in instances(server, "decode") if i is not killed["instance"]]
+    (other,) = [i for i in instances(server, "decode") if i.instance_id != killed["instance"].instance_id]
     ray.get(other.actor.set_heartbeat_enabled.remote(False))
     try:
         wait_listed(client, other.instance_id, present=False)

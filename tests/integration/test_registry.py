@@ -127,6 +127,17 @@ def test_a_departure_is_told_from_a_lapse_until_the_instance_is_back(registry):
     assert registry.departed(["p0"]) == set()  # the note is bounded in time too
 
 
+def test_the_controllers_key_lapses_unless_refreshed_and_goes_when_it_stops(registry):
+    assert not registry.controller_alive()
+    registry.controller_heartbeat(ttl_s=0.3)
+    assert registry.controller_alive()
+    time.sleep(0.5)
+    assert not registry.controller_alive(), "a controller that stopped beating is gone"
+    registry.controller_heartbeat(ttl_s=30)
+    registry.controller_gone()
+    assert not registry.controller_alive()
+
+
 def test_namespaces_are_isolated(redis_url, registry):
     registry.heartbeat(_info("p0"), LoadReport(), ttl_s=10)
     with Registry(redis_url, namespace=f"other-{uuid.uuid4().hex[:8]}") as other:

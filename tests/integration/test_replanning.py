@@ -7,7 +7,8 @@ tests/unit/test_replanner.py's). A switch under load loses nothing and changes n
 decoding requests of a leaving decode instance move with their KV; the instance then serves in
 its new pool. A switch refused (the instance still holds requests) leaves it serving in its
 old role. With two frontends, the requests frontend 1 placed move off a switching instance
-too (each frontend drains its own), and frontend 0's re-planner counts their arrivals.
+too (each frontend drains its own), and the re-planner, which runs in the deployment's
+controller (disagg.controller), counts every frontend's arrivals.
 """
 
 from __future__ import annotations
@@ -74,8 +75,14 @@ def streamed_tokens(client, requests, during=None) -> list[list[int]]:
     return [tokens for tokens, _ in stream_all(client, requests, during)]
 
 
-def on_server_loop(server, coroutine, timeout_s: float = 90):
-    return asyncio.run_coroutine_threadsafe(coroutine, server._loop).result(timeout_s)
+def switch(server, from_role: str, to_role: str, timeout_s: float = 120):
+    """One switch now, by the deployment's controller (which runs the re-planner)."""
+    return server.launcher.replan_switch(from_role, to_role, timeout_s)
+
+
+def arrivals_seen(server) -> list:
+    """The re-planner's window, the frontends' arrivals taken into it first."""
+    return server.launcher.replan_take_arrivals()
 
 
 def pools(client) -> dict[str, list[str]]:
@@ -98,7 +105,7 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
     to_prefill = streamed_tokens(
         client,
         requests,
-        during=lambda: switches.append(on_server_loop(server, server.replanning.switch("decode", "prefill"))),
+        during=lambda: switches.append(switch(server, "decode", "prefill")),
     )
     assert to_prefill == expected, "a token repeated, missing or changed across the switch"
     assert switches[0].outcome == "done", switches[0].reason
@@ -116,7 +123,7 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
     back = streamed_tokens(
         client,
         requests,
-        during=lambda: switches.append(on_server_loop(server, server.replanning.switch("prefill", "decode"))),
+        during=lambda: switches.append(switch(server, "prefill", "decode")),
     )
     assert back == expected
     assert switches[1].outcome == "done", switches[1].reason
@@ -152,38 +159,35 @@ def decode_running(server) -> int:
 
 
 def test_another_frontends_requests_move_off_a_switching_instance_and_are_planned_for(server):
-    loop = server.replanning
-    on_server_loop(server, loop._take_shared_arrivals())  # what earlier tests left
-    counted = len(loop.window._seen)
+    counted = len(arrivals_seen(server))  # what earlier tests left
     since = time.monotonic()
     requests = [request(q, max_tokens=LONG_MAX_TOKENS) for q in QUESTIONS]
     with DisaggClient(server.frontend_addresses()[1]) as replica:
         expected = streamed_tokens(replica, requests)
         switches, running_after = [], []
 
-        def switch():
-            switches.append(on_server_loop(server, loop.switch("decode", "prefill")))
+        def switch_now():
+            switches.append(switch(server, "decode", "prefill"))
             running_after.append(decode_running(server))
 
-        assert streamed_tokens(replica, requests, during=switch) == expected
+        assert streamed_tokens(replica, requests, during=switch_now) == expected
     assert switches[0].outcome == "done", switches[0].reason
     # The switched instance held none of them when it switched, yet all were still decoding: its
     # share had moved to the other decode instance (not waited out: without frontend 1's drain
     # the switch waits for them to end).
     assert running_after == [len(requests)]
     time.sleep(1.5)  # frontend 1's feed writes every second
-    on_server_loop(server, loop._take_shared_arrivals())
-    arrivals = list(loop.window._seen)[counted:]
-    assert len(arrivals) == 2 * len(requests), "frontend 0's window counts frontend 1's requests"
-    assert all(since - 1 <= at <= time.monotonic() for at, *_ in arrivals)
-    back = on_server_loop(server, loop.switch("prefill", "decode"))
+    arrivals = arrivals_seen(server)[counted:]
+    assert len(arrivals) == 2 * len(requests), "the controller's window counts frontend 1's requests"
+    assert all(since - 1 <= at <= time.monotonic() for at, _, _ in arrivals)
+    back = switch(server, "prefill", "decode")
     assert back.outcome == "done", back.reason
 
 
 def test_a_round_prices_every_split_from_the_live_state_in_a_process_of_its_own(server, client):
     """Issue 53: the workers' reports carry their decodes in flight; the live state built from
     them prices every split in the spawned pricing process."""
-    loop = server.replanning
+    loop = server.launcher.controller.replanning  # (the controller runs in the test's process)
     profile = load_profile(PROFILE)
     seen = []
 

@@ -43,6 +43,7 @@ def _serve(workdir: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "DISAGG_STATE_DIR": str(workdir / "state")},  # its own record of its deployment
         )
     deadline = time.monotonic() + START_TIMEOUT_S
     while not ready.exists() or not ready.read_text().strip():

@@ -24,8 +24,8 @@ class Actor:
     """Each method's `.remote(*args)` is awaitable and logs the call; switch_role refuses
     (as a busy worker does) `refusals` times, or for good with `refusals` < 0."""
 
-    def __init__(self, log: list, name: str, refusals: int = 0):
-        self.log, self.name, self.refusals = log, name, refusals
+    def __init__(self, log: list, name: str, refusals: int = 0, wedged: bool = False):
+        self.log, self.name, self.refusals, self.wedged = log, name, refusals, wedged
 
     def __getattr__(self, method: str):
         actor = self
@@ -34,6 +34,8 @@ class Actor:
             @staticmethod
             async def remote(*args):
                 actor.log.append((actor.name, method, *args))
+                if actor.wedged:  # a call Ray never answers
+                    await asyncio.Event().wait()
                 if method == "switch_role" and actor.refusals != 0:
                     actor.refusals -= 1
                     raise ValueError("switch: the instance still holds requests; drain it first")
@@ -251,3 +253,22 @@ def test_a_switch_that_measured_worse_than_staying_is_undone_and_not_chosen_agai
     assert loop.replanner._vetoed[Split(1, 2)] > now
     assert loop.metrics.replan_measured_goodput._value.get() == 0.0
     assert loop.metrics.replan_predicted_goodput._value.get() == 4.2
+
+
+def test_a_wedged_instance_fails_its_switch_and_the_replanner_goes_on(monkeypatch):
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
+    loop, directory, log, switched = setup(control_call_timeout_s=0.2)
+    directory.get("d0").actor.wedged = True
+    deciding(loop, Split(2, 1))
+
+    async def two_rounds():
+        first = await asyncio.wait_for(loop.step(), 5.0)
+        directory.get("d0").actor.wedged = False
+        return first, await asyncio.wait_for(loop.step(), 5.0)
+
+    started = time.monotonic()
+    first, second = asyncio.run(two_rounds())
+    assert first.switch.outcome == "failed" and "no answer within" in first.switch.reason
+    assert time.monotonic() - started < 3.0, "one call's timeout, not a hang"
+    assert not directory.held, "the wedged instance is released, not held out for good"
+    assert second.switch.outcome == "done" and switched == [("d0", "prefill")]
