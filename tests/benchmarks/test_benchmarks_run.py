@@ -97,6 +97,9 @@ SMOKE = {
         (r"^decode batch\s+2 ctx 8: step", r"^prefill 16 tokens: step"), skip=no_cuda),
     "engine.batch_invariance": Smoke("engine.batch_invariance", ("--sides", ".", "--smoke"),
         (r"^\.: decode_tok_s@1 [\d.]+, decode_tok_s@2 [\d.]+, prefill_s@64 [\d.]+; 'The capital of France is Paris\.'$",)),
+    "engine.decode_step": Smoke("engine.decode_step", (
+        "--output-len", "8", "--repeats", "1", "--out", "{tmp}/decode_step.json"),
+        (r"^fused\s+decode step\s+[\d.]+ ms", r"^unfused / fused step: [\d.]+x"), heavy=True),
     "engine.fp8": Smoke("engine.fp8", ("--batches", "1", "--repeats", "1", "--skip-engine"),
         (r"^\s*\w+ batch\s+1: bf16\s+[\d.]+ us\s+fp8\s+[\d.]+ us",), skip=no_cuda),
     "engine.triton_kernels": Smoke("engine.triton_kernels", ("--batch", "2", "--context", "16"),
