@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 import torch
-from support import _COMMON, FAMILY_SHAPES, FAMILY_WINDOW, RESIDUAL_GAIN, make_family_checkpoint  # noqa: F401
+from support import _COMMON, FAMILY_SHAPES, FAMILY_WINDOW, RESIDUAL_GAIN, default_gguf_location, make_family_checkpoint  # noqa: F401
 
 # Tests run the engine with dense float32 weights unless they ask otherwise (weights="auto"):
 # quantized weights load slower (they are packed at load) and change greedy outputs where a
@@ -177,3 +177,15 @@ def tiny_moe_checkpoint(tmp_path_factory):
         return make_tiny_moe_checkpoint(tmp_path_factory.mktemp(f"moe_{kind}"), kind, seed, **overrides)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def default_hf_reference():
+    """(tokenizer, model) of transformers loaded from the default GGUF (the oracle of the default
+    model's tests): dequantized once a session (~14 s), read-only."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_dir, gguf_name = default_gguf_location()
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32).eval()
+    return tokenizer, model

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import default_gguf_location, describe_mismatches, hf_greedy, random_prompts
+from support import describe_mismatches, hf_greedy, random_prompts
 
 from disagg import LLM, SamplingParams
 
@@ -118,14 +118,8 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def default_reference():
-    """(tokenizer, model) of transformers loaded from the default GGUF; loaded once (~14 s)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf_dir, gguf_name = default_gguf_location()
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32).eval()
-    return tokenizer, model
+def default_reference(default_hf_reference):
+    return default_hf_reference
 
 
 @pytest.fixture(scope="module")

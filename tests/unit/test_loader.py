@@ -15,7 +15,7 @@ from support import tiny_tokenizer
 from disagg.config import DEFAULT_MODEL
 from disagg.engine import gguf_convert
 from disagg.engine.gguf_convert import llama3_factors, llama3_scaling_from_factors, unpermute_rotary
-from disagg.engine.loader import default_gguf_path, load_model_source
+from disagg.engine.loader import load_model_source
 from disagg.engine.models import expected_weight_shapes
 from disagg.errors import ModelLoadError
 
@@ -533,14 +533,8 @@ def test_default_model_config_cache_and_tokenizer(default_cache):
 
 
 @pytest.mark.slow
-def test_default_model_q_k_match_transformers_gguf_loader(default_cache):
-    from transformers import AutoModelForCausalLM
-
-    path = default_gguf_path()
-    reference = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
-    )
-    ref = reference.state_dict()
+def test_default_model_q_k_match_transformers_gguf_loader(default_cache, default_hf_reference):
+    ref = default_hf_reference[1].state_dict()
     ours = weights(default_cache[1])
     for name in (
         "model.layers.0.self_attn.q_proj.weight",
