@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 
 # The benchmarks' smoke runs that take minutes in all (deployments, Ray, several model processes): bench-smoke.
 test: setup lint
-	$(PY) -m pytest -q -x --durations=15 --ignore=tests/deploy -m "not bench_heavy" tests
+	$(PY) -m pytest -q -x --durations=40 --ignore=tests/deploy -m "not bench_heavy" tests
 
 # Those smoke runs of tests/benchmarks (make test runs the others, seconds each); CI runs both.
 bench-smoke: setup
