@@ -72,9 +72,13 @@ def ratio_allows(before: Split, after: Split, target: float) -> bool:
     return off(after) <= max(1.0, off(before))
 
 
-def within_bounds(split: Split, bounds: ScaleBounds) -> bool:
-    if min(split.prefill, split.decode) < 1:  # never the last of a pool
+def within_bounds(split: Split, bounds: ScaleBounds, delta: int) -> bool:
+    """Never the last of a pool; an add (`delta` 1) within the upper bounds too (a removal may
+    start above them: a deployment configured bigger)."""
+    if min(split.prefill, split.decode) < 1:
         return False
+    if delta < 0:
+        return True
     if max(split.prefill, split.decode) > max(1, bounds.max_per_pool):
         return False
     return bounds.max_total <= 0 or split.prefill + split.decode <= bounds.max_total
@@ -86,7 +90,7 @@ def candidates(current: Split, bounds: ScaleBounds, room: dict[str, bool]) -> li
     steps = [(role, 1, stepped(current, role, 1)) for role in ROLES if room.get(role)]
     steps += [(role, -1, stepped(current, role, -1)) for role in ROLES]
     return [(role, delta, split) for role, delta, split in steps
-            if within_bounds(split, bounds) and ratio_allows(current, split, bounds.pd_ratio)]  # fmt: skip
+            if within_bounds(split, bounds, delta) and ratio_allows(current, split, bounds.pd_ratio)]  # fmt: skip
 
 
 def best_step(current: Split, priced: dict[Split, Price], bounds: ScaleBounds, room: dict[str, bool],

@@ -54,6 +54,7 @@ def test_the_bounds_per_pool_and_in_total():
     total = ScaleBounds(max_per_pool=4, max_total=3)
     assert [s for _, d, s in candidates(Split(1, 2), total, ROOM) if d > 0] == []
     assert [s for _, d, s in candidates(Split(1, 1), ScaleBounds(max_per_pool=1), ROOM) if d > 0] == []
+    assert [s for _, d, s in candidates(Split(1, 6), BOUNDS, {}) if d < 0] == [Split(1, 5)]  # configured above
     with pytest.raises(ValueError):
         ScaleBounds(max_per_pool=-1)
 
