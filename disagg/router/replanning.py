@@ -299,8 +299,10 @@ class ReplanLoop:
         if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
             return await self._check(check, current, now)
         requests = self.window.requests(now)
-        room = await self._room(current)
+        room = await self._room()
         splits = self._splits(current, room)
+        if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
+            return None
         enough = len(requests) >= MIN_WINDOW_REQUESTS
         priced = await self._price(self._live(requests), requests, splits) if enough else {}
         if priced is None:
@@ -324,7 +326,7 @@ class ReplanLoop:
             splits += [split for _, _, split in candidates(current, self.scaling.bounds, room) if split not in splits]
         return splits
 
-    async def _room(self, current: Split) -> dict[str, bool]:
+    async def _room(self) -> dict[str, bool]:
         """Which pools the cluster has room to grow by a whole instance (none without a scaler,
         or where Ray does not answer)."""
         if self.scaler is None:
