@@ -217,6 +217,7 @@ def test_a_round_prices_every_split_from_the_live_state_in_a_process_of_its_own(
 def test_the_controller_adds_an_instance_where_ray_has_room_and_removes_one_under_load_losing_nothing(server, client):
     """Scaling (issue 53, item 3) on the real cluster: 1.5 of its 2 CPUs taken, room for one more
     instance of 0.5; the one removed is drained while requests stream (they move or finish)."""
+    started = time.monotonic()
     loop = server.launcher.controller.replanning
     assert loop.scaler is not None and loop.scaler.room_for("decode")
     added = server.launcher.replan_scale("decode", 1)
@@ -225,7 +226,8 @@ def test_the_controller_adds_an_instance_where_ray_has_room_and_removes_one_unde
     while added.instance_id not in pools(client).get("decode", []) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert added.instance_id in pools(client)["decode"] and loop.current_split() == Split(1, 3)
-    requests = workload()
+    print(f"added {added.instance_id} in {added.seconds:.1f} s ({time.monotonic() - started:.1f} s)")
+    requests = [request(q) for q in QUESTIONS[:2]]  # greedy: the same tokens wherever they decode
     expected = streamed_tokens(client, requests)
     removed = []
     during = streamed_tokens(
@@ -234,3 +236,6 @@ def test_the_controller_adds_an_instance_where_ray_has_room_and_removes_one_unde
     assert during == expected, "a token repeated, missing or changed across the removal"
     assert removed[0].kind == "remove" and removed[0].outcome == "done", removed[0].reason
     assert loop.current_split() == Split(1, 2) and len(server.launcher.instances) == 3
+    print(
+        f"removed {removed[0].instance_id} in {removed[0].seconds:.1f} s; the test {time.monotonic() - started:.1f} s"
+    )
