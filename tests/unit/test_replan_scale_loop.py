@@ -165,3 +165,23 @@ def test_a_removal_that_does_not_drain_in_time_leaves_the_instance_in_service():
     assert record.outcome == "failed" and "still held requests" in record.reason
     assert log[-1][1] == "resume_service" and len(directory.healthy("decode")) == 2
     assert loop.total == 3 and scale_counts(loop) == {("down", "failed"): 1.0}
+
+
+def test_an_added_instance_that_measured_worse_than_staying_is_removed_again(monkeypatch):
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
+    loop, directory, log = setup()
+    attainments = {Split(1, 1): 40.0, Split(1, 2): 95.0, Split(2, 1): 45.0}
+    pricing(loop, attainments)
+    asyncio.run(loop.step())
+    added = asyncio.run(loop.step())
+    assert added.switch.kind == "add" and loop.current_split() == Split(1, 2)
+    # The window after it: 10% met, where the same traffic priced staying 40 points above the new split.
+    attainments.update({Split(1, 1): 90.0, Split(1, 2): 50.0})
+    monkeypatch.setattr(loop.metrics, "slo_outcomes", lambda since, until: (1, 10))
+    for _ in range(10):
+        loop.arrived(time.monotonic(), 30, 30)
+    undo = asyncio.run(loop.step())
+    assert added.check.outcome == "undone" and undo.decision.reason.startswith("undo")
+    assert undo.switch.kind == "remove" and undo.switch.outcome == "done"
+    assert loop.current_split() == Split(1, 1) and ("launcher", "remove", undo.switch.instance_id) in log
+    assert scale_counts(loop) == {("up", "done"): 1.0, ("down", "done"): 1.0}
