@@ -165,8 +165,9 @@ def _print_replanning(status, shown: int = 5) -> None:
     print(f"re-planning: on; latest {min(shown, len(status.replan_decisions))} decisions")
     for d in status.replan_decisions[:shown]:
         when = time.strftime("%H:%M:%S", time.localtime(d.unix_time))
+        done = {"add": "added", "remove": "removed"}.get(d.step_kind, "switched")
         switch = (
-            f"; switched {d.switched_instance}: {d.switch_outcome} in {d.switch_seconds:.1f}s"
+            f"; {done} {d.switched_instance}: {d.switch_outcome} in {d.switch_seconds:.1f}s"
             if d.switched_instance
             else ""
         )

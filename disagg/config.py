@@ -679,6 +679,13 @@ class ServingConfig:
     replan_min_gain: float = 5.0  # points of predicted SLO attainment a switch must gain
     replan_price_timeout_s: float = 30.0  # how long one round's simulations may take (their process is ended after)
     replan_undo_margin: float = 5.0  # points of attainment a switch may measure under staying before it is undone
+    # Scaling (issue 53): where the cluster has room for a whole instance of a pool's shape, the loop
+    # prices one more instance in each pool (and one fewer where the window's load fits in fewer) as it
+    # prices switches, and adds or removes one when that beats staying by replan_min_gain.
+    replan_scale: bool = True
+    replan_max_instances: int = 4  # instances of one pool at most, by scaling (never fewer than one)
+    replan_max_total_instances: int = 0  # instances of both pools together at most (0: only the per-pool bound)
+    replan_pd_ratio: float = 0.0  # prefill instances per decode instance that scaling keeps within one of (0: none)
     api_key: str | None = None  # if set, clients send it as `x-api-key` metadata (HTTP: `Authorization: Bearer`)
     tls_cert_file: str | None = None  # TLS on the gRPC and the HTTP port alike
     tls_key_file: str | None = None  # the private key of tls_cert_file
@@ -752,6 +759,8 @@ class ServingConfig:
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.replan_undo_margin >= 0, "replan_undo_margin", "must be >= 0")
+        for name in ("replan_max_instances", "replan_max_total_instances", "replan_pd_ratio"):
+            _require(getattr(self, name) >= 0, name, "must be >= 0")
         _require(self.controller_grace_s >= 0, "controller_grace_s", "must be >= 0")
         _require(
             self.heartbeat_ttl_s > self.heartbeat_interval_s, "heartbeat_ttl_s", "must exceed heartbeat_interval_s"
@@ -802,6 +811,14 @@ class ServingConfig:
         if not self.replan or self.mode != "disaggregated":
             return False
         return all(p.workers_per_instance == 1 and not p.resources for p in (self.prefill, self.decode))
+
+    def scales(self) -> bool:
+        """Whether the re-planner may add or remove instances (whole ones: TP x PP and labelled pools
+        too): a disaggregated deployment with a pool under replan_max_instances, or of two or more."""
+        if not (self.replan and self.replan_scale and self.mode == "disaggregated"):
+            return False
+        sizes = (self.prefill.num_instances, self.decode.num_instances)
+        return any(n < self.replan_max_instances or n > 1 for n in sizes)
 
     def on_cluster(self) -> "ServingConfig":
         """This config on a running Ray cluster (`disagg serve --cluster`, what `ray up` starts): it

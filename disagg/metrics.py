@@ -271,6 +271,11 @@ class ServingMetrics:
             "Requests/s meeting their SLO measured in the window after the last checked switch.",
             registry=self.registry,
         )
+        self.replan_scale = self._counter(
+            "disagg:replan_scale_total",
+            "Instances the re-planner added (direction up) or removed (down), by outcome (done, failed).",
+            ("direction", "outcome"),
+        )
         self.replan_checks = self._counter(
             "disagg:replan_checks_total",
             "Switches checked against the window after them, by outcome (kept, undone, unmeasured).",
@@ -308,6 +313,10 @@ class ServingMetrics:
     def control_loop_failed(self, loop: str) -> None:
         """A control loop ended and is started again (disagg.supervision's on_failure)."""
         self.control_loop_failures.labels(loop=loop).inc()
+
+    def observe_scale(self, direction: str, outcome: str) -> None:
+        """A scale step: `direction` up (added) or down (removed), `outcome` done or failed."""
+        self.replan_scale.labels(direction=direction, outcome=outcome).inc()
 
     def observe_switch(self, outcome: str, seconds: float) -> None:
         """`outcome`: "done" (serving in the new role) or "failed" (back in its old role)."""

@@ -25,7 +25,9 @@ from dataclasses import dataclass, field, replace
 import ray
 from ray.util.placement_group import PlacementGroup, get_placement_group, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray._private.state import available_resources_per_node
 
+from disagg.cluster.capacity import has_room
 from disagg.hosts.addressing import LOOPBACK
 from disagg.hosts.cpu_binding import CpuPlan
 from disagg.config import POOL_LABEL_SLIVER, PoolConfig, Role, ServingConfig, WorkerConfig
@@ -114,6 +116,7 @@ class PoolLauncher:
                 instance_id = f"{role}-{index}-{self.deployment_id}"
                 adopted = self._adopt(role, pool, index, instance_id)
                 self.instances.append(adopted or self._launch_one(role, pool, index, instance_id))
+        self.instances += self._adopt_added()
         try:
             ray.get([inst.actor.ready.remote() for inst in self.instances], timeout=self.config.start_timeout_s)
         except Exception as exc:
@@ -142,13 +145,34 @@ class PoolLauncher:
         live_shards = [a for a in shards if a is not None]
         return LaunchedInstance(instance_id, role, actor_name, actor, group, live_shards, pool, index)
 
-    def _launch_one(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance:
-        bundle = {
+    def _bundle(self, role: str, pool: PoolConfig) -> dict[str, float]:
+        """What each worker of one of the pool's instances takes (its placement group's bundle)."""
+        return {
             "CPU": pool.num_cpus_per_worker,
             **({"GPU": pool.num_gpus_per_worker} if pool.num_gpus_per_worker else {}),
             **pool.resources,
             **self._pin(role),
         }
+
+    def _adopt_added(self) -> list[LaunchedInstance]:
+        """The instances the re-planner added (`add`) before this launcher, still alive: found by
+        name, beyond the configured pools."""
+        known = {i.instance_id for i in self.instances}
+        pools = dict(self.config.pools())
+        pattern = re.compile(rf"{NAMESPACE}-(\w+)-(\d+)-{re.escape(self.deployment_id)}")
+        adopted = []
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            found = pattern.fullmatch(entry["name"]) if entry["namespace"] == NAMESPACE else None
+            if found is None or found.group(1) not in pools:
+                continue
+            role, index = found.group(1), int(found.group(2))
+            instance_id = f"{role}-{index}-{self.deployment_id}"
+            if instance_id not in known and (inst := self._adopt(role, pools[role], index, instance_id)):
+                adopted.append(inst)
+        return adopted
+
+    def _launch_one(self, role: str, pool: PoolConfig, index: int, instance_id: str) -> LaunchedInstance:
+        bundle = self._bundle(role, pool)
         # Tensor-parallel ranks all-reduce every layer: without pipeline stages, one node only.
         strategy = "STRICT_PACK" if pool.pipeline_parallel_size == 1 else "PACK"
         # Detached, as the actors: the group outlives the controller that made it (disagg.controller).
@@ -281,6 +305,38 @@ class PoolLauncher:
             self.instances[self.instances.index(inst)] = fresh
         ray.get(fresh.actor.ready.remote(), timeout=self.config.start_timeout_s)
         logger.info("instance %s is back (relaunch %d)", inst.instance_id, fresh.relaunches)
+
+    # ---- scaling (the re-planner's, issue 53) ----------------------------------------------------
+    def room_for(self, role: str) -> bool:
+        """Whether the cluster has room now for one more whole instance of `role`'s pool."""
+        pool = dict(self.config.pools())[role]
+        nodes = list(available_resources_per_node().values())
+        return has_room(nodes, self._bundle(role, pool), pool.workers_per_instance, pool.pipeline_parallel_size == 1)
+
+    def add(self, role: str) -> LaunchedInstance:
+        """One more instance of `role`'s pool, launched and ready (else removed, and an error)."""
+        pool = dict(self.config.pools())[role]
+        with self._lock:
+            index = 1 + max((i.index for i in self.instances), default=-1)
+        fresh = self._launch_one(role, pool, index, f"{role}-{index}-{self.deployment_id}")
+        try:
+            ray.get(fresh.actor.ready.remote(), timeout=self.config.start_timeout_s)
+        except Exception:
+            _kill(fresh, remove_group=True)
+            raise
+        with self._lock:
+            if self._stopping.is_set():  # shut down meanwhile: this one is ours to stop
+                _kill(fresh, remove_group=True)
+                raise UnavailableError(f"the deployment stopped while {fresh.instance_id} started")
+            self.instances.append(fresh)
+        return fresh
+
+    def remove(self, instance_id: str, timeout_s: float = 15.0) -> None:
+        """Stop one instance (it holds no requests: the re-planner drained it) and release its group."""
+        with self._lock:
+            found = [i for i in self.instances if i.instance_id == instance_id]
+            self.instances = [i for i in self.instances if i.instance_id != instance_id]
+        self._stop_all(found, timeout_s, remove_groups=True)
 
     def switched(self, instance_id: str, role: str) -> None:
         """An instance now serves in `role` (the re-planner switched it)."""

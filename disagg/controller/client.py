@@ -61,6 +61,10 @@ class ControllerClient:
         """One switch now, as a decision would (tests, operators)."""
         return ray.get(self.actor.replan_switch.remote(from_role, to_role), timeout=timeout_s)
 
+    def replan_scale(self, role: str, delta: int, timeout_s: float = 300.0) -> SwitchRecord | None:
+        """One instance added (delta 1) or removed (-1) now, as a decision would (tests, operators)."""
+        return ray.get(self.actor.replan_scale.remote(role, delta), timeout=timeout_s)
+
     def replan_take_arrivals(self) -> list[tuple[float, int, int]]:
         return ray.get(self.actor.replan_take_arrivals.remote(), timeout=self.call_timeout_s)
 
@@ -121,6 +125,9 @@ class InProcessController:
 
     def replan_switch(self, from_role: str, to_role: str, timeout_s: float = 120.0) -> SwitchRecord | None:
         return self.controller.replan_switch(from_role, to_role)
+
+    def replan_scale(self, role: str, delta: int, timeout_s: float = 300.0) -> SwitchRecord | None:
+        return self.controller.replan_scale(role, delta)
 
     def replan_take_arrivals(self) -> list[tuple[float, int, int]]:
         return self.controller.replan_take_arrivals()

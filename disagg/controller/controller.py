@@ -7,7 +7,9 @@ the same arguments, it adopts the instances still alive by their names (disagg.c
 
 It runs what must run once per deployment: relaunch supervision and the re-planning loop
 (disagg.router.replanning), on its own view of the instances, fed every frontend's arrivals
-through Redis; each frontend drains and rebalances its own streams.
+through Redis; each frontend drains and rebalances its own streams. The loop scales through its
+launcher (`PoolLauncher.room_for`, `add`, `remove`); a restarted controller adopts the instances
+it added too, by name.
 
 While it lives it refreshes a key in the registry; frontends report NOT_SERVING when the key
 lapses (no relaunch would follow a failure then).
@@ -111,7 +113,11 @@ class Controller:
         instance = self.launcher.instances[0].actor
         card = await asyncio.wait_for(instance.model_card.remote(), self.config.start_timeout_s)
         shared = lambda: take_shared_arrivals(registry)  # noqa: E731
-        self.replanning = replan_loop_for(self.config, directory, card, self.metrics, self.launcher.switched, shared)
+        self.replanning = replan_loop_for(
+            self.config, directory, card, self.metrics, self.launcher.switched, shared, scaler=self.launcher
+        )
+        if self.replanning is not None:
+            self.replanning.resize(len(self.instances()))  # those added by scaling before a restart too
         tasks = [supervised_task("replanning", self.replanning.run, self._loop_failed)] if self.replanning else []
         try:
             await asyncio.to_thread(self._stopping.wait)
@@ -136,6 +142,15 @@ class Controller:
             raise ValueError("re-planning does not run in this deployment (ServingConfig.replan, switchable)")
         timeout_s = self.config.replan_switch_timeout_s + 4 * self.config.control_call_timeout_s + 30
         return self._on_loop(self.replanning.switch(from_role, to_role), timeout_s)
+
+    def replan_scale(self, role: str, delta: int) -> SwitchRecord | None:
+        """Add (delta 1) or remove (-1) one instance of `role` now, as a decision would (tests, operators)."""
+        if self.replanning is None or self.replanning.scaler is None:
+            raise ValueError("scaling does not run in this deployment (ServingConfig.replan_scale, scales)")
+        timeout_s = (
+            self.config.start_timeout_s + self.config.replan_switch_timeout_s + 4 * self.config.control_call_timeout_s
+        )
+        return self._on_loop(self.replanning.scale(role, delta), timeout_s + 30)
 
     def replan_take_arrivals(self) -> list[tuple[float, int, int]]:
         """Takes the frontends' shared arrivals into the window now; every arrival the window holds."""

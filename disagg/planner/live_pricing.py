@@ -23,6 +23,9 @@ from disagg.planner.simulator import SimInstance, Simulator, num_met, slo_attain
 from disagg.planner.workload import SimRequest
 
 SWITCH_S = 2.0  # an idle instance to serving in its new role (bench_replan's `switch p50 s` measures it)
+# A new instance to serving (placement, process, weights, warm-up): an estimate, not measured
+# here; scaling prices the added instance as joining this late (disagg.planner.scaling).
+LAUNCH_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -38,11 +41,18 @@ def price_splits(
     requests: list[SimRequest],
     window_s: float,
     switch_s: float = SWITCH_S,
+    splits: list[Split] | None = None,
+    launch_s: float = LAUNCH_S,
 ) -> dict[Split, Price]:
-    """Every reachable split's price on `requests` (arrivals from 0, over `window_s`)."""
-    total = config.prefill.num_instances + config.decode.num_instances
-    return {split: price_split(config, profiles, live, split, requests, window_s, switch_s)
-            for split in reachable_splits(total)}  # fmt: skip
+    """Each split's price on `requests` (arrivals from 0, over `window_s`): `splits`, else every
+    reachable split of the config's instances. A split with one instance more than the live
+    state's has it join `launch_s` from now (scaling), a switched one `switch_s`."""
+    if splits is None:
+        splits = reachable_splits(config.prefill.num_instances + config.decode.num_instances)
+    size = len(live.instances) if live is not None else None
+    return {split: price_split(config, profiles, live, split, requests, window_s,
+                               launch_s if size is not None and split.prefill + split.decode > size else switch_s)
+            for split in splits}  # fmt: skip
 
 
 def price_split(

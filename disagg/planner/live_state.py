@@ -62,8 +62,14 @@ class LiveState:
         return Split(len(self.by_role("prefill")), len(self.by_role("decode")))
 
     def arrange(self, split: Split) -> Arrangement:
-        """`split` reached from now: the least busy instances of the shrinking pool move."""
-        if split.prefill + split.decode != len(self.instances):
+        """`split` reached from now: the least busy instances of the shrinking pool move (or, one
+        instance more or fewer, one is added or removed: disagg.planner.scaling)."""
+        change = split.prefill + split.decode - len(self.instances)
+        if change == 1:
+            return self._added(split)
+        if change == -1:
+            return self._removed(split)
+        if change != 0:
             raise ValueError(f"split {split}: the live state has {len(self.instances)} instances")
         shrinking = "prefill" if split.prefill < self.split.prefill else "decode"
         growing = "decode" if shrinking == "prefill" else "prefill"
@@ -77,6 +83,40 @@ class LiveState:
             _spread(prompts, leaving.queued_prompts, _homes(members["prefill"], joining))
             _spread(decodes, leaving.decodes, _homes(members["decode"], joining))
         return Arrangement(members, prompts, decodes, joining)
+
+    def _added(self, split: Split) -> Arrangement:
+        """One more instance in the pool that grows: a new one, stepping as its first peer does,
+        joining once launched; everyone else keeps their work."""
+        growing = "prefill" if split.prefill > self.split.prefill else "decode"
+        peers = self.by_role(growing)
+        if not peers or split.prefill < self.split.prefill or split.decode < self.split.decode:
+            raise ValueError(f"split {split}: not one instance added to {self.split}")
+        new = LiveInstance(f"new-{growing}", growing, peers[0].step_model)
+        members = {role: self.by_role(role) + ([new] if role == growing else []) for role in ("prefill", "decode")}
+        return Arrangement(
+            members, self._prompts(frozenset()), self._decodes(frozenset()), frozenset({new.instance_id})
+        )
+
+    def _removed(self, split: Split) -> Arrangement:
+        """One instance fewer in the pool that shrinks: its least busy leaves (drained as a switch
+        drains), its work to the rest of its pool."""
+        shrinking = "prefill" if split.prefill < self.split.prefill else "decode"
+        pool = sorted(self.by_role(shrinking), key=lambda i: (i.num_requests, i.instance_id))
+        if len(pool) < 2 or split.prefill > self.split.prefill or split.decode > self.split.decode:
+            raise ValueError(f"split {split}: not one instance removed from {self.split} (never the last of a pool)")
+        leaving = pool[0]
+        gone = frozenset({leaving.instance_id})
+        members = {role: [i for i in self.by_role(role) if i.instance_id not in gone] for role in ("prefill", "decode")}
+        prompts, decodes = self._prompts(gone), self._decodes(gone)
+        _spread(prompts, leaving.queued_prompts, _homes(members["prefill"], gone))
+        _spread(decodes, leaving.decodes, _homes(members["decode"], gone))
+        return Arrangement(members, prompts, decodes)
+
+    def _prompts(self, without: frozenset[str]) -> dict[str, list[int]]:
+        return {i.instance_id: list(i.queued_prompts) for i in self.instances if i.instance_id not in without}
+
+    def _decodes(self, without: frozenset[str]) -> dict[str, list[LiveDecode]]:
+        return {i.instance_id: list(i.decodes) for i in self.instances if i.instance_id not in without}
 
 
 def _homes(members: list[LiveInstance], joining: frozenset[str]) -> list[str]:

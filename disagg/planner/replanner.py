@@ -125,7 +125,7 @@ class Replanner:
         self._vetoed[split] = until
 
     def undone(self, now: float) -> None:
-        """A switch was just undone: the hold starts again from now."""
+        """A switch was just undone (or a scale step taken): the hold starts again from now."""
         self._last_switch_at, self._streak = now, (None, 0)
 
     def decide(

@@ -198,6 +198,7 @@ def _replan_decision(entry: LoggedDecision) -> serving_pb2.ReplanDecision:
         switched_instance=switch.instance_id if switch else "",
         switch_outcome=switch.outcome if switch else "",
         switch_seconds=switch.seconds if switch else 0.0,
+        step_kind=switch.kind if switch else "",
         **_check_fields(entry.check),
     )
 

@@ -19,7 +19,13 @@ window's requests carry the output length the router expects (its `output_length
 own SLO and priority. The simulations run in a process of their own (replan_pricer). Until a
 profile or both roles' fits exist the loop only watches.
 
-Every switch is checked (disagg.planner.decision_check): once the hold after it is over, the
+Scale, not only switch (issue 53, item 3; disagg.planner.scaling): where the controller can launch
+instances (`scaler`), each round also prices one instance more in each pool that the cluster has
+room for, and one fewer in each pool of two or more, and adds or removes one when that beats
+staying (the cluster's room asked of Ray each round). A removed instance is drained as a switch
+drains it (its decodes move with their KV, its prompts finish) before the launcher stops it.
+
+Every switch and scale step is checked (disagg.planner.decision_check): once the hold after it is over, the
 attainment and goodput measured since the instance serves in its new role are compared with
 staying; a switch that measured worse is undone (and its split vetoed for a while), and the miss
 is learnt as a residual of the split that served. Decisions, their predictions and what was measured are
@@ -34,7 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from disagg.config import ServingConfig
 from disagg.engine.memory_fit import kv_element_bytes
@@ -43,9 +49,12 @@ from disagg.metrics import ServingMetrics
 from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile, load_profile
 from disagg.planner.decision_check import Check, DecisionChecker
-from disagg.planner.live_pricing import Price, price_splits
+from disagg.planner.live_pricing import SWITCH_S, Price, price_splits
 from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, host_factor
-from disagg.planner.replanner import MIN_WINDOW_REQUESTS, Decision, Replanner, Split, TrafficWindow, split_simulator
+from disagg.planner.replanner import (
+    MIN_WINDOW_REQUESTS, Decision, Replanner, Split, TrafficWindow, reachable_splits, split_simulator,
+)  # fmt: skip
+from disagg.planner.scaling import ScaleBounds, ScalePolicy, ScaleStep, candidates
 from disagg.router.directory import Instance, InstanceDirectory
 from disagg.router.replan_pricer import PricingBusy, PricingPool
 from disagg.slo import SLO
@@ -61,14 +70,27 @@ REGISTER_TIMEOUT_S = 10.0  # for the directory to find the instance in its new p
 ROLES = ("prefill", "decode")
 
 
+class Scaler(Protocol):
+    """What launches and stops instances for the loop (the controller's launcher); blocking calls,
+    run on a thread."""
+
+    def room_for(self, role: str) -> bool: ...
+
+    def add(self, role: str): ...  # -> a launched instance, ready (its `instance_id`)
+
+    def remove(self, instance_id: str) -> None: ...
+
+
 @dataclass
 class SwitchRecord:
-    """One instance moved from a pool to the other (or not, `outcome` "failed")."""
+    """One instance moved from a pool to the other (or not, `outcome` "failed"); a scale step
+    too (`kind` "add": `from_role` empty; "remove": `to_role` empty)."""
 
     at: float  # time.time() of the decision
     instance_id: str
     from_role: str
     to_role: str
+    kind: str = "switch"  # switch | add | remove
     outcome: str = "running"  # running | done | failed
     seconds: float = 0.0  # from the decision to serving in the new role (or to giving up)
     reason: str = ""
@@ -92,16 +114,23 @@ class ReplanView:
 
 def replans(config: ServingConfig) -> bool:
     """Re-planning runs where instances may switch (ServingConfig.switchable) and there is a
-    split to choose (three instances or more)."""
-    return config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
+    split to choose (three instances or more), or where it may scale (ServingConfig.scales: the
+    default 1 + 1 deployment too)."""
+    switches = config.switchable() and config.prefill.num_instances + config.decode.num_instances >= 3
+    return switches or config.scales()
+
+
+def scale_bounds(config: ServingConfig) -> ScaleBounds:
+    return ScaleBounds(config.replan_max_instances, config.replan_max_total_instances, config.replan_pd_ratio)
 
 
 def replan_loop_for(
     config: ServingConfig, directory: InstanceDirectory, card: ModelCard, metrics: ServingMetrics,
     on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple[float, int, int]]],
+    scaler: Scaler | None = None,
 ) -> ReplanLoop | None:  # fmt: skip
-    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`);
-    None where it would not run (replans)."""
+    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`),
+    scaling through `scaler` (the launcher); None where it would not run (replans)."""
     if not replans(config):
         return None
     base = load_profile(config.profile) if config.profile else None
@@ -111,7 +140,7 @@ def replan_loop_for(
     def profile():
         return live_profile(base, directory, config.engine.model, kv_bytes, layers)
 
-    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals)
+    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals, scaler=scaler)
 
 
 def live_profile(base: Profile | None, directory: InstanceDirectory, model: str, kv_bytes_per_token: int,
@@ -205,12 +234,14 @@ class ReplanLoop:
         on_switched: Callable[[str, str], None] = lambda instance_id, role: None,
         shared_arrivals: Callable[[], list[tuple[float, int, int]]] | None = None,
         pricer: PricingPool | None = None,
+        scaler: Scaler | None = None,
     ):
         """`profile()`: what the simulator prices with now (live_profile); `on_switched(id,
         role)`: an instance serves in its new role (the launcher's records follow);
         `shared_arrivals()`: the other frontends' arrivals since the last call, as `arrived`
         takes them (disagg.router.shared_arrivals), taken before each round; `pricer`: where the
-        simulations run (a process of their own by default)."""
+        simulations run (a process of their own by default); `scaler`: what adds and removes
+        instances (None: the loop only switches)."""
         self.config, self.directory, self.profile, self.metrics = config, directory, profile, metrics
         self.pricer = pricer or PricingPool(config.replan_price_timeout_s)
         self.checker = DecisionChecker(margin=config.replan_undo_margin)
@@ -222,6 +253,8 @@ class ReplanLoop:
             self._simulate, self.total, config.slo,
             min_gain=config.replan_min_gain, hold_s=config.replan_hold_s,
         )  # fmt: skip
+        self.scaler = scaler if config.scales() else None
+        self.scaling = ScalePolicy(scale_bounds(config), config.replan_min_gain, hold_s=config.replan_hold_s)
         self.log: deque[LoggedDecision] = deque(maxlen=64)  # the latest decisions, for `disagg status`
         self.switches: list[SwitchRecord] = []
         self._profile: Profile | None = None
@@ -231,6 +264,12 @@ class ReplanLoop:
     ) -> None:
         """A request arrived (the orchestrator's ArrivalListener)."""
         self.window.add(at, prompt_tokens, output_tokens, slo, priority)
+
+    def resize(self, total: int) -> None:
+        """The deployment has `total` instances now (a scale step; a restarted controller that
+        adopted the ones added before)."""
+        self.total = total
+        self.replanner.total_instances = total
 
     def current_split(self) -> Split | None:
         """The split in placement now; None while an instance is away (failed, draining)."""
@@ -260,14 +299,43 @@ class ReplanLoop:
         if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
             return await self._check(check, current, now)
         requests = self.window.requests(now)
-        priced = await self._price(self._live(requests), requests) if len(requests) >= MIN_WINDOW_REQUESTS else {}
+        room = await self._room()
+        splits = self._splits(current, room)
+        if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
+            return None
+        enough = len(requests) >= MIN_WINDOW_REQUESTS
+        priced = await self._price(self._live(requests), requests, splits) if enough else {}
         if priced is None:
             return None
         priced = {split: self.checker.corrected(split, price) for split, price in priced.items()}
-        attainment = {split: price.attainment for split, price in priced.items()} or None
+        same_size = {split: price for split, price in priced.items() if _size(split) == _size(current)}
+        attainment = {split: price.attainment for split, price in same_size.items()} or None
         decision = self.replanner.decide(now, current, self.window, attainment)
-        decision.predicted_goodput = {split: price.goodput for split, price in priced.items()}
+        decision.predicted_goodput = {split: price.goodput for split, price in same_size.items()}
+        if decision.switch_to is None and self.scaler is not None and priced:
+            if (step := self.scaling.decide(now, current, priced, room)) is not None:
+                return await self._act_scale(decision, step, current, priced)
         return await self._act(decision, current, priced)
+
+    def _splits(self, current: Split, room: dict[str, bool]) -> list[Split]:
+        """What a round prices: every split of these instances (where they may switch) and every
+        scale step allowed now."""
+        switches = self.config.switchable() and _size(current) >= 3
+        splits = reachable_splits(_size(current)) if switches else [current]
+        if self.scaler is not None:
+            splits += [split for _, _, split in candidates(current, self.scaling.bounds, room) if split not in splits]
+        return splits
+
+    async def _room(self) -> dict[str, bool]:
+        """Which pools the cluster has room to grow by a whole instance (none without a scaler,
+        or where Ray does not answer)."""
+        if self.scaler is None:
+            return {}
+        try:
+            return {role: await asyncio.to_thread(self.scaler.room_for, role) for role in ROLES}
+        except Exception as exc:  # noqa: BLE001 - this round prices no add
+            logger.warning("re-plan: the cluster's room is unknown (%s)", exc)
+            return {}
 
     async def _act(self, decision: Decision, current: Split, priced: dict[Split, Price]) -> LoggedDecision:
         self.metrics.observe_replan(decision.switch_to is not None, decision.gain)
@@ -277,14 +345,39 @@ class ReplanLoop:
             logger.debug("re-plan at %s: %s", current, decision.reason)
             return entry
         logger.info("re-plan: switching toward %s (%s)", decision.best, decision.reason)
-        entry.switch = await self._switch_between(current, decision.switch_to)
-        if entry.switch is not None and entry.switch.outcome == "done" and decision.switch_to in priced:
-            entry.check = Check(decision.now, current, decision.switch_to, priced[decision.switch_to],
-                                priced[current], opens_at=time.monotonic())  # fmt: skip
-            self.checker.open(entry.check)
+        self.scaling.acted(decision.now)
+        entry.switch = await self._move(current, decision.switch_to)
+        self._open_check(entry, current, decision.switch_to, priced)
         return entry
 
-    async def _switch_between(self, current: Split, target: Split) -> SwitchRecord | None:
+    async def _act_scale(self, decision: Decision, step: ScaleStep, current: Split,
+                         priced: dict[Split, Price]) -> LoggedDecision:  # fmt: skip
+        """A scale step, logged as a decision whose best is the split it reaches."""
+        predicted = {**decision.predicted, **{s: priced[s].attainment for s in (current, step.target)}}
+        goodput = {**decision.predicted_goodput, **{s: priced[s].goodput for s in (current, step.target)}}
+        scaled = Decision(decision.now, current, step.target, predicted, step.target, step.reason, goodput)
+        self.metrics.observe_replan(True, scaled.gain)
+        entry = LoggedDecision(time.time(), scaled)
+        self.log.append(entry)
+        logger.info("re-plan: %s", step.reason)
+        self.replanner.undone(decision.now)  # the hold after a step, for switches too
+        entry.switch = await self.scale(step.role, step.delta)
+        self._open_check(entry, current, step.target, priced)
+        return entry
+
+    def _open_check(self, entry: LoggedDecision, before: Split, after: Split, priced: dict[Split, Price]) -> None:
+        if entry.switch is None or entry.switch.outcome != "done" or after not in priced or before not in priced:
+            return
+        entry.check = Check(entry.decision.now, before, after, priced[after], priced[before], opens_at=time.monotonic())
+        self.checker.open(entry.check)
+
+    async def _move(self, current: Split, target: Split) -> SwitchRecord | None:
+        """One step from `current` toward `target`: a switch between pools of the same size, else
+        one instance added or removed."""
+        if _size(target) != _size(current):
+            grows = target.prefill > current.prefill or target.decode > current.decode
+            changed = "prefill" if target.prefill != current.prefill else "decode"
+            return await self.scale(changed, 1 if grows else -1)
         from_role = "prefill" if target.prefill < current.prefill else "decode"
         return await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
 
@@ -294,12 +387,12 @@ class ReplanLoop:
         typical_remaining = max(1, outputs[len(outputs) // 2] // 2) if outputs else 1
         return live_state(self.directory, self._profile, typical_remaining)
 
-    async def _price(self, live: LiveState | None, requests: list) -> dict[Split, Price] | None:
-        """Every split's price, in the pricing process; None when the round cannot have one."""
+    async def _price(self, live: LiveState | None, requests: list, splits: list[Split]) -> dict[Split, Price] | None:
+        """`splits`' prices, in the pricing process; None when the round cannot have one."""
         profiles = {role: self._profile for role in ROLES}
         try:
             return await self.pricer.run(
-                price_splits, self.config, profiles, live, requests, self.config.replan_window_s
+                price_splits, self.config, profiles, live, requests, self.config.replan_window_s, SWITCH_S, splits
             )
         except PricingBusy:
             logger.debug("re-plan round skipped: the previous one is still pricing")
@@ -316,7 +409,7 @@ class ReplanLoop:
             check.outcome = "unmeasured"
             self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, None)
             return None
-        priced = await self._price(None, requests)
+        priced = await self._price(None, requests, [check.before, check.after])
         if priced is None:
             return None
         measured = Price(100.0 * met / judged, met / (now - check.opens_at))
@@ -330,15 +423,18 @@ class ReplanLoop:
 
     async def _undo(self, check: Check, current: Split, now: float) -> LoggedDecision:
         self.replanner.veto(check.after, now + UNDO_VETO_WINDOWS * self.config.replan_window_s)
+        self.scaling.veto(check.after, now + UNDO_VETO_WINDOWS * self.config.replan_window_s)
         self.replanner.undone(now)
+        self.scaling.acted(now)
         gain = check.stay.attainment - check.measured.attainment
-        decision = Decision(now, current, check.before, {}, current.toward(check.before),
+        back = current.toward(check.before) if _size(current) == _size(check.before) else check.before
+        decision = Decision(now, current, check.before, {}, back,
                             f"undo: {check.after} measured {gain:.1f} points under staying at {check.before}")  # fmt: skip
         self.metrics.observe_replan(True, gain)
         entry = LoggedDecision(time.time(), decision, check=check)
         self.log.append(entry)
         logger.warning("re-plan: %s", decision.reason)
-        entry.switch = await self._switch_between(current, check.before)
+        entry.switch = await self._move(current, check.before)
         return entry
 
     async def _take_shared_arrivals(self) -> None:
@@ -384,6 +480,70 @@ class ReplanLoop:
             record.outcome, record.seconds, record.reason)  # fmt: skip
         return record
 
+    # ---- one scale step -----------------------------------------------------------------------
+    async def scale(self, role: str, delta: int) -> SwitchRecord | None:
+        """Adds an instance to `role`'s pool (delta 1) or removes its least busy (delta -1; never
+        the last of a pool), through the scaler; the loop's split follows."""
+        if self.scaler is None or delta not in (1, -1):
+            return None
+        pool = self.directory.healthy(role)
+        if delta < 0 and len(pool) < 2:
+            return None
+        record = SwitchRecord(time.time(), "", "" if delta > 0 else role, role if delta > 0 else "",
+                              "add" if delta > 0 else "remove")  # fmt: skip
+        self.switches.append(record)
+        started = time.monotonic()
+        try:
+            record.outcome, record.reason = await (self._add(record, role) if delta > 0 else self._remove(record, pool))
+        except Exception as exc:  # noqa: BLE001 - Ray could not place or start it, or the actor died
+            record.outcome, record.reason = "failed", f"{type(exc).__name__}: {exc}"
+        record.seconds = time.monotonic() - started
+        if record.outcome == "done":
+            self.resize(self.total + delta)
+        self.metrics.observe_scale("up" if delta > 0 else "down", record.outcome)
+        log = logger.info if record.outcome == "done" else logger.warning
+        log("%s of %s instance %s: %s after %.1f s %s", record.kind, role, record.instance_id or "(none)",
+            record.outcome, record.seconds, record.reason)  # fmt: skip
+        return record
+
+    async def _add(self, record: SwitchRecord, role: str) -> tuple[str, str]:
+        launched = await asyncio.to_thread(self.scaler.add, role)
+        record.instance_id = launched.instance_id
+        await self._until_registered(record.instance_id, role)
+        return "done", ""
+
+    async def _remove(self, record: SwitchRecord, pool: list[Instance]) -> tuple[str, str]:
+        """Drained first, as a switch drains (its decodes move away with their KV, its prompts
+        finish); stopped only once it holds nothing, else back in service."""
+        leaving = min(pool, key=lambda i: (i.view.load.num_running + i.view.load.num_waiting, i.instance_id))
+        record.instance_id = leaving.instance_id
+        self.directory.hold_out(leaving.instance_id)
+        try:
+            await self._call(leaving.actor.drain.remote())
+            if not await self._until_idle(leaving):
+                await self._call(leaving.actor.resume_service.remote())
+                return "failed", f"still held requests after {self.config.replan_switch_timeout_s:.0f} s"
+            await asyncio.to_thread(self.scaler.remove, leaving.instance_id)
+            await self._until_gone(leaving.instance_id)
+            return "done", ""
+        finally:
+            self.directory.release(leaving.instance_id)
+
+    async def _until_idle(self, instance: Instance) -> bool:
+        deadline = time.monotonic() + self.config.replan_switch_timeout_s
+        while time.monotonic() < deadline:
+            load = await self._call(instance.actor.load.remote())
+            if load.num_running + load.num_waiting + load.num_waiting_for_kv == 0:
+                return True
+            await asyncio.sleep(IDLE_POLL_S)
+        return False
+
+    async def _until_gone(self, instance_id: str) -> None:
+        """For the directory to drop it (its registration ended with it), so it is not counted."""
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while time.monotonic() < deadline and self.directory.get(instance_id) is not None:
+            await asyncio.sleep(IDLE_POLL_S)
+
     async def _switch_when_idle(self, instance: Instance, to_role: str) -> tuple[str, str]:
         """Asks the instance to switch until it holds nothing and does (its engine thread
         refuses while it holds requests)."""
@@ -413,3 +573,7 @@ class ReplanLoop:
             if found is not None and found.role == role:
                 return
             await asyncio.sleep(IDLE_POLL_S)
+
+
+def _size(split: Split) -> int:
+    return split.prefill + split.decode

@@ -263,7 +263,7 @@ class ClusterStatusResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[Pool, _Mapping]]] = ..., model: _Optional[str] = ..., mode: _Optional[str] = ..., default_slo: _Optional[_Union[Slo, _Mapping]] = ..., replan: _Optional[bool] = ..., replan_decisions: _Optional[_Iterable[_Union[ReplanDecision, _Mapping]]] = ...) -> None: ...
 
 class ReplanDecision(_message.Message):
-    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds", "check_outcome", "predicted_attainment", "measured_attainment", "predicted_goodput", "measured_goodput", "stay_attainment", "predicted_stay_attainment")
+    __slots__ = ("unix_time", "current", "best", "predicted_gain", "reason", "switched_instance", "switch_outcome", "switch_seconds", "check_outcome", "predicted_attainment", "measured_attainment", "predicted_goodput", "measured_goodput", "stay_attainment", "predicted_stay_attainment", "step_kind")
     UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
     CURRENT_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +279,7 @@ class ReplanDecision(_message.Message):
     MEASURED_GOODPUT_FIELD_NUMBER: _ClassVar[int]
     STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_STAY_ATTAINMENT_FIELD_NUMBER: _ClassVar[int]
+    STEP_KIND_FIELD_NUMBER: _ClassVar[int]
     unix_time: float
     current: str
     best: str
@@ -294,4 +295,5 @@ class ReplanDecision(_message.Message):
     measured_goodput: float
     stay_attainment: float
     predicted_stay_attainment: float
-    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ..., check_outcome: _Optional[str] = ..., predicted_attainment: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., predicted_goodput: _Optional[float] = ..., measured_goodput: _Optional[float] = ..., stay_attainment: _Optional[float] = ..., predicted_stay_attainment: _Optional[float] = ...) -> None: ...
+    step_kind: str
+    def __init__(self, unix_time: _Optional[float] = ..., current: _Optional[str] = ..., best: _Optional[str] = ..., predicted_gain: _Optional[float] = ..., reason: _Optional[str] = ..., switched_instance: _Optional[str] = ..., switch_outcome: _Optional[str] = ..., switch_seconds: _Optional[float] = ..., check_outcome: _Optional[str] = ..., predicted_attainment: _Optional[float] = ..., measured_attainment: _Optional[float] = ..., predicted_goodput: _Optional[float] = ..., measured_goodput: _Optional[float] = ..., stay_attainment: _Optional[float] = ..., predicted_stay_attainment: _Optional[float] = ..., step_kind: _Optional[str] = ...) -> None: ...

@@ -212,3 +212,30 @@ def test_a_round_prices_every_split_from_the_live_state_in_a_process_of_its_own(
     finally:
         pool.close()
     assert set(priced) == {Split(1, 2), Split(2, 1)} and all(0 <= p.attainment <= 100 for p in priced.values())
+
+
+def test_the_controller_adds_an_instance_where_ray_has_room_and_removes_one_under_load_losing_nothing(server, client):
+    """Scaling (issue 53, item 3) on the real cluster: 1.5 of its 2 CPUs taken, room for one more
+    instance of 0.5; the one removed is drained while requests stream (they move or finish)."""
+    started = time.monotonic()
+    loop = server.launcher.controller.replanning
+    assert loop.scaler is not None and loop.scaler.room_for("decode")
+    added = server.launcher.replan_scale("decode", 1)
+    assert added.kind == "add" and added.outcome == "done", added.reason
+    deadline = time.monotonic() + 10
+    while added.instance_id not in pools(client).get("decode", []) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert added.instance_id in pools(client)["decode"] and loop.current_split() == Split(1, 3)
+    print(f"added {added.instance_id} in {added.seconds:.1f} s ({time.monotonic() - started:.1f} s)")
+    requests = [request(q) for q in QUESTIONS[:2]]  # greedy: the same tokens wherever they decode
+    expected = streamed_tokens(client, requests)
+    removed = []
+    during = streamed_tokens(
+        client, requests, during=lambda: removed.append(server.launcher.replan_scale("decode", -1))
+    )
+    assert during == expected, "a token repeated, missing or changed across the removal"
+    assert removed[0].kind == "remove" and removed[0].outcome == "done", removed[0].reason
+    assert loop.current_split() == Split(1, 2) and len(server.launcher.instances) == 3
+    print(
+        f"removed {removed[0].instance_id} in {removed[0].seconds:.1f} s; the test {time.monotonic() - started:.1f} s"
+    )

@@ -72,7 +72,7 @@ def test_a_split_moves_the_least_busy_instance_and_rehomes_its_work(setup):
     assert sorted(moved.prompts["p0"]) == [200, 300, 500], "its queued prompt goes to the prefill that stays"
     assert moved.decodes["d0"] == [LiveDecode(100, 20)]
     with pytest.raises(ValueError):
-        state.arrange(Split(2, 2))
+        state.arrange(Split(3, 2))  # two instances more: not one step (one more is scaling's)
 
 
 def test_decodes_in_flight_and_queued_prompts_cost_what_an_empty_system_does_not(setup):
