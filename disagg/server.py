@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import grpc
@@ -554,7 +555,7 @@ class FrontendReplica:
     ):  # fmt: skip
         """`card`: the model's, or None: asked of a worker through the `controller` actor."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if _restarted():
             # Restarted (frontend 0 included): it serves at once; the instances were warmed up
             # and their models measured at the deployment's start.
             config = dataclasses.replace(config, warm_up=False, calibration_s=0.0)
@@ -586,6 +587,13 @@ class FrontendReplica:
     def stop(self) -> None:
         self._stopping.set()
         self.server.stop()
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (its property reads a deprecated one of Ray's own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
 
 
 def _card_of(controller, timeout_s: float) -> ModelCard:
