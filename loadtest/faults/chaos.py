@@ -252,6 +252,8 @@ def kill_and_time_recovery(
     dep: Deployment, client: DisaggClient, rng: random.Random, expected: int, redis: bool = False
 ) -> dict:
     victims = dep.redis() if redis else dep.workers()
+    if not victims:  # say what runs instead of choosing from nothing
+        raise RuntimeError(f"no {'redis-server' if redis else 'worker'} process of the deployment: {dep.processes()}")
     pid, name = rng.choice(sorted(victims.items()))
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
