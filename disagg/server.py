@@ -9,10 +9,12 @@ Shutdown is graceful: new requests get UNAVAILABLE (HTTP 503), those in flight g
 finish, then every worker, placement group, Ray and the local redis-server are stopped.
 
 The pools belong to the deployment's controller (disagg.controller), a detached actor that Ray
-restarts, which also runs relaunch supervision and re-planning: what must run once. With
-`frontends: N` the other N - 1 frontends are detached Ray actors (FrontendReplica), each the same
-frontend over the same instances, from the same registry: their placements see each other's load
-through the workers' reports. Ray restarts a killed one; the workers abort its requests when its
+restarts, which also runs relaunch supervision and re-planning: what must run once. Where the
+deployment outlives this process (`disagg serve`), every frontend is a detached Ray actor
+(FrontendReplica), frontend 0 too, and this process only starts them and waits; in a test's or a
+benchmark's Server frontend 0 runs in this process, and with `frontends: N` the other N - 1 are
+actors. Each is the same frontend over the same instances, from the same registry: their
+placements see each other's load through the workers' reports. Ray restarts a killed one; the workers abort its requests when its
 links close, freeing their blocks. Every frontend drains and rebalances its own streams and hands
 its arrivals to the re-planner through Redis.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -31,6 +34,7 @@ import sys
 import threading
 import time
 import uuid
+import warnings
 from pathlib import Path
 
 import grpc
@@ -92,7 +96,8 @@ class Server:
 
     Uses the Ray already initialised in this process if there is one, else starts a local Ray;
     starts a local redis-server when the config names none. The gRPC frontend and the HTTP API
-    run on one event loop of their own on a background thread.
+    run on one event loop of their own on a background thread (or, with `outlive`, in a
+    FrontendReplica actor: then `address`, `http_address` and `metrics_url` are that actor's).
     """
 
     def __init__(
@@ -100,9 +105,10 @@ class Server:
         outlive: bool = False, detached_controller: bool | None = None,
     ):  # fmt: skip
         """`index`: which frontend this is (0: the deployment's own; others: FrontendReplica, with
-        the deployment's `link_key` and `controller` actor). `outlive`: on a machine of its own
-        (no ray_address), start Ray and Redis so that they outlive this process (`disagg serve`:
-        a SIGKILL of it leaves the other frontends serving); else Ray dies with it, as a test's.
+        the deployment's `link_key` and `controller` actor). `outlive`: the deployment outlives
+        this process (`disagg serve`: a SIGKILL of it leaves every frontend serving): frontend 0
+        too is a detached actor, and on a machine of its own (no ray_address) Ray and Redis are
+        started so that they outlive it; else Ray dies with it, as a test's.
         `detached_controller`: the controller a detached actor that Ray restarts, its workers
         detached too; else it runs in this process (disagg.controller.client). None: as `outlive`."""
         self.outlive = outlive
@@ -111,7 +117,7 @@ class Server:
         self.config = config.frontend(index)
         self.index = index
         self.directory: InstanceDirectory | None = None
-        self.replicas: list = []  # FrontendReplica actors, frontend i at i - 1
+        self.replicas: list = []  # FrontendReplica actors in frontend order (from 1 where frontend 0 is local)
         self.address: str | None = None  # gRPC's HOST:PORT
         self.http_address: str | None = None  # the OpenAI-compatible API's HOST:PORT; None: off (http_port 0)
         self.request_path: RequestPath | None = None  # what both frontends run each request through
@@ -172,9 +178,26 @@ class Server:
         # The model's shape and tokenizer come from a worker: this node may hold no model files
         # (a `ray up` head), and the frontend tokenizes as the workers do (disagg.engine.model_card).
         card = ray.get(self.launcher.instances[0].actor.model_card.remote(), timeout=timeout_s)
-        self._start_frontend(redis_url, card, timeout_s)
-        self.launcher.register_frontend(0, _reachable(self.address), _reachable(self.http_address))
-        self._start_replicas(redis_url, card, timeout_s)
+        self._stack.callback(self._stop_replicas)
+        if self.controller is None and (self.outlive or self.config.frontends > 1):
+            # In the object store for as long as this server holds it: a restarted replica reads
+            # its arguments again, and Ray would have freed an argument it stored itself. (With a
+            # controller actor each replica asks it instead: it outlives this process.)
+            self._card_ref = ray.put(card)
+        if self.outlive:  # frontends all equal: none of them dies with this process
+            self._start_replicas(redis_url, self._card_ref, range(1), timeout_s)  # first: its warm-up, calibration
+            self.address, self.http_address = ray.get(self.replicas[0].addresses.remote(), timeout=timeout_s)
+            self.metrics_url = ray.get(self.replicas[0].metrics_url.remote(), timeout=timeout_s)
+        else:
+            self._start_frontend(redis_url, card, timeout_s)
+            self.launcher.register_frontend(0, _reachable(self.address), _reachable(self.http_address))
+        self._start_replicas(redis_url, self._card_ref, range(1, self.config.frontends), timeout_s)
+
+    @property
+    def local_frontend(self) -> bool:
+        """Whether frontend 0 runs in this process (a deployment that ends with it), rather than
+        as a detached actor like the others (`disagg serve`: outlive)."""
+        return not self.outlive
 
     def start_replica(self, redis_url: str, card: ModelCard) -> "Server":
         """Frontend `index` of a deployment already running (Ray, Redis and the workers are its;
@@ -190,13 +213,13 @@ class Server:
         if not self._started.wait(timeout_s) or self._failure is not None:
             raise self._failure or UnavailableError("the frontend did not start in time")
 
-    def _start_replicas(self, redis_url: str, card: ModelCard, timeout_s: float) -> None:
-        """Frontends 1..N-1, restarted by Ray whenever they die (same ports where they are fixed)."""
-        if self.config.frontends > 1:
-            # In the object store for as long as this server holds it: a restarted replica reads
-            # its arguments again, and Ray would have freed an argument it stored itself.
-            self._card_ref = ray.put(card)
-        for index in range(1, self.config.frontends):
+    def _start_replicas(self, redis_url: str, card_ref, indexes: range, timeout_s: float) -> None:
+        """Frontends `indexes` as detached actors, restarted by Ray whenever they die (same ports
+        where they are fixed). `card_ref`: the model card in the object store, or None: each
+        fetches it from a worker through the controller (an object this process owns would be
+        lost with it, and a replica restarted after its death could not read its arguments)."""
+        started = []
+        for index in indexes:
             replica = FrontendReplica.options(
                 name=f"frontend-{index}",
                 namespace=NAMESPACE,
@@ -204,16 +227,16 @@ class Server:
                 max_restarts=-1,
                 num_cpus=0,
                 scheduling_strategy=_replica_placement(self.config.host),
-            ).remote(self.config, redis_url, self._link_key, index, self._card_ref, self.controller)
-            self.replicas.append(replica)
-        self._stack.callback(self._stop_replicas)
-        ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
+            ).remote(self.config, redis_url, self._link_key, index, card_ref, self.controller)
+            started.append(replica)
+        self.replicas += started
+        ray.get([r.addresses.remote() for r in started], timeout=timeout_s)
 
     def frontend_addresses(self, timeout_s: float = 30.0) -> list[str]:
-        """Every frontend's gRPC HOST:PORT, this one first (a restarted replica on an ephemeral
-        port has a new one)."""
-        others = ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
-        return [self.address] + [grpc_address for grpc_address, _ in others]
+        """Every frontend's gRPC HOST:PORT, frontend 0's first (a restarted replica on an
+        ephemeral port has a new one)."""
+        actors = ray.get([r.addresses.remote() for r in self.replicas], timeout=timeout_s)
+        return ([self.address] if self.local_frontend else []) + [grpc_address for grpc_address, _ in actors]
 
     def _stop_replicas(self) -> None:
         stops = [r.stop.remote() for r in self.replicas]
@@ -436,10 +459,11 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     if server.http_address:
         scheme = "https" if config.tls_cert_file else "http"
         print(f"disagg: OpenAI-compatible API on {scheme}://{server.http_address}/v1", flush=True)
-    if server.replicas:
-        print(f"disagg: frontends on {', '.join(server.frontend_addresses())}", flush=True)
-    if ready_file:  # frontend 0's gRPC address; with replicas, a second line: every frontend's
-        _write_ready(ready_file, server.frontend_addresses() if server.replicas else [server.address])
+    addresses = server.frontend_addresses()
+    if len(addresses) > 1:
+        print(f"disagg: frontends on {', '.join(addresses)}", flush=True)
+    if ready_file:  # frontend 0's gRPC address; with more, a second line: every frontend's
+        _write_ready(ready_file, addresses)
     cluster = ClusterWatch.of_ray() if config.ray_address else None
     cluster_gone, code = False, 0
     while not stop.wait(1.0):
@@ -447,7 +471,7 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
             print("disagg: the Ray cluster it joined is gone (`ray down` or `ray stop` on the head)", flush=True)
             cluster_gone = True
             break
-        if not server.serving():
+        if server.local_frontend and not server.serving():  # (a detached one Ray restarts)
             print("disagg: the frontend's serving thread ended (its log says why)", flush=True)
             code = 1
             break
@@ -526,8 +550,17 @@ class FrontendReplica:
     """Frontend `index` of a deployment (ServingConfig.frontends): the same gRPC and HTTP service
     as frontend 0's, on its own ports, in a process Ray restarts when it dies."""
 
-    def __init__(self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard, controller):
+    def __init__(
+        self, config: ServingConfig, redis_url: str, link_key: bytes, index: int, card: ModelCard | None, controller
+    ):  # fmt: skip
+        """`card`: the model's, or None: asked of a worker through the `controller` actor."""
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        if _restarted():
+            # Restarted (frontend 0 included): it serves at once; the instances were warmed up
+            # and their models measured at the deployment's start.
+            config = dataclasses.replace(config, warm_up=False, calibration_s=0.0)
+        if card is None:
+            card = _card_of(controller, config.start_timeout_s)
         server = Server(config, index=index, link_key=link_key, controller=controller)
         self.server = server.start_replica(redis_url, card)
         self._stopping = threading.Event()
@@ -545,12 +578,37 @@ class FrontendReplica:
         """(gRPC HOST:PORT, HTTP HOST:PORT or None), with its node's IP for a wildcard host."""
         return _reachable(self.server.address), _reachable(self.server.http_address)
 
+    def metrics_url(self) -> str | None:
+        return self.server.metrics_url
+
     def pid(self) -> int:
         return os.getpid()
 
     def stop(self) -> None:
         self._stopping.set()
         self.server.stop()
+
+
+def _restarted() -> bool:
+    """Whether Ray restarted this actor (its property reads a deprecated one of Ray's own)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _card_of(controller, timeout_s: float) -> ModelCard:
+    """The model card of the deployment's first instance, whichever worker holds it now; asked
+    again while the controller or that worker restarts (a replica that failed here would not be
+    restarted: Ray ends an actor whose constructor raises)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            instances = ray.get(controller.instances.remote(), timeout=timeout_s)
+            return ray.get(instances[0].actor.model_card.remote(), timeout=timeout_s)
+        except ray.exceptions.RayActorError:  # (ActorUnavailableError too: restarting)
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def _reachable(address: str | None) -> str | None:

@@ -74,7 +74,11 @@ class Deployment:
         self._ready = self.workdir / f"{name}.ready"
         self.address: str | None = None
         self.frontend_addresses: list[str] = []
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen | None = None  # the `disagg serve` running now
+        self.session: int | None = None  # the first one's pid: Ray's processes stay in its session
+        self._command: list[str] = []
+        self._env: dict[str, str] = {}
+        self.reattached = False  # the first `disagg serve` was killed and another attached (kill_serve)
         self.server = None  # in process: the disagg.server.Server
         self._started_at = 0.0
 
@@ -120,10 +124,36 @@ class Deployment:
             DISAGG_STATE_DIR=str(self.workdir / "state"), **({"PYTHONPATH": str(self.code)} if self.code else {})
         )
         self.log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log, "w") as log:
+        self._command, self._env = command, env
+        self._launch("w")
+        self.session = self.process.pid
+
+    def _launch(self, mode: str) -> None:
+        with open(self.log, mode) as log:
             self.process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.code, env=env
-            )
+                self._command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.code,
+                env=self._env,
+            )  # fmt: skip
+
+    def kill_serve(self) -> int:
+        """SIGKILL the `disagg serve` process alone (its deployment serves on); its pid."""
+        pid = self.process.pid
+        self.process.kill()
+        self.process.wait()
+        return pid
+
+    def attach(self) -> str:
+        """`disagg serve` again, as an operator would after it died: it attaches to the running
+        deployment. Its gRPC HOST:PORT once it has (the frontends' addresses stay those known:
+        their ports are fixed, and one that restarts now would be missing from its list)."""
+        known = self.address, self.frontend_addresses
+        self._ready.unlink(missing_ok=True)
+        self._started_at = time.monotonic()
+        self._launch("a")
+        self.reattached = True
+        self.wait_ready()
+        self.address, self.frontend_addresses = known
+        return self.address
 
     def _start_in_process(self) -> None:
         from disagg.server import Server
@@ -156,8 +186,17 @@ class Deployment:
             server, self.server = self.server, None
             server.__exit__(None, None, None)
             return 0
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
+        if self.process is None:
+            return None
+        code = self.process.returncode if self.process.poll() is not None else self._terminate()
+        if self.reattached:  # SIGTERM only detaches an attached `disagg serve`: `disagg stop` ends it
+            stop = [sys.executable, "-m", "disagg.cli", "stop"]
+            subprocess.run(stop, env=self._env, cwd=self.code, timeout=self.stop_timeout_s + 120, check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            self.reattached = False
+        return code
+
+    def _terminate(self) -> int:
         self.process.send_signal(signal.SIGTERM)
         try:
             return self.process.wait(timeout=self.stop_timeout_s)
@@ -188,8 +227,9 @@ class Deployment:
 
     # ---- what runs in it ---------------------------------------------------------------------------
     def processes(self) -> dict[int, str]:
-        """pid -> a short name, every live process of the deployment: its session, and its
-        children that start sessions of their own (redis-server)."""
+        """pid -> a short name, every live process of the deployment: the first `disagg serve`'s
+        session, the one running now, and its redis-server (a session of its own, and no
+        process's child once the `disagg serve` that started it was killed)."""
         import psutil
 
         if self.process is None:
@@ -198,15 +238,22 @@ class Deployment:
             children = {c.pid for c in psutil.Process(self.process.pid).children(recursive=True)}
         except psutil.Error:
             children = set()
+        children |= {self.process.pid, *self._redis_pids()}
         found = {}
         for p in psutil.process_iter(["pid", "cmdline", "name"]):
             try:
-                ours = os.getsid(p.pid) == self.process.pid or p.pid in children
+                ours = os.getsid(p.pid) == self.session or p.pid in children
                 if ours and p.status() != psutil.STATUS_ZOMBIE:
                     found[p.pid] = " ".join(p.info["cmdline"] or [p.info["name"]])[:80]
             except (psutil.Error, OSError):
                 continue
         return found
+
+    def _redis_pids(self) -> list[int]:
+        from disagg.cluster.deployment_state import load_state, redis_processes
+
+        state = load_state(self.workdir / "state")
+        return redis_processes(state.redis_address) if state is not None else []
 
     def workers(self) -> dict[int, str]:
         return {pid: name for pid, name in self.processes().items() if any(k in name for k in WORKER_KINDS)}
@@ -219,7 +266,8 @@ class Deployment:
         return {pid: name for pid, name in self.processes().items() if "ray::Controller" in name}
 
     def frontend_replicas(self) -> dict[int, str]:
-        """The frontends Ray runs (frontends 1..N-1; frontend 0 is `disagg serve` itself)."""
+        """The frontends, every one a detached actor that Ray restarts (`disagg serve` runs none
+        itself)."""
         return {pid: name for pid, name in self.processes().items() if "FrontendReplica" in name}
 
     def rss_mb(self) -> dict[str, float]:

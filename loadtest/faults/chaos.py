@@ -17,8 +17,8 @@ With `--kill-every 0` nothing is killed: a soak (`--minutes 30 --kill-every 0`).
 
 With `--frontends N` the deployment runs N frontends and client i sends through frontend i mod N;
 a request that fails is sent once more through the next frontend, and counts as lost only if that
-fails too. `--kill-frontend-every S` SIGKILLs a random frontend replica (frontends 1..N-1: frontend
-0 is `disagg serve` itself, which holds Ray and Redis) every S seconds, beside the worker kills.
+fails too. `--kill-frontend-every S` SIGKILLs a random frontend (each a detached actor that Ray
+restarts: `disagg serve` runs none itself) every S seconds, beside the worker kills.
 
     .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30 --frontends 2 --kill-frontend-every 60
 
@@ -28,6 +28,15 @@ has adopted the workers (every instance listed) and frontend 0's health says SER
 controller heartbeat turns it NOT_SERVING).
 
     .venv/bin/python -m loadtest.faults.chaos --minutes 5 --kill-every 30 --frontends 2 --kill-controller-every 60
+
+`--kill-serve-every S` SIGKILLs the `disagg serve` process itself every S seconds and runs
+`disagg serve` again, as an operator would, which attaches to the deployment; its recovery: until
+that one has attached, every frontend's health says SERVING (it lapses if the controller, which
+runs re-planning and relaunch supervision, is gone) and the controller's process runs, with every
+instance listed. redis-server is not killed in such a run: its supervisor lives in the first
+`disagg serve` (issue 52's item 2).
+
+    .venv/bin/python -m loadtest.faults.chaos --minutes 3 --frontends 2 --kill-serve-every 60 --kill-controller-every 60
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, default=1, help="frontends of the deployment (ServingConfig.frontends)")
     p.add_argument("--kill-frontend-every", type=float, default=0.0, help="seconds between frontend kills; 0: none")
     p.add_argument("--kill-controller-every", type=float, default=0.0, help="seconds between controller kills; 0: none")
+    p.add_argument("--kill-serve-every", type=float, default=0.0,
+                   help="seconds between SIGKILLs of `disagg serve` (run again: it attaches); 0: none")  # fmt: skip
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
@@ -80,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.warm_up is None:
         args.warm_up = 60.0 if args.kill_every <= 0 else 0.0
     if args.kill_frontend_every > 0 and args.frontends < 2:
-        p.error("--kill-frontend-every needs --frontends 2 or more (frontend 0 is the serving process)")
+        p.error("--kill-frontend-every needs --frontends 2 or more (a client retries on another)")
     return args
 
 
@@ -126,8 +137,9 @@ class Load:
 
 
 def kill_on_schedule(args, dep: Deployment, client: DisaggClient, rng, expected: int, started: float, end: float):
-    """A random worker every `--kill-every` seconds; redis-server instead at the first kill past halfway."""
-    kills, redis_killed = [], False
+    """A random worker every `--kill-every` seconds; redis-server instead at the first kill past
+    halfway (unless `disagg serve`, its supervisor, is killed too)."""
+    kills, redis_killed = [], args.kill_serve_every > 0
     while time.monotonic() + args.kill_every <= end:
         time.sleep(args.kill_every)
         redis = not redis_killed and time.monotonic() - started >= (end - started) / 2
@@ -180,6 +192,33 @@ def kill_controller_on_schedule(args, dep: Deployment, client: DisaggClient, exp
     return kills
 
 
+def kill_serve_on_schedule(args, dep: Deployment, client: DisaggClient, expected: int, end: float) -> list[dict]:
+    """`disagg serve` every `--kill-serve-every` seconds, then run again (it attaches); recovery:
+    attached, the controller running, every instance listed and every frontend SERVING."""
+    kills = []
+    while time.monotonic() + args.kill_serve_every <= end:
+        time.sleep(args.kill_serve_every)
+        killed_at = time.monotonic()
+        pid = dep.kill_serve()
+        dep.attach()
+        attached_s = time.monotonic() - killed_at
+        while time.monotonic() - killed_at < 300 and not deployment_back(dep, client, expected):
+            time.sleep(0.2)
+        kills.append({"pid": pid, "worker": "disagg serve", "killed_at": killed_at,
+                      "attached_s": round(attached_s, 2), "recovery_s": round(time.monotonic() - killed_at, 2)})  # fmt: skip
+        print(f"killed disagg serve (pid {pid}): attached again in {kills[-1]['attached_s']} s; "
+              f"health, re-planning and relaunch supervision back in {kills[-1]['recovery_s']} s", flush=True)  # fmt: skip
+    return kills
+
+
+def deployment_back(dep: Deployment, client: DisaggClient, expected: int) -> bool:
+    """The controller runs, every instance is listed and every frontend is SERVING."""
+    try:
+        return bool(dep.controller()) and listed(client) >= expected and all(map(serving, dep.frontend_addresses))
+    except grpc.RpcError:
+        return False
+
+
 def controller_back(dep: Deployment, client: DisaggClient, killed_pid: int, expected: int) -> bool:
     if not [pid for pid in dep.controller() if pid != killed_pid]:
         return False
@@ -213,6 +252,8 @@ def kill_and_time_recovery(
     dep: Deployment, client: DisaggClient, rng: random.Random, expected: int, redis: bool = False
 ) -> dict:
     victims = dep.redis() if redis else dep.workers()
+    if not victims:  # say what runs instead of choosing from nothing
+        raise RuntimeError(f"no {'redis-server' if redis else 'worker'} process of the deployment: {dep.processes()}")
     pid, name = rng.choice(sorted(victims.items()))
     killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)
@@ -259,7 +300,13 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         rss_start = dep.rss_mb()
         frontend_kills: list[dict] = []
         controller_kills: list[dict] = []
-        killer, controller_killer = None, None
+        killer, controller_killer, serve_killer = None, None, None
+        serve_kills: list[dict] = []
+        if args.kill_serve_every > 0:
+            serve_killer = threading.Thread(
+                target=lambda: serve_kills.extend(kill_serve_on_schedule(args, dep, client, expected, end)), daemon=True
+            )
+            serve_killer.start()
         if args.kill_controller_every > 0:
             controller_killer = threading.Thread(
                 target=lambda: controller_kills.extend(kill_controller_on_schedule(args, dep, client, expected, end)),
@@ -276,14 +323,15 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
             killer.start()
         kills = kill_on_schedule(args, dep, client, rng, expected, started, end) if args.kill_every > 0 else []
         time.sleep(max(0.0, end - time.monotonic()))
-        for thread in (killer, controller_killer):
+        for thread in (killer, controller_killer, serve_killer):
             if thread is not None:
                 thread.join(timeout=320)
         load.stop.set()
         load.thread.join(timeout=320)
         leaked, rss_end, migrated = leaked_blocks(client), dep.rss_mb(), dep.metric("disagg:request_migrations_total{")
     outcome = load.outcome(reference)
-    for kill in kills + frontend_kills + controller_kills:  # seconds into the load, as the wrong outputs' times
+    # seconds into the load, as the wrong outputs' times
+    for kill in kills + frontend_kills + controller_kills + serve_kills:
         kill["at_s"] = round(kill.pop("killed_at") - load.started, 1)
     recoveries = [k["recovery_s"] for k in kills + frontend_kills]
     controller_recoveries = [k["recovery_s"] for k in controller_kills]
@@ -296,6 +344,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         "frontend_recovery_p50_s": statistics.median(frontend_recoveries) if frontend_recoveries else None,
         "controller_kills": controller_kills,
         "controller_recovery_max_s": max(controller_recoveries) if controller_recoveries else None,
+        "serve_kills": serve_kills,
+        "serve_recovery_max_s": max((k["recovery_s"] for k in serve_kills), default=None),
         "rss_mb_start": rss_start, "rss_mb_end": rss_end,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
         "rss_drift_pct": rss_drift_pct(rss_start, rss_end),
@@ -317,6 +367,8 @@ def run(args, dep: Deployment, rng: random.Random) -> int:
         print(f"frontend recovery p50 s: {result['frontend_recovery_p50_s']}")
     if controller_kills:
         print(f"controller kills: {len(controller_kills)}, back within s: {result['controller_recovery_max_s']}")
+    if serve_kills:
+        print(f"disagg serve kills: {len(serve_kills)}, back within s: {result['serve_recovery_max_s']}")
     print(f"rss drift %: {result['rss_drift_pct']:.1f}")
     return 0 if not failed and not wrong and not leaked else 1
 

@@ -227,6 +227,11 @@ SMOKE = {
         "--kill-controller-every", "8", "--concurrency", "2", "--max-tokens", "4", "--out", "{tmp}/chaos.json"),
         (r"^killed the controller \(pid \d+\): back in [\d.]+ s", r"^lost: \d+$", r"^leaked blocks: \d+$",
          r"^controller kills: \d+, back within s: [\d.]+$"), heavy=True),
+    "faults.chaos-serve": Smoke("faults.chaos", (
+        "--config", "{config}", "--minutes", "0.4", "--kill-every", "0", "--warm-up", "0", "--frontends", "2",
+        "--kill-serve-every", "8", "--concurrency", "2", "--max-tokens", "4", "--out", "{tmp}/chaos.json"),
+        (r"^killed disagg serve \(pid \d+\): attached again in [\d.]+ s", r"^lost: \d+$", r"^leaked blocks: \d+$",
+         r"^disagg serve kills: \d+, back within s: [\d.]+$"), heavy=True),
     "faults.fuzz": Smoke("faults.fuzz", (
         "--config", "{config}", "--requests", "20", "--fuzz-clients", "2", "--innocent-clients", "1", "--max-tokens", "4",
         "--cases", "^(?!ids at limit)", "--out", "{tmp}/fuzz.json"),  # that one prefills 8k tokens
