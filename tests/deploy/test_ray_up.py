@@ -250,7 +250,9 @@ def assert_gcs_restart_leaves_the_deployment_serving(address: str, before) -> No
 
 
 def restart_gcs_server() -> None:
-    [pid] = gcs_servers()
+    found = gcs_servers()
+    assert len(found) == 1, f"not one gcs_server: {our_processes()}"
+    pid = found[0]
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
     env = dict(line.split(b"=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in line)
     cwd = os.readlink(f"/proc/{pid}/cwd")
@@ -269,8 +271,10 @@ def restart_gcs_server() -> None:
 
 
 def gcs_servers() -> list[int]:
-    """The head's gcs_server (the only one here: the test runs where no other Ray does)."""
-    return [int(line.split()[0]) for line in our_processes() if line.split()[1].endswith("/gcs_server")]
+    """The head's gcs_server (deploy/cluster.yaml gives it port 6379)."""
+    return [
+        int(line.split()[0]) for line in our_processes() if "gcs_server" in line and "--gcs_server_port=6379" in line
+    ]
 
 
 def actor_processes() -> list[int]:
