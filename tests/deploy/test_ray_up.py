@@ -271,16 +271,27 @@ def restart_gcs_server() -> None:
 
 
 def gcs_servers() -> list[int]:
-    """The head's gcs_server (deploy/cluster.yaml gives it port 6379)."""
-    return [
-        int(line.split()[0]) for line in our_processes() if "gcs_server" in line and "--gcs_server_port=6379" in line
-    ]
+    """The head's gcs_server (deploy/cluster.yaml gives it port 6379); `ps -ww`: whole lines."""
+    found = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [int(line.split()[0]) for line in found if "/gcs_server " in line and "--gcs_server_port=6379" in line]
 
 
 def actor_processes() -> list[int]:
     """The processes of the deployment's actors (its workers, controller): `ray::ClassName...`,
-    not the idle workers Ray keeps and ends as it likes."""
-    return [int(line.split()[0]) for line in our_processes() if "ray::" in line and "ray::IDLE" not in line]
+    children of a raylet of its own; not the idle workers Ray keeps and ends as it likes."""
+    return [
+        int(line.split()[0])
+        for line in our_processes()
+        if "ray::" in line and "ray::IDLE" not in line and NAME.encode() in parent_cmdline(int(line.split()[0]))
+    ]
+
+
+def parent_cmdline(pid: int) -> bytes:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{stat[stat.rindex(')') + 2 :].split()[1]}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return b""
 
 
 def wait_for_server(log: Path) -> str:
