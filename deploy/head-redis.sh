@@ -55,28 +55,30 @@ ray_on_head() {
     pgrep -f '[g]cs_server' >/dev/null || pgrep -f '[r]aylet.* --head' >/dev/null
 }
 
-# The service: redis-server, restarted whenever it exits, until Ray on the head has come and gone.
+# The service: redis-server, restarted whenever it exits, until Ray on the head has come and gone
+# (or its files have: then nothing of it may stay either).
 loop() {
-    local seen_ray=0 gone=0
-    while :; do
-        if ! pgrep -f "[r]edis-server $(cat "$DIR/address")" >/dev/null; then
-            setsid redis-server "$DIR/redis.conf" </dev/null >>"$DIR/redis.log" 2>&1 &
-        fi
-        sleep 2
+    local address seen_ray=0 gone=0
+    address=$(cat "$DIR/address")
+    while [ -d "$DIR" ]; do
         if ray_on_head; then
             seen_ray=1 gone=0
         elif [ "$seen_ray" = 1 ] && [ $((gone += 1)) -ge "$GONE_CHECKS" ]; then
             echo "$(date -u +%FT%TZ) Ray on the head is gone: stopping redis-server" >>"$DIR/redis.log"
-            stop_server
-            rm -f "$LOOP_PID"
-            return 0
+            break
         fi
+        if ! pgrep -f "[r]edis-server $address" >/dev/null; then
+            setsid redis-server "$DIR/redis.conf" </dev/null >>"$DIR/redis.log" 2>&1 &
+        fi
+        sleep 2
     done
+    stop_server "$address"
+    rm -f "$LOOP_PID"
 }
 
 stop_server() {
-    [ -f "$DIR/address" ] || return 0
-    local pattern="[r]edis-server $(cat "$DIR/address")"
+    local pattern="[r]edis-server $1"
+    [ -n "$1" ] || return 0
     pkill -TERM -f "$pattern" || return 0
     for _ in $(seq 20); do
         pgrep -f "$pattern" >/dev/null || return 0
@@ -90,7 +92,7 @@ stop() {
         kill -TERM "$(cat "$LOOP_PID")" 2>/dev/null || true
         rm -f "$LOOP_PID"
     fi
-    stop_server
+    stop_server "$(cat "$DIR/address" 2>/dev/null)"
 }
 
 start() {
@@ -98,7 +100,8 @@ start() {
     rm -rf "$DIR"
     mkdir -m 700 -p "$DIR/data"
     write_config "$(node_ip)"
-    nohup setsid deploy/head-redis.sh loop </dev/null >>"$DIR/redis.log" 2>&1 &
+    # By its whole path: `ps` tells which checkout's service it is.
+    nohup setsid "$PWD/deploy/head-redis.sh" loop </dev/null >>"$DIR/redis.log" 2>&1 &
     echo $! >"$LOOP_PID"
     for _ in $(seq 50); do
         # The password in the environment, not on a command line where `ps` shows it.
