@@ -4,7 +4,9 @@
 # ~/disagg-serve.log; it writes its gRPC address to ~/disagg-serve.ready once it serves.
 # With ~/disagg-plan.yaml (`disagg plan -o`), it serves that plan. With ~/disagg-api-key (a file
 # holding the key, owner-only), clients must send that key: it reaches `disagg serve` in its
-# environment ($DISAGG_API_KEY), never on a command line.
+# environment ($DISAGG_API_KEY), never on a command line. With the head's redis-server
+# (deploy/head-redis.sh, started before Ray, whose GCS keeps its tables there), it uses that Redis,
+# whose URL it gets the same way ($DISAGG_REDIS_URL).
 #
 #   deploy/head-serve.sh start   stop the one running (it drains), then start
 #   deploy/head-serve.sh stop    stop it
@@ -16,6 +18,7 @@ LOG=~/disagg-serve.log
 READY=~/disagg-serve.ready
 PLAN=~/disagg-plan.yaml
 KEY_FILE=~/disagg-api-key
+REDIS_URL_FILE=~/disagg-redis/url  # deploy/head-redis.sh writes it, owner-only
 PATTERN='[d]isagg serve --cluster'  # [d]: pgrep must not find the shell that runs this
 
 stop() {
@@ -36,6 +39,10 @@ start() {
         chmod 600 "$KEY_FILE"
         DISAGG_API_KEY=$(cat "$KEY_FILE")
         export DISAGG_API_KEY
+    fi
+    if [ -f "$REDIS_URL_FILE" ]; then
+        DISAGG_REDIS_URL=$(cat "$REDIS_URL_FILE")
+        export DISAGG_REDIS_URL
     fi
     # RAY_SCHEDULER_EVENTS=0: a driver takes the v1 autoscaler's events for v2's, fails to parse
     # them and logs a traceback for each (Ray 2.60).

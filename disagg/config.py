@@ -69,6 +69,11 @@ ENV_VARS = (
         "~/.disagg",
         "where `disagg serve` records the deployment it runs (owner-only), for `disagg stop` and a second serve",
     ),
+    EnvVar(
+        "DISAGG_REDIS_URL",
+        None,
+        "the Redis `disagg serve` uses where the config sets no redis_url (deploy/head-serve.sh: the head's)",
+    ),
     EnvVar("DISAGG_CACHE_DIR", "~/.cache/disagg", "engine.cache_dir's default: where converted weights are kept"),
     EnvVar("DISAGG_KV_SHARED_MEMORY", "1", "engine.kv_shared_memory's default; 0: off"),
     EnvVar("DISAGG_ATTENTION_BACKEND", "auto", "engine.attention_backend's default: auto, torch or kernel"),

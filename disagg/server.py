@@ -621,26 +621,44 @@ def _reachable(address: str | None) -> str | None:
 class ClusterWatch:
     """Whether the Ray cluster a server joined still answers: `ray down` stops Ray on the head and
     nothing else, and Ray ends a driver whose cluster is gone only a minute later and abruptly;
-    the server stops on its own first, in order."""
+    the server stops on its own first, in order. Gone: neither the GCS nor this node's raylet
+    accepts a connection. A GCS restarting alone (its tables in Redis: deploy/head-redis.sh)
+    leaves the raylet, and the deployment serves on through it."""
 
-    MISSES = 3  # connections refused in a row (a check a second)
+    MISSES = 3  # checks in a row (a check a second) that reach neither
 
-    def __init__(self, address: tuple[str, int]):
-        self.address = address  # the cluster's GCS
+    def __init__(self, gcs: tuple[str, int], raylet: tuple[str, int] | None = None):
+        self.addresses = [gcs] if raylet is None else [gcs, raylet]
         self.misses = 0
 
     @classmethod
     def of_ray(cls) -> "ClusterWatch":
         host, _, port = ray.get_runtime_context().gcs_address.rpartition(":")
-        return cls((host, int(port)))
+        return cls((host, int(port)), _local_raylet())
 
     def gone(self) -> bool:
-        try:
-            socket.create_connection(self.address, timeout=1.0).close()
+        if any(_accepts(address) for address in self.addresses):
             self.misses = 0
-        except OSError:
+        else:
             self.misses += 1
         return self.misses >= self.MISSES
+
+
+def _local_raylet() -> tuple[str, int] | None:
+    """HOST:PORT of this node's raylet (None: Ray lists no such node)."""
+    node_id = ray.get_runtime_context().get_node_id()
+    for node in ray.nodes():
+        if node.get("NodeID") == node_id:
+            return node["NodeManagerAddress"], int(node["NodeManagerPort"])
+    return None
+
+
+def _accepts(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"  # where Ray keeps the cluster's auth token
@@ -840,6 +858,8 @@ def main_serve(config_path: str | None, overrides: dict, ready_file: str | None 
     """`disagg serve`: the defaults, under the config file's settings, under `overrides` (the
     flags', nested as in the file). A config without `api_key` takes $DISAGG_API_KEY's (the
     clients' variable), so that no key need be written in a config file or on a command line.
+    A config without `redis_url` takes $DISAGG_REDIS_URL's: on a `ray up` head, the Redis that
+    Ray's GCS keeps its tables in (deploy/head-redis.sh), its password off the command line.
     `cluster`: join the running Ray cluster (ServingConfig.on_cluster)."""
     config = serving_config(config_path, overrides)
     return serve(config.on_cluster() if cluster else config, ready_file)
@@ -850,6 +870,8 @@ def serving_config(config_path: str | None, overrides: dict) -> ServingConfig:
     settings = merge_settings(read_yaml_settings(config_path) if config_path else {}, overrides)
     if not settings.get("api_key") and env(API_KEY_ENV):
         settings["api_key"] = env(API_KEY_ENV)
+    if not settings.get("redis_url") and env("DISAGG_REDIS_URL"):
+        settings["redis_url"] = env("DISAGG_REDIS_URL")
     return ServingConfig.from_dict(settings)
 
 

@@ -4,8 +4,11 @@ worker serves, the SSH user and key, the repository), a head at 127.0.0.1 and wo
 127.0.0.2 (prefill) and 127.0.0.3 (decode): loopback addresses of this one machine, reached over
 SSH as root through the test's own SSH server. The machines clone this repository (its committed
 HEAD) and run `make setup` in a directory of their own; the head serves the default model
-disaggregated across the workers; a gRPC request is answered from 127.0.0.1; `ray down` ends it
-all; the test removes everything the deployment installed or wrote.
+disaggregated across the workers; a gRPC request is answered from 127.0.0.1; Ray's GCS keeps its
+tables in the head's redis-server (deploy/head-redis.sh), which the deployment's registry is in
+too, so that the GCS, killed and started again, finds the workers' actors alive and the
+deployment answers on; `ray down` ends it all, that redis-server included; the test removes
+everything the deployment installed or wrote.
 
 Run alone (`make deploy-test`; CI runs it after `make test`): `ray stop` on a machine stops every
 Ray on it. Skips, saying why, where no SSH server can run.
@@ -34,6 +37,8 @@ NAME = "disagg-deploy-test"  # the cluster's name and its directory on the machi
 HOME = Path(pwd.getpwuid(os.getuid()).pw_dir)  # where SSH logs the user in, whatever $HOME says
 # What the deployment writes in the SSH user's home (here: this user's), besides its directory.
 HOME_FILES = [".bashrc", "ray_bootstrap_config.yaml", "ray_bootstrap_key.pem", "disagg-serve.log", "disagg-serve.ready"]
+REDIS_DIR = HOME / "disagg-redis"  # deploy/head-redis.sh's files
+REDIS_PORT = 6380  # deploy/head-redis.sh's
 UP_TIMEOUT_S, SERVE_TIMEOUT_S, DOWN_TIMEOUT_S = 480, 360, 120
 
 pytestmark = pytest.mark.timeout(900)
@@ -79,7 +84,16 @@ def our_processes() -> list[str]:
     """Processes of the deployment: its server, Ray's daemons and workers."""
     found = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
     patterns = (NAME, "disagg serve --cluster", "gcs_server", "raylet", "ray::")
-    return [line.strip() for line in found if any(p in line for p in patterns) and str(os.getpid()) != line.split()[0]]
+    return [
+        line.strip()
+        for line in found
+        if (any(p in line for p in patterns) or _is_head_redis(line)) and str(os.getpid()) != line.split()[0]
+    ]
+
+
+def _is_head_redis(ps_line: str) -> bool:
+    """deploy/head-redis.sh's redis-server, which titles itself `redis-server HOST:PORT`."""
+    return "redis-server" in ps_line and ps_line.rstrip().endswith(f":{REDIS_PORT}")
 
 
 class HomeSnapshot:
@@ -90,6 +104,7 @@ class HomeSnapshot:
         self.token = HOME / ".ray" / "auth_token"
         self.had_token = self.token.exists()
         self.tmp_before = set(os.listdir("/tmp"))
+        self.had_redis_dir = REDIS_DIR.exists()
 
     def restore(self) -> None:
         for name in HOME_FILES:
@@ -101,6 +116,8 @@ class HomeSnapshot:
         if not self.had_token:
             self.token.unlink(missing_ok=True)
         shutil.rmtree(HOME / NAME, ignore_errors=True)
+        if not self.had_redis_dir:
+            shutil.rmtree(REDIS_DIR, ignore_errors=True)
         for entry in set(os.listdir("/tmp")) - self.tmp_before:  # the launcher's SSH sockets and state
             if entry.startswith(("ray_ssh_", f"cluster-{NAME}", f"{NAME}-ray-start")):
                 path = Path("/tmp") / entry
@@ -160,6 +177,8 @@ def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it
         hosts = {pool.role: {i.kv_address.rsplit(":", 1)[0] for i in pool.instances} for pool in status.pools}
         assert hosts == {"prefill": {PREFILL}, "decode": {DECODE}}  # each pool on its own machine
         assert final.timings.prefill_instance != final.timings.decode_instance
+        assert_gcs_and_registry_in_head_redis()
+        assert_gcs_restart_leaves_the_deployment_serving(address, status)
 
         down = run(["ray", "down", "-y", str(cluster_file)], DOWN_TIMEOUT_S, log)
         assert down.returncode == 0, f"ray down failed:\n{tail(log)}"
@@ -181,6 +200,98 @@ def test_ray_up_serves_the_default_model_across_the_cluster_and_ray_down_ends_it
         home.restore()
     assert our_processes() == []
     assert not (HOME / NAME).exists()
+
+
+def head_redis():
+    import redis
+
+    return redis.Redis.from_url((REDIS_DIR / "url").read_text().strip(), socket_timeout=5.0)
+
+
+def assert_gcs_and_registry_in_head_redis() -> None:
+    """Ray's GCS keeps its tables in the head's redis-server (its keys: RAY<namespace>@<table>),
+    and `disagg serve --cluster` its registry (disagg:instance:<id>)."""
+    client = head_redis()
+    try:
+        keys = [key.decode(errors="replace") for key in client.scan_iter(count=1000)]
+        config = client.config_get("appendonly")
+    finally:
+        client.close()
+    assert any(key.startswith("RAY") and "@" in key for key in keys), f"no GCS table in the head's Redis: {keys[:20]}"
+    assert any(":instance:" in key for key in keys), f"no disagg registry key in the head's Redis: {keys[:20]}"
+    assert config == {"appendonly": "yes"}
+
+
+def assert_gcs_restart_leaves_the_deployment_serving(address: str, before) -> None:
+    """SIGKILL the head's gcs_server and start it again as it was (what a supervisor would do):
+    it reloads its tables from Redis, the workers' actors live on (the same instances, the same
+    processes), and the deployment answers without `disagg serve` stopping."""
+    from disagg.client import DisaggClient, generate_request
+
+    actor_pids = actor_processes()
+    restart_gcs_server()
+    with DisaggClient(address) as client:
+        request = generate_request(prompt="The capital of France is", temperature=0.0, max_tokens=4)
+        deadline = time.monotonic() + 60
+        while True:  # the GCS reloading its tables; the serving path needs it not
+            try:
+                client.generate(request, timeout=30)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        after = client.cluster_status()
+    ids = lambda status: sorted(i.instance_id for pool in status.pools for i in pool.instances)  # noqa: E731
+    assert ids(after) == ids(before)
+    assert actor_pids and set(actor_pids) <= set(actor_processes()), "an actor's process died with the GCS"
+    serve_log = tail(HOME / "disagg-serve.log")
+    assert "disagg: shutting down" not in serve_log, serve_log
+
+
+def restart_gcs_server() -> None:
+    found = gcs_servers()
+    assert len(found) == 1, f"not one gcs_server: {our_processes()}"
+    pid = found[0]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    env = dict(line.split(b"=", 1) for line in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in line)
+    cwd = os.readlink(f"/proc/{pid}/cwd")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while gcs_servers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # In a session of its own, no child of this process: as `ray start` leaves it (`ray down` ends it).
+    subprocess.run(
+        ["bash", "-c", 'setsid "$@" </dev/null >/dev/null 2>&1 &', "gcs", *argv], env=env, cwd=cwd, check=True
+    )
+    deadline = time.monotonic() + 60
+    while not gcs_servers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert gcs_servers(), "the GCS did not start again"
+
+
+def gcs_servers() -> list[int]:
+    """The head's gcs_server (deploy/cluster.yaml gives it port 6379); `ps -ww`: whole lines."""
+    found = subprocess.run(["ps", "-ww", "-eo", "pid=,args="], capture_output=True, text=True).stdout.splitlines()
+    return [int(line.split()[0]) for line in found if "/gcs_server " in line and "--gcs_server_port=6379" in line]
+
+
+def actor_processes() -> list[int]:
+    """The processes of the deployment's actors (its workers, controller): `ray::ClassName...`,
+    children of a raylet of its own; not the idle workers Ray keeps and ends as it likes."""
+    return [
+        int(line.split()[0])
+        for line in our_processes()
+        if "ray::" in line and "ray::IDLE" not in line and NAME.encode() in parent_cmdline(int(line.split()[0]))
+    ]
+
+
+def parent_cmdline(pid: int) -> bytes:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return Path(f"/proc/{stat[stat.rindex(')') + 2 :].split()[1]}/cmdline").read_bytes()
+    except (OSError, ValueError, IndexError):
+        return b""
 
 
 def wait_for_server(log: Path) -> str:

@@ -60,3 +60,26 @@ def test_a_server_sees_its_cluster_gone_after_three_refused_connections():
     assert not watch.gone()
     listener.close()
     assert [watch.gone() for _ in range(ClusterWatch.MISSES)] == [False] * (ClusterWatch.MISSES - 1) + [True]
+
+
+def test_a_gcs_restarting_alone_is_not_its_cluster_gone_while_the_raylet_answers():
+    """Its tables in Redis, the head's GCS may restart (deploy/head-redis.sh): `ray down` ends the
+    raylet too, a GCS restart does not."""
+    import socket
+
+    from disagg.server import ClusterWatch
+
+    gcs, raylet = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    watch = ClusterWatch(gcs.getsockname(), raylet.getsockname())
+    gcs.close()
+    assert [watch.gone() for _ in range(ClusterWatch.MISSES + 2)] == [False] * (ClusterWatch.MISSES + 2)
+    raylet.close()
+    assert [watch.gone() for _ in range(ClusterWatch.MISSES)] == [False] * (ClusterWatch.MISSES - 1) + [True]
+
+
+def test_serve_takes_the_redis_url_from_the_environment_where_the_config_names_none(monkeypatch):
+    from disagg.server import serving_config
+
+    monkeypatch.setenv("DISAGG_REDIS_URL", "redis://:pw@10.0.0.1:6380/0")
+    assert serving_config(None, {}).redis_url == "redis://:pw@10.0.0.1:6380/0"
+    assert serving_config(None, {"redis_url": "redis://10.0.0.9:6379/0"}).redis_url == "redis://10.0.0.9:6379/0"
