@@ -145,6 +145,9 @@ class Registry:
     def _arrivals_key(self) -> str:
         return f"{self.namespace}:arrivals"
 
+    def _verdicts_key(self) -> str:
+        return f"{self.namespace}:slo_verdicts"
+
     @contextlib.contextmanager
     def _redis_errors(self, what: str) -> Iterator[None]:
         try:
@@ -262,29 +265,47 @@ class Registry:
     def push_arrivals(self, arrivals: list[tuple[float, int, int]], keep: int, ttl_s: float) -> None:
         """Append (wall-clock time, prompt tokens, output tokens asked for) of requests that
         arrived; the newest `keep` are kept, none longer than `ttl_s` unread."""
-        if not arrivals:
+        self._push_unread(self._arrivals_key(), [f"{t:.6f},{p},{o}" for t, p, o in arrivals], keep, ttl_s)
+
+    def take_arrivals(self) -> list[tuple[float, int, int]]:
+        """Every arrival pushed and not yet taken, oldest first; taken ones are gone."""
+        arrivals = []
+        for value in self._take_unread(self._arrivals_key()):
+            t, p, o = value.split(",")
+            arrivals.append((float(t), int(p), int(o)))
+        return arrivals
+
+    def push_verdicts(self, verdicts: list[tuple[float, bool]], keep: int, ttl_s: float) -> None:
+        """Append (wall-clock time, met) of requests judged against their SLO (frontends -> the
+        re-planner, which checks its last decision on every frontend's requests)."""
+        self._push_unread(self._verdicts_key(), [f"{t:.6f},{int(met)}" for t, met in verdicts], keep, ttl_s)
+
+    def take_verdicts(self) -> list[tuple[float, bool]]:
+        """Every verdict pushed and not yet taken, oldest first; taken ones are gone."""
+        verdicts = []
+        for value in self._take_unread(self._verdicts_key()):
+            t, met = value.split(",")
+            verdicts.append((float(t), met == "1"))
+        return verdicts
+
+    def _push_unread(self, key: str, values: list[str], keep: int, ttl_s: float) -> None:
+        """The newest `keep` of a list are kept, none longer than `ttl_s` unread."""
+        if not values:
             return
-        key = self._arrivals_key()
-        with self._redis_errors("push_arrivals"):
+        with self._redis_errors(f"push to {key}"):
             pipe = self._client.pipeline(transaction=True)
-            pipe.rpush(key, *(f"{t:.6f},{p},{o}" for t, p, o in arrivals))
+            pipe.rpush(key, *values)
             pipe.ltrim(key, -keep, -1)
             pipe.pexpire(key, max(1, int(ttl_s * 1000)))
             pipe.execute()
 
-    def take_arrivals(self) -> list[tuple[float, int, int]]:
-        """Every arrival pushed and not yet taken, oldest first; taken ones are gone."""
-        key = self._arrivals_key()
-        with self._redis_errors("take_arrivals"):
+    def _take_unread(self, key: str) -> list[str]:
+        with self._redis_errors(f"take from {key}"):
             pipe = self._client.pipeline(transaction=True)
             pipe.lrange(key, 0, -1)
             pipe.delete(key)
             values, _ = pipe.execute()
-        arrivals = []
-        for value in values:
-            t, p, o = value.split(",")
-            arrivals.append((float(t), int(p), int(o)))
-        return arrivals
+        return values
 
     # -- the controller ---------------------------------------------------------------------------
 

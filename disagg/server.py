@@ -79,7 +79,7 @@ from disagg.router.http_frontend import HttpFrontend
 from disagg.router.orchestrator import Orchestrator
 from disagg.placement.factory import placement_policy
 from disagg.router.records import RequestRecords
-from disagg.router.shared_arrivals import ArrivalFeed
+from disagg.router.shared_arrivals import ArrivalFeed, VerdictFeed
 from disagg.router.replanning import ReplanView, replans
 from disagg.router.request_path import RequestPath
 from disagg.router.streams import DecodeStreams
@@ -307,6 +307,7 @@ class Server:
         metrics = self.metrics
         # The controller's re-planner plans for every frontend's traffic: each hands its arrivals over.
         arrival_feed = ArrivalFeed(registry, config.replan_window_s) if replans(config) else None
+        verdict_feed = VerdictFeed(registry, config.replan_window_s) if replans(config) else None  # its checks
         orchestrator = Orchestrator(
             config,
             directory,
@@ -322,7 +323,8 @@ class Server:
         if config.placement == "goodput" and not config.profile and config.calibration_s > 0:
             self.calibrated = await calibrate(config, directory, streams, limits.vocab_size, config.calibration_s)
         records = RequestRecords(registry)
-        self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records)
+        verdicts = verdict_feed.judged if verdict_feed is not None else None
+        self.request_path = RequestPath(orchestrator, tokenizer, limits, metrics, records, verdicts)
         self.replan_view = ReplanView() if replans(config) else None
         self.servicer = ServingServicer(self.request_path, directory, config.engine.model, self.replan_view)
         server, port, health_servicer = await _start_grpc(config, self.servicer)
@@ -362,6 +364,8 @@ class Server:
         records.close()
         if arrival_feed is not None:
             arrival_feed.close()
+        if verdict_feed is not None:
+            verdict_feed.close()
         if metrics_server:
             metrics_server.stop()
         registry.close()

@@ -37,7 +37,7 @@ from disagg.metrics import ServingMetrics
 from disagg.registry import Registry
 from disagg.router.directory import directory_for
 from disagg.router.replanning import LoggedDecision, ReplanLoop, SwitchRecord, replan_loop_for, replans
-from disagg.router.shared_arrivals import take_shared_arrivals
+from disagg.router.shared_arrivals import take_shared_arrivals, take_shared_verdicts
 from disagg.router.streams import DecodeStreams
 from disagg.supervision import supervise_thread, supervised_task
 
@@ -113,9 +113,11 @@ class Controller:
         instance = self.launcher.instances[0].actor
         card = await asyncio.wait_for(instance.model_card.remote(), self.config.start_timeout_s)
         shared = lambda: take_shared_arrivals(registry)  # noqa: E731
+        verdicts = lambda: take_shared_verdicts(registry)  # noqa: E731 - a check measures every frontend's
         self.replanning = replan_loop_for(
-            self.config, directory, card, self.metrics, self.launcher.switched, shared, scaler=self.launcher
-        )
+            self.config, directory, card, self.metrics, self.launcher.switched, shared, scaler=self.launcher,
+            shared_verdicts=verdicts,
+        )  # fmt: skip
         if self.replanning is not None:
             self.replanning.resize(len(self.instances()))  # those added by scaling before a restart too
         tasks = [supervised_task("replanning", self.replanning.run, self._loop_failed)] if self.replanning else []

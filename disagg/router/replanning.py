@@ -127,10 +127,11 @@ def scale_bounds(config: ServingConfig) -> ScaleBounds:
 def replan_loop_for(
     config: ServingConfig, directory: InstanceDirectory, card: ModelCard, metrics: ServingMetrics,
     on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple[float, int, int]]],
-    scaler: Scaler | None = None,
+    scaler: Scaler | None = None, shared_verdicts: Callable[[], list[tuple[float, bool]]] | None = None,
 ) -> ReplanLoop | None:  # fmt: skip
-    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`),
-    scaling through `scaler` (the launcher); None where it would not run (replans)."""
+    """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`) and
+    SLO verdicts (`shared_verdicts`), scaling through `scaler` (the launcher); None where it would
+    not run (replans)."""
     if not replans(config):
         return None
     base = load_profile(config.profile) if config.profile else None
@@ -140,7 +141,8 @@ def replan_loop_for(
     def profile():
         return live_profile(base, directory, config.engine.model, kv_bytes, layers)
 
-    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals, scaler=scaler)
+    return ReplanLoop(config, directory, profile, metrics, on_switched, shared_arrivals=shared_arrivals,
+                      scaler=scaler, shared_verdicts=shared_verdicts)  # fmt: skip
 
 
 def live_profile(base: Profile | None, directory: InstanceDirectory, model: str, kv_bytes_per_token: int,
@@ -235,18 +237,22 @@ class ReplanLoop:
         shared_arrivals: Callable[[], list[tuple[float, int, int]]] | None = None,
         pricer: PricingPool | None = None,
         scaler: Scaler | None = None,
+        shared_verdicts: Callable[[], list[tuple[float, bool]]] | None = None,
     ):
         """`profile()`: what the simulator prices with now (live_profile); `on_switched(id,
         role)`: an instance serves in its new role (the launcher's records follow);
         `shared_arrivals()`: the other frontends' arrivals since the last call, as `arrived`
         takes them (disagg.router.shared_arrivals), taken before each round; `pricer`: where the
         simulations run (a process of their own by default); `scaler`: what adds and removes
-        instances (None: the loop only switches)."""
+        instances (None: the loop only switches); `shared_verdicts()`: the frontends' SLO verdicts
+        since the last call, (time.monotonic(), met), which a decision's check measures (None:
+        those `metrics` observed, where the loop runs beside a frontend)."""
         self.config, self.directory, self.profile, self.metrics = config, directory, profile, metrics
         self.pricer = pricer or PricingPool(config.replan_price_timeout_s)
         self.checker = DecisionChecker(margin=config.replan_undo_margin)
         self.on_switched = on_switched
         self.shared_arrivals = shared_arrivals
+        self.shared_verdicts = shared_verdicts
         self.window = TrafficWindow(config.replan_window_s)
         self.total = config.prefill.num_instances + config.decode.num_instances
         self.replanner = Replanner(
@@ -291,6 +297,7 @@ class ReplanLoop:
         worse than staying); else decide, and switch if the decision says so. Returns what was
         logged."""
         await self._take_shared_arrivals()
+        await self._take_shared_verdicts()
         current = self.current_split()
         self._profile = self.profile()
         if current is None or self._profile is None:
@@ -447,6 +454,17 @@ class ReplanLoop:
             return
         for at, prompt_tokens, output_tokens in arrivals:
             self.window.add(at, prompt_tokens, output_tokens)
+
+    async def _take_shared_verdicts(self) -> None:
+        if self.shared_verdicts is None:
+            return
+        try:
+            verdicts = await asyncio.to_thread(self.shared_verdicts)
+        except RegistryUnavailable as exc:  # a check due now measures on fewer
+            logger.warning("re-plan without the frontends' SLO verdicts: %s", exc)
+            return
+        for at, met in verdicts:
+            self.metrics.observe_slo("shared", met, now=at)
 
     def _simulate(self, split: Split, requests: list) -> list:
         return split_simulator(self.config, {role: self._profile for role in ROLES})(split, requests)

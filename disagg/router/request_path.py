@@ -61,12 +61,16 @@ class RequestPath:
         limits: ModelLimits,
         metrics: ServingMetrics,
         records: RequestRecords | None,
+        verdicts: Callable[[bool], None] | None = None,
     ):
+        """`verdicts(met)`: told each request's SLO verdict beside the metrics (the re-planner's
+        feed, shared_arrivals.VerdictFeed)."""
         self.orchestrator = orchestrator
         self.tokenizer = tokenizer
         self.limits = limits
         self.metrics = metrics
         self.records = records
+        self.verdicts = verdicts
         self.max_inflight = orchestrator.config.frontend_inflight_limit()
         self._active: dict[str, asyncio.Task] = {}  # request id -> the task serving it
         self._aborted: set[str] = set()  # ended by Abort: their streams end with finish_reason "abort"
@@ -177,7 +181,7 @@ class RequestPath:
                     raise asyncio.CancelledError
                 outcome = self._observe(request_id, stats, delta)
                 if outcome is not None:
-                    self.metrics.observe_slo(demand[1], meets_slo(outcome, demand[0]))
+                    self._judged(demand[1], meets_slo(outcome, demand[0]))
                 yield delta, outcome
         except asyncio.CancelledError:
             await deltas.aclose()  # the attempt's cleanup (aborts on the workers) runs now
@@ -190,7 +194,7 @@ class RequestPath:
             yield last, self._observe(request_id, stats, last)
         except (DisaggError, asyncio.TimeoutError) as exc:
             code = "DEADLINE_EXCEEDED" if isinstance(exc, asyncio.TimeoutError) else grpc_code_name(exc)
-            self.metrics.observe_slo(demand[1], False)  # refused on its prediction, or failed: a miss
+            self._judged(demand[1], False)  # refused on its prediction, or failed: a miss
             raise self._failed(code, str(exc) or type(exc).__name__) from exc
         except (ValueError, ArithmeticError) as exc:
             # Bad input was refused by prepare() (or by a worker, as RemoteError): this is the
@@ -207,6 +211,11 @@ class RequestPath:
             await deltas.aclose()  # a caller that stopped reading: the workers drop the request now
             self._active.pop(request_id, None)
             self._aborted.discard(request_id)  # an Abort that came as the stream ended must not outlive it
+
+    def _judged(self, slo_class: str, met: bool) -> None:
+        self.metrics.observe_slo(slo_class, met)
+        if self.verdicts is not None:
+            self.verdicts(met)
 
     def _observe(self, request_id: str, stats: StreamStats, delta: TokenDelta) -> Outcome | None:
         outcome = stats.observe(delta)

@@ -1,4 +1,4 @@
-"""Every frontend's arrivals, for the re-planner, which runs in the deployment's controller.
+"""Every frontend's arrivals and SLO verdicts, for the re-planner, which runs in the deployment's controller.
 
 With several frontends (ServingConfig.frontends) each sees only the requests sent to it, while
 the split must be planned for all of them: a re-planner that saw one frontend's share alone would
@@ -37,6 +37,28 @@ class ArrivalFeed(BatchedWrites):
         """`at`: time.monotonic() of this process (its SLO and priority are not shared: the
         re-planner judges the replicas' requests by the server's)."""
         self.add((at + _wall_minus_monotonic(), prompt_tokens, output_tokens))
+
+
+class VerdictFeed(BatchedWrites):
+    """On a frontend: each request's SLO verdict, shared (the re-planner checks a decision on the
+    attainment every frontend measured after it, not on what it sees itself: it serves nothing)."""
+
+    def __init__(self, registry: Registry, window_s: float, interval_s: float = 1.0):
+        super().__init__(
+            lambda batch: registry.push_verdicts(batch, MAX_UNREAD, ttl_s=window_s),
+            "shared-slo-verdicts",
+            interval_s,
+            max_pending=MAX_UNREAD,
+        )
+
+    def judged(self, met: bool) -> None:
+        self.add((time.time(), met))
+
+
+def take_shared_verdicts(registry: Registry) -> list[tuple[float, bool]]:
+    """In the controller: the frontends' SLO verdicts not yet taken, at this process's time.monotonic()."""
+    offset = _wall_minus_monotonic()
+    return [(wall - offset, met) for wall, met in registry.take_verdicts()]
 
 
 def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int]]:

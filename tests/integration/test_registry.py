@@ -20,7 +20,7 @@ from disagg.cluster.redis_server import LocalRedis, wait_for_redis
 from disagg.errors import RegistryUnavailable
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.router.records import RequestRecords
-from disagg.router.shared_arrivals import ArrivalFeed, take_shared_arrivals
+from disagg.router.shared_arrivals import ArrivalFeed, VerdictFeed, take_shared_arrivals, take_shared_verdicts
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -192,6 +192,22 @@ def test_request_records_are_dropped_not_raised_without_redis():
     assert records.flush() == 0
     assert records.flush() == 0, "the failed batch is gone, not retried forever"
     records.close()
+
+
+def test_shared_slo_verdicts_are_taken_once_oldest_first_and_bounded(registry):
+    registry.push_verdicts([(100.5, True), (101.25, False)], keep=3, ttl_s=60)
+    registry.push_verdicts([(102.0, True), (103.0, False)], keep=3, ttl_s=60)
+    assert registry.take_verdicts() == [(101.25, False), (102.0, True), (103.0, False)], "the newest 3 kept"
+    assert registry.take_verdicts() == [], "taken ones are gone"
+    feed = VerdictFeed(registry, window_s=60, interval_s=0.05)
+    try:
+        before = time.monotonic()
+        feed.judged(True)
+        feed.flush()
+        ((at, met),) = take_shared_verdicts(registry)
+        assert met is True and before - 0.01 <= at <= time.monotonic() + 0.01, "at the taker's monotonic time"
+    finally:
+        feed.close()
 
 
 def test_shared_arrivals_are_taken_once_oldest_first_and_bounded(registry):

@@ -255,6 +255,24 @@ def test_a_switch_that_measured_worse_than_staying_is_undone_and_not_chosen_agai
     assert loop.metrics.replan_predicted_goodput._value.get() == 4.2
 
 
+def test_in_the_controller_a_check_measures_the_frontends_shared_verdicts(monkeypatch):
+    """The loop in the controller serves nothing: its own metrics judge no request, so a due check
+    measures what the frontends shared (here 10 misses after the switch), and is undone on it."""
+    prices = {Split(1, 2): Price(80.0, 4.0), Split(2, 1): Price(90.0, 4.5)}
+    loop, _, _, switched = priced_loop(prices, monkeypatch)
+    now = time.monotonic()
+    opened = now - loop.config.replan_hold_s
+    check = Check(opened - 1.0, Split(2, 1), Split(1, 2), Price(85.0, 4.2), Price(60.0, 3.0), opens_at=opened)
+    loop.checker.open(check)
+    shared = [[(opened + 2.0 + k, False) for k in range(10)]]
+    loop.shared_verdicts = lambda: shared.pop() if shared else []
+    for k in range(10):
+        loop.arrived(opened + 1.0 + k, 100, 20)
+    entry = asyncio.run(loop.step())
+    assert check.outcome == "undone" and check.measured.attainment == 0.0, check
+    assert entry.check is check and switched == [("d0", "prefill")]
+
+
 def test_a_wedged_instance_fails_its_switch_and_the_replanner_goes_on(monkeypatch):
     monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
     loop, directory, log, switched = setup(control_call_timeout_s=0.2)
