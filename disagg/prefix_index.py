@@ -14,11 +14,9 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from disagg.errors import RegistryUnavailable
-from disagg.registry import redact_url
+from disagg.registry import redact_url, redis_client
 
 # A drop unlists the block only if the tier dropping it is the last one the index heard of
 # (a block loaded back into the pool stays listed there when its host copy goes).
@@ -33,13 +31,7 @@ class PrefixIndex:
     def __init__(self, url: str, namespace: str = "disagg", timeout_s: float = 1.0):
         self.namespace = namespace
         self._safe_url = redact_url(url)
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=True,
-        )
+        self._client = redis_client(url, timeout_s)
         self._drop = self._client.register_script(_DROP_IF_TIER)
 
     def _key(self, instance_id: str) -> str:

@@ -107,6 +107,19 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
+def redis_client(url: str, timeout_s: float) -> redis.Redis:
+    """A client with short socket timeouts and one immediate retry, which covers a pooled
+    connection that went stale (Redis restarted); beyond that the caller retries on its own
+    schedule. Nothing is retried forever."""
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry=Retry(NoBackoff(), 1),
+        decode_responses=True,
+    )
+
+
 class Registry:
     """One Redis client with short socket timeouts; keys live under `<namespace>:`."""
 
@@ -124,15 +137,7 @@ class Registry:
         self.namespace = namespace
         self.max_request_records = max_request_records
         self._safe_url = redact_url(url)
-        # One immediate retry covers a pooled connection that went stale (Redis restarted);
-        # beyond that the caller retries on its own schedule. Nothing is retried forever.
-        self._client = redis.Redis.from_url(
-            url,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s,
-            retry=Retry(NoBackoff(), 1),
-            decode_responses=True,
-        )
+        self._client = redis_client(url, timeout_s)
 
     # -- keys -------------------------------------------------------------------------------
 
