@@ -152,7 +152,6 @@ class GoodputPolicy(LeastOutstandingWork):
             options.append(_Option(d, d, local, decode_tpot, request.slo, cached, calibrated=True, local=True))
         return options
 
-
     def _local_limit(self, cached: int, prefill_cached: int) -> int:
         """The uncached tokens a decode instance holding `cached` of the prompt may prefill."""
         reuse = self.decode_reuse_max_tokens if cached > prefill_cached else 0
