@@ -9,8 +9,9 @@ decode-side reuse), then with the host tier and the cluster-wide index (the defa
 --mode colocated: one colocated instance of the default model; --mode disaggregated: one prefill
 and one decode instance, where the new run also lets a turn's new tokens be prefilled on the
 decode instance that holds its history (decode-side reuse, `decode_reuse_max_tokens`).
---pool-fraction sizes each KV pool to that fraction of the KV of all the conversations at their
-end, so that a conversation's blocks are evicted before its next turn.
+--pool-fraction sizes the KV pool (disaggregated: the prefill pool's; the decode pool holds every
+session's running request) to that fraction of the KV of all the conversations at their end, so
+that a conversation's blocks are evicted before its next turn.
 
 Prints TTFT p50 / p90 by turn for both, the hit rate by tier, and as its last lines
 `multi-turn ttft p50 ratio: N` (turns 4 on, with tiers against today's) and
@@ -76,9 +77,14 @@ async def run_sessions(address: str, all_messages, args) -> list[list[RequestRec
 def pool_blocks(args) -> int:
     """KV blocks for --pool-fraction of every conversation's KV at its end, at least two whole
     conversations (one running, one more)."""
-    final = args.first_tokens + (args.turns - 1) * args.message_tokens + args.turns * args.answer_tokens
-    per_conversation = -(-final // BLOCK_SIZE) + 1
+    per_conversation = conversation_blocks(args)
     return max(int(args.pool_fraction * args.sessions * per_conversation), 2 * per_conversation)
+
+
+def conversation_blocks(args) -> int:
+    """KV blocks of a whole conversation at its end."""
+    final = args.first_tokens + (args.turns - 1) * args.message_tokens + args.turns * args.answer_tokens
+    return -(-final // BLOCK_SIZE) + 1
 
 
 def settings(args, tiers: bool) -> dict:
@@ -93,11 +99,14 @@ def settings(args, tiers: bool) -> dict:
             "calibration_s": 0,
         }
     pool = {"num_instances": 1, "num_cpus_per_worker": 1}
+    # The decode pool holds every session's running request (each may decode at once; a pool
+    # too small refuses them), so only the prefill pool is held to --pool-fraction.
+    decode = {**pool, "engine": {"num_kv_blocks": max(pool_blocks(args), args.sessions * conversation_blocks(args))}}
     return {
         **common,
         "mode": "disaggregated",
         "prefill": pool,
-        "decode": pool,
+        "decode": decode,
         **({} if tiers else TODAY_PLACEMENT),
     }
 
