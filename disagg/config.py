@@ -625,6 +625,15 @@ class ServingConfig:
     # Conditional disaggregation (goodput placement): a prompt with at most this many uncached
     # tokens may be prefilled by its decode instance when predicted faster; 0: always disaggregate.
     local_prefill_max_tokens: int = 0
+    # Peer block fetch (disagg.router.peer_fetch): a prefill instance that lacks a prompt's
+    # cached prefix fetches the blocks from the instance the prefix index says holds more (a
+    # decode instance with the conversation's history, another prefill instance), when moving
+    # them at peer_fetch_gb_s plus peer_fetch_latency_ms is predicted faster than computing them.
+    # A fetch not done within peer_fetch_timeout_s is given up: the prefill computes the blocks.
+    peer_fetch: bool = True
+    peer_fetch_gb_s: float = 1.0  # a conservative rate for the KV transport between two instances
+    peer_fetch_latency_ms: float = 5.0  # the three calls that set a fetch up, and the transfer's own latency
+    peer_fetch_timeout_s: float = 2.0
     # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
     # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
     placement_candidates: int = 12
@@ -709,6 +718,8 @@ class ServingConfig:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
+        _require(self.peer_fetch_gb_s > 0, "peer_fetch_gb_s", "must be > 0")
+        _require(self.peer_fetch_latency_ms >= 0, "peer_fetch_latency_ms", "must be >= 0")
         _require(
             self.placement_candidates == 0 or self.placement_candidates >= MIN_PLACEMENT_CANDIDATES,
             "placement_candidates",
@@ -761,6 +772,7 @@ class ServingConfig:
             "replan_switch_timeout_s",
             "replan_price_timeout_s",
             "control_call_timeout_s",
+            "peer_fetch_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.replan_undo_margin >= 0, "replan_undo_margin", "must be >= 0")
