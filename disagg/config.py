@@ -629,11 +629,10 @@ class ServingConfig:
     # cached prefix fetches the blocks from the instance the prefix index says holds more (a
     # decode instance with the conversation's history, another prefill instance), when moving
     # them at peer_fetch_gb_s plus peer_fetch_latency_ms is predicted faster than computing them.
-    # A fetch not done within peer_fetch_timeout_s is given up: the prefill computes the blocks.
     peer_fetch: bool = True
     peer_fetch_gb_s: float = 1.0  # a conservative rate for the KV transport between two instances
     peer_fetch_latency_ms: float = 5.0  # the three calls that set a fetch up, and the transfer's own latency
-    peer_fetch_timeout_s: float = 2.0
+    peer_fetch_timeout_s: float = 2.0  # a fetch not done by then is given up: the prefill computes the blocks
     # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
     # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
     placement_candidates: int = 12
