@@ -59,12 +59,22 @@ class PeerFetch:
         return cls(directory, block_size, kv_bytes_per_token * block_size, rate, config.peer_fetch_timeout_s)
 
     def plan(self, prefill: Instance, block_hashes: Sequence[int], prompt_tokens: int) -> FetchPlan | None:
-        holders = [
-            i for i in self.directory.all()
-            if i.role in HOLDER_ROLES and i is not prefill and not self.directory.is_failed(i)
-        ]  # fmt: skip
+        """What the rule says for this prompt on `prefill`: from whom, how many blocks (None: no fetch)."""
+        if not _one_rank(prefill):  # an instance of several ranks fetches nothing (yet)
+            return None
+        holders = [i for i in self.directory.all() if i is not prefill and self._may_lend(i)]
         return plan_fetch(prefill, prefill.step_model, holders, block_hashes, prompt_tokens, self.block_size,
                           self.block_bytes, self.rate)  # fmt: skip
+
+    def _may_lend(self, instance: Instance) -> bool:
+        """A live one-rank prefill or decode instance, unless it said it lends nothing."""
+        said_none = _EXPORT_LAYOUT in instance.extra and instance.extra[_EXPORT_LAYOUT] is None
+        return (
+            instance.role in HOLDER_ROLES
+            and _one_rank(instance)
+            and not said_none
+            and not self.directory.is_failed(instance)
+        )
 
     async def fetch(self, request_id: str, token_ids: list[int], block_hashes: Sequence[int], prefill: Instance) -> int:
         """Fetch what the plan says into `prefill` before its prompt goes there; the prompt's
@@ -129,3 +139,7 @@ class PeerFetch:
             task = asyncio.ensure_future(asyncio.gather(*aborts, return_exceptions=True))
             self._tasks.add(task)  # a reference until it ends (the loop keeps only weak ones)
             task.add_done_callback(self._tasks.discard)
+
+
+def _one_rank(instance: Instance) -> bool:
+    return len(instance.kv_layout.ranks) == 1

@@ -97,3 +97,10 @@ def test_no_room_on_the_prefill_instance_or_nothing_worth_fetching_asks_no_holde
     _, prefill, holder = setup({"export_prefix": True})
     slow_link.directory._instances = {"p0": prefill, "d0": holder}
     assert run(slow_link, prefill) == 0 and holder.rpc.calls == []
+
+
+def test_a_holder_that_lends_nothing_is_asked_once():
+    fetch, prefill, holder = setup({"peer_export_layout": None, "abort": True})
+    assert run(fetch, prefill) == 0 and holder.rpc.calls[0] == "peer_export_layout"
+    holder.indexed_hashes = set(HASHES)  # the index lists its blocks again
+    assert fetch.plan(prefill, HASHES, len(PROMPT)) is None
