@@ -14,8 +14,9 @@ transport, so they never share a pair with the request path's transfers):
   blocks (reference counts) and sends those the importer lacks: by reference on one host
   when the cache is in shared memory, packed otherwise, as the request path's sender does. The
   answer (a Future) is True once the importer acknowledged them, False when the pool no longer
-  holds the prefix (a stale index entry) or the transfer failed; the blocks are unpinned
-  either way.
+  holds the prefix (a stale index entry) or the transfer failed. The blocks are unpinned on the
+  acknowledgement; after a failure or an abort only once the transfer's timeout has passed: a
+  reference to them may still be in the importer's hands until then (messages.BlockRef).
 
 Every wait has the endpoints' timeout, and at most `max_active` of each run at once: a fetch
 that cannot happen costs its request the recompute it would have been, never an error.
@@ -24,6 +25,7 @@ that cannot happen costs its request the recompute it would have been, never an 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -139,16 +141,18 @@ class PeerExports:
         self.sender = sender
         self.max_active = max_active
         self._exports: dict[str, _Export] = {}
+        self._lingering: list[tuple[float, list[int]]] = []  # (unpin at, blocks) of failed exports
 
     def layout(self) -> KVLayout:
         return KVLayout.single(self.sender.worker_id, self.sender.address())
 
     @property
     def active(self) -> bool:
-        return bool(self._exports)
+        return bool(self._exports or self._lingering)
 
     def has_news(self) -> bool:
-        return bool(self._exports) and self.sender.has_finished()
+        due = bool(self._lingering) and time.monotonic() >= self._lingering[0][0]
+        return due or (bool(self._exports) and self.sender.has_finished())
 
     def start(self, export_id: str, token_ids: list[int], num_blocks: int, target: KVTarget) -> Future:
         """Send the first `num_blocks` full blocks of `token_ids` into `target` (the importer's
@@ -168,7 +172,11 @@ class PeerExports:
         return export.done
 
     def settle(self) -> None:
-        """Exports that ended (acknowledged, failed or timed out): their blocks unpinned."""
+        """Exports that ended (acknowledged, failed or timed out): their blocks unpinned (a
+        failed one's once its timeout has passed)."""
+        now = time.monotonic()
+        while self._lingering and now >= self._lingering[0][0]:
+            self.engine.block_manager.unpin(self._lingering.pop(0)[1])
         if not self._exports:
             return
         for result in self.sender.poll():
@@ -183,9 +191,11 @@ class PeerExports:
             self._end(export, False, "aborted")
 
     def _end(self, export: _Export, ok: bool, error: str | None) -> None:
-        self.engine.block_manager.unpin(export.blocks)
-        if not ok:
+        if ok:
+            self.engine.block_manager.unpin(export.blocks)
+        else:
             logger.info("peer export failed: %s", error)
+            self._lingering.append((time.monotonic() + self.sender.timeout, export.blocks))
         if not export.done.done():
             export.done.set_result(ok)
 

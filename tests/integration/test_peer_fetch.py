@@ -141,3 +141,26 @@ def test_a_holder_that_lost_the_blocks_costs_a_recompute_not_an_error(cluster):
     assert tokens == alone.outputs[0].token_ids
     pool.free(others)
     assert p0.is_idle() and p0.engine.num_free_blocks == p0.engine.num_total_blocks
+
+
+def test_an_export_given_up_keeps_its_blocks_until_its_timeout(cluster):
+    """The router gave up on a fetch (its timeout): both sides drop it. The holder's blocks stay
+    pinned for the transfer's timeout all the same: a reference to them may still be copied."""
+    p0, d0, p1 = cluster
+    prompt = serve_turn_one(p0, d0)
+    num_blocks = (FIRST + ANSWER - 1) // BS
+    d0.peers.exports.sender.timeout = 0.3
+    slot = p1.reserve_peer_import("turn-2~fetch", prompt, num_blocks, d0.peer_export_layout())
+    d0.export_prefix("turn-2~fetch", prompt, num_blocks, slot)
+    d0.abort("turn-2~fetch")
+    p1.abort("turn-2~fetch")
+    assert d0.engine.block_manager.cached_run(prompt, num_blocks) and not d0.is_idle()
+    assert d0.engine.num_free_blocks == d0.engine.num_total_blocks - num_blocks
+    deadline = time.monotonic() + 5
+    while not d0.is_idle():
+        assert time.monotonic() < deadline
+        if d0.has_work():
+            d0.step()
+        time.sleep(0.01)
+    assert d0.engine.num_free_blocks == d0.engine.num_total_blocks
+    assert p1.engine.num_free_blocks == p1.engine.num_total_blocks and p1.is_idle()
