@@ -157,9 +157,9 @@ class PeerExports:
     def start(self, export_id: str, token_ids: list[int], num_blocks: int, target: KVTarget) -> Future:
         """Send the first `num_blocks` full blocks of `token_ids` into `target` (the importer's
         slot: its placeholders are not sent). The Future: True once acknowledged; False at once
-        when the pool does not hold them all (or too many exports are under way)."""
+        when the pool does not hold them all (or too many exports are under way or lingering)."""
         blocks = None
-        if export_id not in self._exports and len(self._exports) < self.max_active:
+        if export_id not in self._exports and len(self._exports) + len(self._lingering) < self.max_active:
             blocks = self.engine.block_manager.pin_cached_prefix(token_ids, num_blocks)
         if blocks is None:
             answer: Future = Future()
