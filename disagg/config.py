@@ -625,6 +625,10 @@ class ServingConfig:
     # Conditional disaggregation (goodput placement): a prompt with at most this many uncached
     # tokens may be prefilled by its decode instance when predicted faster; 0: always disaggregate.
     local_prefill_max_tokens: int = 0
+    # Decode-side reuse (goodput placement): a decode instance holding a longer prefix of the
+    # prompt than any prefill instance (a conversation's history: its last answer is only there)
+    # may prefill at most this many uncached tokens itself when predicted faster; 0: never.
+    decode_reuse_max_tokens: int = 512
     # Peer block fetch (disagg.router.peer_fetch): a prefill instance that lacks a prompt's
     # cached prefix fetches the blocks from the instance the prefix index says holds more (a
     # decode instance with the conversation's history, another prefill instance), when moving
@@ -717,6 +721,7 @@ class ServingConfig:
         _require(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}, got {self.mode!r}")
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
+        _require(self.decode_reuse_max_tokens >= 0, "decode_reuse_max_tokens", "must be >= 0")
         _require(self.peer_fetch_gb_s > 0, "peer_fetch_gb_s", "must be > 0")
         _require(self.peer_fetch_latency_ms >= 0, "peer_fetch_latency_ms", "must be >= 0")
         _require(

@@ -18,7 +18,7 @@ from typing import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 # Milliseconds to minutes: a prefill of a short prompt up to a long generation under load.
 LATENCY_BUCKETS = (
@@ -183,10 +183,35 @@ _TIER_LABELS = ("instance", "role", "tier")
 _INSTANCE_LABELS = ("instance", "role")
 
 
-class ServingMetrics:
-    """The serving metrics of one frontend (request latencies, KV transfers, instance load)."""
+REPLAN_PREFIX = "disagg:replan_"
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+
+class MirroredFamilies:
+    """Metric families another process keeps (the controller's re-planning ones), as its last
+    snapshot (`ServingMetrics.replan_families`): a frontend exposes them on its own endpoint, so
+    that the controller, an actor anywhere in the cluster, needs no port of its own. Every
+    frontend shows the same values: aggregate them with max, not sum."""
+
+    def __init__(self):
+        self._families: list[dict] = []
+
+    def set(self, families: list[dict]) -> None:
+        self._families = list(families)
+
+    def collect(self):
+        for family in self._families:
+            metric = Metric(family["name"], family["documentation"], family["type"])
+            for name, labels, value in family["samples"]:
+                metric.add_sample(name, labels, value)
+            yield metric
+
+
+class ServingMetrics:
+    """The serving metrics of one frontend (request latencies, KV transfers, instance load) and
+    of the re-planning loop, where it runs (`replan=False`: a frontend's under a controller,
+    which mirrors the controller's re-planning families instead)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, replan: bool = True):
         self.registry = registry if registry is not None else CollectorRegistry()
         self._define_request_metrics()
         self._define_transfer_metrics()
@@ -195,7 +220,12 @@ class ServingMetrics:
         self.registry.register(self.expert_load)
         self.kv_tiers = KVTierLoad()
         self.registry.register(self.kv_tiers)
-        self._define_replan_metrics()
+        self._define_control_metrics()
+        self.controller_metrics = MirroredFamilies()
+        if replan:
+            self._define_replan_metrics()
+        else:  # the loop runs in the controller: its families, as last fetched
+            self.registry.register(self.controller_metrics)
         self._define_slo_metrics()
 
     def _histogram(self, name: str, doc: str, buckets: Iterable[float] = LATENCY_BUCKETS) -> Histogram:
@@ -296,6 +326,8 @@ class ServingMetrics:
             "Switches checked against the window after them, by outcome (kept, undone, unmeasured).",
             ("outcome",),
         )
+
+    def _define_control_metrics(self) -> None:
         self.control_loop_failures = self._counter(
             "disagg:control_loop_failures_total",
             "Control loops (re-planning, rebalancing, drains, health, gauges, relaunch supervision) that "
@@ -305,6 +337,14 @@ class ServingMetrics:
         self.pool_size = Gauge(
             "disagg:pool_instances", "Instances in placement, per pool.", labelnames=("role",), registry=self.registry
         )
+
+    def replan_families(self) -> list[dict]:
+        """The re-planning families as plain data (what `MirroredFamilies` shows elsewhere)."""
+        return [
+            {"name": f.name, "documentation": f.documentation, "type": f.type,
+             "samples": [(s.name, dict(s.labels), s.value) for s in f.samples]}
+            for f in self.registry.collect() if f.name.startswith(REPLAN_PREFIX)
+        ]  # fmt: skip
 
     # -- observations -------------------------------------------------------------------------------
     def observe_replan(self, switch: bool, gain_points: float) -> None:

@@ -267,18 +267,15 @@ class Registry:
 
     # -- arrivals (frontends -> the re-planner in the controller) ------------------------------
 
-    def push_arrivals(self, arrivals: list[tuple[float, int, int]], keep: int, ttl_s: float) -> None:
-        """Append (wall-clock time, prompt tokens, output tokens asked for) of requests that
-        arrived; the newest `keep` are kept, none longer than `ttl_s` unread."""
-        self._push_unread(self._arrivals_key(), [f"{t:.6f},{p},{o}" for t, p, o in arrivals], keep, ttl_s)
+    def push_arrivals(self, arrivals: list[tuple], keep: int, ttl_s: float) -> None:
+        """Append (wall-clock time, prompt tokens, output tokens asked for, TTFT target ms, TPOT
+        target ms, priority) of requests that arrived (targets None: the server's SLO); the
+        newest `keep` are kept, none longer than `ttl_s` unread."""
+        self._push_unread(self._arrivals_key(), [_arrival_text(*a) for a in arrivals], keep, ttl_s)
 
-    def take_arrivals(self) -> list[tuple[float, int, int]]:
-        """Every arrival pushed and not yet taken, oldest first; taken ones are gone."""
-        arrivals = []
-        for value in self._take_unread(self._arrivals_key()):
-            t, p, o = value.split(",")
-            arrivals.append((float(t), int(p), int(o)))
-        return arrivals
+    def take_arrivals(self) -> list[tuple]:
+        """Every arrival pushed and not yet taken, oldest first, as pushed; taken ones are gone."""
+        return [_arrival_of(value) for value in self._take_unread(self._arrivals_key())]
 
     def push_verdicts(self, verdicts: list[tuple[float, bool]], keep: int, ttl_s: float) -> None:
         """Append (wall-clock time, met) of requests judged against their SLO (frontends -> the
@@ -348,3 +345,16 @@ class Registry:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _arrival_text(at: float, prompt: int, output: int, ttft_ms=None, tpot_ms=None, priority: int = 0) -> str:
+    targets = ("", "") if ttft_ms is None else (repr(float(ttft_ms)), repr(float(tpot_ms)))
+    return ",".join((f"{at:.6f}", str(prompt), str(output), *targets, str(priority)))
+
+
+def _arrival_of(value: str) -> tuple:
+    """An arrival as `_arrival_text` wrote it (or as three fields, as before targets travelled)."""
+    fields = value.split(",") + ["", "", "0"]
+    at, prompt, output, ttft, tpot, priority = fields[:6]
+    targets = (float(ttft), float(tpot)) if ttft else (None, None)
+    return (float(at), int(prompt), int(output), *targets, int(priority))

@@ -142,7 +142,8 @@ class Server:
         self.warmed_up: list[tuple[str, str]] = []  # (prefill, decode) instance ids the warm-up went through
         self.calibrated = False  # whether every instance's model was measured at start (disagg.router.calibration)
         self._card_ref = None  # the model card the frontend replicas are started with (_start_replicas)
-        self.metrics = ServingMetrics()  # this frontend's (its loops' failures included)
+        # This frontend's (its loops' failures included); re-planning's are the controller's, mirrored.
+        self.metrics = ServingMetrics(replan=False)
 
     def start(self) -> "Server":
         """Within the config's start_timeout_s, or an error (what started is stopped)."""
@@ -385,12 +386,16 @@ class Server:
         return tasks
 
     async def _refresh_replan_view(self, interval_s: float = 2.0) -> None:
+        """The controller's decisions (for `disagg status`) and its re-planning metrics (shown
+        on this frontend's endpoint)."""
         while True:
             if self.controller is not None:  # an actor's (bounded)
-                call = self.controller.replan_log.remote()
-                self.replan_view.log = await asyncio.wait_for(call, self.config.control_call_timeout_s)
+                calls = asyncio.gather(self.controller.replan_log.remote(), self.controller.replan_metrics.remote())
+                log, families = await asyncio.wait_for(calls, self.config.control_call_timeout_s)
             else:  # a controller in this process
-                self.replan_view.log = self.launcher.replan_log()
+                log, families = self.launcher.replan_log(), self.launcher.replan_metrics()
+            self.replan_view.log = log
+            self.metrics.controller_metrics.set(families)
             await asyncio.sleep(interval_s)
 
     @staticmethod

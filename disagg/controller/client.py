@@ -57,6 +57,9 @@ class ControllerClient:
     def replan_log(self) -> list[LoggedDecision]:
         return ray.get(self.actor.replan_log.remote(), timeout=self.call_timeout_s)
 
+    def replan_metrics(self) -> list[dict]:
+        return ray.get(self.actor.replan_metrics.remote(), timeout=self.call_timeout_s)
+
     def replan_switch(self, from_role: str, to_role: str, timeout_s: float = 120.0) -> SwitchRecord | None:
         """One switch now, as a decision would (tests, operators)."""
         return ray.get(self.actor.replan_switch.remote(from_role, to_role), timeout=timeout_s)
@@ -122,6 +125,9 @@ class InProcessController:
 
     def replan_log(self) -> list[LoggedDecision]:
         return self.controller.replan_log()
+
+    def replan_metrics(self) -> list[dict]:
+        return self.controller.replan_metrics()
 
     def replan_switch(self, from_role: str, to_role: str, timeout_s: float = 120.0) -> SwitchRecord | None:
         return self.controller.replan_switch(from_role, to_role)

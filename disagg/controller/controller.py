@@ -54,7 +54,7 @@ class Controller:
         the caller's process, and its workers end with that process."""
         self.config = config
         self.redis_url, self.link_key = redis_url, link_key
-        self.metrics = ServingMetrics()  # the control loops' (re-planning, their failures)
+        self.metrics = ServingMetrics(replan=True)  # the control loops' (re-planning, their failures)
         self.replanning: ReplanLoop | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.launcher = PoolLauncher(
@@ -137,6 +137,10 @@ class Controller:
     def replan_log(self) -> list[LoggedDecision]:
         """The re-planner's latest decisions, newest last ([] where it does not run)."""
         return list(self.replanning.log) if self.replanning is not None else []
+
+    def replan_metrics(self) -> list[dict]:
+        """The re-planning metric families, as plain data (the frontends expose them)."""
+        return self.metrics.replan_families()
 
     def replan_switch(self, from_role: str, to_role: str) -> SwitchRecord | None:
         """Switch one instance now, as a decision would (tests, operators)."""

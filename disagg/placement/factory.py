@@ -20,6 +20,7 @@ def _goodput(config: ServingConfig) -> PlacementPolicy:
     return GoodputPolicy(
         best_effort=config.slo_admission == "best_effort",
         local_prefill_max_tokens=config.local_prefill_max_tokens,
+        decode_reuse_max_tokens=config.decode_reuse_max_tokens,
         narrowing=Narrowing(candidates=config.placement_candidates),
     )
 

@@ -18,6 +18,9 @@ Conditional disaggregation (`local_prefill_max_tokens`): a short prompt may be p
 decode instance itself, as a chunk in the decode batch's step, when that is predicted faster by
 more than the model's error than any disaggregated pair (no KV transfer, one hop less) and the
 stall of the batch there keeps its TPOT (within the target; without one, within the model's error).
+Decode-side reuse (`decode_reuse_max_tokens`, on by default) is the same option for a decode
+instance that holds a longer prefix of the prompt than every prefill candidate (a conversation's
+history: its last answer's KV is only there), for at most that many uncached tokens.
 
 At scale the policy predicts only some instances of a large pool (disagg.placement.narrowing:
 the prompt's prefix holders, the least loaded, a few drawn at random), and of the pairs of those
@@ -57,15 +60,22 @@ class GoodputPolicy(LeastOutstandingWork):
     instance had no room after all) is least-work's."""
 
     def __init__(
-        self, best_effort: bool = False, local_prefill_max_tokens: int = 0, narrowing: Narrowing | None = None
+        self,
+        best_effort: bool = False,
+        local_prefill_max_tokens: int = 0,
+        narrowing: Narrowing | None = None,
+        decode_reuse_max_tokens: int = 0,
     ):
         """`best_effort`: place a request no pair can serve in time instead of refusing it.
         `local_prefill_max_tokens`: a prompt with at most this many uncached tokens may be
         prefilled on its decode instance (conditional disaggregation; 0: never).
+        `decode_reuse_max_tokens`: so may one on a decode instance holding more of its prefix
+        than every prefill candidate (decode-side reuse; 0: never).
         `narrowing`: which instances of a large pool are predicted (disagg.placement.narrowing;
         by default at most 12 a pool; `Narrowing(candidates=0)`: all)."""
         self.best_effort = best_effort
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.decode_reuse_max_tokens = decode_reuse_max_tokens
         self.narrowing = narrowing if narrowing is not None else Narrowing()
         self._rng = random.Random(self.narrowing.seed)
 
@@ -102,23 +112,26 @@ class GoodputPolicy(LeastOutstandingWork):
         that can be chosen (`_pairs_worth_scoring`), then the local options."""
         # A decode instance's prefix counts only where it may prefill a prompt itself: then the
         # one holding a conversation's history (the prefix index lists it) is a candidate.
-        decode_holders = self.local_prefill_max_tokens > 0
+        decode_holders = self.local_prefill_max_tokens > 0 or self.decode_reuse_max_tokens > 0
         sides = _Sides.predict(
             self.narrowing.narrow(prefills, prefill_load, self._rng, request.block_hashes),
             self.narrowing.narrow(decodes, decode_load, self._rng, request.block_hashes, holders=decode_holders),
             request,
         )
-        local = self._local_options(prefills, sides.decodes, request, sides.tpots)
+        local = self._local_options(prefills, sides.decodes, request, sides.tpots, max(sides.cached, default=0))
         pairs = [sides.option(i, j, request) for i, j in _pairs_worth_scoring(sides, local, request)]
         return pairs + local
 
-    def _local_options(self, prefills: list, decodes: list, request: RequestShape, tpots: list) -> list[_Option]:
-        """Conditional disaggregation: each decode instance prefilling the prompt itself, where
-        the prompt is short (uncached tokens within the limit, one chunk) and the stall of the
-        decode batch already there is allowed (`_stall_allowed`). Only on calibrated
-        models: a decode instance that has not prefilled yet is predicted with the prefill
-        pool's fitted prefill form (the same hardware and model; its own once it has one)."""
-        if self.local_prefill_max_tokens <= 0:
+    def _local_options(
+        self, prefills: list, decodes: list, request: RequestShape, tpots: list, prefill_cached: int
+    ) -> list[_Option]:
+        """Conditional disaggregation and decode-side reuse: each decode instance prefilling the
+        prompt itself, where the prompt is short (uncached tokens within its limit, one chunk)
+        and the stall of the decode batch already there is allowed (`_stall_allowed`). Only on
+        calibrated models: a decode instance that has not prefilled yet is predicted with the
+        prefill pool's fitted prefill form (the same hardware and model; its own once it has
+        one). `prefill_cached`: the longest prefix a prefill candidate holds."""
+        if self.local_prefill_max_tokens <= 0 and self.decode_reuse_max_tokens <= 0:
             return []
         fitted = next((p for p in prefills if p.prefill_calibrated), None)
         if fitted is None:
@@ -127,7 +140,8 @@ class GoodputPolicy(LeastOutstandingWork):
         for d, decode_tpot in zip(decodes, tpots):
             cached = d.cached_tokens(request.block_hashes)
             uncached = request.prompt_tokens - cached
-            if not d.decode_calibrated or uncached > min(self.local_prefill_max_tokens, d.prefill_budget):
+            limit = self._local_limit(cached, prefill_cached)
+            if not d.decode_calibrated or uncached > min(limit, d.prefill_budget):
                 continue
             model = replace(d.step_model, prefill=(d if d.prefill_calibrated else fitted).step_model.prefill)
             steps = prefill_forecast(d, request.prompt_tokens, cached, model)  # mixed: the batch rides along
@@ -137,6 +151,11 @@ class GoodputPolicy(LeastOutstandingWork):
             local = _waited(ttft(d, request.prompt_tokens, cached, model), request)
             options.append(_Option(d, d, local, decode_tpot, request.slo, cached, calibrated=True, local=True))
         return options
+
+    def _local_limit(self, cached: int, prefill_cached: int) -> int:
+        """The uncached tokens a decode instance holding `cached` of the prompt may prefill."""
+        reuse = self.decode_reuse_max_tokens if cached > prefill_cached else 0
+        return max(self.local_prefill_max_tokens, reuse)
 
 
 def _waited(predicted: Predicted, request: RequestShape) -> Predicted:

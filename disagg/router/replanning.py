@@ -126,7 +126,7 @@ def scale_bounds(config: ServingConfig) -> ScaleBounds:
 
 def replan_loop_for(
     config: ServingConfig, directory: InstanceDirectory, card: ModelCard, metrics: ServingMetrics,
-    on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple[float, int, int]]],
+    on_switched: Callable[[str, str], None], shared_arrivals: Callable[[], list[tuple]],
     scaler: Scaler | None = None, shared_verdicts: Callable[[], list[tuple[float, bool]]] | None = None,
 ) -> ReplanLoop | None:  # fmt: skip
     """The closed loop the controller runs, fed every frontend's arrivals (`shared_arrivals`) and
@@ -234,7 +234,7 @@ class ReplanLoop:
         profile: Callable[[], Profile | None],
         metrics: ServingMetrics,
         on_switched: Callable[[str, str], None] = lambda instance_id, role: None,
-        shared_arrivals: Callable[[], list[tuple[float, int, int]]] | None = None,
+        shared_arrivals: Callable[[], list[tuple]] | None = None,
         pricer: PricingPool | None = None,
         scaler: Scaler | None = None,
         shared_verdicts: Callable[[], list[tuple[float, bool]]] | None = None,
@@ -452,8 +452,8 @@ class ReplanLoop:
         except RegistryUnavailable as exc:  # this round plans on what it took before
             logger.warning("re-plan without the other frontends' arrivals: %s", exc)
             return
-        for at, prompt_tokens, output_tokens in arrivals:
-            self.window.add(at, prompt_tokens, output_tokens)
+        for at, prompt_tokens, output_tokens, slo, priority in arrivals:
+            self.window.add(at, prompt_tokens, output_tokens, slo, priority)
 
     async def _take_shared_verdicts(self) -> None:
         if self.shared_verdicts is None:

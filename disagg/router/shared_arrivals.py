@@ -5,7 +5,8 @@ the split must be planned for all of them: a re-planner that saw one frontend's 
 plan for 1/N of the traffic. Each frontend hands its arrivals to Redis in batches, off its event
 loop (disagg.router.records); the controller's re-planner takes them before each round. Times cross
 processes (and nodes) as wall-clock time, each side converting from and to its own monotonic
-clock. Soft state: a batch lost while Redis is away only makes one round plan on less.
+clock. Each arrival keeps its own SLO and priority, which the re-planner prices it by. Soft
+state: a batch lost while Redis is away only makes one round plan on less.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 
 from disagg.registry import Registry
+from disagg.slo import SLO
 from disagg.router.records import BatchedWrites
 
 MAX_UNREAD = 16_384  # arrivals kept in Redis until the re-planner takes them (its window keeps 4,096)
@@ -34,9 +36,10 @@ class ArrivalFeed(BatchedWrites):
         )
 
     def arrived(self, at: float, prompt_tokens: int, output_tokens: int, slo=None, priority: int = 0) -> None:
-        """`at`: time.monotonic() of this process (its SLO and priority are not shared: the
-        re-planner judges the replicas' requests by the server's)."""
-        self.add((at + _wall_minus_monotonic(), prompt_tokens, output_tokens))
+        """`at`: time.monotonic() of this process; `slo`: the request's own targets (None: the
+        server's), `priority`: the engines' value; the re-planner prices each by its own."""
+        targets = (None, None) if slo is None else (slo.ttft_ms, slo.tpot_ms)
+        self.add((at + _wall_minus_monotonic(), prompt_tokens, output_tokens, *targets, priority))
 
 
 class VerdictFeed(BatchedWrites):
@@ -61,7 +64,11 @@ def take_shared_verdicts(registry: Registry) -> list[tuple[float, bool]]:
     return [(wall - offset, met) for wall, met in registry.take_verdicts()]
 
 
-def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int]]:
-    """In the controller: the frontends' arrivals not yet taken, at this process's time.monotonic()."""
+def take_shared_arrivals(registry: Registry) -> list[tuple[float, int, int, SLO | None, int]]:
+    """In the controller: the frontends' arrivals not yet taken, at this process's time.monotonic(),
+    as (time, prompt tokens, output tokens, the request's SLO or None, priority)."""
     offset = _wall_minus_monotonic()
-    return [(wall - offset, prompt_tokens, max_tokens) for wall, prompt_tokens, max_tokens in registry.take_arrivals()]
+    return [
+        (wall - offset, prompt, output, None if ttft is None else SLO(ttft, tpot), priority)
+        for wall, prompt, output, ttft, tpot, priority in registry.take_arrivals()
+    ]

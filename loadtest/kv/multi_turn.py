@@ -4,10 +4,13 @@ Sessions of --turns turns: a turn's prompt is the previous prompt, its answer an
 so that each turn's prefix is the whole conversation so far. Sessions start in an open loop at
 --session-rate per second (a session's turns follow each other, each sent when the last answer
 ends); the run stops when every session has ended. The same sessions run twice, each against a
-deployment of its own (one colocated instance of the default model, 127.0.0.1): prefix caching
-as today (no tier under the pool, no index), then with the host tier and the cluster-wide
-index (the defaults). --pool-fraction sizes the KV pool to that fraction of the KV of all the
-conversations at their end, so that a conversation's blocks are evicted before its next turn.
+deployment of its own (127.0.0.1): prefix caching as today (no tier under the pool, no index, no
+decode-side reuse), then with the host tier and the cluster-wide index (the defaults).
+--mode colocated: one colocated instance of the default model; --mode disaggregated: one prefill
+and one decode instance, where the new run also lets a turn's new tokens be prefilled on the
+decode instance that holds its history (decode-side reuse, `decode_reuse_max_tokens`).
+--pool-fraction sizes each KV pool to that fraction of the KV of all the conversations at their
+end, so that a conversation's blocks are evicted before its next turn.
 
 Prints TTFT p50 / p90 by turn for both, the hit rate by tier, and as its last lines
 `multi-turn ttft p50 ratio: N` (turns 4 on, with tiers against today's) and
@@ -35,6 +38,7 @@ from disagg.client import generate_request
 BLOCK_SIZE = 16
 VOCAB = 49_152  # the default model's (SmolLM2): random ids below it, past its special tokens
 TODAY = {"kv_host_tier_bytes": 0, "kv_index_max_events": 0}
+TODAY_PLACEMENT = {"decode_reuse_max_tokens": 0}  # decode-side reuse off
 FROM_TURN = 4  # the turns the ratio compares: those whose prefix is long
 METRICS_SETTLE_S = 2.0  # a heartbeat, then the frontend's gauges refresh
 
@@ -80,13 +84,21 @@ def pool_blocks(args) -> int:
 def settings(args, tiers: bool) -> dict:
     engine = {"num_kv_blocks": pool_blocks(args), "block_size": BLOCK_SIZE, "max_num_batched_tokens": 512}
     engine.update({"kv_host_tier_bytes": args.host_tier_mib << 20} if tiers else TODAY)
+    common = {"engine": engine, "heartbeat_interval_s": 0.3, "heartbeat_ttl_s": 1.5}
+    if args.mode == "colocated":
+        return {
+            **common,
+            "mode": "colocated",
+            "colocated": {"num_instances": 1, "num_cpus_per_worker": 1},
+            "calibration_s": 0,
+        }
+    pool = {"num_instances": 1, "num_cpus_per_worker": 1}
     return {
-        "mode": "colocated",
-        "engine": engine,
-        "colocated": {"num_instances": 1, "num_cpus_per_worker": 1},
-        "heartbeat_interval_s": 0.3,
-        "heartbeat_ttl_s": 1.5,
-        "calibration_s": 0,
+        **common,
+        "mode": "disaggregated",
+        "prefill": pool,
+        "decode": pool,
+        **({} if tiers else TODAY_PLACEMENT),
     }
 
 
@@ -106,6 +118,13 @@ def tier_hits(metrics_text: str, tier: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and label in line)
 
 
+def decode_side_share(sessions) -> float:
+    """The share of later turns prefilled by the instance that decodes them (decode-side reuse)."""
+    later = [r for s in sessions for r in s[1:]]
+    local = [r for r in later if r.server.get("prefill_instance") == r.server.get("decode_instance")]
+    return len(local) / max(1, len(later))
+
+
 def by_turn(sessions) -> list[list[float]]:
     return [[s[turn].ttft for s in sessions] for turn in range(len(sessions[0]))]
 
@@ -121,7 +140,7 @@ def hit_rate(sessions) -> float:
     return sum(r.server.get("cached_prompt_tokens", 0) for r in later) / max(1, prompt)
 
 
-def report(today, tiers, hits) -> None:
+def report(today, tiers, hits, mode: str) -> None:
     print("turn  prompt  today p50/p90 ms  tiers p50/p90 ms")
     for turn, (a, b) in enumerate(zip(by_turn(today), by_turn(tiers)), start=1):
         prompt = tiers[0][turn - 1].prompt_len
@@ -137,12 +156,15 @@ def report(today, tiers, hits) -> None:
     print(
         f"hit blocks with tiers: {hits['pool']:.0f} taken from the pool, {hits['host']:.0f} loaded into it from the host tier"
     )
+    if mode == "disaggregated":
+        print(f"later turns prefilled on their decode instance: {decode_side_share(tiers):.2f}")
     print(f"multi-turn ttft p50 ratio: {ratio:.2f}")
     print(f"multi-turn hit rate: {hit_rate(tiers):.2f}")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("colocated", "disaggregated"), default="colocated")
     p.add_argument("--sessions", type=int, default=8)
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--session-rate", type=float, default=1.0, help="sessions started per second")
@@ -158,11 +180,11 @@ def main(argv=None) -> int:
     if args.turns < FROM_TURN or args.sessions < 1 or args.session_rate <= 0 or not 0 < args.pool_fraction <= 1:
         p.error(f"need --turns >= {FROM_TURN}, --sessions >= 1, --session-rate > 0, 0 < --pool-fraction <= 1")
     print(host_line(), flush=True)
-    print(f"sessions {args.sessions} x {args.turns} turns, KV pool {pool_blocks(args)} blocks", flush=True)
+    print(f"{args.mode}: sessions {args.sessions} x {args.turns} turns, KV pool {pool_blocks(args)} blocks", flush=True)
     all_messages = messages(args)
     today, _ = measure(args, all_messages, tiers=False)
     tiers, hits = measure(args, all_messages, tiers=True)
-    report(today, tiers, hits)
+    report(today, tiers, hits, args.mode)
     return 0
 
 

@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     geometry = Geometry(args.layers, args.heads, args.head_dim, args.block_size, args.tokens)
     dtype = getattr(torch, args.dtype)
     print(host_line(), flush=True)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     by_reference = args.device == "cpu"  # a cache on a GPU is never in shared host memory
     gap = args.layer_gap_ms
     ref = protocol_bandwidth(geometry, dtype, args.device, args.repeats, True, gap) if by_reference else None

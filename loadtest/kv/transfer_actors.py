@@ -84,7 +84,7 @@ def measure_raw_bandwidth(
         raise ValueError(f"repeats: must be >= 1, got {repeats}")
     started_ray = not ray.is_initialized()
     if started_ray:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     key = secrets.token_bytes(32)
     sender, receiver = KVBenchPeer.remote("bench-sender", key), KVBenchPeer.remote("bench-receiver", key)
     try:

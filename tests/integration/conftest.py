@@ -25,6 +25,7 @@ def ray_session():
         return
     python_path = os.pathsep.join(p for p in (_TEST_DIR, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
+        address="local",  # our own, even where a `ray start` cluster runs on this machine
         num_cpus=2,
         include_dashboard=False,
         logging_level="WARNING",

@@ -27,7 +27,9 @@ MAX_TOKENS = 6
 def main(worker_home: str, prompt: str) -> dict:
     python_path = os.environ.get("PYTHONPATH", "")
     env = {"HOME": worker_home, "PYTHONPATH": python_path, "DISAGG_WEIGHTS": "fp32"}
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env})
+    ray.init(
+        address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": env}
+    )
     try:
         return {"frontend_sees_the_model": os.path.exists(os.path.expanduser(MODEL)), **_serve(prompt)}
     finally:

@@ -67,8 +67,8 @@ def test_a_prompt_whose_uncached_tokens_are_over_the_limit_is_always_disaggregat
 
 
 def test_a_next_turn_fetches_the_history_its_decode_instance_holds(server):
-    """Turn 2 of a conversation is turn 1's prompt, its answer and a new message (longer than
-    the local prefill limit: disaggregated). The prefill instance holds turn 1's prompt; the
+    """Turn 2 of a conversation is turn 1's prompt, its answer and a new message (longer than a
+    decode instance prefills itself, even holding the history: disaggregated). The prefill instance holds turn 1's prompt; the
     decode instance holds the answer's blocks too: the prefill instance fetches those from it
     instead of computing them, and its prefill starts after them."""
     first = list(range(1000, 1040))  # 40 tokens: 2 full blocks
@@ -78,7 +78,7 @@ def test_a_next_turn_fetches_the_history_its_decode_instance_holds(server):
         time.sleep(0.6)  # a heartbeat or two: the router learns which blocks the decode instance holds
         history = first + answer  # the decode instance holds 4 full blocks of its 70 tokens
         held = (len(history) - 1) // 16 * 16
-        second = history + list(range(2000, 2000 + LIMIT + 4))
+        second = history + list(range(2000, 2300))  # more new tokens than a decode step takes (256): disaggregated
         turn_2 = generate_request(prompt_token_ids=second, temperature=0.0, max_tokens=2, ignore_eos=True)
         tokens, _, final = client.generate(turn_2, timeout=60)
         assert final.timings.prefill_instance != final.timings.decode_instance and len(tokens) == 2

@@ -21,6 +21,7 @@ from disagg.errors import RegistryUnavailable
 from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.router.records import RequestRecords
 from disagg.router.shared_arrivals import ArrivalFeed, VerdictFeed, take_shared_arrivals, take_shared_verdicts
+from disagg.slo import SLO
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -212,8 +213,12 @@ def test_shared_slo_verdicts_are_taken_once_oldest_first_and_bounded(registry):
 
 def test_shared_arrivals_are_taken_once_oldest_first_and_bounded(registry):
     registry.push_arrivals([(100.5, 10, 20), (101.25, 11, 21)], keep=3, ttl_s=60)
-    registry.push_arrivals([(102.0, 12, 22), (103.0, 13, 23)], keep=3, ttl_s=60)
-    assert registry.take_arrivals() == [(101.25, 11, 21), (102.0, 12, 22), (103.0, 13, 23)], "the newest 3 kept"
+    registry.push_arrivals([(102.0, 12, 22, 300.0, 20.0, -1), (103.0, 13, 23)], keep=3, ttl_s=60)
+    assert registry.take_arrivals() == [
+        (101.25, 11, 21, None, None, 0),
+        (102.0, 12, 22, 300.0, 20.0, -1),
+        (103.0, 13, 23, None, None, 0),
+    ], "the newest 3 kept, each with its targets and priority"
     assert registry.take_arrivals() == [], "taken ones are gone"
     registry.push_arrivals([(104.0, 1, 1)], keep=3, ttl_s=0.2)
     time.sleep(0.4)
@@ -224,7 +229,7 @@ def test_a_replicas_arrival_feed_reaches_frontend_zero_at_its_own_clock(registry
     feed = ArrivalFeed(registry, window_s=60, interval_s=0.1)
     sent_at = time.monotonic()
     feed.arrived(sent_at, 30, 64)
-    feed.arrived(sent_at + 0.5, 31, 65)
+    feed.arrived(sent_at + 0.5, 31, 65, SLO(800.0, 25.5), priority=1)  # its own targets travel with it
     assert registry.take_arrivals() == [], "nothing is written on the caller's thread"
     deadline = time.monotonic() + 5
     taken = []
@@ -233,7 +238,10 @@ def test_a_replicas_arrival_feed_reaches_frontend_zero_at_its_own_clock(registry
         taken += take_shared_arrivals(registry)
         time.sleep(0.05)
     feed.close()
-    assert [(p, o) for _, p, o in taken] == [(30, 64), (31, 65)]
+    assert [(p, o, slo, priority) for _, p, o, slo, priority in taken] == [
+        (30, 64, None, 0),
+        (31, 65, SLO(800.0, 25.5), 1),
+    ]
     assert abs(taken[0][0] - sent_at) < 0.05 and abs(taken[1][0] - sent_at - 0.5) < 0.05
 
 

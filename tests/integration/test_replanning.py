@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 
 import pytest
 import ray
@@ -129,6 +130,18 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
     assert switches[1].outcome == "done", switches[1].reason
     assert len(pools(client)["prefill"]) == 1 and len(pools(client)["decode"]) == 2
     assert all(s.seconds < 30 for s in switches)
+    # The controller's re-planning metrics, on the frontend's endpoint (it has no port of its own).
+    assert 'disagg:replan_switches_total{outcome="done"} 2.0' in metrics_soon(server, "replan_switches_total{")
+
+
+def metrics_soon(server, wanted: str, timeout_s: float = 10.0) -> str:
+    """The frontend's metrics text once it shows `wanted` (it fetches the controller's every 2 s)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+        if wanted in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
 
 
 def test_a_switch_refused_while_the_instance_holds_requests_leaves_it_serving_in_its_role(server, client):

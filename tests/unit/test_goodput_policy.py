@@ -334,6 +334,24 @@ def test_no_local_prefill_on_a_guess():
     assert not _conditional(Inst("d0", decode_calibrated=False)).local
 
 
+def _next_turn(prefill_warm: tuple, decode_warm: tuple, reuse: int = 256):
+    """A conversation's next turn: 8 blocks of history and 64 new tokens."""
+    prefill, decode = Inst("p0", ttft_residual=30.0, warm=prefill_warm), Inst("d0", warm=decode_warm)
+    request = RequestShape(8 * 16 + 64, 20, SLO(), block_hashes=tuple(range(8)))
+    return GoodputPolicy(decode_reuse_max_tokens=reuse).choose_pair([prefill], [decode], request)
+
+
+def test_a_decode_instance_holding_more_of_the_history_prefills_the_new_tokens_itself():
+    choice = _next_turn(prefill_warm=tuple(range(7)), decode_warm=tuple(range(8)))  # its last answer: only there
+    assert choice.local and choice.prefill is choice.decode and choice.cached_tokens == 128
+
+
+def test_decode_side_reuse_needs_the_longer_prefix_and_a_short_increment():
+    assert not _next_turn(prefill_warm=tuple(range(8)), decode_warm=tuple(range(8))).local  # no more there
+    assert not _next_turn(prefill_warm=(), decode_warm=tuple(range(8)), reuse=32).local  # 64 new: too many
+    assert not _next_turn(prefill_warm=(), decode_warm=tuple(range(8)), reuse=0).local  # off
+
+
 def test_on_a_guessed_model_a_warm_prefix_still_counts_as_less_work():
     cold, warm = Inst("p0", prefill_calibrated=False), Inst("p1", prefill_calibrated=False, warm=(1, 2, 3))
     request = RequestShape(64, 8, SLO(), block_hashes=(1, 2, 3))

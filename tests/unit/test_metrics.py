@@ -124,3 +124,17 @@ def test_http_server_serves_metrics_on_a_free_port():
     assert "disagg:time_to_first_token_seconds_count 1.0" in body
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)  # stopped: the port no longer answers
+
+
+def test_a_frontend_shows_the_controllers_replan_families_as_they_were_and_no_others():
+    controller, frontend = ServingMetrics(), ServingMetrics(replan=False)
+    controller.observe_replan(True, 12.5)
+    controller.observe_switch("done", 1.5)
+    controller.control_loop_failed("replanning")  # the controller's own loops: not mirrored
+    frontend.controller_metrics.set(controller.replan_families())
+    text = frontend.render().decode()
+    assert 'disagg:replan_decisions_total{switch="true"} 1.0' in text
+    assert "disagg:replan_predicted_gain_points 12.5" in text
+    assert "disagg:replan_switch_seconds_count 1.0" in text
+    assert 'loop="replanning"' not in text
+    assert text.count("# TYPE disagg:replan_switches_total counter") == 1

@@ -113,7 +113,8 @@ def every_pair(policy: GoodputPolicy, prefills: list, decodes: list, request: Re
     roomy = [d for d in decodes if d.free_blocks >= request.blocks_needed] or decodes
     sides = _Sides.predict(prefills, roomy, request)
     pairs = [sides.option(i, j, request) for i in range(len(prefills)) for j in range(len(roomy))]
-    return _pick(pairs + policy._local_options(prefills, roomy, request, sides.tpots), request)
+    local = policy._local_options(prefills, roomy, request, sides.tpots, max(sides.cached, default=0))
+    return _pick(pairs + local, request)
 
 
 def same_choice(choice, option) -> bool:

@@ -15,6 +15,7 @@ from disagg.errors import RegistryUnavailable
 from disagg.metrics import ServingMetrics
 from disagg.planner.decision_check import Check
 from disagg.planner.live_pricing import Price
+from disagg.slo import SLO
 from disagg.planner.replanner import Decision, Split
 from disagg.router import replanning
 from disagg.router.replanning import ReplanLoop
@@ -161,19 +162,21 @@ def test_a_decision_without_a_switch_is_logged_and_moves_nothing():
 def test_each_round_plans_on_the_other_frontends_arrivals_too():
     loop, _, _, _ = setup()
     now = time.monotonic()
-    shared = [[(now - 2.0, 100, 50), (now - 1.0, 200, 60)], []]
+    own = SLO(500.0, 40.0)
+    shared = [[(now - 2.0, 100, 50, None, 0), (now - 1.0, 200, 60, own, -1)], []]
     loop.shared_arrivals = lambda: shared.pop(0)
     loop.arrived(now - 1.5, 300, 70)  # frontend 0's own
     seen = []
 
     def decide(at, current, window, predicted=None):
-        seen.append([(r.prompt_len, r.output_len) for r in window.requests(at)])
+        seen.append([(r.prompt_len, r.output_len, r.slo, r.priority) for r in window.requests(at)])
         return Decision(at, current, current, {}, None, "stand-in")
 
     loop.replanner.decide = decide
     asyncio.run(loop.step())
     asyncio.run(loop.step())
-    assert seen == [[(100, 50), (300, 70), (200, 60)]] * 2, "in arrival order, each taken once"
+    expected = [(100, 50, None, 0), (300, 70, None, 0), (200, 60, own, -1)]  # each priced by its own SLO
+    assert seen == [expected] * 2, "in arrival order, each taken once"
 
 
 def test_a_round_without_the_shared_arrivals_plans_on_its_own():
