@@ -313,7 +313,7 @@ class DecodeRole:
         paths = self.receiver.transport.paths() if self.receiver is not None else {}
         if self.migrations_out is not None:
             paths.update(self.migrations_out.sender.transport.paths())
-        return {**paths, **self.peers.paths()}
+        return paths  # (not the peer fetch's pairs: their ids name no instance)
 
     def close(self) -> None:
         if self.receiver is not None:

@@ -269,14 +269,6 @@ class PeerBlocks:
         for half in self._halves():
             half.abort(fetch_id)
 
-    def paths(self) -> dict[str, str]:
-        paths = {}
-        if self.exports is not None:
-            paths.update(self.exports.sender.transport.paths())
-        if self.imports is not None:
-            paths.update(self.imports.receiver.transport.paths())
-        return paths
-
     def report(self) -> dict:
         """What `disagg status` and the metrics show (empty: this instance fetches nothing)."""
         return self.imports.report() if self.imports is not None else {}

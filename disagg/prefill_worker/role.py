@@ -250,7 +250,7 @@ class PrefillRole:
 
     def kv_paths(self) -> dict[str, str]:
         """Peer id -> how KV goes to it, for this rank's pairs so far (`disagg status`)."""
-        return {**self.sender.transport.paths(), **self.peers.paths()}
+        return self.sender.transport.paths()  # (not the peer fetch's pairs: their ids name no instance)
 
     def close(self) -> None:
         self.sender.close()

@@ -339,7 +339,7 @@ class WorkerActor(WorkerService):
         if role.engine.kv_tiers is not None:
             load.kv_tiers = {**role.engine.kv_tiers.report(), "index": self.prefix_publisher.report()}
         fetched = role.peers.report()
-        if fetched:  # blocks fetched from peers: shown where the tiers are
+        if fetched and (load.kv_tiers or fetched["fetched_blocks"]):  # shown where the tiers are
             load.kv_tiers = {**load.kv_tiers, "peer": fetched}
         return self.instance_info(), load
 
