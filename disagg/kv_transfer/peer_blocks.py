@@ -97,8 +97,8 @@ class PeerImports:
         targets = [PLACEHOLDER] * held + table[held:]
         sources = {rank.peer_id: rank.address for rank in source.ranks}
         transfer_id = self.receiver.expect(import_id, targets, sources)
-        self._imports[import_id] = _Import(list(token_ids[: num_blocks * self.engine.kv_cache.block_size]), table,
-                                           num_blocks - held)  # fmt: skip
+        prefix = list(token_ids[: num_blocks * self.engine.kv_cache.block_size])
+        self._imports[import_id] = _Import(prefix, table, num_blocks - held)
         return ImportSlot(transfer_id, targets)
 
     def settle(self) -> None:
