@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from disagg.request import Request
+from disagg.request import Request, SamplingParams
 
 # A released block's entry in a block table (see above): no block's id. Negative, so that a read
 # through it fails loudly on the torch paths instead of reading another request's KV.
@@ -256,10 +256,17 @@ class BlockManager:
 
     def pin_cached_prefix(self, token_ids: list[int], num_blocks: int) -> list[int] | None:
         """The blocks of the first `num_blocks` full blocks of `token_ids`, each taken (so no
-        allocation reuses it while a peer copies it: `unpin` gives them back); None, taking
-        nothing, unless the pool holds every one of them."""
+        allocation reuses it while a peer copies it: `unpin` gives them back); those only a
+        lower tier holds are loaded back first. None, taking nothing, unless the pool and its
+        tiers hold every one of them."""
+        if num_blocks < 1 or len(token_ids) < num_blocks * self.block_size:
+            return None
         hits = self.cached_run(token_ids, num_blocks)
-        if num_blocks < 1 or len(hits) < num_blocks:
+        if len(hits) < num_blocks and self.lower is not None:
+            # The prompt a lookup would make of them: one token past the blocks, always computed.
+            probe = Request("peer-export", list(token_ids[: num_blocks * self.block_size]) + [0], SamplingParams())
+            hits = self.find_cached_prefix(probe)
+        if len(hits) < num_blocks:
             return None
         return [self._take(block_id, reuse_content=True) for block_id in hits]
 

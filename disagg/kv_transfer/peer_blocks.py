@@ -10,8 +10,9 @@ transport, so they never share a pair with the request path's transfers):
   from the holder's exports. Once they are in, `settle` registers them in the prefix cache
   under their hashes, so the prompt's prefill hits them; a failure gives the blocks back.
 - `PeerExports` (the holder, any one-rank prefill or decode instance): `start` finds the
-  prefix in the pool's prefix cache by its hashes (verified against the tokens), pins the
-  blocks (reference counts) and sends those the importer lacks: by reference on one host
+  prefix in the pool's prefix cache by its hashes (verified against the tokens; blocks only a
+  tier under the pool holds are loaded back first), pins the blocks (reference counts) and
+  sends those the importer lacks: by reference on one host
   when the cache is in shared memory, packed otherwise, as the request path's sender does. The
   answer (a Future) is True once the importer acknowledged them, False when the pool no longer
   holds the prefix (a stale index entry) or the transfer failed. The blocks are unpinned on the

@@ -110,3 +110,26 @@ def test_an_import_slot_that_fails_gives_every_block_back_uncached():
     assert bm.reserve_prefix_import(list(range(900, 900 + 2 * BS)), 1) is None  # no room left
     bm.unpin(table)
     assert bm.num_free_blocks == 4 and bm.cached_run(tokens, 4) == []
+
+
+def test_a_prefix_only_the_host_tier_holds_is_loaded_back_and_pinned_bit_exact():
+    import torch
+
+    from disagg.engine.kv_cache import KVCache
+    from disagg.engine.kv_tiers.host_tier import HostTier
+    from disagg.engine.kv_tiers.index_events import IndexEvents
+    from disagg.engine.kv_tiers.tiered_store import TieredStore
+
+    cache = KVCache(1, 4, BS, 1, 4, torch.float32, torch.device("cpu"))
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(0)))
+    bm = BlockManager(4, BS, lower=TieredStore(cache, HostTier(1 << 20), None, IndexEvents(100)))
+    tokens = list(range(3, 3 + 2 * BS))
+    cache_prompt(bm, tokens)
+    kv = cache.export_blocks(bm.cached_run(tokens, 2))
+    cache_prompt(bm, list(range(500, 500 + 4 * BS)))  # every block reused: the prompt's go down a tier
+    assert bm.cached_run(tokens, 2) == []
+    pinned = bm.pin_cached_prefix(tokens, 2)
+    assert pinned is not None and cache.export_blocks(pinned).equal(kv)
+    assert bm.pin_cached_prefix(list(range(900, 900 + 2 * BS)), 2) is None  # nowhere: nothing taken
+    bm.unpin(pinned)
+    assert bm.num_free_blocks == 4
