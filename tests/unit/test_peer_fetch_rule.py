@@ -1,4 +1,4 @@
-"""Peer block fetch, the pure parts: the router's rule (fetch a prefix when moving its blocks is
+"""Peer block fetch without a model: the router's rule (fetch a prefix when moving its blocks is
 predicted faster than computing them) and the block manager's pins, slots and registration."""
 
 from __future__ import annotations
@@ -6,8 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from disagg.engine.block_manager import BlockManager
+from disagg.engine.kv_cache import KVCache
+from disagg.engine.kv_tiers.host_tier import HostTier
+from disagg.engine.kv_tiers.index_events import IndexEvents
+from disagg.engine.kv_tiers.tiered_store import TieredStore
 from disagg.placement.latency_model import Coefficients, StepModel
 from disagg.placement.peer_fetch import FetchRate, plan_fetch, saved_prefill_ms
 from disagg.request import Request, SamplingParams
@@ -113,13 +118,6 @@ def test_an_import_slot_that_fails_gives_every_block_back_uncached():
 
 
 def test_a_prefix_only_the_host_tier_holds_is_loaded_back_and_pinned_bit_exact():
-    import torch
-
-    from disagg.engine.kv_cache import KVCache
-    from disagg.engine.kv_tiers.host_tier import HostTier
-    from disagg.engine.kv_tiers.index_events import IndexEvents
-    from disagg.engine.kv_tiers.tiered_store import TieredStore
-
     cache = KVCache(1, 4, BS, 1, 4, torch.float32, torch.device("cpu"))
     cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=torch.Generator().manual_seed(0)))
     bm = BlockManager(4, BS, lower=TieredStore(cache, HostTier(1 << 20), None, IndexEvents(100)))
