@@ -155,7 +155,11 @@ def _tiers_line(tiers) -> str:
         f"{t}={tiers[f'held_bytes.{t}'] / 2**20:.1f}MiB" for t in ("host", "disk") if f"held_bytes.{t}" in tiers
     )
     index = f"index {int(tiers.get('index.entries', 0))} blocks, lag {tiers.get('index.lag_s', 0.0) * 1e3:.0f} ms"
-    return f"kv tiers: hit blocks {hits}; held {held}; {index}"
+    line = f"kv tiers: hit blocks {hits}; held {held}; {index}"
+    if "peer.fetched_blocks" in tiers:  # a prefill instance: what it fetched from peers (disagg.router.peer_fetch)
+        fetched = tiers["peer.fetched_blocks"], tiers.get("peer.fetched_bytes", 0) / 2**20
+        line += f"; fetched from peers {int(fetched[0])} blocks ({fetched[1]:.1f}MiB)"
+    return line
 
 
 def _print_replanning(status, shown: int = 5) -> None:

@@ -629,6 +629,14 @@ class ServingConfig:
     # prompt than any prefill instance (a conversation's history: its last answer is only there)
     # may prefill at most this many uncached tokens itself when predicted faster; 0: never.
     decode_reuse_max_tokens: int = 512
+    # Peer block fetch (disagg.router.peer_fetch): a prefill instance that lacks a prompt's
+    # cached prefix fetches the blocks from the instance the prefix index says holds more (a
+    # decode instance with the conversation's history, another prefill instance), when moving
+    # them at peer_fetch_gb_s plus peer_fetch_latency_ms is predicted faster than computing them.
+    peer_fetch: bool = True
+    peer_fetch_gb_s: float = 1.0  # a conservative rate for the KV transport between two instances
+    peer_fetch_latency_ms: float = 5.0  # the three calls that set a fetch up, and the transfer's own latency
+    peer_fetch_timeout_s: float = 2.0  # a fetch not done by then is given up: the prefill computes the blocks
     # Goodput placement predicts at most this many instances of a pool (its prompt's prefix
     # holders, the least loaded, a few at random; disagg.placement.narrowing); 0: every instance.
     placement_candidates: int = 12
@@ -714,6 +722,8 @@ class ServingConfig:
         _require(self.placement in PLACEMENTS, "placement", f"must be one of {', '.join(PLACEMENTS)}")
         _require(self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0")
         _require(self.decode_reuse_max_tokens >= 0, "decode_reuse_max_tokens", "must be >= 0")
+        _require(self.peer_fetch_gb_s > 0, "peer_fetch_gb_s", "must be > 0")
+        _require(self.peer_fetch_latency_ms >= 0, "peer_fetch_latency_ms", "must be >= 0")
         _require(
             self.placement_candidates == 0 or self.placement_candidates >= MIN_PLACEMENT_CANDIDATES,
             "placement_candidates",
@@ -766,6 +776,7 @@ class ServingConfig:
             "replan_switch_timeout_s",
             "replan_price_timeout_s",
             "control_call_timeout_s",
+            "peer_fetch_timeout_s",
         ):
             _require(getattr(self, name) > 0, name, "must be > 0")
         _require(self.replan_undo_margin >= 0, "replan_undo_margin", "must be >= 0")

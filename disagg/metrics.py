@@ -122,11 +122,17 @@ class KVTierLoad:
     instances' reports (flat, as `disagg status` shows them: router.kv_tier_status):
     `disagg:kv_tier_hit_blocks_total` and `disagg:kv_tier_loaded_bytes_total` by tier (counters
     the worker keeps), `disagg:kv_tier_held_bytes` by tier, `disagg:kv_index_entries` (blocks the
-    index lists for it) and `disagg:kv_index_lag_seconds` (its publisher's latest batch)."""
+    index lists for it) and `disagg:kv_index_lag_seconds` (its publisher's latest batch); and on a
+    prefill instance `disagg:kv_peer_fetched_blocks_total` and `disagg:kv_peer_fetched_bytes_total`
+    (blocks it fetched from peers instead of computing them: disagg.kv_transfer.peer_blocks)."""
 
     COUNTERS = {"hit_blocks": "disagg:kv_tier_hit_blocks", "loaded_bytes": "disagg:kv_tier_loaded_bytes"}
     GAUGES = {"held_bytes": "disagg:kv_tier_held_bytes"}
     SCALARS = {"index.entries": "disagg:kv_index_entries", "index.lag_s": "disagg:kv_index_lag_seconds"}
+    PEER_COUNTERS = {
+        "peer.fetched_blocks": "disagg:kv_peer_fetched_blocks",
+        "peer.fetched_bytes": "disagg:kv_peer_fetched_bytes",
+    }
 
     def __init__(self) -> None:
         self._reports: dict[tuple[str, str], dict[str, float]] = {}
@@ -150,11 +156,19 @@ class KVTierLoad:
         for key, name in self.GAUGES.items():
             yield self._by_tier(GaugeMetricFamily(name, f"KV tier {key} by tier.", labels=_TIER_LABELS), key, reports)
         for key, name in self.SCALARS.items():
-            family = GaugeMetricFamily(name, f"Prefix index: {key}.", labels=("instance", "role"))
-            for (instance, role), flat in sorted(reports.items()):
-                if key in flat:
-                    family.add_metric((instance, role), flat[key])
-            yield family
+            yield self._by_instance(
+                GaugeMetricFamily(name, f"Prefix index: {key}.", labels=_INSTANCE_LABELS), key, reports
+            )
+        for key, name in self.PEER_COUNTERS.items():
+            family = CounterMetricFamily(name, f"KV blocks fetched from peers: {key}.", labels=_INSTANCE_LABELS)
+            yield self._by_instance(family, key, reports)
+
+    @staticmethod
+    def _by_instance(family, key: str, reports: dict):
+        for (instance, role), flat in sorted(reports.items()):
+            if key in flat:
+                family.add_metric((instance, role), flat[key])
+        return family
 
     @staticmethod
     def _by_tier(family, key: str, reports: dict):
@@ -166,6 +180,7 @@ class KVTierLoad:
 
 
 _TIER_LABELS = ("instance", "role", "tier")
+_INSTANCE_LABELS = ("instance", "role")
 
 
 REPLAN_PREFIX = "disagg:replan_"

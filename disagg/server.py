@@ -61,6 +61,7 @@ from disagg.controller.client import ControllerClient, InProcessController
 from disagg.controller.controller import find_controller, running_deployments
 from disagg.deployments import frontend_addresses, join_ray, running_state
 from disagg.config import API_KEY_ENV, ServingConfig, env, merge_settings, read_yaml_settings
+from disagg.engine.memory_fit import kv_element_bytes
 from disagg.engine.model_card import ModelCard
 from disagg.engine.tokenizer import Tokenizer
 from disagg.errors import RegistryUnavailable, UnavailableError
@@ -77,6 +78,7 @@ from disagg.router.grpc_service import SERVICE_NAME, add_serving_service
 from disagg.router.key_guard import key_guard_interceptors
 from disagg.router.http_frontend import HttpFrontend
 from disagg.router.orchestrator import Orchestrator
+from disagg.router.peer_fetch import PeerFetch
 from disagg.placement.factory import placement_policy
 from disagg.router.records import RequestRecords
 from disagg.router.shared_arrivals import ArrivalFeed, VerdictFeed
@@ -318,6 +320,7 @@ class Server:
             on_migration=metrics.observe_migration,
             sliding_window=limits.sliding_window,
             arrivals=arrival_feed,
+            peer_fetch=PeerFetch.from_config(config, directory, _kv_bytes_per_token(config, card)),
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)
@@ -489,6 +492,11 @@ def serve(config: ServingConfig, ready_file: str | None = None) -> int:
     forget_state()
     print("disagg: stopped", flush=True)
     return code
+
+
+def _kv_bytes_per_token(config: ServingConfig, card: ModelCard) -> int:
+    """A token's KV bytes on the workers, every layer and head (what a peer fetch moves)."""
+    return card.config.kv_bytes_per_token * (card.kv_element_bytes or kv_element_bytes(config.engine))
 
 
 def _write_ready(ready_file: str, addresses: list[str]) -> None:

@@ -33,6 +33,7 @@ from disagg.kv_transfer.connector import assemble, instance_kv_layout
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVLayout, sources_for, targets_for
 from disagg.kv_transfer.other_ranks import OtherRanks
+from disagg.kv_transfer.peer_blocks import PeerBlocks
 from disagg.kv_transfer.sender import KVSender
 from disagg.kv_transfer.tally import RankTally
 from disagg.kv_transfer.transport import Transport
@@ -76,12 +77,14 @@ class DecodeRole:
         followers: OtherRanks | None = None,
         migration_transport: Transport | None = None,
         engine: LLMEngine | None = None,
+        export_transport: Transport | None = None,
     ):
         """Without a transport: the COLOCATED role. `wake`: the engine loop's (a transfer
         finished: a step is due). `groups`, `followers`: rank 0 of a TP x PP instance (its process
         groups, the other ranks). `migration_transport`: what moving requests out goes over
         (None: they cannot move out; one rank only). `engine`: an idle engine to take over,
-        switched to this role (a role switch)."""
+        switched to this role (a role switch). `export_transport`: what its cached blocks are lent
+        to prefill instances over (disagg.kv_transfer.peer_blocks; None: not)."""
         self.kind = Role.DECODE if transport is not None else Role.COLOCATED  # what its worker serves as
         built = assemble(
             config,
@@ -106,6 +109,7 @@ class DecodeRole:
         self.failed: list[FailedRequest] = []  # the latest step's transfer failures
         self.transfer_results: list[TransferResult] = []
         self._layout: KVLayout | None = None
+        self.peers = PeerBlocks.build(self.engine, export_transport, kv_timeout=kv_timeout, wake=wake)
 
     def address(self) -> str:
         return self.receiver.address() if self.receiver is not None else ""
@@ -170,7 +174,18 @@ class DecodeRole:
     def abort(self, request_id: str) -> bool:
         """Drop the request (no more of its tokens go out) and free its blocks; False if the
         engine did not have it."""
+        self.peers.abort(request_id)  # (a block export, by its id)
         return self._drop(request_id, self.requests.pop(request_id, None))
+
+    # ---- lending cached blocks to prefill instances (engine thread, except peer_export_layout) ----
+    def peer_export_layout(self) -> KVLayout | None:
+        """Where this instance lends cached blocks from (None: it lends none). Fixed."""
+        return self.peers.export_layout()
+
+    def export_prefix(self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation) -> Future:
+        """Lend the first `num_blocks` full blocks of `token_ids` into a peer's `slot`; the Future:
+        True once it has them, False when this pool does not hold them (or the transfer failed)."""
+        return self.peers.export(export_id, token_ids, num_blocks, slot.layout, slot.transfer_id, slot.block_ids)
 
     def drop_link(self, link: Link) -> None:
         """A router went away: abort every request whose tokens went to it."""
@@ -244,7 +259,7 @@ class DecodeRole:
         """A step is due: something decodes, or a transfer or a move has news. (Requests waiting
         only for KV need none: the receiver's wake brings the loop back.)"""
         scheduler = self.engine.scheduler
-        busy = bool(scheduler.running or scheduler.waiting) or self.needs_sync()
+        busy = bool(scheduler.running or scheduler.waiting) or self.needs_sync() or self.peers.has_news()
         return busy or (self.receiver is not None and self.receiver.has_finished())
 
     def needs_sync(self) -> bool:
@@ -257,6 +272,7 @@ class DecodeRole:
         send each router this step's deltas of its requests."""
         outputs, arrivals = [], []
         self.failed = []
+        self.peers.settle()
         if self.migrations_out is not None and self.migrations_out.active:
             self.migrations_out.before_step(self._moves())  # pre-copies that are over pause here
         self.transfer_results = self._finished_transfers()
@@ -289,7 +305,7 @@ class DecodeRole:
 
     def is_idle(self) -> bool:
         moving = self.migrations_out is not None and self.migrations_out.active
-        return not self.engine.has_unfinished_requests() and not moving
+        return not self.engine.has_unfinished_requests() and not moving and not self.peers.active
 
     def kv_paths(self) -> dict[str, str]:
         """Peer id -> how KV goes to it, for this rank's pairs so far: those KV comes in by, and
@@ -297,13 +313,14 @@ class DecodeRole:
         paths = self.receiver.transport.paths() if self.receiver is not None else {}
         if self.migrations_out is not None:
             paths.update(self.migrations_out.sender.transport.paths())
-        return paths
+        return paths  # (not the peer fetch's pairs: their ids name no instance)
 
     def close(self) -> None:
         if self.receiver is not None:
             self.receiver.close()
         if self.migrations_out is not None:
             self.migrations_out.sender.close()
+        self.peers.close()
 
     # ---- inside a step -----------------------------------------------------------------------------
     def _finished_transfers(self) -> list[TransferResult]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol
 
-from disagg.request import Request
+from disagg.request import Request, SamplingParams
 
 # A released block's entry in a block table (see above): no block's id. Negative, so that a read
 # through it fails loudly on the torch paths instead of reading another request's KV.
@@ -237,6 +237,68 @@ class BlockManager:
             parent = hashes[-1] if hashes else None
             hashes.append(chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs])))
         return hashes
+
+    # ---- blocks lent to a peer, or taken from one (disagg.kv_transfer.peer_blocks) -----------
+    def cached_run(self, token_ids: list[int], num_blocks: int) -> list[int]:
+        """The pool's blocks holding the longest cached run of the first `num_blocks` full blocks
+        of `token_ids` (verified against the tokens; the lower tiers are not searched)."""
+        if not self.enable_prefix_caching or self.sliding_window is not None:
+            return []
+        hits, parent, bs = [], None, self.block_size
+        for i in range(min(num_blocks, len(token_ids) // bs)):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            block_id = self._cached.get(parent)
+            if block_id is None or self._block_tokens.get(block_id) != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    def pin_cached_prefix(self, token_ids: list[int], num_blocks: int) -> list[int] | None:
+        """The blocks of the first `num_blocks` full blocks of `token_ids`, each taken (so no
+        allocation reuses it while a peer copies it: `unpin` gives them back); those only a
+        lower tier holds are loaded back first. None, taking nothing, unless the pool and its
+        tiers hold every one of them."""
+        if num_blocks < 1 or len(token_ids) < num_blocks * self.block_size:
+            return None
+        hits = self.cached_run(token_ids, num_blocks)
+        if len(hits) < num_blocks and self.lower is not None:
+            # The prompt a lookup would make of them: one token past the blocks, always computed.
+            probe = Request("peer-export", list(token_ids[: num_blocks * self.block_size]) + [0], SamplingParams())
+            hits = self.find_cached_prefix(probe)
+        if len(hits) < num_blocks:
+            return None
+        return [self._take(block_id, reuse_content=True) for block_id in hits]
+
+    def unpin(self, block_ids: list[int]) -> None:
+        """Give back blocks taken by `pin_cached_prefix` or `reserve_prefix_import`."""
+        for block_id in reversed(block_ids):
+            self._drop(block_id)
+
+    def reserve_prefix_import(self, token_ids: list[int], num_blocks: int) -> tuple[int, list[int]] | None:
+        """Blocks for the first `num_blocks` full blocks of `token_ids`, whose KV a peer sends:
+        (how many leading ones the pool holds already, and the table: those, taken, then fresh
+        blocks for the rest). None, taking nothing, when none is missing or there is no room."""
+        hits = self.cached_run(token_ids, num_blocks)
+        missing = num_blocks - len(hits)
+        if missing < 1 or len(token_ids) < num_blocks * self.block_size or missing > self._num_takeable(hits):
+            return None
+        table = [self._take(block_id, reuse_content=True) for block_id in hits]
+        table += [self._take(next(iter(self._free)), reuse_content=False) for _ in range(missing)]
+        return len(hits), table
+
+    def finish_prefix_import(self, token_ids: list[int], table: list[int]) -> None:
+        """The table's blocks hold their KV now: the fresh ones join the prefix cache under
+        their hashes, and the table is given back (its blocks stay cached, evictable)."""
+        parent, bs = None, self.block_size
+        for i, block_id in enumerate(table):
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, tokens)
+            if self._block_hash[block_id] is None and parent not in self._cached:
+                self._register(block_id, parent, tokens)
+                if self.lower is not None:
+                    self.lower.block_cached(parent)
+        self.unpin(table)
 
     # ---- allocation ----------------------------------------------------------------------
     def can_allocate(

@@ -47,14 +47,19 @@ def make_transport(
 
 @dataclass
 class RoleTransports:
-    """What a rank of a role moves KV over: `kv` (None: COLOCATED, which moves none) and, on a
-    one-rank DECODE instance, `moves`, which requests moving out go over."""
+    """What a rank of a role moves KV over: `kv` (None: COLOCATED, which moves none); on a
+    one-rank DECODE instance, `moves`, which requests moving out go over; on a one-rank PREFILL
+    or DECODE instance, `exports`, which its cached blocks are lent to peers over, and on a
+    one-rank PREFILL instance `imports`, which it fetches peers' blocks over
+    (disagg.kv_transfer.peer_blocks)."""
 
     kv: Transport | None = None
     moves: Transport | None = None
+    exports: Transport | None = None
+    imports: Transport | None = None
 
     def close(self) -> None:
-        for transport in (self.kv, self.moves):
+        for transport in (self.kv, self.moves, self.exports, self.imports):
             if transport is not None:
                 transport.close()
 
@@ -63,16 +68,23 @@ def role_transports(
     name: str, role: Role, transport_id: str, key: bytes, host: str, device: str, *, one_rank: bool
 ) -> RoleTransports:
     """The transports of a rank in `role`, made by `name` (a config's `kv_transport`): its KV's,
-    named `transport_id` (a KV peer id), except for COLOCATED; and for DECODE on an instance of
-    `one_rank`, one for moving requests out (`<transport_id>-move`). The one place that says which
-    role moves what (rank 0 at its start and at a role switch, and the other ranks)."""
+    named `transport_id` (a KV peer id), except for COLOCATED; on an instance of `one_rank`, for
+    DECODE one for moving requests out (`<transport_id>-move`), for PREFILL and DECODE one that
+    lends cached blocks (`<transport_id>-export`), and for PREFILL one that fetches them
+    (`<transport_id>-import`). The one place that says which role moves what (rank 0 at its start
+    and at a role switch, and the other ranks)."""
     if role is Role.COLOCATED:
         return RoleTransports()
-    kv = make_transport(name, transport_id, key, host, device)
-    if role is not Role.DECODE or not one_rank:
-        return RoleTransports(kv)
+    made = RoleTransports(make_transport(name, transport_id, key, host, device))
+    if not one_rank:
+        return made
+    extra = (
+        {"exports": "export", "moves": "move"} if role is Role.DECODE else {"exports": "export", "imports": "import"}
+    )
     try:
-        return RoleTransports(kv, make_transport(name, f"{transport_id}-move", key, host, device))
+        for field_name, suffix in extra.items():
+            setattr(made, field_name, make_transport(name, f"{transport_id}-{suffix}", key, host, device))
     except BaseException:
-        kv.close()
+        made.close()
         raise
+    return made

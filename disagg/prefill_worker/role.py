@@ -38,6 +38,7 @@ from disagg.kv_transfer.connector import assemble, instance_kv_layout
 from disagg.kv_transfer.endpoint import TransferResult
 from disagg.kv_transfer.layout import KVLayout, KVTarget, targets_for
 from disagg.kv_transfer.other_ranks import OtherRanks
+from disagg.kv_transfer.peer_blocks import PeerBlocks
 from disagg.kv_transfer.tally import RankTally
 from disagg.kv_transfer.transport import Transport
 from disagg.request import SamplingParams
@@ -88,10 +89,14 @@ class PrefillRole:
         groups: InstanceGroups | None = None,
         followers: OtherRanks | None = None,
         engine: LLMEngine | None = None,
+        export_transport: Transport | None = None,
+        import_transport: Transport | None = None,
     ):
         """`wake`: the engine loop's (a transfer finished, targets came: a step is due).
         `groups`, `followers`: rank 0 of a TP x PP instance (its process groups, the other ranks).
-        `engine`: an idle engine to take over, switched to PREFILL (a role switch)."""
+        `engine`: an idle engine to take over, switched to PREFILL (a role switch).
+        `export_transport`, `import_transport`: what cached blocks are lent to peers and fetched
+        from them over (disagg.kv_transfer.peer_blocks; None: not)."""
         built = assemble(
             config,
             Role.PREFILL,
@@ -111,6 +116,7 @@ class PrefillRole:
         self._early: list[_TargetsArrival] = []  # came before their request: applied when it is here
         self.transfer_results: list[TransferResult] = []  # the latest step's, for metrics
         self._layout: KVLayout | None = None
+        self.peers = PeerBlocks.build(self.engine, export_transport, import_transport, kv_timeout=kv_timeout, wake=wake)
 
     def address(self) -> str:
         return self.sender.address()
@@ -124,7 +130,7 @@ class PrefillRole:
         return self._layout
 
     def status(self) -> dict:
-        return {"kv_bytes_sent": self.sender.num_bytes_total}
+        return {"kv_bytes_sent": self.sender.num_bytes_total, "peer_fetch": self.peers.report()}
 
     # ---- PrefillService (engine thread, except set_kv_targets) ---------------------------------------
     def prefill(
@@ -136,7 +142,9 @@ class PrefillRole:
         link: Link | None = None,
     ) -> Future:
         """Queue the prefill (by `priority`); its KV waits here for `set_kv_targets` (at most the
-        kv timeout). The Future answers its first token (a PrefillResult)."""
+        kv timeout). The Future answers its first token (a PrefillResult). Prefix blocks fetched
+        from a peer for it are in the prefix cache first, if they came."""
+        self.peers.settle()
         self.engine.add_request(
             request_id, prompt_token_ids=prompt_token_ids, sampling_params=params, priority=priority
         )
@@ -159,7 +167,31 @@ class PrefillRole:
         request = self.requests.get(request_id)
         if request is not None:
             request.first_token.cancel()
+        self.peers.abort(request_id)  # (a fetch for it, by its id)
         return self._drop(request_id)
+
+    # ---- PeerBlockService (engine thread, except peer_export_layout) ---------------------------------
+    def peer_export_layout(self) -> KVLayout | None:
+        """Where this instance lends cached blocks from (None: it lends none). Fixed."""
+        return self.peers.export_layout()
+
+    def reserve_peer_import(
+        self, import_id: str, token_ids: list[int], num_blocks: int, source: KVLayout
+    ) -> Reservation | None:
+        """Blocks for the first `num_blocks` full blocks of `token_ids`, those it lacks to come
+        from `source` (a holder's export layout); None when it lacks none, has no room, or fetches
+        none (disagg.kv_transfer.peer_blocks)."""
+        imports = self.peers.imports
+        slot = imports.reserve(import_id, token_ids, num_blocks, source) if imports is not None else None
+        if slot is None:
+            return None
+        layout = imports.layout()
+        return Reservation(slot.transfer_id, slot.block_ids, {layout.ranks[0].peer_id: slot.transfer_id}, layout)
+
+    def export_prefix(self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation) -> Future:
+        """Lend the first `num_blocks` full blocks of `token_ids` into a peer's `slot`; the Future:
+        True once it has them, False when this pool does not hold them (or the transfer failed)."""
+        return self.peers.export(export_id, token_ids, num_blocks, slot.layout, slot.transfer_id, slot.block_ids)
 
     def drop_link(self, link: Link) -> None:
         """A router went away: drop the requests whose first token it was waiting for."""
@@ -173,7 +205,8 @@ class PrefillRole:
         or the other ranks have news. (Requests waiting only for an ACK need none: the sender's
         wake brings the loop back.)"""
         scheduler = self.engine.scheduler
-        return bool(scheduler.running or scheduler.waiting) or self.needs_sync() or self.sender.has_finished()
+        busy = bool(scheduler.running or scheduler.waiting) or self.needs_sync() or self.sender.has_finished()
+        return busy or self.peers.has_news()
 
     def needs_sync(self) -> bool:
         """A step is due although nothing computes: targets to apply, the other ranks have commands
@@ -189,6 +222,7 @@ class PrefillRole:
         """One engine step; first tokens are answered and go out with DONE; acknowledged blocks
         are freed."""
         self._apply_arrivals()  # before the step: the other ranks get their targets with it
+        self.peers.settle()
         scheduler = self.engine.scheduler
         computes = bool(scheduler.running or scheduler.waiting)
         outputs = self.engine.step()
@@ -211,14 +245,16 @@ class PrefillRole:
 
     def is_idle(self) -> bool:
         """No request left to compute and no blocks held for a transfer."""
-        return not self.engine.has_unfinished_requests() and not self.engine.scheduler.held_for_export
+        held = self.engine.has_unfinished_requests() or self.engine.scheduler.held_for_export
+        return not held and not self.peers.active
 
     def kv_paths(self) -> dict[str, str]:
         """Peer id -> how KV goes to it, for this rank's pairs so far (`disagg status`)."""
-        return self.sender.transport.paths()
+        return self.sender.transport.paths()  # (not the peer fetch's pairs: their ids name no instance)
 
     def close(self) -> None:
         self.sender.close()
+        self.peers.close()
 
     # ---- state transitions ---------------------------------------------------------------------------
     def _prompt_done(self, out: RequestOutput) -> None:

@@ -39,7 +39,7 @@ from disagg.router.prompt_queue import PromptQueue
 from disagg.router.streams import DecodeStreams
 from disagg.rpc.client import RpcClient
 from disagg.rpc.services import TOKENS_TOPIC
-from disagg.rpc.stubs import DecodeStub, PrefillStub
+from disagg.rpc.stubs import DecodeStub, PeerStub, PrefillStub
 from disagg.step_work import MeasuredStep
 from disagg.supervision import supervised_task
 
@@ -93,6 +93,11 @@ class Instance:
     def decode_service(self) -> DecodeStub:
         """This instance as a decode or colocated instance."""
         return DecodeStub(self.rpc)
+
+    @property
+    def peer_service(self) -> PeerStub:
+        """This instance as a lender or fetcher of cached prefix blocks (disagg.router.peer_fetch)."""
+        return PeerStub(self.rpc)
 
     @property
     def kv_address(self) -> str:

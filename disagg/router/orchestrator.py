@@ -43,6 +43,7 @@ from disagg.router.decode_admission import DecodeAdmission
 from disagg.router.decode_room import DecodeRoom
 from disagg.router.migration import Progress, is_migratable
 from disagg.router.output_lengths import OutputLengths
+from disagg.router.peer_fetch import PeerFetch
 from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
 from disagg.rpc.messages import TokenDelta
@@ -136,10 +137,12 @@ class Orchestrator:
         on_migration=lambda reason: None,
         sliding_window: int | None = None,
         arrivals: ArrivalListener | None = None,
+        peer_fetch: PeerFetch | None = None,
     ):
         """`sliding_window`: the window every layer of the model has (ModelConfig.shared_window):
         a decode instance then reserves only the blocks of a prompt's last window. `arrivals`:
-        who hears each request as it arrives (None: nobody)."""
+        who hears each request as it arrives (None: nobody). `peer_fetch`: fetches a prompt's
+        cached prefix into its prefill instance from a peer that holds it (None: never)."""
         self.config = config
         self.sliding_window = sliding_window
         self.default_slo = config.slo
@@ -155,6 +158,7 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
         self.arrivals = arrivals
+        self.peer_fetch = peer_fetch
 
     @property
     def disaggregated(self) -> bool:
@@ -327,11 +331,16 @@ class Orchestrator:
         expected_output: int | None,
     ) -> tuple[Placement, Mailbox, TokenDelta]:
         prefill = choice.prefill
+        cached = choice.cached_tokens
+        if self.peer_fetch is not None:  # the prefix it lacks and a peer holds, there first if faster
+            cached = max(
+                cached, await self.peer_fetch.fetch(request_id, prompt_token_ids, request.block_hashes, prefill)
+            )
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
         prefill.admit_prefill(len(prompt_token_ids))
-        sent = prefill.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
+        sent = prefill.prompt_queue.add(len(prompt_token_ids), cached)
         pending = choice.decode  # counted from the choice on, until its answer: concurrent choices see it
         pending.await_reservation()
         queued, sent_at = prefill.outstanding_prefill_tokens, time.monotonic()

@@ -101,8 +101,32 @@ class DecodeService:
         raise NotImplementedError
 
 
-class WorkerService(PrefillService, DecodeService):
-    """What every worker serves: both services, whichever role it holds now. A call of the
+class PeerBlockService:
+    """Rank 0 of a one-rank prefill or decode instance: cached prefix blocks lent from one
+    instance to a prefill instance that lacks them (disagg.kv_transfer.peer_blocks). The
+    router asks the holder where it lends from, the prefill instance for a slot, then the holder
+    to send; `abort(fetch id)` on either side ends a fetch that the router gave up on."""
+
+    def peer_export_layout(self) -> KVLayout | None:
+        """Where this instance lends cached blocks from (None: it lends none)."""
+        raise NotImplementedError
+
+    def reserve_peer_import(
+        self, import_id: str, token_ids: list[int], num_blocks: int, source: KVLayout
+    ) -> Reservation | None:
+        """A prefill instance: blocks for the first `num_blocks` full blocks of `token_ids`,
+        those it lacks to come from `source`; None when it lacks none or has no room."""
+        raise NotImplementedError
+
+    def export_prefix(self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation) -> bool:
+        """The holder: send the first `num_blocks` full blocks of `token_ids` into a prefill
+        instance's `slot`. True once they are in; False when this instance no longer holds them
+        (a stale index entry) or the transfer failed."""
+        raise NotImplementedError
+
+
+class WorkerService(PrefillService, DecodeService, PeerBlockService):
+    """What every worker serves: all three services, whichever role it holds now. A call of the
     role it does not hold is refused (UNAVAILABLE); `abort` goes to the role held."""
 
 

@@ -11,7 +11,7 @@ from disagg.kv_transfer.layout import KVLayout
 from disagg.request import SamplingParams
 from disagg.rpc.client import RpcClient
 from disagg.rpc.messages import PrefillResult, Reservation
-from disagg.rpc.services import DecodeService, PrefillService
+from disagg.rpc.services import DecodeService, PeerBlockService, PrefillService
 
 
 class PrefillStub(PrefillService):
@@ -91,3 +91,28 @@ class DecodeStub(DecodeService):
 
     async def migrate_out(self, request_id: str, reservation: Reservation, *, timeout_s: float) -> list[int]:
         return await self.link.call(DecodeService.migrate_out, request_id, reservation, timeout_s=timeout_s)
+
+
+class PeerStub(PeerBlockService):
+    def __init__(self, link: RpcClient):
+        self.link = link
+
+    async def peer_export_layout(self, *, timeout_s: float) -> KVLayout | None:
+        return await self.link.call(PeerBlockService.peer_export_layout, timeout_s=timeout_s)
+
+    async def reserve_peer_import(
+        self, import_id: str, token_ids: list[int], num_blocks: int, source: KVLayout, *, timeout_s: float
+    ) -> Reservation | None:
+        return await self.link.call(
+            PeerBlockService.reserve_peer_import, import_id, token_ids, num_blocks, source, timeout_s=timeout_s
+        )
+
+    async def export_prefix(
+        self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation, *, timeout_s: float
+    ) -> bool:
+        return await self.link.call(
+            PeerBlockService.export_prefix, export_id, token_ids, num_blocks, slot, timeout_s=timeout_s
+        )
+
+    async def abort(self, request_id: str, *, timeout_s: float) -> bool:
+        return await self.link.call(PrefillService.abort, request_id, timeout_s=timeout_s)

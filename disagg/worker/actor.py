@@ -149,6 +149,19 @@ class WorkerActor(WorkerService):
     def migrate_out(self, request_id: str, reservation: Reservation) -> Future:
         return self._run(DecodeRole.migrate_out, request_id, reservation)  # answered once it paused here
 
+    # ---- PeerBlockService -------------------------------------------------------------------------
+    def peer_export_layout(self) -> KVLayout | None:
+        return self.role.peer_export_layout()  # fixed: answered from any thread
+
+    def reserve_peer_import(self, import_id: str, token_ids: list[int], num_blocks: int, source: KVLayout) -> Future:
+        return self._run(PrefillRole.reserve_peer_import, import_id, token_ids, num_blocks, source)
+
+    def export_prefix(self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation) -> Future:
+        return _answer_of(self.loop.submit(self._export_prefix, export_id, token_ids, num_blocks, slot))
+
+    def _export_prefix(self, export_id: str, token_ids: list[int], num_blocks: int, slot: Reservation) -> Future:
+        return self.role.export_prefix(export_id, token_ids, num_blocks, slot)  # either role's: both lend blocks
+
     # ---- both ------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> Future:
         return self.loop.submit(self._abort, request_id)
@@ -228,9 +241,12 @@ class WorkerActor(WorkerService):
         )
         common = dict(kv_timeout=c.kv_timeout_s, wake=self.loop.wake, groups=groups, followers=self.shards)
         try:
+            peers = dict(export_transport=transports.exports)
             if role is Role.PREFILL:
-                return PrefillRole(c.engine, transports.kv, engine=engine, **common)
-            return DecodeRole(c.engine, transports.kv, migration_transport=transports.moves, engine=engine, **common)
+                return PrefillRole(c.engine, transports.kv, engine=engine, import_transport=transports.imports,
+                                   **peers, **common)  # fmt: skip
+            return DecodeRole(c.engine, transports.kv, migration_transport=transports.moves, engine=engine, **peers,
+                              **common)  # fmt: skip
         except BaseException:
             transports.close()
             raise
@@ -322,6 +338,9 @@ class WorkerActor(WorkerService):
         load.kv_paths = role.kv_paths()
         if role.engine.kv_tiers is not None:
             load.kv_tiers = {**role.engine.kv_tiers.report(), "index": self.prefix_publisher.report()}
+        fetched = role.peers.report()
+        if fetched and (load.kv_tiers or fetched["fetched_blocks"]):  # shown where the tiers are
+            load.kv_tiers = {**load.kv_tiers, "peer": fetched}
         return self.instance_info(), load
 
     def _rebind(self) -> None:

@@ -4,6 +4,8 @@ answer is the one disaggregated serving gives. Real Ray, redis-server and gRPC o
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from disagg.client import DisaggClient, generate_request
@@ -25,6 +27,10 @@ def server(ray_session):
             "metrics_port": 0,
             "heartbeat_interval_s": 0.2,
             "local_prefill_max_tokens": LIMIT,
+            # A block moves in no time here (one host, by reference): any prefix a peer holds is
+            # worth fetching (test_a_next_turn_fetches...).
+            "peer_fetch_latency_ms": 0.0,
+            "peer_fetch_gb_s": 1000.0,
             "calibration_s": 0,  # the models learn from the client's requests here, starting from a guess
         }
     )
@@ -58,3 +64,29 @@ def test_a_prompt_whose_uncached_tokens_are_over_the_limit_is_always_disaggregat
     with DisaggClient(server.address) as client:
         timings = [ask(client, question, max_tokens=2)[1] for question in questions]
     assert all(t.prefill_instance != t.decode_instance for t in timings)
+
+
+def test_a_next_turn_fetches_the_history_its_decode_instance_holds(server):
+    """Turn 2 of a conversation is turn 1's prompt, its answer and a new message (longer than a
+    decode instance prefills itself, even holding the history: disaggregated). The prefill instance holds turn 1's prompt; the
+    decode instance holds the answer's blocks too: the prefill instance fetches those from it
+    instead of computing them, and its prefill starts after them."""
+    first = list(range(1000, 1040))  # 40 tokens: 2 full blocks
+    with DisaggClient(server.address) as client:
+        turn_1 = generate_request(prompt_token_ids=first, temperature=0.0, max_tokens=30, ignore_eos=True)
+        answer, _, done = client.generate(turn_1, timeout=60)
+        time.sleep(0.6)  # a heartbeat or two: the router learns which blocks the decode instance holds
+        history = first + answer  # the decode instance holds 4 full blocks of its 70 tokens
+        held = (len(history) - 1) // 16 * 16
+        second = history + list(range(2000, 2300))  # more new tokens than a decode step takes (256): disaggregated
+        turn_2 = generate_request(prompt_token_ids=second, temperature=0.0, max_tokens=2, ignore_eos=True)
+        tokens, _, final = client.generate(turn_2, timeout=60)
+        assert final.timings.prefill_instance != final.timings.decode_instance and len(tokens) == 2
+        assert final.usage.cached_prompt_tokens == held  # fetched, then hit
+        deadline, fetched = time.monotonic() + 10, 0
+        while time.monotonic() < deadline and not fetched:  # as `disagg status` shows it (a heartbeat later)
+            status = client.cluster_status()
+            prefills = [i for pool in status.pools if pool.role == "prefill" for i in pool.instances]
+            fetched = sum(i.kv_tiers.get("peer.fetched_blocks", 0) for i in prefills)
+            time.sleep(0.2)
+    assert fetched >= (held - len(first)) // 16

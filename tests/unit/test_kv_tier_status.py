@@ -37,3 +37,14 @@ def test_metrics_by_tier_and_instance():
     assert 'disagg:kv_index_entries{instance="p0",role="prefill"} 42.0' in text
     metrics.remove_instance("p0", "prefill")
     assert 'instance="p0"' not in generate_latest(metrics.registry).decode()
+
+
+def test_blocks_fetched_from_peers_show_in_status_and_metrics():
+    flat = flat_kv_tiers({"peer": {"fetched_blocks": 5, "fetched_bytes": 5 * 2**20}}, indexed_blocks=0)
+    assert _tiers_line(flat).endswith("; fetched from peers 5 blocks (5.0MiB)")
+    assert "fetched from peers" not in _tiers_line(flat_kv_tiers(_report(), indexed_blocks=42))
+    metrics = ServingMetrics(CollectorRegistry())
+    metrics.kv_tiers.set("p1", "prefill", flat)
+    text = generate_latest(metrics.registry).decode()
+    assert 'disagg:kv_peer_fetched_blocks_total{instance="p1",role="prefill"} 5.0' in text
+    assert 'disagg:kv_peer_fetched_bytes_total{instance="p1",role="prefill"} 5.24288e+06' in text
