@@ -117,7 +117,7 @@ def measure(args, all_messages, tiers: bool):
         sessions = asyncio.run(run_sessions(dep.address, all_messages, args))
         time.sleep(METRICS_SETTLE_S)  # the last heartbeat reaches the metrics
         text = urllib.request.urlopen(dep.metrics_url, timeout=10).read().decode()
-    return sessions, {t: tier_hits(text, t) for t in ("pool", "host")}
+    return sessions, {t: tier_hits(text, t) for t in ("pool", "host")} | {"peer": peer_fetched(text)}
 
 
 def tier_hits(metrics_text: str, tier: str) -> float:
@@ -125,6 +125,12 @@ def tier_hits(metrics_text: str, tier: str) -> float:
     lines = metrics_text.splitlines()
     prefix, label = "disagg:kv_tier_hit_blocks_total{", f'tier="{tier}"'
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(prefix) and label in line)
+
+
+def peer_fetched(metrics_text: str) -> float:
+    """`disagg:kv_peer_fetched_blocks_total`: blocks prefill instances fetched from a peer."""
+    prefix = "disagg:kv_peer_fetched_blocks_total"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics_text.splitlines() if line.startswith(prefix))
 
 
 def decode_side_share(sessions) -> float:
@@ -167,6 +173,7 @@ def report(today, tiers, hits, mode: str) -> None:
     )
     if mode == "disaggregated":
         print(f"later turns prefilled on their decode instance: {decode_side_share(tiers):.2f}")
+        print(f"blocks prefill instances fetched from a peer: {hits['peer']:.0f}")
     print(f"multi-turn ttft p50 ratio: {ratio:.2f}")
     print(f"multi-turn hit rate: {hit_rate(tiers):.2f}")
 

@@ -158,6 +158,9 @@ SMOKE = {
         (r"^\(a\) raw send/recv, one contiguous tensor: +[\d.]+ GB/s", r"^\(b\) protocol, .*by reference.* ratio to raw",
          r"^\(b\) protocol, .*packed.* ratio to raw", r"^\(c\) default-model prefill of 32 tokens: .* ratio [\d.]+"),
         heavy=True),
+    "kv.peer_fetch": Smoke("kv.peer_fetch", ("--model", "random:tiny", "--tokens", "64", "--repeats", "1"),
+        (r"^peer fetch by reference: [\d.]+ MiB in [\d.]+ ms \(median\) against [\d.]+ ms computing it: [\d.]+x$",),
+        heavy=True),
     "kv.multi_turn": Smoke("kv.multi_turn", (
         "--sessions", "1", "--turns", "4", "--first-tokens", "32", "--message-tokens", "16", "--answer-tokens", "2"),
         (r"^multi-turn ttft p50 ratio: [\d.]+$", r"^multi-turn hit rate: [\d.]+$"), heavy=True),
