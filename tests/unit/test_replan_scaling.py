@@ -9,7 +9,7 @@ import pytest
 from disagg.cluster.capacity import has_room
 from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
-from disagg.planner.live_pricing import Price, price_splits
+from disagg.planner.live_pricing import LAUNCH_S, Price, extended, price_splits
 from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState
 from disagg.planner.replanner import Split
 from disagg.planner.scaling import ScaleBounds, ScalePolicy, best_step, candidates
@@ -134,3 +134,30 @@ def test_scale_steps_priced_from_the_live_state_a_decode_more_helps_a_decode_hea
                           splits=[Split(1, 1), Split(1, 2), Split(2, 1)], launch_s=0.5)  # fmt: skip
     assert set(priced) == {Split(1, 1), Split(1, 2), Split(2, 1)}
     assert priced[Split(1, 2)].attainment > priced[Split(1, 1)].attainment
+
+
+def test_an_add_is_judged_on_the_traffic_it_joins_in_time_to_serve():
+    """An added instance serves LAUNCH_S from now, after the default window's last arrival: priced
+    on the window alone, the split with it predicted what staying did (each request placed before it
+    joined), so the default loop never added one. Every split is judged on the window's traffic
+    going on until a window's worth arrives once it serves."""
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"engine": {"num_kv_blocks": 1024}, "slo": {"ttft_ms": 3000, "tpot_ms": 40}})
+    window_s = config.replan_window_s
+    assert LAUNCH_S > window_s
+    m = profile.step_model(1, 1)
+    state = LiveState((LiveInstance("p0", "prefill", m),
+                       LiveInstance("d0", "decode", m, (), tuple(LiveDecode(60, 60) for _ in range(20)))))  # fmt: skip
+    requests = [SimRequest(i, i / 4, 24, 112) for i in range(60)]  # 4 req/s, decode-heavy: one decode misses
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, requests, window_s,
+                          splits=[Split(1, 1), Split(1, 2), Split(2, 1)])  # fmt: skip
+    assert priced[Split(1, 2)].attainment >= priced[Split(1, 1)].attainment + config.replan_min_gain, priced
+    assert priced[Split(2, 1)].attainment < priced[Split(1, 2)].attainment  # a prefill more does not help
+
+
+def test_the_window_goes_on_as_it_came():
+    requests = [SimRequest(0, 0.0, 10, 5), SimRequest(1, 4.0, 20, 6)]
+    longer = extended(requests, 10.0, 25.0)
+    assert [(r.index, r.arrival_s, r.prompt_len) for r in longer] == [
+        (0, 0.0, 10), (1, 4.0, 20), (2, 10.0, 10), (3, 14.0, 20), (4, 20.0, 10), (5, 24.0, 20)
+    ]  # fmt: skip
