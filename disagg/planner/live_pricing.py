@@ -87,6 +87,8 @@ def price_split(
     if live is not None:
         start_from(sim, live.arrange(split), switch_s)
     records = [r for r in sim.run(requests) if r.arrival_s >= judged_from]
+    if not records:  # nothing arrives (an idle window): nothing to miss, on any split
+        return Price(100.0, 0.0)
     return Price(slo_attainment(records, config.slo), num_met(records, config.slo) / max(window_s, 1e-9))
 
 

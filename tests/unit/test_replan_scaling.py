@@ -161,3 +161,17 @@ def test_the_window_goes_on_as_it_came():
     assert [(r.index, r.arrival_s, r.prompt_len) for r in longer] == [
         (0, 0.0, 10), (1, 4.0, 20), (2, 10.0, 10), (3, 14.0, 20), (4, 20.0, 10), (5, 24.0, 20)
     ]  # fmt: skip
+
+
+def test_an_idle_window_fits_in_fewer():
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"slo": {"ttft_ms": 1500, "tpot_ms": 60}})
+    m = profile.step_model(1, 1)
+    state = LiveState(
+        (LiveInstance("p0", "prefill", m), LiveInstance("d0", "decode", m), LiveInstance("d1", "decode", m))
+    )
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, [], 15.0,
+                          splits=[Split(1, 2), Split(1, 1)])  # fmt: skip
+    assert priced == {Split(1, 2): Price(100.0, 0.0), Split(1, 1): Price(100.0, 0.0)}  # nothing arrives: nothing missed
+    step = best_step(Split(1, 2), priced, BOUNDS, {}, 5.0)
+    assert step is not None and (step.role, step.delta) == ("decode", -1)
