@@ -5,14 +5,16 @@ A Ray cluster of `--nodes` nodes on this machine (Ray's own multi-node test clus
 ray.cluster_utils.Cluster), each declaring `--node-cpus` CPUs: room for one instance of the default
 model per node (every worker reserves as much, `num_cpus_per_worker`). `disagg serve` joins it
 (`ray_address`) with one prefill and one decode instance, one thread each, re-planning on with
-scaling on (switching as it is), and an SLO so that attainment can tell the splits apart.
+scaling on (switching as it is), and a TTFT target so that attainment can tell the splits apart.
 
 The load, open loop (Poisson arrivals) from this process to the frontend on 127.0.0.1: a step up
-of decode-heavy requests (short prompts, long outputs) at `--up-rate` for `--up-s` seconds, which
-one decode instance cannot serve within the TPOT target; then a trickle of short requests at
-`--down-rate`, enough for the re-planner's window to price (8 requests in it at least), until the
-pool that grew has shrunk back (or `--down-s` at most). Requests are never refused for the SLO
-(`slo_admission: best_effort`): each either completes or is lost.
+of prefill-heavy requests (600-800 token prompts, 4-8 token outputs) for `--up-s` seconds, then a
+trickle of short requests at `--down-rate` until the pool that grew has shrunk back (or `--down-s`
+at most). The step is sized to this host as it is now (it is shared): the default model's prefill
+of the mean prompt is timed first on one thread, the step's rate is UP_LOAD prefills' worth (one
+prefill instance falls behind, two keep up) and the TTFT target TTFT_PREFILLS of them, unless
+`--up-rate` and `--ttft-ms` say. Requests are never refused for the SLO (`slo_admission:
+best_effort`): each completes, is refused by the in-flight limit (counted apart), or is lost.
 
 Prints the pool sizes over time (from `disagg status`, the frontend's ClusterStatus, polled every
 `--poll-s`), every scale step the controller took (when decided, when serving, why), the requests
@@ -26,7 +28,7 @@ sent / completed / lost, and last:
 cluster's start, the deployment's, each request, the whole run: `--timeout-s`); the cluster is shut
 down on the way out.
 
-    .venv/bin/python -m loadtest.planner.scaling [--nodes 4] [--up-rate 1.2] [--up-s 90] [--tpot-ms 150]
+    .venv/bin/python -m loadtest.planner.scaling [--nodes 3] [--up-s 90] [--up-rate R --ttft-ms T]
 """
 
 from __future__ import annotations
@@ -46,10 +48,14 @@ from disagg.bench.metrics import RequestRecord
 from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
 
-ENGINE = {"num_kv_blocks": 1024, "max_num_batched_tokens": 512}
+ENGINE = {"num_kv_blocks": 2048, "max_num_batched_tokens": 512}  # a queued prompt holds its decode KV: room for 40
 VOCAB = (1000, 40000)  # prompt token ids are drawn from here
-UP_LENGTHS = ((16, 32), (96, 128))  # decode-heavy: (prompt, output) token ranges
+UP_LENGTHS = ((600, 800), (4, 8))  # prefill-heavy: (prompt, output) token ranges
 DOWN_LENGTHS = ((16, 32), (8, 16))  # the trickle's
+# The step up's rate, in prompts per measured prefill time of one: one prefill instance cannot keep
+# up (its queue, and so TTFT, grows while it lasts), two can (each busy 62% of the time).
+UP_LOAD = 1.25
+TTFT_PREFILLS = 4.0  # the TTFT target, in measured prefill times (two instances meet it, one does not)
 STEP_KINDS = ("add", "remove")
 # The server's overload answer (its in-flight limit): the request was refused, not lost. (The SLO
 # refuses nothing here: slo_admission best_effort.)
@@ -79,7 +85,7 @@ def serving_settings(args, ray_address: str) -> dict:
               "replan_max_total_instances": args.nodes}  # fmt: skip
     return {"ray_address": ray_address, "mode": "disaggregated", "prefill": pool, "decode": pool,
             "engine": ENGINE, "threads_per_worker": 1, "calibration_s": args.calibration_s,
-            "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": args.tpot_ms}, "slo_admission": "best_effort",
+            "slo": {"ttft_ms": args.ttft_ms, "tpot_ms": 0}, "slo_admission": "best_effort",
             "http_port": 0, **replan}  # fmt: skip
 
 
@@ -147,6 +153,39 @@ def _step(d) -> dict:
 def _changed_pool(current: str, best: str) -> str:
     """Which pool differs between two splits written "1P:2D"."""
     return "prefill" if current.split(":")[0] != best.split(":")[0] else "decode"
+
+
+# ---- the step up, sized to this host now --------------------------------------------------------
+def measured_prefill_s(prompt_tokens: int, repeats: int = 3) -> float:
+    """Seconds one engine thread takes to prefill `prompt_tokens` on this host now: the default
+    model, in this process, the fastest of `repeats` (before the cluster starts)."""
+    import torch
+
+    from disagg import LLM, SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(dtype="auto")
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng, times = random.Random(3), []
+    for _ in range(repeats):  # prompts of their own: no prefix cached
+        prompt = {"prompt_token_ids": [rng.randrange(*VOCAB) for _ in range(prompt_tokens)]}
+        started = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def size_the_step(args) -> None:
+    """`--up-rate` and `--ttft-ms` where not given: from a measured prefill of the step's mean prompt."""
+    if args.up_rate and args.ttft_ms:
+        return
+    (lo, hi), _ = UP_LENGTHS
+    mean_prompt = max(1, round((lo + hi) / 2 * args.length_scale))
+    prefill_s = measured_prefill_s(mean_prompt)
+    args.up_rate = args.up_rate or UP_LOAD / prefill_s
+    args.ttft_ms = args.ttft_ms or TTFT_PREFILLS * prefill_s * 1e3
+    print(f"prefill of {mean_prompt} tokens: {prefill_s * 1e3:.0f} ms on one thread; step up at "
+          f"{args.up_rate:.2f} req/s, TTFT target {args.ttft_ms:.0f} ms", flush=True)  # fmt: skip
 
 
 # ---- the load ---------------------------------------------------------------------------------------
@@ -318,16 +357,15 @@ def _deadline(seconds: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nodes", type=int, default=4, help="Ray nodes on this machine (one instance fits each)")
+    p.add_argument("--nodes", type=int, default=3, help="Ray nodes on this machine (one instance fits each)")
     p.add_argument("--node-cpus", type=float, default=1.0, help="CPUs each node declares, and each worker reserves")
-    p.add_argument("--up-rate", type=float, default=1.2, help="req/s of the step up (decode-heavy)")
+    p.add_argument("--up-rate", type=float, help=f"req/s of the step up (default: {UP_LOAD} / a measured prefill)")
     p.add_argument("--up-s", type=float, default=90.0, help="seconds of the step up")
     p.add_argument("--down-rate", type=float, default=1.0, help="req/s of the trickle after it")
-    p.add_argument("--down-s", type=float, default=120.0, help="the trickle's seconds at most (it ends once shrunk)")
+    p.add_argument("--down-s", type=float, default=180.0, help="the trickle's seconds at most (it ends once shrunk)")
     p.add_argument("--after-shrink-s", type=float, default=5.0, help="the trickle goes on this long after the shrink")
     p.add_argument("--length-scale", type=float, default=1.0, help="scales every prompt's and output's length")
-    p.add_argument("--ttft-ms", type=float, default=3000.0)
-    p.add_argument("--tpot-ms", type=float, default=150.0)
+    p.add_argument("--ttft-ms", type=float, help=f"the SLO's (default: {TTFT_PREFILLS:g} measured prefills)")
     p.add_argument("--interval-s", type=float, default=3.0, help="replan_interval_s")
     p.add_argument("--window-s", type=float, default=15.0, help="replan_window_s")
     p.add_argument("--hold-s", type=float, default=20.0, help="replan_hold_s")
@@ -346,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     print(host_line(), flush=True)
     _deadline(args.timeout_s)
     try:
+        size_the_step(args)
         figures = run(args)
     finally:
         signal.alarm(0)

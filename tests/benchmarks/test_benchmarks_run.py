@@ -183,7 +183,7 @@ SMOKE = {
         timeout_s=480, heavy=True),
     "planner.scaling": Smoke("planner.scaling", (  # two nodes: no room to grow, so nothing waits for a step
         "--config", "{config}", "--nodes", "2", "--up-rate", "1", "--up-s", "3", "--down-s", "2", "--calibration-s", "0",
-        "--length-scale", "0.1", "--timeout-s", "170", "--json", "{tmp}/scaling.json"),
+        "--length-scale", "0.1", "--ttft-ms", "2000", "--timeout-s", "170", "--json", "{tmp}/scaling.json"),
         (r"^pools at +0\.0 s: 1P:1D$", r"^requests lost: 0$", r"^scaling grew: ", r"^scaling shrank: ",
          r"^scaling lost: 0$"), timeout_s=180, heavy=True),
     "router.scheduling": Smoke("router.scheduling", ("--smoke", "--config", "{config}", "--json", "{tmp}/sched.json"),
