@@ -10,11 +10,12 @@ scaling on (switching as it is), and a TTFT target so that attainment can tell t
 The load, open loop (Poisson arrivals) from this process to the frontend on 127.0.0.1: a step up
 of prefill-heavy requests (600-800 token prompts, 4-8 token outputs) for `--up-s` seconds, then a
 trickle of short requests at `--down-rate` until the pool that grew has shrunk back (or `--down-s`
-at most). The step is sized to this host as it is now (it is shared): the default model's prefill
-of the mean prompt is timed first on one thread, the step's rate is UP_LOAD prefills' worth (one
-prefill instance falls behind, two keep up) and the TTFT target TTFT_PREFILLS of them, unless
-`--up-rate` and `--ttft-ms` say. Requests are never refused for the SLO (`slo_admission:
-best_effort`): each completes, is refused by the in-flight limit (counted apart), or is lost.
+at most). The step is sized to this host as it is now (it is shared): the TTFT target is
+TTFT_PREFILLS prefills of the mean prompt, timed on one thread before the cluster starts; the
+step's rate is UP_LOAD prompts per prefill as the deployment serves one just before the step (three
+timed one at a time): one prefill instance falls behind, two keep up (`--ttft-ms`, `--up-rate`:
+given instead). Requests are never refused for the SLO (`slo_admission: best_effort`): each
+completes, is refused by the in-flight limits (counted apart), or is lost.
 
 Prints the pool sizes over time (from `disagg status`, the frontend's ClusterStatus, polled every
 `--poll-s`), every scale step the controller took (when decided, when serving, why), the requests
@@ -37,13 +38,14 @@ import argparse
 import asyncio
 import random
 import signal
+import statistics
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from disagg.bench.launcher import Deployment, add_config_argument
-from disagg.bench.load_client import GrpcApi, LoadRequest, new_record
+from disagg.bench.load_client import GrpcApi, LoadRequest, closed_loop, new_record, run_loop
 from disagg.bench.metrics import RequestRecord
 from disagg.bench.results import host_line, write_results
 from disagg.client import DisaggClient, generate_request
@@ -52,10 +54,10 @@ ENGINE = {"num_kv_blocks": 2048, "max_num_batched_tokens": 512}  # a queued prom
 VOCAB = (1000, 40000)  # prompt token ids are drawn from here
 UP_LENGTHS = ((600, 800), (4, 8))  # prefill-heavy: (prompt, output) token ranges
 DOWN_LENGTHS = ((16, 32), (8, 16))  # the trickle's
-# The step up's rate, in prompts per measured prefill time of one: one prefill instance cannot keep
-# up (its queue, and so TTFT, grows while it lasts), two can (each busy 62% of the time).
-UP_LOAD = 1.25
-TTFT_PREFILLS = 4.0  # the TTFT target, in measured prefill times (two instances meet it, one does not)
+# The step up's rate, in prompts per prefill time of one as the deployment serves it just before:
+# one prefill instance cannot keep up (its queue, and so TTFT, grows while it lasts), two can.
+UP_LOAD = 1.4
+TTFT_PREFILLS = 4.0  # the TTFT target, in prefill times measured before the cluster starts
 STEP_KINDS = ("add", "remove")
 # The server's overload answer (its in-flight limit): the request was refused, not lost. (The SLO
 # refuses nothing here: slo_admission best_effort.)
@@ -175,17 +177,37 @@ def measured_prefill_s(prompt_tokens: int, repeats: int = 3) -> float:
     return min(times)
 
 
-def size_the_step(args) -> None:
-    """`--up-rate` and `--ttft-ms` where not given: from a measured prefill of the step's mean prompt."""
-    if args.up_rate and args.ttft_ms:
-        return
+def mean_prompt(args) -> int:
     (lo, hi), _ = UP_LENGTHS
-    mean_prompt = max(1, round((lo + hi) / 2 * args.length_scale))
-    prefill_s = measured_prefill_s(mean_prompt)
-    args.up_rate = args.up_rate or UP_LOAD / prefill_s
-    args.ttft_ms = args.ttft_ms or TTFT_PREFILLS * prefill_s * 1e3
-    print(f"prefill of {mean_prompt} tokens: {prefill_s * 1e3:.0f} ms on one thread; step up at "
-          f"{args.up_rate:.2f} req/s, TTFT target {args.ttft_ms:.0f} ms", flush=True)  # fmt: skip
+    return max(1, round((lo + hi) / 2 * args.length_scale))
+
+
+def size_the_target(args) -> None:
+    """`--ttft-ms` where not given: from a prefill of the step's mean prompt timed in this process."""
+    if args.ttft_ms:
+        return
+    prefill_s = measured_prefill_s(mean_prompt(args))
+    args.ttft_ms = TTFT_PREFILLS * prefill_s * 1e3
+    print(f"prefill of {mean_prompt(args)} tokens: {prefill_s * 1e3:.0f} ms on one thread; "
+          f"TTFT target {args.ttft_ms:.0f} ms", flush=True)  # fmt: skip
+
+
+def size_the_rate(address: str, args, probes: int = 3) -> None:
+    """`--up-rate` where not given: from the TTFT of the step's mean prompt through the deployment
+    just before it (one at a time: the prefill instance's time as it serves now, the host shared)."""
+    if args.up_rate:
+        return
+    rng = random.Random(5)
+    prompts = [[rng.randrange(*VOCAB) for _ in range(mean_prompt(args))] for _ in range(probes)]
+    requests = [LoadRequest(generate_request(prompt_token_ids=p, max_tokens=1, temperature=0.0, ignore_eos=True),
+                            len(p)) for p in prompts]  # fmt: skip
+    run = run_loop(GrpcApi(address, timeout_s=args.request_timeout_s), closed_loop, requests, 1)
+    ttfts = [r.ttft for r in run.records if r.success]
+    if not ttfts:
+        raise RuntimeError(f"no probe answered: {[r.error for r in run.records]}")
+    args.up_rate = UP_LOAD / statistics.median(ttfts)
+    print(f"served prefill of {mean_prompt(args)} tokens: {statistics.median(ttfts) * 1e3:.0f} ms; "
+          f"step up at {args.up_rate:.2f} req/s", flush=True)  # fmt: skip
 
 
 # ---- the load ---------------------------------------------------------------------------------------
@@ -322,6 +344,7 @@ def run(args) -> dict:
 
 
 def _load_and_watch(address: str, args) -> dict:
+    size_the_rate(address, args)
     watch = PoolWatch(address, args.poll_s).start()
     done = threading.Event()
     stopper = threading.Thread(target=_until_shrunk, args=(watch, done, args.after_shrink_s), daemon=True)
@@ -384,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     print(host_line(), flush=True)
     _deadline(args.timeout_s)
     try:
-        size_the_step(args)
+        size_the_target(args)
         figures = run(args)
     finally:
         signal.alarm(0)
