@@ -47,16 +47,18 @@ def price_splits(
 ) -> dict[Split, Price]:
     """Each split's price on `requests` (arrivals from 0, over `window_s`): `splits`, else every
     reachable split of the config's instances. A split with one instance more than the live
-    state's has it join `launch_s` from now (scaling), a switched one `switch_s`; where one does,
-    every split is judged on the window's traffic once it serves (`extended`)."""
+    state's has it join `launch_s` from now (scaling), a switched one `switch_s`. Where a split
+    of one instance more or fewer is priced, every split is judged on the window's traffic once an
+    added one serves (`extended`)."""
     if splits is None:
         splits = reachable_splits(config.prefill.num_instances + config.decode.num_instances)
     size = len(live.instances) if live is not None else None
     judged_from = 0.0
-    if size is not None and any(split.prefill + split.decode > size for split in splits):
-        # An instance joining launch_s from now serves none of a shorter window: every split is
-        # judged on a window's worth of the same traffic arriving once it serves, the traffic
-        # before that (the window's, going on as it came) loading them all alike.
+    if size is not None and any(split.prefill + split.decode != size for split in splits):
+        # An instance joining launch_s from now serves none of a shorter window, and one instance
+        # fewer falling behind builds its queue slowly: every split is judged on a window's worth
+        # of the same traffic arriving once an added one serves, the traffic before that (the
+        # window's, going on as it came) loading them all alike.
         requests, judged_from = extended(requests, window_s, launch_s + window_s), launch_s
     return {split: price_split(config, profiles, live, split, requests, window_s,
                                launch_s if size is not None and split.prefill + split.decode > size else switch_s,

@@ -175,3 +175,20 @@ def test_an_idle_window_fits_in_fewer():
     assert priced == {Split(1, 2): Price(100.0, 0.0), Split(1, 1): Price(100.0, 0.0)}  # nothing arrives: nothing missed
     step = best_step(Split(1, 2), priced, BOUNDS, {}, 5.0)
     assert step is not None and (step.role, step.delta) == ("decode", -1)
+
+
+def test_a_removal_is_judged_on_the_load_going_on_not_only_the_next_window():
+    """One prefill instance fewer, just past its capacity, falls behind slowly: within one window
+    its queue stays under the TTFT target. The load going on (LAUNCH_S and a window) shows it
+    does not fit, so no instance is removed under it."""
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"engine": {"num_kv_blocks": 2048}, "slo": {"ttft_ms": 4000, "tpot_ms": 0}})
+    m = profile.step_model(1, 1)
+    state = LiveState(
+        (LiveInstance("p0", "prefill", m), LiveInstance("p1", "prefill", m), LiveInstance("d0", "decode", m))
+    )
+    requests = [SimRequest(i, i / 1.1, 700, 6) for i in range(16)]  # 700-token prompts at 1.1 req/s, ~1 s each
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, requests, 15.0,
+                          splits=[Split(2, 1), Split(1, 1)])  # fmt: skip
+    assert priced[Split(2, 1)].attainment == 100.0 and priced[Split(1, 1)].attainment < 95.0, priced
+    assert best_step(Split(2, 1), priced, BOUNDS, {}, 5.0) is None
