@@ -25,9 +25,9 @@ sent / completed / lost, and last:
     scaling shrank: <pool> at <t> s
     scaling lost: <n>
 
-(t: seconds since the load started, when the step was done). Everything has a deadline (the
-cluster's start, the deployment's, each request, the whole run: `--timeout-s`); the cluster is shut
-down on the way out.
+(t: seconds since the load started, when the step was done; the shrink: the first removal decided
+in the trickle, every step printed above). Everything has a deadline (the cluster's start, the
+deployment's, each request, the whole run: `--timeout-s`); the cluster is shut down on the way out.
 
     .venv/bin/python -m loadtest.planner.scaling [--nodes 3] [--up-s 90] [--up-rate R --ttft-ms T]
 """
@@ -56,7 +56,7 @@ UP_LENGTHS = ((600, 800), (4, 8))  # prefill-heavy: (prompt, output) token range
 DOWN_LENGTHS = ((16, 32), (8, 16))  # the trickle's
 # The step up's rate, in prompts per prefill time of one as the deployment serves it just before:
 # one prefill instance cannot keep up (its queue, and so TTFT, grows while it lasts), two can.
-UP_LOAD = 1.4
+UP_LOAD = 1.6
 TTFT_PREFILLS = 4.0  # the TTFT target, in prefill times measured before the cluster starts
 STEP_KINDS = ("add", "remove")
 # The server's overload answer (its in-flight limit): the request was refused, not lost. (The SLO
@@ -139,10 +139,9 @@ class PoolWatch:
         return sorted((s for s in self.steps.values() if s["kind"] == kind and s["outcome"] == "done"),
                       key=lambda s: s["decided"])  # fmt: skip
 
-    def grew_and_shrank(self) -> bool:
-        """Whether a pool that grew has shrunk since."""
-        grown = self.done_steps("add")
-        return bool(grown) and any(s["decided"] > grown[0]["decided"] for s in self.done_steps("remove"))
+    def shrank_since(self, since: float) -> bool:
+        """Whether a pool that grew has shrunk by a removal decided after `since` (time.time())."""
+        return bool(self.done_steps("add")) and any(s["decided"] >= since for s in self.done_steps("remove"))
 
 
 def _step(d) -> dict:
@@ -276,7 +275,7 @@ def first_done(steps: list[dict], start: float, after: float = -1e18) -> tuple[s
 def report(watch: PoolWatch, sent: list, start: float, args) -> dict:
     grown, shrunk = watch.done_steps("add"), watch.done_steps("remove")
     grew = first_done(grown, start)
-    shrank = first_done(shrunk, start, grown[0]["decided"]) if grown else None
+    shrank = first_done(shrunk, start, start + args.up_s) if grown else None  # by the step down
     refused = [r for _, r in sent if r.error_code == REFUSED]
     lost = [r for _, r in sent if not completed(r) and r.error_code != REFUSED]
     by_phase = {p: sum(1 for q, _ in sent if q == p) for p in ("up", "down")}
@@ -320,7 +319,7 @@ def print_report(figures: dict) -> None:
     for error in figures["lost errors"]:
         print(f"failed: {error}")
     print(f"scaling grew: {_when(figures['grew'])}")
-    print(f"scaling shrank: {_when(figures['shrank'])}")
+    print(f"scaling shrank: {_when(figures['shrank'])}")  # by a removal decided in the trickle
     print(f"scaling lost: {figures['requests lost']}", flush=True)
 
 
@@ -347,7 +346,8 @@ def _load_and_watch(address: str, args) -> dict:
     size_the_rate(address, args)
     watch = PoolWatch(address, args.poll_s).start()
     done = threading.Event()
-    stopper = threading.Thread(target=_until_shrunk, args=(watch, done, args.after_shrink_s), daemon=True)
+    trickle_from = time.time() + args.up_s
+    stopper = threading.Thread(target=_until_shrunk, args=(watch, done, trickle_from, args.after_shrink_s), daemon=True)
     stopper.start()
     plan = LoadPlan(args.up_rate, args.up_s, args.down_rate, args.down_s, args.request_timeout_s, args.length_scale)
     try:
@@ -359,10 +359,10 @@ def _load_and_watch(address: str, args) -> dict:
     return report(watch, sent, start, args)
 
 
-def _until_shrunk(watch: PoolWatch, done: threading.Event, after_s: float) -> None:
-    """Sets `done` `after_s` once the pool that grew has shrunk (the trickle ends then)."""
+def _until_shrunk(watch: PoolWatch, done: threading.Event, trickle_from: float, after_s: float) -> None:
+    """Sets `done` `after_s` once the pool that grew has shrunk in the trickle (which ends then)."""
     while not done.wait(0.5):
-        if watch.grew_and_shrank():
+        if watch.shrank_since(trickle_from):
             done.wait(after_s)
             done.set()
 
