@@ -12,7 +12,8 @@ empty system with the configured profile, as `disagg plan` does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from disagg.config import ServingConfig
 from disagg.placement.profile import Profile
@@ -46,13 +47,31 @@ def price_splits(
 ) -> dict[Split, Price]:
     """Each split's price on `requests` (arrivals from 0, over `window_s`): `splits`, else every
     reachable split of the config's instances. A split with one instance more than the live
-    state's has it join `launch_s` from now (scaling), a switched one `switch_s`."""
+    state's has it join `launch_s` from now (scaling), a switched one `switch_s`. Where a split
+    of one instance more or fewer is priced, every split is judged on the window's traffic once an
+    added one serves (`extended`)."""
     if splits is None:
         splits = reachable_splits(config.prefill.num_instances + config.decode.num_instances)
     size = len(live.instances) if live is not None else None
+    judged_from = 0.0
+    if size is not None and any(split.prefill + split.decode != size for split in splits):
+        # An instance joining launch_s from now serves none of a shorter window, and one instance
+        # fewer falling behind builds its queue slowly: every split is judged on a window's worth
+        # of the same traffic arriving once an added one serves, the traffic before that (the
+        # window's, going on as it came) loading them all alike.
+        requests, judged_from = extended(requests, window_s, launch_s + window_s), launch_s
     return {split: price_split(config, profiles, live, split, requests, window_s,
-                               launch_s if size is not None and split.prefill + split.decode > size else switch_s)
+                               launch_s if size is not None and split.prefill + split.decode > size else switch_s,
+                               judged_from)
             for split in splits}  # fmt: skip
+
+
+def extended(requests: list[SimRequest], window_s: float, horizon_s: float) -> list[SimRequest]:
+    """The window's traffic going on as it came until `horizon_s`: its arrivals repeated every `window_s`."""
+    if window_s <= 0 or not requests:
+        return requests
+    arrivals = [(k * window_s + r.arrival_s, r) for k in range(math.ceil(horizon_s / window_s)) for r in requests]
+    return [replace(r, index=i, arrival_s=at) for i, (at, r) in enumerate(a for a in arrivals if a[0] < horizon_s)]
 
 
 def price_split(
@@ -63,11 +82,15 @@ def price_split(
     requests: list[SimRequest],
     window_s: float,
     switch_s: float = SWITCH_S,
+    judged_from: float = 0.0,
 ) -> Price:
+    """`split`'s price on the requests arriving from `judged_from` on (the earlier ones load it)."""
     sim = Deployment(with_split(config, split.prefill, split.decode), profiles).simulator()
     if live is not None:
         start_from(sim, live.arrange(split), switch_s)
-    records = sim.run(requests)
+    records = [r for r in sim.run(requests) if r.arrival_s >= judged_from]
+    if not records:  # nothing arrives (an idle window): nothing to miss, on any split
+        return Price(100.0, 0.0)
     return Price(slo_attainment(records, config.slo), num_met(records, config.slo) / max(window_s, 1e-9))
 
 

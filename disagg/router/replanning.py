@@ -22,8 +22,10 @@ profile or both roles' fits exist the loop only watches.
 Scale, not only switch (issue 53, item 3; disagg.planner.scaling): where the controller can launch
 instances (`scaler`), each round also prices one instance more in each pool that the cluster has
 room for, and one fewer in each pool of two or more, and adds or removes one when that beats
-staying (the cluster's room asked of Ray each round). A removed instance is drained as a switch
-drains it (its decodes move with their KV, its prompts finish) before the launcher stops it.
+staying (the cluster's room asked of Ray each round). A window too light to choose a split by
+(fewer than MIN_WINDOW_REQUESTS, or none: the traffic stopped) prices the removals alone. A removed
+instance is drained as a switch drains it (its decodes move with their KV, its prompts finish)
+before the launcher stops it.
 
 Every switch and scale step is checked (disagg.planner.decision_check): once the hold after it is over, the
 attainment and goodput measured since the instance serves in its new role are compared with
@@ -310,8 +312,9 @@ class ReplanLoop:
         splits = self._splits(current, room)
         if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
             return None
-        enough = len(requests) >= MIN_WINDOW_REQUESTS
-        priced = await self._price(self._live(requests), requests, splits) if enough else {}
+        if len(requests) < MIN_WINDOW_REQUESTS:  # too few to choose a split by, not to see they fit in fewer
+            room, splits = {}, self._removals(current)
+        priced = await self._price(self._live(requests), requests, splits) if len(splits) > 1 else {}
         if priced is None:
             return None
         priced = {split: self.checker.corrected(split, price) for split, price in priced.items()}
@@ -332,6 +335,12 @@ class ReplanLoop:
         if self.scaler is not None:
             splits += [split for _, _, split in candidates(current, self.scaling.bounds, room) if split not in splits]
         return splits
+
+    def _removals(self, current: Split) -> list[Split]:
+        """The split now and each with one instance fewer (what a light window may price)."""
+        if self.scaler is None:
+            return [current]
+        return [current, *(split for _, delta, split in candidates(current, self.scaling.bounds, {}) if delta < 0)]
 
     async def _room(self) -> dict[str, bool]:
         """Which pools the cluster has room to grow by a whole instance (none without a scaler,

@@ -184,6 +184,11 @@ SMOKE = {
         "--length-scale", "0.05", "--calibration-s", "0", "--json", "{tmp}/replan.json"),
         (r"^replan goodput ratio: ", r"^wrong outputs: \d+$", r"^simulated replan goodput ratio: "),
         timeout_s=480, heavy=True),
+    "planner.scaling": Smoke("planner.scaling", (  # two nodes: no room to grow, so nothing waits for a step
+        "--config", "{config}", "--nodes", "2", "--up-rate", "1", "--up-s", "3", "--down-s", "2", "--calibration-s", "0",
+        "--length-scale", "0.1", "--ttft-ms", "2000", "--timeout-s", "170", "--json", "{tmp}/scaling.json"),
+        (r"^pools at +0\.0 s: 1P:1D$", r"^requests lost: 0$", r"^scaling grew: ", r"^scaling shrank: ",
+         r"^scaling lost: 0$"), timeout_s=180, heavy=True),
     "router.scheduling": Smoke("router.scheduling", ("--smoke", "--config", "{config}", "--json", "{tmp}/sched.json"),
         (r"^load 8 x capacity [\d.]+ req/s = [\d.]+ req/s", r"^kendall tau: ", r"^mean latency ratio: ",
          r"^p99 latency ratio: ", r"^ttft p50 ratio: ", r"^tpot mape, router max_tokens: ", r"^tpot mape, router ranker: ",

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from disagg.config import ServingConfig
 from disagg.metrics import ServingMetrics
 from disagg.planner.live_pricing import Price
-from disagg.planner.replanner import Split
+from disagg.planner.replanner import Split, TrafficWindow
 from disagg.router import replanning
 from disagg.router.replanning import ReplanLoop
 
@@ -185,3 +185,18 @@ def test_an_added_instance_that_measured_worse_than_staying_is_removed_again(mon
     assert undo.switch.kind == "remove" and undo.switch.outcome == "done"
     assert loop.current_split() == Split(1, 1) and ("launcher", "remove", undo.switch.instance_id) in log
     assert scale_counts(loop) == {("up", "done"): 1.0, ("down", "done"): 1.0}
+
+
+def test_traffic_that_stops_still_sheds_an_instance(monkeypatch):
+    """A window too light to choose a split by (fewer requests than MIN_WINDOW_REQUESTS, or none)
+    is still priced for the removals alone: a pool grown under load shrinks once the load is gone,
+    and no add or switch is priced on so little."""
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
+    loop, directory, log = setup(decode=2, room=True)
+    loop.window = TrafficWindow(loop.config.replan_window_s)
+    loop.arrived(time.monotonic(), 30, 30)  # one request in the window
+    asked = pricing(loop, {Split(1, 2): 100.0, Split(1, 1): 100.0, Split(2, 2): 100.0, Split(1, 3): 100.0})
+    asyncio.run(loop.step())
+    entry = asyncio.run(loop.step())
+    assert asked[0] == [Split(1, 2), Split(1, 1)]  # the split now and one decode fewer (never the last prefill)
+    assert entry.switch.kind == "remove" and entry.switch.outcome == "done" and loop.current_split() == Split(1, 1)

@@ -9,7 +9,7 @@ import pytest
 from disagg.cluster.capacity import has_room
 from disagg.config import ServingConfig
 from disagg.placement.profile import load_profile
-from disagg.planner.live_pricing import Price, price_splits
+from disagg.planner.live_pricing import LAUNCH_S, Price, extended, price_splits
 from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState
 from disagg.planner.replanner import Split
 from disagg.planner.scaling import ScaleBounds, ScalePolicy, best_step, candidates
@@ -134,3 +134,61 @@ def test_scale_steps_priced_from_the_live_state_a_decode_more_helps_a_decode_hea
                           splits=[Split(1, 1), Split(1, 2), Split(2, 1)], launch_s=0.5)  # fmt: skip
     assert set(priced) == {Split(1, 1), Split(1, 2), Split(2, 1)}
     assert priced[Split(1, 2)].attainment > priced[Split(1, 1)].attainment
+
+
+def test_an_add_is_judged_on_the_traffic_it_joins_in_time_to_serve():
+    """An added instance serves LAUNCH_S from now, after the default window's last arrival: priced
+    on the window alone, the split with it predicted what staying did (each request placed before it
+    joined), so the default loop never added one. Every split is judged on the window's traffic
+    going on until a window's worth arrives once it serves."""
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"engine": {"num_kv_blocks": 1024}, "slo": {"ttft_ms": 3000, "tpot_ms": 40}})
+    window_s = config.replan_window_s
+    assert LAUNCH_S > window_s
+    m = profile.step_model(1, 1)
+    state = LiveState((LiveInstance("p0", "prefill", m),
+                       LiveInstance("d0", "decode", m, (), tuple(LiveDecode(60, 60) for _ in range(20)))))  # fmt: skip
+    requests = [SimRequest(i, i / 4, 24, 112) for i in range(60)]  # 4 req/s, decode-heavy: one decode misses
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, requests, window_s,
+                          splits=[Split(1, 1), Split(1, 2), Split(2, 1)])  # fmt: skip
+    assert priced[Split(1, 2)].attainment >= priced[Split(1, 1)].attainment + config.replan_min_gain, priced
+    assert priced[Split(2, 1)].attainment < priced[Split(1, 2)].attainment  # a prefill more does not help
+
+
+def test_the_window_goes_on_as_it_came():
+    requests = [SimRequest(0, 0.0, 10, 5), SimRequest(1, 4.0, 20, 6)]
+    longer = extended(requests, 10.0, 25.0)
+    assert [(r.index, r.arrival_s, r.prompt_len) for r in longer] == [
+        (0, 0.0, 10), (1, 4.0, 20), (2, 10.0, 10), (3, 14.0, 20), (4, 20.0, 10), (5, 24.0, 20)
+    ]  # fmt: skip
+
+
+def test_an_idle_window_fits_in_fewer():
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"slo": {"ttft_ms": 1500, "tpot_ms": 60}})
+    m = profile.step_model(1, 1)
+    state = LiveState(
+        (LiveInstance("p0", "prefill", m), LiveInstance("d0", "decode", m), LiveInstance("d1", "decode", m))
+    )
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, [], 15.0,
+                          splits=[Split(1, 2), Split(1, 1)])  # fmt: skip
+    assert priced == {Split(1, 2): Price(100.0, 0.0), Split(1, 1): Price(100.0, 0.0)}  # nothing arrives: nothing missed
+    step = best_step(Split(1, 2), priced, BOUNDS, {}, 5.0)
+    assert step is not None and (step.role, step.delta) == ("decode", -1)
+
+
+def test_a_removal_is_judged_on_the_load_going_on_not_only_the_next_window():
+    """One prefill instance fewer, just past its capacity, falls behind slowly: within one window
+    its queue stays under the TTFT target. The load going on (LAUNCH_S and a window) shows it
+    does not fit, so no instance is removed under it."""
+    profile = load_profile("deploy/profiles/smollm2-135m-cpu-1t.json")
+    config = ServingConfig.from_dict({"engine": {"num_kv_blocks": 2048}, "slo": {"ttft_ms": 4000, "tpot_ms": 0}})
+    m = profile.step_model(1, 1)
+    state = LiveState(
+        (LiveInstance("p0", "prefill", m), LiveInstance("p1", "prefill", m), LiveInstance("d0", "decode", m))
+    )
+    requests = [SimRequest(i, i / 1.1, 700, 6) for i in range(16)]  # 700-token prompts at 1.1 req/s, ~1 s each
+    priced = price_splits(config, {"prefill": profile, "decode": profile}, state, requests, 15.0,
+                          splits=[Split(2, 1), Split(1, 1)])  # fmt: skip
+    assert priced[Split(2, 1)].attainment == 100.0 and priced[Split(1, 1)].attainment < 95.0, priced
+    assert best_step(Split(2, 1), priced, BOUNDS, {}, 5.0) is None
