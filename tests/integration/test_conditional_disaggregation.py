@@ -32,6 +32,7 @@ def server(ray_session):
             "peer_fetch_latency_ms": 0.0,
             "peer_fetch_gb_s": 1000.0,
             "calibration_s": 0,  # the models learn from the client's requests here, starting from a guess
+            "replan": False,  # Ray has room for more instances here: scaling would add one under these tests
         }
     )
     with Server(config) as srv:

@@ -41,6 +41,7 @@ def server(ray_session):
             "slo": SERVER_SLO.to_dict(),
             "slo_admission": "best_effort",
             "calibration_s": 0,  # placement is not what this tests (test_calibration.py is)
+            "replan": False,  # Ray has room for more instances here: scaling would add one under load
         }
     )
     with Server(config) as srv:

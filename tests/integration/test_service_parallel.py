@@ -55,6 +55,7 @@ def config(model: str, pools: dict, mode: str) -> ServingConfig:
         "mode": mode,
         "port": 0,
         "http_port": 0,  # the module runs servers side by side: they cannot all have the default HTTP port
+        "replan": False,  # scaling would add instances where Ray has room, beside the other servers
         "engine": {"model": model, "dtype": "float32", "num_kv_blocks": 64, "max_num_batched_tokens": 24},
     }
     data.update({role: {**small, **pool} for role, pool in pools.items()})
