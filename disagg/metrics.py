@@ -342,7 +342,7 @@ class ServingMetrics:
         """The re-planning families as plain data (what `MirroredFamilies` shows elsewhere)."""
         return [
             {"name": f.name, "documentation": f.documentation, "type": f.type,
-             "samples": [(s.name, dict(s.labels), s.value) for s in f.samples]}
+             "samples": [(s.name, dict(s.labels), s.value) for s in f.samples if not s.name.endswith("_created")]}
             for f in self.registry.collect() if f.name.startswith(REPLAN_PREFIX)
         ]  # fmt: skip
 

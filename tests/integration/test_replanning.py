@@ -131,7 +131,8 @@ def test_switches_under_load_there_and_back_lose_nothing_and_change_no_output(se
     assert len(pools(client)["prefill"]) == 1 and len(pools(client)["decode"]) == 2
     assert all(s.seconds < 30 for s in switches)
     # The controller's re-planning metrics, on the frontend's endpoint (it has no port of its own).
-    assert 'disagg:replan_switches_total{outcome="done"} 2.0' in metrics_soon(server, "replan_switches_total{")
+    both = 'disagg:replan_switches_total{outcome="done"} 2.0'
+    assert both in metrics_soon(server, both)
 
 
 def metrics_soon(server, wanted: str, timeout_s: float = 10.0) -> str:
