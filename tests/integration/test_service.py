@@ -66,6 +66,9 @@ def server(ray_session):
             "heartbeat_ttl_s": 1.0,
             "recovery_timeout_s": 3.0,  # how long requests wait for a pool that emptied to refill
             "replan": False,  # a switch would move instances these tests count on (test_replanning.py)
+            # These tests count on which instance prefills: a prompt asked again is not prefilled on
+            # the decode instance holding its answer (test_conditional_disaggregation.py's).
+            "decode_reuse_max_tokens": 0,
             "calibration_s": 0,  # placement's measured models are test_calibration.py's
         }
     )
