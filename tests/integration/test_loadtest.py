@@ -81,7 +81,7 @@ def bench_result(server, out_dir) -> Path:
     return path
 
 
-def run_locust(prefix: Path, *args: str, run_time: str = "15s") -> None:
+def run_locust(prefix: Path, *args: str, run_time: str = "8s") -> None:
     """Locust headless, 2 users, short chat requests, the reports under `prefix`."""
     command = [
         sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "loadgen" / "locustfile.py"), *args,
@@ -106,7 +106,7 @@ def locust_http_run(server, out_dir) -> Path:
     """HttpGenerateUser chosen by name; the HTTP API does not say the server's SLO: given here."""
     prefix = out_dir / "locust_http"
     slo = ["--slo-ttft-ms", f"{SERVER_SLO.ttft_ms:g}", "--slo-tpot-ms", f"{SERVER_SLO.tpot_ms:g}"]
-    run_locust(prefix, "HttpGenerateUser", "--host", f"http://{server.http_address}", *slo, run_time="10s")
+    run_locust(prefix, "HttpGenerateUser", "--host", f"http://{server.http_address}", *slo, run_time="6s")
     return prefix
 
 
