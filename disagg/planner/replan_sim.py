@@ -116,7 +116,7 @@ class _Driver:
         if (check := self.checker.pending) is not None and check.due(now, self.planner.hold_s):
             self._check(check, current, now)
             return
-        requests = self.window.requests(now)
+        requests = self.window.for_pricing(now)
         priced = self._price(live_state_of(self.sim), requests) if len(requests) >= MIN_WINDOW_REQUESTS else {}
         attainment = {split: price.attainment for split, price in priced.items()} or None
         decision = self.planner.decide(now, current, self.window, attainment)
@@ -146,8 +146,11 @@ class _Driver:
     def _check(self, check: Check, current: Split, now: float) -> None:
         """As the server's loop: once the hold after the switch is over, measured against staying."""
         judged = [r for r in self.sim.records if check.opens_at <= r.arrival_s <= now and _judged_by(r, now)]
-        requests = self.window.requests(now, since=check.opens_at)
-        if not judged or len(requests) < MIN_WINDOW_REQUESTS:
+        requests = self.window.requests(now, since=check.opens_at, at_least=MIN_WINDOW_REQUESTS)
+        readiness = check.readiness(now, self.planner.hold_s, len(judged), len(requests))
+        if readiness == "wait":
+            return
+        if readiness == "unmeasured":
             check.outcome = "unmeasured"
             return
         met_count = sum(1 for r in judged if _met(r, self.config.slo))

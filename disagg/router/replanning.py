@@ -305,7 +305,7 @@ class ReplanLoop:
         now = time.monotonic()
         if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
             return await self._check(check, current, now)
-        requests = self.window.requests(now)
+        requests = self.window.for_pricing(now)
         room = await self._room()
         splits = self._splits(current, room)
         if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
@@ -411,8 +411,11 @@ class ReplanLoop:
     async def _check(self, check: Check, current: Split, now: float) -> LoggedDecision | None:
         """Once the hold after the switch is over: measured against staying; undone if worse."""
         met, judged = self.metrics.slo_outcomes(check.opens_at, now)
-        requests = self.window.requests(now, since=check.opens_at)
-        if judged == 0 or len(requests) < MIN_WINDOW_REQUESTS:
+        requests = self.window.requests(now, since=check.opens_at, at_least=MIN_WINDOW_REQUESTS)
+        readiness = check.readiness(now, self.config.replan_hold_s, judged, len(requests))
+        if readiness == "wait":  # too few to measure yet: no other decision before it closes
+            return None
+        if readiness == "unmeasured":
             check.outcome = "unmeasured"
             self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, None)
             return None
