@@ -246,7 +246,11 @@ def run(name: str, requests: list[Sent], args, paced: bool = True, **settings) -
         key=lambda s: s["decided"],
     )  # fmt: skip
     print(f"[{name}] done: {sum(r.ok for r in requests)}/{len(requests)} ok, switches {switches}", file=sys.stderr)
-    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved, "checks": checks}
+    # What the loop's live-state pricing said each round (the latest 64): when, best, its gain over current.
+    rounds = sorted((round(d.unix_time - started, 1), d.current, d.best, round(d.predicted_gain, 1), d.reason[:48])
+                    for d in status.replan_decisions)  # fmt: skip
+    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved, "checks": checks,
+            "rounds": rounds}  # fmt: skip
 
 
 def _check(d) -> dict:
@@ -407,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"switches: {json.dumps(replanned['switches'])}")
     print(f"checks: {json.dumps(replanned['checks'])}")
+    print(f"loop rounds (s, current, best, gain, reason): {json.dumps(replanned['rounds'])}")
     print(f"phase attainment gaps (points): {[round(g, 1) for g in gaps]}")
     for name, run_ in {**runs, "replan": replanned}.items():
         by_phase = [attainment([r for r in run_["requests"] if phase_of(r.arrival_s, args.phase_s, phases) == k])
