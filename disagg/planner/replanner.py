@@ -145,11 +145,12 @@ class Replanner:
         self, now: float, current: Split, window: TrafficWindow, predicted: dict[Split, float] | None = None
     ) -> Decision:
         """`predicted`: each split's attainment on the window's traffic, priced elsewhere (None:
-        by `simulate` here)."""
+        by `simulate` here, given enough requests in the window; the caller that prices judges
+        whether it had enough: disagg.planner.live_state.enough_to_price)."""
         requests = window.for_pricing(now)
-        if len(requests) < MIN_WINDOW_REQUESTS:
+        if not predicted and len(requests) < MIN_WINDOW_REQUESTS:
             return self._record(Decision(now, current, current, {}, None, f"{len(requests)} requests in the window"))
-        predicted = self.predict(requests) if predicted is None else predicted
+        predicted = predicted or self.predict(requests)
         allowed = {s: v for s, v in predicted.items() if s == current or self._vetoed.get(s, -math.inf) <= now}
         # Ties go to the current split, then to the one nearest it: no switch that gains nothing.
         best = max(allowed, key=lambda s: (allowed[s], s == current, -abs(s.prefill - current.prefill)))

@@ -50,7 +50,7 @@ from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile, load_profile
 from disagg.planner.decision_check import Check, DecisionChecker
 from disagg.planner.live_pricing import SWITCH_S, Price, price_splits
-from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, host_factor
+from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, enough_to_price, host_factor
 from disagg.planner.replanner import (
     MIN_WINDOW_REQUESTS, Decision, Replanner, Split, TrafficWindow, reachable_splits, split_simulator,
 )  # fmt: skip
@@ -310,7 +310,7 @@ class ReplanLoop:
         splits = self._splits(current, room)
         if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
             return None
-        enough = len(requests) >= MIN_WINDOW_REQUESTS
+        enough = enough_to_price(len(requests), self._held())
         priced = await self._price(self._live(requests), requests, splits) if enough else {}
         if priced is None:
             return None
@@ -389,6 +389,11 @@ class ReplanLoop:
         return await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
 
     # ---- pricing ---------------------------------------------------------------------------------
+    def _held(self) -> int:
+        """The requests the instances reported holding (running or waiting)."""
+        loads = [i.view.load for role in ROLES for i in self.directory.healthy(role)]
+        return sum(load.num_running + load.num_waiting for load in loads)
+
     def _live(self, requests: list) -> LiveState:
         outputs = sorted(r.output_len for r in requests)
         typical_remaining = max(1, outputs[len(outputs) // 2] // 2) if outputs else 1
