@@ -17,9 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from disagg.planner.live_pricing import Price
-from disagg.planner.replanner import Split
+from disagg.planner.replanner import MIN_WINDOW_REQUESTS, Split
 
 RESIDUAL_WEIGHT = 0.5  # of the newest miss in a split's residual (an exponential mean)
+# A check short of requests at the end of the hold waits for more, up to this many holds after
+# the decision: at a low rate (a few long prompts a window) it would else close unmeasured, and
+# a switch measured worse than staying would never be undone.
+CHECK_PATIENCE_HOLDS = 3.0
 
 
 @dataclass
@@ -37,6 +41,14 @@ class Check:
     def due(self, now: float, hold_s: float) -> bool:
         """Whether it closes now: its new split serves, and the hold after the decision is over."""
         return self.opens_at < now and now >= self.decided_at + hold_s
+
+    def readiness(self, now: float, hold_s: float, judged: int, arrived: int) -> str:
+        """Once due: "measure" with a request judged and MIN_WINDOW_REQUESTS arrived since it
+        opened; else "wait" for more, up to CHECK_PATIENCE_HOLDS after the decision; then
+        "unmeasured"."""
+        if judged > 0 and arrived >= MIN_WINDOW_REQUESTS:
+            return "measure"
+        return "wait" if now < self.decided_at + CHECK_PATIENCE_HOLDS * hold_s else "unmeasured"
 
     @property
     def predicted_gain(self) -> float:

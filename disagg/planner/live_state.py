@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from disagg.placement.latency_model import StepModel
-from disagg.planner.replanner import Split
+from disagg.planner.replanner import MIN_WINDOW_REQUESTS, Split
 from disagg.step_work import MeasuredStep
 
 MIN_FACTOR, MAX_FACTOR = 0.25, 8.0  # a host factor outside these is a measurement gone wrong
@@ -117,6 +117,15 @@ class LiveState:
 
     def _decodes(self, without: frozenset[str]) -> dict[str, list[LiveDecode]]:
         return {i.instance_id: list(i.decodes) for i in self.instances if i.instance_id not in without}
+
+
+def enough_to_price(window_requests: int, held: int) -> bool:
+    """Whether a round has enough to tell one split from another: the window's arrivals and the
+    requests the instances hold now (`held`: the round simulates both), MIN_WINDOW_REQUESTS
+    together, at least one arrival among them. A few long requests a window keep the instances
+    full (a decode of 600 tokens outlives four windows): the load a split matters for, not too
+    little to price."""
+    return window_requests > 0 and window_requests + held >= MIN_WINDOW_REQUESTS
 
 
 def _homes(members: list[LiveInstance], joining: frozenset[str]) -> list[str]:

@@ -25,7 +25,7 @@ from disagg.placement.profile import Profile
 from disagg.planner.decision_check import Check, DecisionChecker
 from disagg.planner.deployment import Deployment, with_split
 from disagg.planner.live_pricing import SWITCH_S, Price, price_splits
-from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState
+from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, enough_to_price
 from disagg.planner.replanner import (
     MIN_WINDOW_REQUESTS,
     Decision,
@@ -116,8 +116,9 @@ class _Driver:
         if (check := self.checker.pending) is not None and check.due(now, self.planner.hold_s):
             self._check(check, current, now)
             return
-        requests = self.window.requests(now)
-        priced = self._price(live_state_of(self.sim), requests) if len(requests) >= MIN_WINDOW_REQUESTS else {}
+        requests, live = self.window.for_pricing(now), live_state_of(self.sim)
+        held = sum(i.num_requests for i in live.instances)
+        priced = self._price(live, requests) if enough_to_price(len(requests), held) else {}
         attainment = {split: price.attainment for split, price in priced.items()} or None
         decision = self.planner.decide(now, current, self.window, attainment)
         decision.predicted_goodput = {split: price.goodput for split, price in priced.items()}
@@ -146,8 +147,11 @@ class _Driver:
     def _check(self, check: Check, current: Split, now: float) -> None:
         """As the server's loop: once the hold after the switch is over, measured against staying."""
         judged = [r for r in self.sim.records if check.opens_at <= r.arrival_s <= now and _judged_by(r, now)]
-        requests = self.window.requests(now, since=check.opens_at)
-        if not judged or len(requests) < MIN_WINDOW_REQUESTS:
+        requests = self.window.requests(now, since=check.opens_at, at_least=MIN_WINDOW_REQUESTS)
+        readiness = check.readiness(now, self.planner.hold_s, len(judged), len(requests))
+        if readiness == "wait":
+            return
+        if readiness == "unmeasured":
             check.outcome = "unmeasured"
             return
         met_count = sum(1 for r in judged if _met(r, self.config.slo))

@@ -32,6 +32,9 @@ from disagg.slo import SLO
 from disagg.planner.workload import SimRequest
 
 MIN_WINDOW_REQUESTS = 8  # fewer: too little to tell one split from another
+# A window holding fewer reaches back this many windows for them: sparse traffic of long requests
+# (a few 800-token prompts in 15 s) is the load that needs a split most, not too little to price.
+WINDOW_STRETCH = 2.0
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ def reachable_splits(total: int) -> list[Split]:
 
 
 class TrafficWindow:
-    """The requests that arrived in the last `window_s` seconds (at most `max_requests`)."""
+    """The requests that arrived in the last `window_s` seconds (at most `max_requests`); what a
+    round prices (`for_pricing`) reaches back up to WINDOW_STRETCH windows for enough of them."""
 
     def __init__(self, window_s: float = 30.0, max_requests: int = 4096):
         self.window_s = window_s
@@ -72,16 +76,25 @@ class TrafficWindow:
         source); `slo`: its own targets (None: the server's); `priority`: the engines'."""
         self._seen.append((arrival_s, max(1, prompt_len), max(1, output_len), slo, priority))
 
-    def requests(self, now: float, since: float | None = None) -> list[SimRequest]:
+    def requests(self, now: float, since: float | None = None, at_least: int = 0) -> list[SimRequest]:
         """The window's requests (or those since `since`) in arrival order, arrivals counted from
-        the first (what the simulator replays)."""
-        start = now - self.window_s
-        while self._seen and self._seen[0][0] < start:
+        the first (what the simulator replays); fewer than `at_least`: the latest `at_least` that
+        arrived in the last WINDOW_STRETCH windows (and since `since`)."""
+        oldest = now - WINDOW_STRETCH * self.window_s
+        while self._seen and self._seen[0][0] < oldest:
             self._seen.popleft()
-        start = start if since is None else max(start, since)
-        recent = sorted((seen for seen in self._seen if start <= seen[0] <= now), key=lambda seen: seen[0])
+        floor = oldest if since is None else max(oldest, since)
+        seen = sorted((seen for seen in self._seen if floor <= seen[0] <= now), key=lambda seen: seen[0])
+        recent = [s for s in seen if s[0] >= now - self.window_s]
+        if len(recent) < at_least:
+            recent = seen[-at_least:]
         first = recent[0][0] if recent else now
         return [SimRequest(i, t - first, p, o, priority=k, slo=slo) for i, (t, p, o, slo, k) in enumerate(recent)]
+
+    def for_pricing(self, now: float) -> list[SimRequest]:
+        """What a round prices: the window's requests, at least MIN_WINDOW_REQUESTS where the
+        stretched window holds them."""
+        return self.requests(now, at_least=MIN_WINDOW_REQUESTS)
 
 
 @dataclass
@@ -132,11 +145,12 @@ class Replanner:
         self, now: float, current: Split, window: TrafficWindow, predicted: dict[Split, float] | None = None
     ) -> Decision:
         """`predicted`: each split's attainment on the window's traffic, priced elsewhere (None:
-        by `simulate` here)."""
-        requests = window.requests(now)
-        if len(requests) < MIN_WINDOW_REQUESTS:
+        by `simulate` here, given enough requests in the window; the caller that prices judges
+        whether it had enough: disagg.planner.live_state.enough_to_price)."""
+        requests = window.for_pricing(now)
+        if not predicted and len(requests) < MIN_WINDOW_REQUESTS:
             return self._record(Decision(now, current, current, {}, None, f"{len(requests)} requests in the window"))
-        predicted = self.predict(requests) if predicted is None else predicted
+        predicted = predicted or self.predict(requests)
         allowed = {s: v for s, v in predicted.items() if s == current or self._vetoed.get(s, -math.inf) <= now}
         # Ties go to the current split, then to the one nearest it: no switch that gains nothing.
         best = max(allowed, key=lambda s: (allowed[s], s == current, -abs(s.prefill - current.prefill)))

@@ -23,7 +23,8 @@ Scale, not only switch (issue 53, item 3; disagg.planner.scaling): where the con
 instances (`scaler`), each round also prices one instance more in each pool that the cluster has
 room for, and one fewer in each pool of two or more, and adds or removes one when that beats
 staying (the cluster's room asked of Ray each round). A window too light to choose a split by
-(fewer than MIN_WINDOW_REQUESTS, or none: the traffic stopped) prices the removals alone. A removed
+(its arrivals and the requests the instances hold fewer than MIN_WINDOW_REQUESTS, or no arrival:
+the traffic stopped) prices the removals alone. A removed
 instance is drained as a switch drains it (its decodes move with their KV, its prompts finish)
 before the launcher stops it.
 
@@ -52,7 +53,7 @@ from disagg.placement.latency_model import StepModel
 from disagg.placement.profile import Profile, load_profile
 from disagg.planner.decision_check import Check, DecisionChecker
 from disagg.planner.live_pricing import SWITCH_S, Price, price_splits
-from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, host_factor
+from disagg.planner.live_state import LiveDecode, LiveInstance, LiveState, enough_to_price, host_factor
 from disagg.planner.replanner import (
     MIN_WINDOW_REQUESTS, Decision, Replanner, Split, TrafficWindow, reachable_splits, split_simulator,
 )  # fmt: skip
@@ -307,13 +308,13 @@ class ReplanLoop:
         now = time.monotonic()
         if (check := self.checker.pending) is not None and check.due(now, self.config.replan_hold_s):
             return await self._check(check, current, now)
-        requests = self.window.requests(now)
+        requests = self.window.for_pricing(now)
         room = await self._room()
         splits = self._splits(current, room)
         if len(splits) < 2:  # nothing to choose (no room to grow, none to switch or shed): no pricing
             return None
-        if len(requests) < MIN_WINDOW_REQUESTS:  # too few to choose a split by, not to see they fit in fewer
-            room, splits = {}, self._removals(current)
+        if not enough_to_price(len(requests), self._held()):  # too little to choose a split by,
+            room, splits = {}, self._removals(current)  # not to see that the load fits in fewer
         priced = await self._price(self._live(requests), requests, splits) if len(splits) > 1 else {}
         if priced is None:
             return None
@@ -398,6 +399,11 @@ class ReplanLoop:
         return await self.switch(from_role, "decode" if from_role == "prefill" else "prefill")
 
     # ---- pricing ---------------------------------------------------------------------------------
+    def _held(self) -> int:
+        """The requests the instances reported holding (running or waiting)."""
+        loads = [i.view.load for role in ROLES for i in self.directory.healthy(role)]
+        return sum(load.num_running + load.num_waiting for load in loads)
+
     def _live(self, requests: list) -> LiveState:
         outputs = sorted(r.output_len for r in requests)
         typical_remaining = max(1, outputs[len(outputs) // 2] // 2) if outputs else 1
@@ -420,8 +426,11 @@ class ReplanLoop:
     async def _check(self, check: Check, current: Split, now: float) -> LoggedDecision | None:
         """Once the hold after the switch is over: measured against staying; undone if worse."""
         met, judged = self.metrics.slo_outcomes(check.opens_at, now)
-        requests = self.window.requests(now, since=check.opens_at)
-        if judged == 0 or len(requests) < MIN_WINDOW_REQUESTS:
+        requests = self.window.requests(now, since=check.opens_at, at_least=MIN_WINDOW_REQUESTS)
+        readiness = check.readiness(now, self.config.replan_hold_s, judged, len(requests))
+        if readiness == "wait":  # too few to measure yet: no other decision before it closes
+            return None
+        if readiness == "unmeasured":
             check.outcome = "unmeasured"
             self.metrics.observe_replan_check(check.outcome, check.predicted.goodput, None)
             return None

@@ -4,7 +4,9 @@ Three instances of the default model, one thread each, on this machine (`disagg 
 process: Ray, redis-server, gRPC on 127.0.0.1). The workload shifts: a prefill-heavy phase (long
 prompts, short outputs), a decode-heavy phase (short prompts, long outputs), the prefill-heavy
 phase again, each `--phase-s` seconds of Poisson arrivals at `--load` (0.8) of the best static
-split's capacity for that phase, measured first in the same run (disagg.bench.capacity: each
+split's capacity for that phase (`--trace balanced`, issue 53: prefill-heavy then decode-heavy,
+the same number of requests in each, at one rate: balanced_trace; it prints `balanced replan
+goodput ratio`), measured first in the same run (disagg.bench.capacity: each
 static split served, each phase's requests sent by enough closed-loop streams to saturate it, no
 refusals), so that the load means the same on a fast host and a slow one; `--prefill-capacity`,
 `--decode-capacity` (req/s) give an earlier run's instead. Both are printed.
@@ -23,7 +25,7 @@ kept or undone, and the share whose measured effect had the predicted sign); and
 replay of the same arrivals under the server's own policy (disagg.planner.replan_sim), its ratio
 and that ratio over the measured one.
 
-    .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8]
+    .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8] [--trace balanced]
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ from disagg.slo import SLO, met
 
 PROFILE = "deploy/profiles/smollm2-135m-cpu-1t.json"
 PHASES = {"prefill-heavy": ((700, 900), (4, 8)), "decode-heavy": ((20, 40), (150, 200))}
-ORDER = ("prefill-heavy", "decode-heavy", "prefill-heavy")
+# The traces: their phases in order. "shifting" (the default) runs each phase at `--load` of its own best
+# static capacity; "balanced" (issue 53) sends the same number of requests in each phase (see balanced_trace).
+TRACES = {"shifting": ("prefill-heavy", "decode-heavy", "prefill-heavy"), "balanced": ("prefill-heavy", "decode-heavy")}
 TARGETS = SLO(ttft_ms=3000.0, tpot_ms=150.0)
 ENGINE = {"num_kv_blocks": 1024, "max_num_batched_tokens": 512}
 # Against static splits of the same three instances: the loop switches, it does not scale (issue 53 item 3).
@@ -125,6 +129,16 @@ def phase_requests(
     return out
 
 
+def counted_requests(
+    phase: str, count: int, seconds: float, start: float, rng: random.Random, scales: tuple[float, float]
+) -> list[SimRequest]:
+    """Exactly `count` requests of the phase over `seconds` from `start` (Poisson arrivals given
+    their number: uniform times, sorted); `scales`: its prompt and output lengths'."""
+    (p_lo, p_hi), (o_lo, o_hi) = (scaled(bounds, k) for bounds, k in zip(PHASES[phase], scales))
+    times = sorted(start + rng.uniform(0.0, seconds) for _ in range(count))
+    return [SimRequest(i, t, rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)) for i, t in enumerate(times)]
+
+
 def phase_lengths(phase: str, n: int, rng: random.Random, length_scale: float = 1.0) -> list[SimRequest]:
     """`n` requests of the phase's lengths, all due at once."""
     (p_lo, p_hi), (o_lo, o_hi) = (scaled(bounds, length_scale) for bounds in PHASES[phase])
@@ -161,12 +175,33 @@ def measured_capacities(phases: list[str], args) -> dict[str, float]:
 def trace(
     phase_s: float, load: float, capacities: dict[str, float], length_scale: float = 1.0
 ) -> tuple[list[SimRequest], dict]:
-    """`capacities`: each phase's best static capacity (req/s)."""
+    """The shifting trace; `capacities`: each phase's best static capacity (req/s)."""
     rates = {phase: load * capacities[phase] for phase in PHASES}
     rng, requests = random.Random(1), []
-    for k, phase in enumerate(ORDER):
+    for k, phase in enumerate(TRACES["shifting"]):
         requests += phase_requests(phase, rates[phase], phase_s, k * phase_s, rng, length_scale)
-    return [SimRequest(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)], rates
+    return numbered(requests), rates
+
+
+def balanced_trace(
+    phase_s: float, load: float, capacities: dict[str, float], length_scale: float = 1.0
+) -> tuple[list[SimRequest], dict]:
+    """Prefill-heavy then decode-heavy, `phase_s` each, the same number of requests in each: both
+    at `load` of the prefill-heavy phase's best capacity. So that the same rate asks as much of
+    the decode side, the decode-heavy outputs are longer by the ratio of the phases' capacities
+    (a request's decode time grows with its output): each phase then runs at `load` of its best
+    split's capacity, as in the shifting trace, and in each the other split is short of it."""
+    rate = load * capacities["prefill-heavy"]
+    count = max(1, round(rate * phase_s))
+    stretch = max(1.0, capacities["decode-heavy"] / capacities["prefill-heavy"])
+    rng = random.Random(1)
+    requests = counted_requests("prefill-heavy", count, phase_s, 0.0, rng, (length_scale, length_scale))
+    requests += counted_requests("decode-heavy", count, phase_s, phase_s, rng, (length_scale, length_scale * stretch))
+    return numbered(requests), {"prefill-heavy": rate, "decode-heavy": rate, "decode output stretch": stretch}
+
+
+def numbered(requests: list[SimRequest]) -> list[SimRequest]:
+    return [SimRequest(i, r.arrival_s, r.prompt_len, r.output_len) for i, r in enumerate(requests)]
 
 
 # ---- a run --------------------------------------------------------------------------------------
@@ -211,7 +246,11 @@ def run(name: str, requests: list[Sent], args, paced: bool = True, **settings) -
         key=lambda s: s["decided"],
     )  # fmt: skip
     print(f"[{name}] done: {sum(r.ok for r in requests)}/{len(requests)} ok, switches {switches}", file=sys.stderr)
-    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved, "checks": checks}
+    # What the loop's live-state pricing said each round (the latest 64): when, best, its gain over current.
+    rounds = sorted((round(d.unix_time - started, 1), d.current, d.best, round(d.predicted_gain, 1), d.reason[:48])
+                    for d in status.replan_decisions)  # fmt: skip
+    return {"requests": requests, "switches": switches, "recomputed": recomputed, "moved": moved, "checks": checks,
+            "rounds": rounds}  # fmt: skip
 
 
 def _check(d) -> dict:
@@ -248,14 +287,14 @@ def attainment(requests: list[Sent]) -> float:
     return tally(requests).attainment_pct if requests else 100.0
 
 
-def phase_of(arrival_s: float, phase_s: float) -> int:
-    return min(len(ORDER) - 1, int(arrival_s // phase_s))
+def phase_of(arrival_s: float, phase_s: float, phases: int = 3) -> int:
+    return min(phases - 1, int(arrival_s // phase_s))
 
 
-def settle_times(switches: list[dict], phase_s: float) -> dict[int, float]:
+def settle_times(switches: list[dict], phase_s: float, phases: int = 3) -> dict[int, float]:
     """Phase index -> seconds from its start to its switch done (phases after the first)."""
     settled = {}
-    for k in range(1, len(ORDER)):
+    for k in range(1, phases):
         done = [s for s in switches if s["outcome"] == "done" and k * phase_s <= s["decided"] < (k + 1) * phase_s]
         if done:
             settled[k] = done[0]["decided"] + done[0]["seconds"] - k * phase_s
@@ -279,6 +318,7 @@ def pauses_ms(requests: list[Sent], switches: list[dict]) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--phase-s", type=float, default=60.0)
+    p.add_argument("--trace", choices=sorted(TRACES), default="shifting", help="balanced: as many requests each phase")
     add_load_argument(p, 0.8, "each phase's rate, of the best static split's capacity in that phase")
     p.add_argument("--prefill-capacity", type=float, help="req/s: the prefill-heavy phase's (an earlier run's)")
     p.add_argument("--decode-capacity", type=float, help="req/s: the decode-heavy phase's (an earlier run's)")
@@ -293,10 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     capacities = {"prefill-heavy": args.prefill_capacity, "decode-heavy": args.decode_capacity}
     unknown = [phase for phase, found in capacities.items() if found is None]
     capacities.update(measured_capacities(unknown, args) if unknown else {})
-    workload, rates = trace(args.phase_s, args.load, capacities, args.length_scale)
-    duration = len(ORDER) * args.phase_s
-    for phase, rate in rates.items():
-        print(f"{phase}: load {args.load:g} x capacity {capacities[phase]:.3f} req/s = {rate:.3f} req/s", flush=True)
+    build = balanced_trace if args.trace == "balanced" else trace
+    workload, rates = build(args.phase_s, args.load, capacities, args.length_scale)
+    phases = len(TRACES[args.trace])
+    duration = phases * args.phase_s
+    for phase, capacity in capacities.items():
+        print(f"{phase}: capacity {capacity:.3f} req/s; rate {rates[phase]:.3f} req/s (load {args.load:g})", flush=True)
     print(f"trace: {len(workload)} requests; rates (req/s) {json.dumps({k: round(v, 2) for k, v in rates.items()})}")
     # The same arrivals replayed in the simulator under the server's own policy (disagg.planner.replan_sim).
     simulated = replan_report(
@@ -318,13 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     static = {name: goodput(r["requests"], duration) for name, r in runs.items()}
     best_name = max(static, key=static.get)
     replan_goodput = goodput(replanned["requests"], duration)
-    settled = settle_times(replanned["switches"], args.phase_s)
+    settled = settle_times(replanned["switches"], args.phase_s, phases)
     gaps = []
-    for k in range(len(ORDER)):
+    for k in range(phases):
         since = k * args.phase_s + settled.get(k, 0.0)
 
         def window(reqs, k=k, since=since):
-            return [r for r in reqs if phase_of(r.arrival_s, args.phase_s) == k and r.arrival_s >= since]
+            return [r for r in reqs if phase_of(r.arrival_s, args.phase_s, phases) == k and r.arrival_s >= since]
 
         best_here = max(attainment(window(r["requests"])) for r in runs.values())
         gaps.append(best_here - attainment(window(replanned["requests"])))
@@ -337,13 +379,14 @@ def main(argv: list[str] | None = None) -> int:
     lost = sum(1 for r in replanned["requests"] if not r.ok and not r.error.startswith("RESOURCE_EXHAUSTED"))
     switch_s = [s["seconds"] for s in replanned["switches"] if s["outcome"] == "done"]
     pauses = pauses_ms(replanned["requests"], replanned["switches"])
-    steps = [g * 1e3 for r in replanned["requests"] if phase_of(r.arrival_s, args.phase_s) == 1 for _, g in r.gaps()]
+    steps = [g * 1e3 for r in replanned["requests"] if phase_of(r.arrival_s, args.phase_s, phases) == 1
+             for _, g in r.gaps()]  # fmt: skip
     ratio = replan_goodput / static[best_name] if static[best_name] else math.inf
     figures = {
         **{f"static {name} goodput": v for name, v in static.items()},
         "best static goodput": static[best_name],
         "replan goodput": replan_goodput,
-        "replan goodput ratio": ratio,
+        f"{'balanced ' if args.trace == 'balanced' else ''}replan goodput ratio": ratio,
         "phase attainment gap": max(gaps),
         "settle s": max(settled.values()) if settled else math.nan,
         "switch p50 s": statistics.median(switch_s) if switch_s else math.nan,
@@ -368,22 +411,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"switches: {json.dumps(replanned['switches'])}")
     print(f"checks: {json.dumps(replanned['checks'])}")
+    print(f"loop rounds (s, current, best, gain, reason): {json.dumps(replanned['rounds'])}")
     print(f"phase attainment gaps (points): {[round(g, 1) for g in gaps]}")
     for name, run_ in {**runs, "replan": replanned}.items():
-        by_phase = [attainment([r for r in run_["requests"] if phase_of(r.arrival_s, args.phase_s) == k])
-                    for k in range(len(ORDER))]  # fmt: skip
+        by_phase = [attainment([r for r in run_["requests"] if phase_of(r.arrival_s, args.phase_s, phases) == k])
+                    for k in range(phases)]  # fmt: skip
         print(f"attainment by phase, {name}: {[round(a, 1) for a in by_phase]}")
     if args.json:
-        rows = {name: [_row(r, args.phase_s) for r in run_["requests"]]
+        rows = {name: [_row(r, args.phase_s, phases) for r in run_["requests"]]
                 for name, run_ in {**runs, "replan": replanned}.items()}  # fmt: skip
         rates = {"rates": rates, "capacities": capacities, "load": args.load}
         write_results(args.json, {**figures, "switches": replanned["switches"], **rates, "requests": rows}, args)
     return 0
 
 
-def _row(r: Sent, phase_s: float) -> dict:
+def _row(r: Sent, phase_s: float, phases: int) -> dict:
     timed = bool(r.record and r.record.success)
-    return {"arrival_s": round(r.arrival_s, 3), "phase": phase_of(r.arrival_s, phase_s), "ok": r.ok,
+    return {"arrival_s": round(r.arrival_s, 3), "phase": phase_of(r.arrival_s, phase_s, phases), "ok": r.ok,
             "meets": r.meets(), "error": r.error[:80], "ttft_ms": round(r.ttft_ms(), 1) if timed else None,
             "tpot_ms": round(r.tpot_ms(), 1) if timed else None}  # fmt: skip
 

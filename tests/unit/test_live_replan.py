@@ -14,10 +14,10 @@ import pytest
 from disagg.config import EngineConfig, ServingConfig
 from disagg.engine.memory_fit import kv_element_bytes
 from disagg.placement.profile import load_profile
-from disagg.planner.decision_check import Check, DecisionChecker
+from disagg.planner.decision_check import CHECK_PATIENCE_HOLDS, Check, DecisionChecker
 from disagg.planner.live_pricing import Price, price_split
-from disagg.planner.live_state import MAX_FACTOR, LiveDecode, LiveInstance, LiveState, host_factor
-from disagg.planner.replanner import Split, TrafficWindow
+from disagg.planner.live_state import MAX_FACTOR, LiveDecode, LiveInstance, LiveState, enough_to_price, host_factor
+from disagg.planner.replanner import MIN_WINDOW_REQUESTS, Replanner, Split, TrafficWindow
 from disagg.planner.simulator import num_met
 from disagg.planner.workload import SimRequest
 from disagg.request import Request, SamplingParams
@@ -214,3 +214,27 @@ def test_disagg_status_shows_a_checked_switch_predicted_beside_measured(capsys):
         "checked: kept; predicted 80.0% / 4.00 req/s, measured 40.0% / 2.00 req/s, staying 35.0%"
         in capsys.readouterr().out
     )
+
+
+def test_a_check_short_of_requests_waits_for_them_instead_of_closing_unmeasured():
+    """At a low rate a hold's span holds fewer than MIN_WINDOW_REQUESTS arrivals: the check waits
+    (up to CHECK_PATIENCE_HOLDS), so that a switch that measured worse can still be undone."""
+    c = Check(10.0, Split(2, 1), Split(1, 2), Price(90.0, 1.0), Price(40.0, 0.5), opens_at=12.0)
+    assert c.readiness(30.0, hold_s=20.0, judged=3, arrived=5) == "wait"
+    assert c.readiness(45.0, hold_s=20.0, judged=4, arrived=MIN_WINDOW_REQUESTS) == "measure"
+    assert c.readiness(30.0, hold_s=20.0, judged=0, arrived=MIN_WINDOW_REQUESTS) == "wait"
+    assert c.readiness(10.0 + CHECK_PATIENCE_HOLDS * 20.0, hold_s=20.0, judged=3, arrived=5) == "unmeasured"
+
+
+def test_a_full_system_with_sparse_arrivals_is_priced_not_ignored():
+    """Five arrivals in the window while the decode instance holds six long decodes: the round
+    simulates eleven requests, enough to tell the splits apart (before, it needed eight arrivals
+    and decided nothing); a window with no arrival, or few of both, is not priced."""
+    assert enough_to_price(5, 6) and not enough_to_price(5, 0) and not enough_to_price(0, 20)
+    assert enough_to_price(MIN_WINDOW_REQUESTS, 0) and not enough_to_price(2, 2)
+    window = TrafficWindow(window_s=15.0)
+    for t in (90.0, 93.0, 96.0, 98.0, 99.0):
+        window.add(t, 30, 600)
+    planner = Replanner(lambda split, requests: [], 3, SLO(ttft_ms=3000.0), confirmations=1, hold_s=0.0)
+    decision = planner.decide(100.0, Split(2, 1), window, {Split(2, 1): 40.0, Split(1, 2): 95.0})
+    assert decision.switch_to == Split(1, 2), decision.reason

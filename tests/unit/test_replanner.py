@@ -124,3 +124,21 @@ def _recent(now: float, count: int = 20) -> TrafficWindow:
     for i in range(count):
         window.add(now - 10.0 + 10.0 * i / count, 50, 20)
     return window
+
+
+def test_sparse_long_requests_are_priced_from_a_stretched_window_not_ignored():
+    """Six 800-token prompts in 15 s (0.4 req/s) are the load a split matters most for: the round
+    reaches back for the latest eight (up to two windows) instead of deciding nothing."""
+    window = TrafficWindow(window_s=15.0)
+    for i in range(16):  # one every 2.5 s over the last 40 s
+        window.add(100.0 - 40.0 + 2.5 * i, 800, 6)
+    assert len(window.requests(100.0)) == 6, "the window itself holds six"
+    priced = window.for_pricing(100.0)
+    assert len(priced) == 8 and priced[0].arrival_s == 0.0 and priced[-1].arrival_s == pytest.approx(17.5)
+    ranked = [{Split(1, 2): 20.0, Split(2, 1): 80.0}] * 2
+    planner = Replanner(_scripted(ranked), 3, SLO_, confirmations=1, hold_s=0)
+    assert planner.decide(100.0, Split(1, 2), window).switch_to == Split(2, 1)
+    stale = TrafficWindow(window_s=15.0)
+    for t in (40.0, 45.0, 95.0):  # nothing older than two windows is replayed
+        stale.add(t, 800, 6)
+    assert len(stale.for_pricing(100.0)) == 1
