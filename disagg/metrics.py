@@ -259,6 +259,11 @@ class ServingMetrics:
     def _define_transfer_metrics(self) -> None:
         self.kv_transfer_time = self._histogram("disagg:kv_transfer_seconds", "KV-cache transfer time per request.")
         self.kv_transfer_bytes = self._counter("disagg:kv_transfer_bytes_total", "KV-cache bytes transferred.")
+        self.kv_prefill_saved = self._counter(
+            "disagg:kv_prefill_saved_seconds_total",
+            "Prefill time the prompt tokens found cached (in the pool, a lower tier, or fetched from a peer) "
+            "would have cost, by the prefill instance's fitted model: the TTFT that KV reuse saved.",
+        )
 
     def _define_instance_gauges(self) -> None:
         def gauge(name: str, doc: str) -> Gauge:
@@ -426,6 +431,10 @@ class ServingMetrics:
     def observe_transfer(self, seconds: float, num_bytes: int) -> None:
         self.kv_transfer_time.observe(seconds)
         self.kv_transfer_bytes.inc(num_bytes)
+
+    def observe_prefill_saved(self, seconds: float) -> None:
+        """A request placed with cached prompt tokens: the prefill time they would have cost."""
+        self.kv_prefill_saved.inc(max(0.0, seconds))
 
     def observe_migration(self, cause: str) -> None:
         """A request continued on other instances; `cause` names the failure (e.g. "WorkerLinkError")."""

@@ -321,6 +321,7 @@ class Server:
             sliding_window=limits.sliding_window,
             arrivals=arrival_feed,
             peer_fetch=PeerFetch.from_config(config, directory, _kv_bytes_per_token(config, card)),
+            on_prefill_saved=metrics.observe_prefill_saved,
         )
         if config.warm_up:  # before clients can connect: their first requests find every path ready
             self.warmed_up = await warm_up(config, directory, streams, limits.vocab_size)

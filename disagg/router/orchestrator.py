@@ -43,6 +43,7 @@ from disagg.router.decode_admission import DecodeAdmission
 from disagg.router.decode_room import DecodeRoom
 from disagg.router.migration import Progress, is_migratable
 from disagg.router.output_lengths import OutputLengths
+from disagg.placement.peer_fetch import saved_prefill_ms
 from disagg.router.peer_fetch import PeerFetch
 from disagg.router.prompt_queue import SentPrompt
 from disagg.router.streams import DecodeStreams, Mailbox
@@ -138,11 +139,13 @@ class Orchestrator:
         sliding_window: int | None = None,
         arrivals: ArrivalListener | None = None,
         peer_fetch: PeerFetch | None = None,
+        on_prefill_saved=lambda seconds: None,
     ):
         """`sliding_window`: the window every layer of the model has (ModelConfig.shared_window):
         a decode instance then reserves only the blocks of a prompt's last window. `arrivals`:
         who hears each request as it arrives (None: nobody). `peer_fetch`: fetches a prompt's
-        cached prefix into its prefill instance from a peer that holds it (None: never)."""
+        cached prefix into its prefill instance from a peer that holds it (None: never).
+        `on_prefill_saved`: told the prefill seconds each request's cached tokens saved (a metric)."""
         self.config = config
         self.sliding_window = sliding_window
         self.default_slo = config.slo
@@ -159,6 +162,7 @@ class Orchestrator:
         self.live: dict[str, Placement] = {}  # worker-side id -> requests decoding now (live moves find them here)
         self.arrivals = arrivals
         self.peer_fetch = peer_fetch
+        self.on_prefill_saved = on_prefill_saved
 
     @property
     def disaggregated(self) -> bool:
@@ -336,6 +340,7 @@ class Orchestrator:
             cached = max(
                 cached, await self.peer_fetch.fetch(request_id, prompt_token_ids, request.block_hashes, prefill)
             )
+        self._saved(prefill, len(prompt_token_ids), cached)
         prefill.prefix_hashes.update(request.block_hashes)  # warm there from now on
         # The prefill starts at once; the handshake with the decode side runs meanwhile, and its
         # answer (where the KV goes) follows: the prefill does not wait a round trip to start.
@@ -479,6 +484,7 @@ class Orchestrator:
         mailbox = self.streams.open(instance.instance_id, request_id)
         instance.admit(len(prompt_token_ids))
         placement.queued = instance.prompt_queue.add(len(prompt_token_ids), choice.cached_tokens)
+        self._saved(instance, len(prompt_token_ids), choice.cached_tokens)
         instance.prefix_hashes.update(request.block_hashes)  # warm there from now on
         try:
             await instance.decode_service.submit(
@@ -489,6 +495,11 @@ class Orchestrator:
             await self._cleanup(request_id, placement, len(prompt_token_ids))
             raise
         return placement, mailbox
+
+    def _saved(self, instance: Instance, prompt_tokens: int, cached: int) -> None:
+        """What `cached` tokens of the prompt saved its prefill instance, by that one's model."""
+        if cached > 0:
+            self.on_prefill_saved(saved_prefill_ms(instance.step_model, prompt_tokens, 0, cached) / 1e3)
 
     # ---- both --------------------------------------------------------------------------------------
     async def _drain(self, placement: Placement) -> AsyncIterator[TokenDelta]:

@@ -5,6 +5,7 @@ answer is the one disaggregated serving gives. Real Ray, redis-server and gRPC o
 from __future__ import annotations
 
 import time
+import urllib.request
 
 import pytest
 
@@ -91,3 +92,7 @@ def test_a_next_turn_fetches_the_history_its_decode_instance_holds(server):
             fetched = sum(i.kv_tiers.get("peer.fetched_blocks", 0) for i in prefills)
             time.sleep(0.2)
     assert fetched >= (held - len(first)) // 16
+    # What the cache saved that prompt's prefill, by its instance's model: the TTFT saved.
+    metrics = urllib.request.urlopen(server.metrics_url, timeout=5).read().decode()
+    (saved,) = [line for line in metrics.splitlines() if line.startswith("disagg:kv_prefill_saved_seconds_total")]
+    assert float(saved.split()[-1]) > 0
