@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disagg.config import ServingConfig
 from disagg.placement.profile import Profile
@@ -35,6 +35,15 @@ MIN_WINDOW_REQUESTS = 8  # fewer: too little to tell one split from another
 # A window holding fewer reaches back this many windows for them: sparse traffic of long requests
 # (a few 800-token prompts in 15 s) is the load that needs a split most, not too little to price.
 WINDOW_STRETCH = 2.0
+# The traffic shifted when the latest half window's prompt tokens per output token are this many
+# times the rest of the window's (or under its 1/SHIFT_RATIO): a round then prices the latest half
+# alone, played twice over the window, instead of a mix that is mostly the traffic gone (which held
+# a switch back ~15 s in bench_replan). ShareGPT's mix is heavy-tailed: two samples of 4 of its
+# requests (DistServe's vLLM runs, ../shared/data/distserve) differ 10x or more 7.6% of the time, of
+# 8 0.7%, and a false alarm prices only the recent traffic; prefill-heavy against decode-heavy
+# traffic (800-token prompts, 6 tokens out; 30 in, 175 out) differ ~100x.
+SHIFT_RATIO = 10.0
+MIN_HALF_REQUESTS = 4  # in each half, to tell a shift from a few requests' noise
 
 
 @dataclass(frozen=True)
@@ -93,8 +102,28 @@ class TrafficWindow:
 
     def for_pricing(self, now: float) -> list[SimRequest]:
         """What a round prices: the window's requests, at least MIN_WINDOW_REQUESTS where the
-        stretched window holds them."""
-        return self.requests(now, at_least=MIN_WINDOW_REQUESTS)
+        stretched window holds them; where the traffic shifted in the window's latest half
+        (`shifted`), that half played twice over the window (its arrival rate kept)."""
+        window = self.requests(now, at_least=MIN_WINDOW_REQUESTS)
+        half_s = self.window_s / 2
+        latest = self.requests(now, since=now - half_s)
+        if not shifted(window[: len(window) - len(latest)], latest):
+            return window
+        again = [replace(r, arrival_s=r.arrival_s + half_s) for r in latest]
+        return [replace(r, index=i) for i, r in enumerate(latest + again)]
+
+
+def shifted(earlier: list[SimRequest], latest: list[SimRequest]) -> bool:
+    """Whether the latest requests' mix of work (prompt tokens per output token) is SHIFT_RATIO
+    times the earlier ones' or more, either way, each with MIN_HALF_REQUESTS or more."""
+    if min(len(earlier), len(latest)) < MIN_HALF_REQUESTS:
+        return False
+    ratio = _prompt_per_output(latest) / _prompt_per_output(earlier)
+    return ratio >= SHIFT_RATIO or ratio <= 1 / SHIFT_RATIO
+
+
+def _prompt_per_output(requests: list[SimRequest]) -> float:
+    return sum(r.prompt_len for r in requests) / max(1, sum(r.output_len for r in requests))
 
 
 @dataclass

@@ -142,3 +142,28 @@ def test_sparse_long_requests_are_priced_from_a_stretched_window_not_ignored():
     for t in (40.0, 45.0, 95.0):  # nothing older than two windows is replayed
         stale.add(t, 800, 6)
     assert len(stale.for_pricing(100.0)) == 1
+
+
+def test_a_shift_in_the_traffic_is_priced_from_the_latest_half_window_alone():
+    """Prefill-heavy traffic, then decode-heavy for the last 6 s of a 15 s window: the round
+    prices the decode-heavy half twice over (its rate kept), not the mix; steady traffic, and a
+    half too sparse to tell, are priced as they came."""
+    window = TrafficWindow(window_s=15.0)
+    for i in range(6):  # 800-token prompts, one every 1.5 s, from 84 to 91.5 s
+        window.add(84.0 + 1.5 * i, 800, 6)
+    for i in range(8):  # then short prompts with long outputs, 4 a second from 93 s
+        window.add(93.0 + 0.25 * i + 2.0 * (i // 4), 30, 175)
+    priced = window.for_pricing(100.0)
+    latest = [r for r in window.requests(100.0) if r.prompt_len == 30]
+    assert [r.prompt_len for r in priced] == [30] * 16, "the shifted half alone, twice"
+    assert [r.arrival_s for r in priced[8:]] == pytest.approx([r.arrival_s + 7.5 for r in priced[:8]])
+    assert [r.arrival_s for r in priced[:8]] == pytest.approx([r.arrival_s - latest[0].arrival_s for r in latest])
+    assert [r.index for r in priced] == list(range(16))
+    steady = TrafficWindow(window_s=15.0)
+    for i in range(14):
+        steady.add(86.0 + i, 600 if i % 2 else 900, 6 if i % 3 else 8)
+    assert len(steady.for_pricing(100.0)) == 14, "one kind of traffic: the window as it came"
+    sparse = TrafficWindow(window_s=15.0)
+    for t, prompt, output in [(86.0, 800, 6), (88.0, 800, 6), (90.0, 800, 6), (91.0, 800, 6), (95.0, 30, 175)]:
+        sparse.add(t, prompt, output)
+    assert len(sparse.for_pricing(100.0)) == 5, "one request in the latest half tells nothing"
