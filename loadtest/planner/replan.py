@@ -26,7 +26,7 @@ kept or undone, and the share whose measured effect had the predicted sign); and
 replay of the same arrivals under the server's own policy (disagg.planner.replan_sim), its ratio
 and that ratio over the measured one.
 
-    .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8] [--trace balanced] [--tpot-ms T]
+    .venv/bin/python -m loadtest.planner.replan [--phase-s 60] [--load 0.8] [--trace balanced] [--tpot-ms T] [--logs DIR]
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import random
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from disagg.bench.capacity import add_load_argument, measure_capacity
 from disagg.bench.launcher import Deployment, add_config_argument
@@ -241,7 +242,8 @@ def run(name: str, requests: list[Sent], args, paced: bool = True, **settings) -
         "threads_per_worker": 1,
         "calibration_s": args.calibration_s,
     }
-    with Deployment({**base, **settings}, base=args.config, name="replan") as dep:
+    log = Path(args.logs) / f"{name.replace(' ', '-').replace(':', '')}.log" if args.logs else None
+    with Deployment({**base, **settings}, base=args.config, name="replan", log=log) as dep:
         started = replay(dep.address, requests, paced)
         with DisaggClient(dep.address) as client:
             status = client.cluster_status()
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-s", type=float, default=30.0, help="each server's start-up calibration (0: none)")
     p.add_argument("--tpot-ms", type=float, help="the SLO's TPOT target (default: the trace's, TARGETS)")
     p.add_argument("--json", help="write every figure here too")
+    p.add_argument("--logs", help="keep each run's server log in this folder (a switch's, a drain's story)")
     add_config_argument(p)
     args = p.parse_args(argv)
     slo = TARGETS[args.trace]

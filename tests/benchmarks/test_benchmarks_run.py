@@ -181,7 +181,7 @@ SMOKE = {
         (r"^decode ratio auto/fp32 @1: [\d.]+$", r"^greedy agreement with fp32: \d+% of 1 outputs"), heavy=True),
     "planner.replan": Smoke("planner.replan", (
         "--config", "{config}", "--phase-s", "2", "--load", "0.5", "--prefill-capacity", "1", "--decode-capacity", "1",
-        "--length-scale", "0.05", "--calibration-s", "0", "--json", "{tmp}/replan.json"),
+        "--length-scale", "0.05", "--calibration-s", "0", "--json", "{tmp}/replan.json", "--logs", "{tmp}/logs"),
         (r"^replan goodput ratio: ", r"^wrong outputs: \d+$", r"^simulated replan goodput ratio: "),
         timeout_s=480, heavy=True),
     "planner.scaling": Smoke("planner.scaling", (  # two nodes: no room to grow, so nothing waits for a step
