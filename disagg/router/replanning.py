@@ -68,6 +68,10 @@ if TYPE_CHECKING:  # (torch, behind it, would slow every start of the controller
 
 logger = logging.getLogger(__name__)
 IDLE_POLL_S = 0.1
+# A frontend sees a drain at its next read of the registry (the draining worker beats at once);
+# until then it may still place a prompt there, which the instance, switched, would refuse (the
+# request is placed again: nothing lost, a round trip late). A switch waits that long, and this.
+DRAIN_SEEN_MARGIN_S = 0.2
 UNDO_VETO_WINDOWS = 3  # an undone switch's split is not chosen again for this many windows
 REGISTER_TIMEOUT_S = 10.0  # for the directory to find the instance in its new pool
 ROLES = ("prefill", "decode")
@@ -500,7 +504,8 @@ class ReplanLoop:
         self.directory.hold_out(leaving.instance_id)
         try:
             await self._call(leaving.actor.drain.remote())
-            record.outcome, record.reason = await self._switch_when_idle(leaving, to_role)
+            seen_at = time.monotonic() + self.directory.refresh_interval_s + DRAIN_SEEN_MARGIN_S
+            record.outcome, record.reason = await self._switch_when_idle(leaving, to_role, seen_at)
             await self._call(leaving.actor.resume_service.remote())
             if record.outcome == "done":
                 await self._until_registered(leaving.instance_id, to_role)
@@ -580,10 +585,11 @@ class ReplanLoop:
         while time.monotonic() < deadline and self.directory.get(instance_id) is not None:
             await asyncio.sleep(IDLE_POLL_S)
 
-    async def _switch_when_idle(self, instance: Instance, to_role: str) -> tuple[str, str]:
-        """Asks the instance to switch until it holds nothing and does (its engine thread
-        refuses while it holds requests)."""
+    async def _switch_when_idle(self, instance: Instance, to_role: str, not_before: float = 0.0) -> tuple[str, str]:
+        """Asks the instance to switch, from `not_before` (time.monotonic()) on, until it holds
+        nothing and does (its engine thread refuses while it holds requests)."""
         deadline = time.monotonic() + self.config.replan_switch_timeout_s
+        await asyncio.sleep(max(0.0, not_before - time.monotonic()))
         while True:
             try:
                 await self._call(instance.actor.switch_role.remote(to_role))

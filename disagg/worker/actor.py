@@ -259,6 +259,7 @@ class WorkerActor(WorkerService):
         if self._draining.is_set():
             return
         self._draining.set()
+        self.heartbeat.beat_now()  # the routers stop placing here within a refresh, not a beat later
         logger.info("instance %s draining", self.instance_id)
         if exit_when_done:
             threading.Thread(target=self._exit_when_drained, name="drain", daemon=True).start()

@@ -41,10 +41,16 @@ class Heartbeat:
         self._enabled.set()
         self._lock = threading.Lock()  # a beat and a deregistration never interleave
         self._stopping = threading.Event()
+        self._now = threading.Event()  # beat at once, not at the interval's end
 
     def start(self, name: str) -> None:
         if self.registry_url:
             threading.Thread(target=self._run, name=f"heartbeat-{name}", daemon=True).start()
+
+    def beat_now(self) -> None:
+        """The next beat at once: a change the routers must see soon (a drain) does not wait for
+        the interval's end."""
+        self._now.set()
 
     def set_enabled(self, enabled: bool) -> None:
         (self._enabled.set if enabled else self._enabled.clear)()
@@ -57,6 +63,7 @@ class Heartbeat:
 
     def stop(self, instance_id: str) -> None:
         self._stopping.set()
+        self._now.set()
         self.deregister(instance_id)
 
     def deregister(self, instance_id: str, coming_back: bool = False) -> None:
@@ -71,7 +78,11 @@ class Heartbeat:
 
     def _run(self) -> None:
         registry = Registry(self.registry_url)
-        while not self._stopping.wait(self.interval_s):
+        while True:
+            self._now.wait(self.interval_s)
+            self._now.clear()
+            if self._stopping.is_set():
+                break
             self._before_beat()
             with self._lock:
                 if not self._enabled.is_set():

@@ -22,6 +22,7 @@ from disagg.registry import InstanceInfo, LoadReport, Registry
 from disagg.router.records import RequestRecords
 from disagg.router.shared_arrivals import ArrivalFeed, VerdictFeed, take_shared_arrivals, take_shared_verdicts
 from disagg.slo import SLO
+from disagg.worker.heartbeat import Heartbeat
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -335,3 +336,22 @@ def test_password_protected_redis():
                 anonymous.heartbeat(_info("p1"), LoadReport(), ttl_s=10)
         with pytest.raises(RegistryUnavailable, match="password"):
             wait_for_redis(wrong_url, timeout_s=5)
+
+
+def test_a_heartbeat_asked_to_beat_now_does_not_wait_for_its_interval(redis_url):
+    """A drain must reach the routers within their next read, not a whole interval later."""
+    instance_id = f"beat-{uuid.uuid4().hex[:8]}"
+    heartbeat = Heartbeat(redis_url, 30.0, 60.0, lambda: (_info(instance_id), LoadReport(draining=True)))
+    heartbeat.start(instance_id)
+    with Registry(redis_url) as reader:
+        try:
+            time.sleep(0.3)
+            assert instance_id not in {v.info.instance_id for v in reader.instances()}, "the first beat is 30 s away"
+            heartbeat.beat_now()
+            deadline = time.monotonic() + 2.0
+            while not (seen := [v for v in reader.instances() if v.info.instance_id == instance_id]):
+                assert time.monotonic() < deadline, "no beat 2 s after beat_now"
+                time.sleep(0.05)
+            assert seen[0].load.draining
+        finally:
+            heartbeat.stop(instance_id)

@@ -64,6 +64,8 @@ class Inst:
 
 
 class Directory:
+    refresh_interval_s = 0.0  # a frontend's reads of the registry (the switch waits one out)
+
     def __init__(self, instances: list[Inst]):
         self.instances, self.held = instances, set()
 
@@ -122,6 +124,29 @@ def test_a_switch_drains_the_least_busy_instance_then_switches_and_resumes_it(mo
     assert switched == [("d0", "prefill")] and not directory.held
     assert loop.current_split() == Split(2, 1)
     assert list(loop.log) == [entry]
+
+
+class TimedLog(list):
+    """Each call with when it was made (time.monotonic())."""
+
+    def append(self, call) -> None:
+        super().append((time.monotonic(), *call))
+
+
+def test_a_switch_waits_until_every_frontend_can_have_seen_the_drain(monkeypatch):
+    """A frontend learns of the drain at its next read of the registry: a prompt it placed before
+    then must still find the instance in its old role, not be refused by the new one."""
+    loop, directory, _, switched = setup()
+    monkeypatch.setattr(replanning, "REGISTER_TIMEOUT_S", 0.0)
+    monkeypatch.setattr(replanning, "DRAIN_SEEN_MARGIN_S", 0.1)
+    directory.refresh_interval_s = 0.3
+    calls = TimedLog()
+    for instance in directory.instances:
+        instance.actor.log = calls
+    deciding(loop, Split(2, 1))
+    assert asyncio.run(loop.step()).switch.outcome == "done" and switched == [("d0", "prefill")]
+    when = {method: at for at, _, method, *_ in calls}
+    assert when["switch_role"] - when["drain"] >= 0.4 - 0.01
 
 
 def test_a_switch_refused_until_the_deadline_leaves_the_instance_in_its_role_and_in_service():
