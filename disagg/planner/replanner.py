@@ -37,11 +37,12 @@ MIN_WINDOW_REQUESTS = 8  # fewer: too little to tell one split from another
 WINDOW_STRETCH = 2.0
 # The traffic shifted when the latest half window's prompt tokens per output token are this many
 # times the rest of the window's (or under its 1/SHIFT_RATIO): a round then prices the latest half
-# alone, played twice over the window, instead of a mix that is mostly the traffic gone (which held
-# a switch back ~15 s in bench_replan). ShareGPT's mix is heavy-tailed: two samples of 4 of its
-# requests (DistServe's vLLM runs, ../shared/data/distserve) differ 10x or more 7.6% of the time, of
-# 8 0.7%, and a false alarm prices only the recent traffic; prefill-heavy against decode-heavy
-# traffic (800-token prompts, 6 tokens out; 30 in, 175 out) differ ~100x.
+# alone, played twice over the window, instead of a mix that is mostly the traffic gone (in
+# bench_replan the way back to prefill-heavy was decided 4.4-5.5 s in with it, 6.5 s in the one run
+# without; the move to decode-heavy was held by the pricing, not the window). ShareGPT's mix is
+# heavy-tailed: two samples of 4 of its requests (DistServe's vLLM runs, ../shared/data/distserve)
+# differ 10x or more 7.6% of the time, of 8 0.7%, and a false alarm prices only the recent traffic;
+# prefill-heavy against decode-heavy traffic (800-token prompts, 6 out; 30 in, 175 out) differ ~100x.
 SHIFT_RATIO = 10.0
 MIN_HALF_REQUESTS = 4  # in each half, to tell a shift from a few requests' noise
 
